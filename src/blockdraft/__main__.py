@@ -1,0 +1,5 @@
+"""`python -m blockdraft` == the `blockdraft` command."""
+
+from blockdraft.cli import main
+
+main()

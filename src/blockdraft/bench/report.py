@@ -1,0 +1,108 @@
+"""Bench results -> a rich table, a JSON document, and plots (per-position acceptance, acceptance lengths)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.table import Table
+
+from blockdraft.bench.runner import MethodRun, identical_to
+
+
+def _baseline(runs: list[MethodRun]) -> MethodRun | None:
+    return next((r for r in runs if r.spec.method == "ar"), None)
+
+
+def summary_table(runs: list[MethodRun], title: str = "blockdraft bench") -> Table:
+    """One row per method: tau, acceptance, speed, speedup vs AR, and the lossless check."""
+    base = _baseline(runs)
+    table = Table(title=title)
+    for col in ("method", "tau", "accept rate", "pos 1..4 accept", "tok/s", "decode tok/s", "speedup", "TTFT ms", "same ids as AR"):
+        table.add_column(col, justify="right" if col != "method" else "left")
+    for run in runs:
+        s = run.stats
+        rate = "-" if s.acceptance_rate is None else f"{s.acceptance_rate:.1%}"
+        pos = " ".join(f"{p:.2f}" for p in s.per_position[:4]) or "-"
+        speedup = f"{s.tokens_per_s / base.stats.tokens_per_s:.2f}x" if base and base.stats.tokens_per_s else "-"
+        same = f"{identical_to(base, run)}/{len(run.runs)}" if base else "-"
+        ttft = 1000 * s.ttft_s / max(s.num_prompts, 1)
+        table.add_row(
+            run.spec.label, f"{s.tau:.2f}", rate, pos, f"{s.tokens_per_s:.1f}", f"{s.decode_tokens_per_s:.1f}",
+            speedup, f"{ttft:.1f}", same,
+        )
+    return table
+
+
+def category_table(runs: list[MethodRun]) -> Table:
+    """tau per category and method (the numbers papers report per benchmark)."""
+    cats = sorted({r.category for run in runs for r in run.runs})
+    table = Table(title="tau by category")
+    table.add_column("category")
+    for run in runs:
+        table.add_column(run.spec.label, justify="right")
+    per = [run.by_category() for run in runs]
+    for cat in cats:
+        table.add_row(cat, *(f"{p[cat].tau:.2f}" if cat in p else "-" for p in per))
+    return table
+
+
+def to_json(runs: list[MethodRun], settings: dict) -> dict:
+    """Everything a later comparison needs: settings, totals, per category, per prompt."""
+    base = _baseline(runs)
+    out: dict = {"settings": settings, "methods": {}}
+    for run in runs:
+        s = run.stats
+        entry = {
+            "stats": s.to_dict(),
+            "by_category": {c: v.to_dict() for c, v in run.by_category().items()},
+            "prompts": [
+                {
+                    "id": r.prompt_id,
+                    "category": r.category,
+                    "token_ids": r.result.token_ids,
+                    "acceptance_lengths": r.result.acceptance_lengths,
+                    "tau": r.result.stats.tau,
+                }
+                for r in run.runs
+            ],
+        }
+        if base:
+            entry["speedup_vs_ar"] = s.tokens_per_s / base.stats.tokens_per_s if base.stats.tokens_per_s else None
+            entry["identical_to_ar"] = identical_to(base, run)
+        out["methods"][run.spec.label] = entry
+    return out
+
+
+def plot_acceptance(runs: list[MethodRun], path: Path) -> Path:
+    """Per-position acceptance (left) and the acceptance-length histogram (right) for every drafting method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    drafting = [r for r in runs if r.spec.method != "ar"]
+    for run in drafting:
+        s = run.stats
+        left.plot(range(1, len(s.per_position) + 1), s.per_position, marker="o", label=f"{run.spec.label} (tau {s.tau:.2f})")
+    left.set_xlabel("draft position")
+    left.set_ylabel("acceptance (unconditional)")
+    left.set_ylim(0, 1.02)
+    left.set_title("per-position acceptance")
+    width = 0.8 / max(len(drafting), 1)
+    for i, run in enumerate(drafting):
+        hist = run.stats.histogram
+        total = sum(hist.values()) or 1
+        right.bar([k + i * width for k in hist], [v / total for v in hist.values()], width=width, label=run.spec.label)
+    right.set_xlabel("tokens committed per step (bonus included)")
+    right.set_ylabel("fraction of steps")
+    right.set_title("acceptance-length histogram")
+    for ax in (left, right):
+        if drafting:
+            ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,92 @@
+"""Methods x prompts -> SpecStats per method and per category, run side by side in one process."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from blockdraft.decoding.generate import GenerationResult, generate
+from blockdraft.decoding.methods import build_proposer
+from blockdraft.decoding.sampling import SamplingParams
+from blockdraft.metrics import SpecStats, merge_all
+from blockdraft.models.drafter import DFlashDrafter
+from blockdraft.models.target import Target
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """A method and its tree budget (DDTree only)."""
+
+    method: str
+    budget: int | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.method}@{self.budget}" if self.budget is not None else self.method
+
+
+@dataclass
+class PromptRun:
+    prompt_id: str
+    category: str
+    result: GenerationResult
+
+
+@dataclass
+class MethodRun:
+    spec: MethodSpec
+    runs: list[PromptRun] = field(default_factory=list)
+
+    @property
+    def stats(self) -> SpecStats:
+        return merge_all([r.result.stats for r in self.runs], self.spec.label)
+
+    def by_category(self) -> dict[str, SpecStats]:
+        cats: dict[str, list[SpecStats]] = {}
+        for r in self.runs:
+            cats.setdefault(r.category, []).append(r.result.stats)
+        return {c: merge_all(s, self.spec.label) for c, s in cats.items()}
+
+
+@dataclass
+class BenchPrompt:
+    """An encoded prompt: id, category and token ids."""
+
+    prompt_id: str
+    category: str
+    ids: list[int]
+
+
+def run_bench(
+    target: Target,
+    drafter: DFlashDrafter | None,
+    prompts: list[BenchPrompt],
+    methods: list[MethodSpec],
+    max_new_tokens: int,
+    sampling: SamplingParams,
+    stop_token_ids: tuple[int, ...],
+    seed: int = 0,
+    on_progress: Callable[[str, int], None] | None = None,
+) -> list[MethodRun]:
+    """Run every method on every prompt; a short warm-up first so no method pays the first-call costs."""
+    proposers = {spec: build_proposer(spec.method, target, drafter, spec.budget) for spec in methods}
+    if prompts:
+        for proposer in proposers.values():
+            generate(target, prompts[0].ids, proposer, max_new_tokens=min(8, max_new_tokens), sampling=sampling)
+    runs = []
+    for spec in methods:
+        run = MethodRun(spec)
+        for prompt in prompts:
+            result = generate(
+                target, prompt.ids, proposers[spec], max_new_tokens, sampling, stop_token_ids, seed=seed
+            )
+            run.runs.append(PromptRun(prompt.prompt_id, prompt.category, result))
+            if on_progress:
+                on_progress(spec.label, 1)
+        runs.append(run)
+    return runs
+
+
+def identical_to(reference: MethodRun, other: MethodRun) -> int:
+    """How many prompts produced exactly the reference's ids (the lossless check at T=0)."""
+    return sum(a.result.token_ids == b.result.token_ids for a, b in zip(reference.runs, other.runs))

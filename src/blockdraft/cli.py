@@ -1,0 +1,262 @@
+"""The `blockdraft` command. Thin: parse flags, load, call the library, print.
+
+Every BlockdraftError becomes one line on stderr and exit code 2; nothing else is caught.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+
+from blockdraft.errors import BlockdraftError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="Block-diffusion speculative decoding: exact, fast, diagnosable.")
+err = Console(stderr=True)
+out = Console()
+
+
+class Loaded:
+    """A target (with tokenizer and stop ids) and an optional drafter, loaded once per command."""
+
+    def __init__(self, target: str, drafter: Optional[str], device: Optional[str], dtype: Optional[str]) -> None:
+        from transformers.utils import logging as hf_logging
+
+        from blockdraft.config import load_draft_config
+        from blockdraft.models.loading import load_drafter, load_target, resolve_device, resolve_dtype
+
+        hf_logging.disable_progress_bar()
+        if drafter:
+            load_draft_config(drafter)  # a bad drafter fails before minutes of target loading
+        dev = resolve_device(device)
+        self.target, self.tokenizer = load_target(target, dev, resolve_dtype(dtype, dev))
+        self.drafter = load_drafter(drafter, self.target) if drafter else None
+        generation = getattr(self.target.model, "generation_config", None)
+        self.generation_eos = getattr(generation, "eos_token_id", None)
+
+    def stops(self, extra: list[int], ignore_eos: bool) -> tuple[int, ...]:
+        from blockdraft.prompting import stop_tokens
+
+        return tuple(extra) if ignore_eos else stop_tokens(self.tokenizer, self.generation_eos, extra)
+
+    def decode(self, ids: list[int]) -> Optional[str]:
+        return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def _prompt_items(
+    prompt: Optional[str], messages: Optional[str], prompt_ids: Optional[str], prompts: Optional[str], chat: bool
+) -> list[Any]:
+    """Exactly one prompt source -> PromptItems."""
+    from blockdraft.bench.prompts import PromptItem, load_prompt_set
+    from blockdraft.prompting import parse_ids
+
+    given = [x is not None for x in (prompt, messages, prompt_ids, prompts)]
+    if sum(given) != 1:
+        raise BlockdraftError("give exactly one of --prompt, --messages, --prompt-ids or --prompts")
+    if prompts is not None:
+        return load_prompt_set(prompts)
+    if prompt_ids is not None:
+        return [PromptItem(id="0", category="cli", prompt_ids=parse_ids(prompt_ids))]
+    if messages is not None:
+        try:
+            parsed = json.loads(messages)
+        except json.JSONDecodeError as exc:
+            raise BlockdraftError(f"--messages is not valid JSON ({exc.msg}); pass a list of role/content objects") from None
+        return [PromptItem(id="0", category="cli", messages=parsed)]
+    if chat:
+        return [PromptItem(id="0", category="cli", messages=[{"role": "user", "content": prompt}])]
+    return [PromptItem(id="0", category="cli", prompt=prompt)]
+
+
+def encode_item(item: Any, tokenizer: Any, thinking: bool = False) -> list[int]:
+    from blockdraft.prompting import encode_messages, encode_text
+
+    if item.prompt_ids is not None:
+        return list(item.prompt_ids)
+    if item.messages is not None:
+        return encode_messages(item.messages, tokenizer, thinking)
+    return encode_text(item.prompt, tokenizer)
+
+
+def _stop_ids(text: Optional[str]) -> list[int]:
+    from blockdraft.prompting import parse_ids
+
+    return parse_ids(text) if text else []
+
+
+TargetOpt = typer.Option("smollm2-135m-instruct", "--target", help="HF model folder, hub id, or the embedded name.")
+DeviceOpt = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present).")
+DtypeOpt = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on GPU).")
+
+
+@app.command()
+def generate(
+    target: str = TargetOpt,
+    drafter: Optional[str] = typer.Option(None, "--drafter", help="DFlash drafter folder (config.json + model.safetensors)."),
+    method: str = typer.Option("dflash", "--method", help="ar, dflash or ddtree."),
+    budget: Optional[int] = typer.Option(None, "--budget", help="DDTree node budget."),
+    temperature: float = typer.Option(0.0, "--temperature"),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    top_k: int = typer.Option(0, "--top-k"),
+    seed: int = typer.Option(0, "--seed"),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
+    stop_token_ids: Optional[str] = typer.Option(None, "--stop-token-ids", help="Extra stop ids, e.g. 2,7."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Do not stop on the tokenizer's EOS."),
+    device: Optional[str] = DeviceOpt,
+    dtype: Optional[str] = DtypeOpt,
+    prompt: Optional[str] = typer.Option(None, "--prompt", help="Plain text (add --chat to wrap it as a user turn)."),
+    chat: bool = typer.Option(False, "--chat", help="Apply the chat template to --prompt."),
+    thinking: bool = typer.Option(False, "--thinking", help="Enable thinking in chat templates that support it."),
+    messages: Optional[str] = typer.Option(None, "--messages", help='JSON list: [{"role":"user","content":"..."}].'),
+    prompt_ids: Optional[str] = typer.Option(None, "--prompt-ids", help="Comma-separated token ids."),
+    prompts: Optional[str] = typer.Option(None, "--prompts", help="A JSONL file (one prompt per line) or a built-in set."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per prompt on stdout."),
+) -> None:
+    """Generate with AR, DFlash or DDTree; identical to the target's own greedy output at T=0."""
+    from blockdraft.decoding.generate import generate as run
+    from blockdraft.decoding.methods import build_proposer
+    from blockdraft.decoding.sampling import SamplingParams
+
+    sampling = SamplingParams(temperature, top_p, top_k)
+    items = _prompt_items(prompt, messages, prompt_ids, prompts, chat)
+    loaded = Loaded(target, drafter, device, dtype)
+    proposer = build_proposer(method, loaded.target, loaded.drafter, budget)
+    stops = loaded.stops(_stop_ids(stop_token_ids), ignore_eos)
+    encoded = [encode_item(item, loaded.tokenizer, thinking) for item in items]
+    json_lines = as_json or prompts is not None
+    for ids in encoded:
+        stream = None
+        if not json_lines and loaded.tokenizer is not None:
+            shown: list[int] = []
+
+            def stream(new: list[int], shown: list[int] = shown) -> None:
+                before = loaded.decode(shown) or ""
+                shown.extend(new)
+                out.print((loaded.decode(shown) or "")[len(before):], end="", highlight=False, markup=False)
+
+        result = run(loaded.target, ids, proposer, max_new_tokens, sampling, stops, seed, on_commit=stream)
+        if json_lines:
+            record = {
+                "token_ids": result.token_ids,
+                "text": loaded.decode(result.token_ids),
+                "acceptance_lengths": result.acceptance_lengths,
+                "metrics": result.stats.to_dict(),
+            }
+            sys.stdout.write(json.dumps(record) + "\n")
+            sys.stdout.flush()
+        else:
+            if loaded.tokenizer is None:
+                out.print(" ".join(map(str, result.token_ids)))
+            s = result.stats
+            err.print(
+                f"\n[{s.method}] {s.generated_tokens} tokens, tau {s.tau:.2f}, {s.tokens_per_s:.1f} tok/s, "
+                f"TTFT {1000 * s.ttft_s:.0f} ms"
+            )
+
+
+def _parse_methods(methods: str, budgets: Optional[str]) -> list[Any]:
+    from blockdraft.bench.runner import MethodSpec
+    from blockdraft.prompting import parse_ids
+
+    specs = []
+    for name in [m.strip() for m in methods.split(",") if m.strip()]:
+        if name == "ddtree":
+            for b in parse_ids(budgets) if budgets else [64]:
+                specs.append(MethodSpec("ddtree", b))
+        else:
+            specs.append(MethodSpec(name))
+    if not specs:
+        raise BlockdraftError("--methods is empty; e.g. --methods ar,dflash")
+    return specs
+
+
+@app.command()
+def bench(
+    target: str = TargetOpt,
+    drafter: Optional[str] = typer.Option(None, "--drafter"),
+    methods: str = typer.Option("ar,dflash", "--methods", help="Comma-separated: ar, dflash, ddtree."),
+    budget: Optional[str] = typer.Option(None, "--budget", help="DDTree budgets to sweep, e.g. 16,32,64."),
+    prompts: str = typer.Option("demo", "--prompts", help="JSONL file or built-in set (demo, spec-bench, humaneval, sharegpt)."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="At most this many prompts."),
+    per_category: Optional[int] = typer.Option(None, "--per-category", help="At most this many prompts per category."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens"),
+    temperature: float = typer.Option(0.0, "--temperature"),
+    top_p: float = typer.Option(1.0, "--top-p"),
+    top_k: int = typer.Option(0, "--top-k"),
+    seed: int = typer.Option(0, "--seed"),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos"),
+    thinking: bool = typer.Option(False, "--thinking"),
+    device: Optional[str] = DeviceOpt,
+    dtype: Optional[str] = DtypeOpt,
+    json_out: Optional[Path] = typer.Option(None, "--json-out", help="Write the full results here."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="Write the acceptance plot (PNG) here."),
+) -> None:
+    """Methods x prompts -> tau, acceptance, tokens/s and speedup vs AR, overall and per category."""
+    from rich.progress import Progress
+
+    from blockdraft.bench.prompts import load_prompt_set
+    from blockdraft.bench.report import category_table, plot_acceptance, summary_table, to_json
+    from blockdraft.bench.runner import BenchPrompt, run_bench
+    from blockdraft.decoding.sampling import SamplingParams
+
+    sampling = SamplingParams(temperature, top_p, top_k)
+    specs = _parse_methods(methods, budget)
+    items = load_prompt_set(prompts, limit=limit, per_category=per_category)
+    loaded = Loaded(target, drafter, device, dtype)
+    encoded = [BenchPrompt(i.id, i.category, encode_item(i, loaded.tokenizer, thinking)) for i in items]
+    stops = loaded.stops([], ignore_eos)
+    with Progress(console=err, transient=True) as progress:
+        task = progress.add_task("bench", total=len(encoded) * len(specs))
+        runs = run_bench(
+            loaded.target, loaded.drafter, encoded, specs, max_new_tokens, sampling, stops, seed,
+            on_progress=lambda label, n: progress.update(task, advance=n, description=label),
+        )
+    out.print(summary_table(runs))
+    out.print(category_table(runs))
+    settings = {
+        "target": target, "drafter": drafter, "prompts": prompts, "num_prompts": len(encoded),
+        "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
+        "device": str(loaded.target.device), "dtype": str(loaded.target.dtype).removeprefix("torch."),
+    }
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(to_json(runs, settings), indent=1))
+        err.print(f"results: {json_out}")
+    if plot:
+        err.print(f"plot: {plot_acceptance(runs, plot)}")
+
+
+def _register_subcommands() -> None:
+    from blockdraft.doctor.cli import doctor_app, launch_command
+
+    app.add_typer(doctor_app, name="doctor", help="Find out whether low acceptance is the drafter's fault or the deployment's.")
+    app.command("launch", help="Print (and optionally write) a correct vLLM / SGLang launch for a drafter.")(launch_command)
+
+
+_register_subcommands()
+
+
+def main() -> None:
+    """Entry point: user errors are one line and exit code 2."""
+    try:
+        code = app(standalone_mode=False)
+        if isinstance(code, int) and code:
+            sys.exit(code)
+    except BlockdraftError as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        sys.exit(2)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        sys.exit(130)
+    except Exception as exc:  # click usage errors carry their own exit code
+        import click
+
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            sys.exit(exc.exit_code)
+        raise

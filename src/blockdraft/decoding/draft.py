@@ -1,0 +1,118 @@
+"""Proposers: everything that turns the committed state into a Draft for the verifier.
+
+A Draft is a tree rooted at the anchor (the last committed token, not yet in the target's cache): a chain is
+a tree with one child per node, and AR is the empty draft. One structure lets one verifier and one loop serve
+every method.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from blockdraft.decoding.sampling import SamplingParams, probabilities, sample
+from blockdraft.models.drafter import DFlashDrafter, DrafterContextCache
+from blockdraft.models.target import Target
+
+
+@dataclass
+class Draft:
+    """Proposed nodes in verify order (parents before children); parent -1 is the anchor."""
+
+    tokens: torch.Tensor
+    parents: list[int]
+    depths: list[int]
+    draft_probs: torch.Tensor | None = None
+
+    @classmethod
+    def empty(cls, device: torch.device) -> "Draft":
+        return cls(tokens=torch.empty(0, dtype=torch.long, device=device), parents=[], depths=[])
+
+    @classmethod
+    def chain(cls, tokens: torch.Tensor, draft_probs: torch.Tensor | None = None) -> "Draft":
+        n = tokens.shape[0]
+        return cls(tokens=tokens, parents=list(range(-1, n - 1)), depths=list(range(1, n + 1)), draft_probs=draft_probs)
+
+    def __len__(self) -> int:
+        return len(self.parents)
+
+    @property
+    def is_chain(self) -> bool:
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    def positions(self, start: int, device: torch.device) -> torch.Tensor:
+        """Absolute positions of [anchor] + nodes: a node sits at start + depth."""
+        return torch.tensor([start, *(start + d for d in self.depths)], dtype=torch.long, device=device)
+
+    def tree_mask(self, cache_len: int, device: torch.device) -> torch.Tensor:
+        """[1, 1, n+1, cache_len + n+1] bool: each row sees the cache, its ancestors and itself."""
+        n = len(self) + 1
+        own = torch.zeros(n, n, dtype=torch.bool)
+        own[0, 0] = True
+        for i, parent in enumerate(self.parents, start=1):
+            own[i] = own[parent + 1]
+            own[i, i] = True
+        full = torch.cat([torch.ones(n, cache_len, dtype=torch.bool), own], dim=1)
+        return full.to(device)[None, None]
+
+
+class Proposer(Protocol):
+    """What the decode loop asks of a drafting method."""
+
+    name: str
+    tap_layers: tuple[int, ...] | None
+
+    def reset(self) -> None: ...
+
+    def add_context(self, taps: torch.Tensor) -> None: ...
+
+    def propose(
+        self, anchor: int, start: int, max_depth: int, sampling: SamplingParams, generator: torch.Generator | None
+    ) -> Draft: ...
+
+
+class DFlashProposer:
+    """The DFlash chain: one drafter pass over [anchor, MASK x (B-1)] gives B-1 proposals."""
+
+    name = "dflash"
+
+    def __init__(self, drafter: DFlashDrafter, target: Target) -> None:
+        self.drafter = drafter
+        self.target = target
+        self.cfg = drafter.cfg
+        self.tap_layers: tuple[int, ...] | None = self.cfg.target_layer_ids
+        self.block_size = self.cfg.block_size
+        self.cache = DrafterContextCache(drafter)
+
+    def reset(self) -> None:
+        self.cache = DrafterContextCache(self.drafter)
+
+    @torch.inference_mode()
+    def add_context(self, taps: torch.Tensor) -> None:
+        """Context K/V for newly committed positions, written once."""
+        self.drafter.extend_context(self.cache, taps.to(self.target.dtype))
+
+    @torch.inference_mode()
+    def slot_logits(self, anchor: int, start: int, slots: int) -> torch.Tensor:
+        """Draft logits [slots, V] for positions start+1 .. start+slots from one drafter pass."""
+        device = self.target.device
+        block = torch.full((1, slots + 1), self.cfg.mask_token_id, dtype=torch.long, device=device)
+        block[0, 0] = anchor
+        embeds = self.target.embed(block, self.cfg.input_embedding_scale)
+        positions = torch.arange(start, start + slots + 1, device=device)
+        hidden = self.drafter(embeds, positions, self.cache)
+        return self.drafter.logits(hidden[0, 1:], self.target.lm_head)
+
+    def propose(
+        self, anchor: int, start: int, max_depth: int, sampling: SamplingParams, generator: torch.Generator | None
+    ) -> Draft:
+        slots = min(max_depth, self.block_size - 1)
+        if slots <= 0:
+            return Draft.empty(self.target.device)
+        logits = self.slot_logits(anchor, start, slots)
+        if sampling.greedy:
+            return Draft.chain(logits.argmax(dim=-1))
+        q = probabilities(logits, sampling)
+        return Draft.chain(sample(q, generator), draft_probs=q)

@@ -1,0 +1,139 @@
+"""The one decode loop: prefill -> (draft -> verify -> commit)*.
+
+AR is this loop with no proposer (every step verifies the anchor alone), so AR, DFlash and DDTree share the
+cache handling, the stop rules and the metrics. The anchor is the last committed token; it is not yet in the
+target's cache, and every verify forward starts with it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from blockdraft.decoding.draft import Draft, Proposer
+from blockdraft.decoding.sampling import SamplingParams, pick
+from blockdraft.decoding.verify import verify
+from blockdraft.errors import BlockdraftError
+from blockdraft.metrics import SpecStats
+from blockdraft.models.target import Target
+
+
+@dataclass
+class GenerationResult:
+    """Generated ids (prompt excluded), tokens committed per verify step, and the run's stats."""
+
+    token_ids: list[int]
+    acceptance_lengths: list[int]
+    stats: SpecStats
+    stopped_on: int | None
+
+
+class _Clock:
+    """Wall-clock stage timer that waits for the device, so stage times are real."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+
+def check_context(target: Target, prompt_len: int, max_new_tokens: int) -> None:
+    """Refuse work that cannot fit in the target's context window, before any compute."""
+    if prompt_len < 1:
+        raise BlockdraftError("the prompt is empty; give at least one token")
+    if max_new_tokens < 1:
+        raise BlockdraftError(f"--max-new-tokens {max_new_tokens} must be >= 1")
+    limit = target.max_positions
+    if limit is not None and prompt_len + max_new_tokens > limit:
+        raise BlockdraftError(
+            f"prompt ({prompt_len} tokens) + --max-new-tokens {max_new_tokens} exceeds the target's context window "
+            f"of {limit} tokens (max_position_embeddings); shorten the prompt or lower --max-new-tokens"
+        )
+
+
+@torch.inference_mode()
+def generate(
+    target: Target,
+    prompt_ids: list[int],
+    proposer: Proposer | None = None,
+    max_new_tokens: int = 128,
+    sampling: SamplingParams = SamplingParams(),
+    stop_token_ids: tuple[int, ...] = (),
+    seed: int = 0,
+    on_commit: Callable[[list[int]], None] | None = None,
+) -> GenerationResult:
+    """Generate up to `max_new_tokens` tokens; losslessly equal in distribution to the target alone."""
+    check_context(target, len(prompt_ids), max_new_tokens)
+    device = target.device
+    generator = torch.Generator(device=device).manual_seed(seed)
+    clock = _Clock(device)
+    stats = SpecStats(method=proposer.name if proposer else "ar", num_prompts=1, prompt_tokens=len(prompt_ids))
+    stops = set(stop_token_ids)
+    tap_layers = proposer.tap_layers if proposer else None
+    cache = target.new_cache()
+    if proposer:
+        proposer.reset()
+
+    t0 = clock.now()
+    prompt = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+    out = target.forward(
+        prompt, torch.arange(len(prompt_ids), device=device), cache, tap_layers, last_logits_only=True
+    )
+    first = int(pick(out.logits[0, -1], sampling, generator).item())
+    if proposer:
+        proposer.add_context(out.taps)
+    tokens = [first]
+    stats.ttft_s = clock.now() - t0
+    if on_commit:
+        on_commit([first])
+    stopped_on = first if first in stops else None
+
+    t_decode = clock.now()
+    while len(tokens) < max_new_tokens and stopped_on is None:
+        start = len(prompt_ids) + len(tokens) - 1
+        anchor = tokens[-1]
+        depth_left = max_new_tokens - len(tokens)
+
+        t_draft = clock.now()
+        draft = proposer.propose(anchor, start, depth_left, sampling, generator) if proposer else Draft.empty(device)
+        t_verify = clock.now()
+        stats.draft_s += t_verify - t_draft
+        stats.drafted_tokens += len(draft)
+
+        ids = torch.cat([torch.tensor([anchor], device=device), draft.tokens]).unsqueeze(0)
+        mask = None if draft.is_chain else draft.tree_mask(len(cache), device)
+        out = target.forward(ids, draft.positions(start, device), cache, tap_layers, attention_mask=mask)
+        verdict = verify(draft, out.logits[0], sampling, generator)
+        stats.verify_s += clock.now() - t_verify
+
+        committed = draft.tokens[verdict.accepted].tolist() + [verdict.bonus]
+        committed = committed[:depth_left]
+        for i, token in enumerate(committed):
+            if token in stops:
+                committed = committed[: i + 1]
+                stopped_on = token
+                break
+        produced = len(committed)
+        rows = [0] + [node + 1 for node in verdict.accepted][: produced - 1]
+        if draft.is_chain:
+            cache.crop(start + produced)
+        else:
+            cache.compact(start, torch.tensor(rows, device=device))
+        if proposer:
+            proposer.add_context(out.taps[:, rows])
+        tokens.extend(committed)
+        stats.acceptance_lengths.append(produced)
+        if on_commit:
+            on_commit(committed)
+
+    stats.decode_s = clock.now() - t_decode
+    stats.generated_tokens = len(tokens)
+    return GenerationResult(
+        token_ids=tokens, acceptance_lengths=list(stats.acceptance_lengths), stats=stats, stopped_on=stopped_on
+    )

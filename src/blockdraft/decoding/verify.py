@@ -1,0 +1,77 @@
+"""One verifier for chains and trees, at any temperature, always lossless.
+
+- Deterministic drafts (greedy chains, DDTree children): walk from the anchor taking the target's own token
+  (argmax at T=0, a sample at T>0) and move to the child that carries it; the first token with no matching
+  child is the bonus. At T>0 this is sample-and-match, which is exact because every committed token is a
+  target sample.
+- Sampled chain drafts with their draft distribution q: standard speculative sampling (accept x while
+  u * q(x) < p(x); on rejection sample from normalize(max(p - q, 0)); after a full accept, sample the bonus
+  from the last p).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from blockdraft.decoding.draft import Draft
+from blockdraft.decoding.sampling import SamplingParams, pick, probabilities, sample
+
+
+@dataclass
+class Verdict:
+    """Accepted node indices along one root-to-node path (draft order), and the target's bonus token."""
+
+    accepted: list[int]
+    bonus: int
+
+
+def walk(draft: Draft, target_tokens: list[int]) -> Verdict:
+    """Follow the target's token per row ([anchor] + nodes) down the draft tree."""
+    children: dict[tuple[int, int], int] = {}
+    tokens = draft.tokens.tolist()
+    for node, (parent, token) in enumerate(zip(draft.parents, tokens)):
+        children.setdefault((parent, token), node)
+    accepted: list[int] = []
+    node = -1
+    while True:
+        wanted = target_tokens[node + 1]
+        child = children.get((node, wanted))
+        if child is None:
+            return Verdict(accepted=accepted, bonus=wanted)
+        accepted.append(child)
+        node = child
+
+
+def speculative_sample(
+    draft: Draft, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None
+) -> Verdict:
+    """Rejection sampling for a chain of tokens sampled from `draft.draft_probs`."""
+    n = len(draft)
+    p = probabilities(logits, sampling)
+    q = draft.draft_probs
+    assert q is not None
+    idx = torch.arange(n, device=logits.device)
+    p_x = p[idx, draft.tokens]
+    q_x = q[idx, draft.tokens]
+    u = torch.rand(n, device=logits.device, generator=generator)
+    ok = (u * q_x < p_x).int().cumprod(0)
+    accepted = int(ok.sum().item())
+    if accepted == n:
+        bonus = int(sample(p[n], generator).item())
+    else:
+        residual = (p[accepted] - q[accepted]).clamp_min(0)
+        total = residual.sum()
+        residual = residual / total if total > 0 else p[accepted]
+        bonus = int(sample(residual, generator).item())
+    return Verdict(accepted=list(range(accepted)), bonus=bonus)
+
+
+def verify(
+    draft: Draft, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None
+) -> Verdict:
+    """logits: [len(draft) + 1, V] target logits for [anchor] + nodes."""
+    if draft.draft_probs is not None and not sampling.greedy:
+        return speculative_sample(draft, logits, sampling, generator)
+    return walk(draft, pick(logits, sampling, generator).tolist())

@@ -1,0 +1,167 @@
+"""`blockdraft doctor ...` and `blockdraft launch` commands; all logic lives in the sibling modules.
+
+Errors are raised as BlockdraftError for the top-level `main()` to print as one line (exit 2). `doctor static`
+exits 1 when it finds an error, so it can gate CI.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import typer
+
+from blockdraft.config import load_draft_config
+from blockdraft.doctor.fingerprint import Fingerprint, ProbeResult, parse_number_list
+from blockdraft.doctor.launch import sglang_command, vllm_command, write_python_launcher
+from blockdraft.doctor.live import measure_server
+from blockdraft.doctor.log_line import parse_spec_decoding_log
+from blockdraft.doctor.report import DoctorReport, print_report, to_json, write_html
+from blockdraft.doctor.static_checks import check_pair
+from blockdraft.doctor.target_files import load_target_config, load_target_files
+from blockdraft.errors import BlockdraftError
+
+doctor_app = typer.Typer(
+    help="Find out whether low acceptance is the drafter's fault or the deployment's.", no_args_is_help=True
+)
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print the report as JSON instead of tables.")]
+HtmlOpt = Annotated[Path | None, typer.Option("--html", help="Also write a self-contained HTML report here.")]
+ReferenceOpt = Annotated[
+    Path | None,
+    typer.Option("--reference", help="Probe JSON (reference + fault fingerprints) or a fingerprint JSON."),
+]
+ReferenceTauOpt = Annotated[
+    float | None, typer.Option("--reference-tau", help="The drafter's offline tau, if you only have the number.")
+]
+
+
+def _emit(report: DoctorReport, json_out: bool, html: Path | None) -> None:
+    """Tables or JSON on stdout; the HTML path goes to stderr so `--json` output stays parseable."""
+    if json_out:
+        typer.echo(to_json(report))
+    else:
+        print_report(report)
+    if html is not None:
+        typer.echo(f"wrote {write_html(report, html)}", err=True)
+
+
+def _observed_report(
+    title: str, observed: Fingerprint, reference: Path | None, reference_tau: float | None
+) -> DoctorReport:
+    """A report for one observation, compared with the probe's reference when one is given."""
+    if reference is not None and reference_tau is not None:
+        raise BlockdraftError("give --reference FILE or --reference-tau, not both")
+    probe = None
+    if reference is not None:
+        probe = ProbeResult.load(reference)
+    elif reference_tau is not None:
+        probe = ProbeResult(Fingerprint.from_numbers(reference_tau, source="--reference-tau"))
+    if probe is None:
+        return DoctorReport(title, observed=observed)
+    return DoctorReport(title, observed=observed, reference=probe.reference, faults=probe.faults)
+
+
+@doctor_app.command("static")
+def static_command(
+    drafter: Annotated[Path, typer.Option(help="Drafter folder (or its config.json).")],
+    target: Annotated[str, typer.Option(help="Target folder (config.json, tokenizer) or its config.json.")],
+    num_speculative_tokens: Annotated[
+        int | None, typer.Option(help="vLLM num_speculative_tokens you plan to serve with.")
+    ] = None,
+    sglang_draft_tokens: Annotated[
+        int | None, typer.Option(help="SGLang --speculative-num-draft-tokens you plan to serve with.")
+    ] = None,
+    json_out: JsonOpt = False,
+    html: HtmlOpt = None,
+) -> None:
+    """Check a drafter against a target (and engine flags) from configs alone; exits 1 on errors."""
+    draft = load_draft_config(drafter)
+    files = load_target_files(target)
+    findings = check_pair(
+        draft, files.config, files.tokenizer, num_speculative_tokens, sglang_draft_tokens, files.chat_template
+    )
+    _emit(DoctorReport(f"doctor static: {drafter} on {target}", findings), json_out, html)
+    if any(f.severity == "error" for f in findings):
+        raise typer.Exit(1)
+
+
+@doctor_app.command("server")
+def server_command(
+    url: Annotated[str, typer.Option(help="Server base URL, e.g. http://localhost:8000.")],
+    interval: Annotated[
+        float, typer.Option(help="Seconds between the two vLLM scrapes; send traffic meanwhile.")
+    ] = 10.0,
+    model: Annotated[str | None, typer.Option(help="Only this model_name label (default: sum over all).")] = None,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for each HTTP request.")] = 5.0,
+    reference: ReferenceOpt = None,
+    reference_tau: ReferenceTauOpt = None,
+    json_out: JsonOpt = False,
+    html: HtmlOpt = None,
+) -> None:
+    """Measure acceptance on a live vLLM or SGLang server (and judge it against a reference when given)."""
+    observed = measure_server(url, interval, model, timeout)
+    _emit(_observed_report(f"doctor server: {url}", observed, reference, reference_tau), json_out, html)
+
+
+@doctor_app.command("log")
+def log_command(
+    line: Annotated[str | None, typer.Option(help="One `SpecDecoding metrics:` line from vLLM's log.")] = None,
+    file: Annotated[Path | None, typer.Option(help="A vLLM log file; its last SpecDecoding line is used.")] = None,
+    reference: ReferenceOpt = None,
+    reference_tau: ReferenceTauOpt = None,
+    json_out: JsonOpt = False,
+    html: HtmlOpt = None,
+) -> None:
+    """Read acceptance from vLLM's SpecDecoding log line."""
+    if (line is None) == (file is None):
+        raise BlockdraftError("give exactly one of --line TEXT or --file LOG")
+    if file is not None:
+        try:
+            text = file.read_text(errors="replace")
+        except OSError as exc:
+            raise BlockdraftError(f"--file {file} cannot be read ({exc.strerror}); pass a vLLM log file") from None
+        observed = parse_spec_decoding_log(text, str(file))
+    else:
+        observed = parse_spec_decoding_log(line or "", "--line")
+    _emit(_observed_report("doctor log", observed, reference, reference_tau), json_out, html)
+
+
+@doctor_app.command("numbers")
+def numbers_command(
+    tau: Annotated[float | None, typer.Option(help="Mean acceptance length (bonus included).")] = None,
+    per_position: Annotated[
+        str | None, typer.Option(help="Unconditional rate per draft position, e.g. 0.14,0,0.")
+    ] = None,
+    acceptance_rate: Annotated[float | None, typer.Option(help="Accepted / drafted tokens, as a fraction.")] = None,
+    block_size: Annotated[int | None, typer.Option(help="Drafter block size B (vLLM tokens + 1).")] = None,
+    reference: ReferenceOpt = None,
+    reference_tau: ReferenceTauOpt = None,
+    json_out: JsonOpt = False,
+    html: HtmlOpt = None,
+) -> None:
+    """Judge numbers read off a dashboard."""
+    rates = parse_number_list(per_position, "--per-position") if per_position else None
+    observed = Fingerprint.from_numbers(tau, rates, acceptance_rate, block_size, source="typed numbers")
+    _emit(_observed_report("doctor numbers", observed, reference, reference_tau), json_out, html)
+
+
+def launch_command(
+    engine: Annotated[Literal["vllm", "sglang"], typer.Argument(help="Serving engine.")],
+    drafter: Annotated[Path, typer.Option(help="Local drafter folder (its config gives block size and layers).")],
+    target: Annotated[str, typer.Option(help="Target hub id or local folder (a folder lets us detect hybrids).")],
+    port: Annotated[int | None, typer.Option(help="Server port (default: vLLM 8000, SGLang 30000).")] = None,
+    write_launcher: Annotated[
+        Path | None, typer.Option(help="Also write a Python launcher script (no shell quoting) here.")
+    ] = None,
+) -> None:
+    """Print the server command for a DFlash drafter, with the right units and flags."""
+    draft = load_draft_config(drafter)
+    target_config = load_target_config(target)
+    build = vllm_command if engine == "vllm" else sglang_command
+    plan = build(str(drafter), target, draft, target_config, **({} if port is None else {"port": port}))
+    for note in plan.notes:
+        typer.echo(f"# note: {note}")
+    typer.echo(plan.shell())
+    if write_launcher is not None:
+        typer.echo(f"# wrote {write_python_launcher(plan, write_launcher)}", err=True)

@@ -1,0 +1,113 @@
+"""Compare an observed fingerprint with the drafter's reference and with fingerprints of known faults.
+
+Distances are expressed as fractions of the reference's speculative gain (tau - 1 = the sum of its per-position
+rates), so tau and per-position curves land on one scale: 0.1 means "10% of what the drafter can deliver".
+If the deployment delivers (nearly) what the drafter delivers offline, the drafter is the limit; otherwise the
+closest fault fingerprint names the most likely deployment fault.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import zip_longest
+
+from blockdraft.doctor.fingerprint import Fingerprint
+
+HEALTHY = "healthy"
+DEFAULT_TOLERANCE = 0.1
+_MIN_GAIN = 0.05
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    """How well one explanation (`healthy` = the reference, or a named fault) matches the observation."""
+
+    name: str
+    distance: float
+    tau_distance: float
+    curve_distance: float | None
+
+
+def _scale(reference: Fingerprint) -> float:
+    return max(reference.tau - 1.0, _MIN_GAIN)
+
+
+def curve_distance(a: list[float], b: list[float], scale: float) -> float | None:
+    """L1 gap between two per-position curves (the shorter padded with zeros), relative to `scale`."""
+    if not a or not b:
+        return None
+    return sum(abs(x - y) for x, y in zip_longest(a, b, fillvalue=0.0)) / scale
+
+
+def compare(observed: Fingerprint, candidate: Fingerprint, name: str, scale: float) -> Hypothesis:
+    """Distance of the observation from one candidate: mean of the tau gap and the curve gap (when both exist)."""
+    tau_gap = abs(observed.tau - candidate.tau) / scale
+    curve_gap = curve_distance(observed.per_position, candidate.per_position, scale)
+    distance = tau_gap if curve_gap is None else (tau_gap + curve_gap) / 2
+    return Hypothesis(name, distance, tau_gap, curve_gap)
+
+
+def rank_hypotheses(
+    observed: Fingerprint, reference: Fingerprint, faults: dict[str, Fingerprint]
+) -> list[Hypothesis]:
+    """`healthy` and every fault, closest to the observation first."""
+    scale = _scale(reference)
+    candidates = {HEALTHY: reference, **faults}
+    return sorted((compare(observed, fp, name, scale) for name, fp in candidates.items()), key=lambda h: h.distance)
+
+
+def gain_deficit(observed: Fingerprint, reference: Fingerprint) -> float:
+    """Share of the reference's gain (tau - 1) that the deployment loses; negative when it does better."""
+    return 1.0 - (observed.tau - 1.0) / _scale(reference)
+
+
+COLLAPSE_TAU = 1.35
+SMALL_DEFICIT = 0.25
+_CAUSES = {
+    "collapse": "wrong or zero features (tap indexing, hybrid-model capture), a wrong mask_token_id, a RoPE mismatch "
+    "(theta, partial rotary factor), an LM head not shared with the target, or sliding layers run as full attention "
+    "/ context evicted",
+    "small": "taps off by one (layer input read instead of layer output)",
+    "partial": "thinking-mode mismatch, temperature > 0 with greedy drafts, prompts unlike the training data, "
+    "context longer than trained, or block-size unit confusion (vLLM B-1 vs SGLang B)",
+}
+
+
+def typical_causes(observed: Fingerprint, reference: Fingerprint) -> str:
+    """The usual causes of this symptom (REFERENCE.md section 6), for when no fault fingerprint is at hand."""
+    if observed.tau < COLLAPSE_TAU:
+        return _CAUSES["collapse"]
+    if gain_deficit(observed, reference) <= SMALL_DEFICIT:
+        return _CAUSES["small"]
+    return _CAUSES["partial"]
+
+
+def verdict(
+    observed: Fingerprint,
+    reference: Fingerprint,
+    faults: dict[str, Fingerprint] | None = None,
+    tolerance: float = DEFAULT_TOLERANCE,
+) -> str:
+    """One sentence: the drafter is the limit, or which deployment fault most likely explains the gap."""
+    faults = faults or {}
+    if reference.tau - 1.0 < _MIN_GAIN:
+        return (
+            f"the drafter itself accepts almost nothing (reference tau {reference.tau:.2f}): fix the drafter/target "
+            "pairing first (`blockdraft doctor static`)"
+        )
+    deficit = gain_deficit(observed, reference)
+    summary = f"observed tau {observed.tau:.2f} vs reference {reference.tau:.2f}"
+    if deficit <= tolerance:
+        return (
+            f"the drafter is the limit: {summary} (within {tolerance:.0%} of its gain); better acceptance needs "
+            "a better drafter or prompts closer to its training data"
+        )
+    lost = f"{summary}, {deficit:.0%} of the drafter's gain lost"
+    ranked = [h for h in rank_hypotheses(observed, reference, faults) if h.name != HEALTHY]
+    if not ranked:
+        return (
+            f"deployment fault: {lost}; typical causes: {typical_causes(observed, reference)}; "
+            "run `blockdraft doctor static` to check the configs"
+        )
+    best = ranked[0]
+    return f"deployment fault, most likely {best.name}: {lost} (distance {best.distance:.2f} to that fault)"

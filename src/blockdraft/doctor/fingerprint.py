@@ -1,0 +1,203 @@
+"""Fingerprint: one acceptance measurement in the units every engine can be converted to.
+
+vLLM counts drafts, draft tokens and accepted tokens; SGLang reports an acceptance length; a probe records
+tokens committed per verify step; a user types what a dashboard shows. All of them become this one object so
+that `diagnose` compares like with like:
+
+- `tau`: mean tokens committed per verify step, bonus included (1 + accepted / drafts), in 1..B;
+- `acceptance_rate`: accepted / draft tokens (vLLM's "Avg Draft acceptance rate"), in 0..1;
+- `per_position[i]`: unconditional rate at draft position i (accepted_per_pos[i] / drafts), so
+  `tau == 1 + sum(per_position)` when every position is listed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from blockdraft.errors import BlockdraftError
+
+_ROUNDING = 1e-6
+
+
+def tau_from_counts(accepted: float, drafts: float) -> float:
+    """Mean acceptance length: every draft commits its accepted tokens plus one bonus token."""
+    if drafts <= 0:
+        raise BlockdraftError("no drafts were counted (drafts = 0); send traffic to the server and measure again")
+    return 1.0 + accepted / drafts
+
+
+def rate_from_counts(accepted: float, draft_tokens: float) -> float:
+    """vLLM's acceptance rate: the share of proposed tokens that the target kept."""
+    if draft_tokens <= 0:
+        raise BlockdraftError("no draft tokens were counted (draft tokens = 0); send traffic and measure again")
+    return accepted / draft_tokens
+
+
+def rate_from_tau(tau: float, num_speculative_tokens: int) -> float:
+    """Acceptance rate implied by tau when every draft proposes `num_speculative_tokens` (= B - 1) tokens."""
+    if num_speculative_tokens < 1:
+        raise BlockdraftError(f"num_speculative_tokens={num_speculative_tokens} must be >= 1 (it is block_size - 1)")
+    return (tau - 1.0) / num_speculative_tokens
+
+
+def parse_number_list(text: str, name: str) -> list[float]:
+    """`0.14,0,0` -> [0.14, 0.0, 0.0]; `name` is the flag or field named in the error."""
+    try:
+        return [float(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise BlockdraftError(
+            f"{name}={text!r} is not a comma-separated list of numbers; write it like 0.14,0.02,0"
+        ) from None
+
+
+@dataclass
+class Fingerprint:
+    """Acceptance of one deployment (or probe) in engine-independent units; see the module docstring."""
+
+    tau: float
+    acceptance_rate: float | None
+    per_position: list[float]
+    num_drafts: int | None
+    block_size: int | None
+    source: str
+
+    def __post_init__(self) -> None:
+        if self.tau < 1.0 - _ROUNDING:
+            raise BlockdraftError(
+                f"{self.source}: tau={self.tau} is below 1; tau counts the bonus token (1 + accepted per draft), "
+                "so add 1 if you have the mean number of accepted drafts"
+            )
+        if self.block_size is not None and self.tau > self.block_size + _ROUNDING:
+            raise BlockdraftError(
+                f"{self.source}: tau={self.tau} exceeds block_size={self.block_size}; tau is at most B "
+                "(vLLM num_speculative_tokens + 1)"
+            )
+        if self.acceptance_rate is not None and not 0.0 <= self.acceptance_rate <= 1.0 + _ROUNDING:
+            raise BlockdraftError(
+                f"{self.source}: acceptance_rate={self.acceptance_rate} must be a fraction in 0..1 "
+                "(divide a percentage by 100)"
+            )
+        bad = [p for p in self.per_position if not 0.0 <= p <= 1.0 + _ROUNDING]
+        if bad:
+            raise BlockdraftError(
+                f"{self.source}: per_position value {bad[0]} is not a fraction in 0..1; give one rate per draft "
+                "position, e.g. 0.14,0.02,0"
+            )
+
+    @classmethod
+    def from_counts(
+        cls,
+        drafts: float,
+        draft_tokens: float,
+        accepted: float,
+        accepted_per_position: list[float],
+        source: str,
+    ) -> Fingerprint:
+        """From vLLM's four counters (totals, or deltas over a window)."""
+        k = len(accepted_per_position) or (round(draft_tokens / drafts) if drafts > 0 else 0)
+        return cls(
+            tau=tau_from_counts(accepted, drafts),
+            acceptance_rate=rate_from_counts(accepted, draft_tokens),
+            per_position=[n / drafts for n in accepted_per_position],
+            num_drafts=int(drafts),
+            block_size=k + 1 if k else None,
+            source=source,
+        )
+
+    @classmethod
+    def from_acceptance_lengths(cls, lengths: list[int], block_size: int, source: str) -> Fingerprint:
+        """From tokens committed per verify step (bonus included), as `generate` and the probe record them."""
+        if not lengths:
+            raise BlockdraftError(f"{source}: no verify steps were recorded; generate more tokens before measuring")
+        if min(lengths) < 1 or max(lengths) > block_size:
+            raise BlockdraftError(
+                f"{source}: acceptance lengths must lie in 1..block_size={block_size} (bonus included); "
+                f"got {min(lengths)}..{max(lengths)}"
+            )
+        steps = len(lengths)
+        k = block_size - 1
+        per_position = [sum(1 for n in lengths if n - 1 > i) / steps for i in range(k)]
+        tau = sum(lengths) / steps
+        return cls(
+            tau=tau,
+            acceptance_rate=rate_from_tau(tau, k),
+            per_position=per_position,
+            num_drafts=steps,
+            block_size=block_size,
+            source=source,
+        )
+
+    @classmethod
+    def from_numbers(
+        cls,
+        tau: float | None,
+        per_position: list[float] | None = None,
+        acceptance_rate: float | None = None,
+        block_size: int | None = None,
+        source: str = "typed numbers",
+    ) -> Fingerprint:
+        """From what a user read off a dashboard; tau may be left out when every position's rate is given."""
+        per_position = list(per_position or [])
+        if tau is None:
+            if not per_position:
+                raise BlockdraftError("give --tau, or --per-position with every draft position's rate")
+            tau = 1.0 + sum(per_position)
+        if block_size is None and per_position:
+            block_size = len(per_position) + 1
+        if acceptance_rate is None and block_size is not None:
+            acceptance_rate = rate_from_tau(tau, block_size - 1)
+        return cls(tau, acceptance_rate, per_position, None, block_size, source)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields (the format `--reference` files use)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: Any, source: str) -> Fingerprint:
+        """Read a fingerprint written by `to_dict` (only `tau` is required)."""
+        if not isinstance(raw, dict) or not isinstance(raw.get("tau"), (int, float)):
+            raise BlockdraftError(f"{source}: expected a fingerprint object with a numeric `tau` field")
+        return cls(
+            tau=float(raw["tau"]),
+            acceptance_rate=raw.get("acceptance_rate"),
+            per_position=[float(p) for p in raw.get("per_position") or []],
+            num_drafts=raw.get("num_drafts"),
+            block_size=raw.get("block_size"),
+            source=str(raw.get("source") or source),
+        )
+
+
+@dataclass
+class ProbeResult:
+    """What the acceptance probe measures: the healthy reference and fingerprints of deliberately injected faults."""
+
+    reference: Fingerprint
+    faults: dict[str, Fingerprint] = field(default_factory=dict)
+
+    def save(self, path: str | Path) -> None:
+        """Write the JSON that `--reference FILE` reads back."""
+        data = {"reference": self.reference.to_dict(), "faults": {k: v.to_dict() for k, v in self.faults.items()}}
+        Path(path).write_text(json.dumps(data, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> ProbeResult:
+        """Read a probe file, or a bare fingerprint (`{"tau": 6.5, ...}`) used as the reference."""
+        file = Path(path)
+        try:
+            raw = json.loads(file.read_text())
+        except FileNotFoundError:
+            raise BlockdraftError(f"--reference {file} does not exist; pass the JSON written by the probe") from None
+        except json.JSONDecodeError as exc:
+            raise BlockdraftError(f"--reference {file} is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        if isinstance(raw, dict) and "reference" in raw:
+            faults = raw.get("faults") or {}
+            if not isinstance(faults, dict):
+                raise BlockdraftError(f"{file}: `faults` must map a fault name to a fingerprint object")
+            return cls(
+                reference=Fingerprint.from_dict(raw["reference"], f"{file}:reference"),
+                faults={name: Fingerprint.from_dict(fp, f"{file}:faults.{name}") for name, fp in faults.items()},
+            )
+        return cls(reference=Fingerprint.from_dict(raw, str(file)))

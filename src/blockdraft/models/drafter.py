@@ -1,0 +1,211 @@
+"""The DFlash drafter: Qwen3-style layers conditioned on target features by KV injection.
+
+Weight names follow the published checkpoints exactly (`layers.{i}.self_attn.q_proj.weight`, `fc.weight`,
+`hidden_norm.weight`, `norm.weight`), so z-lab drafters load unchanged and what we save loads in vLLM/SGLang.
+The drafter owns no embedding and no LM head: callers pass block embeddings made with the target's embedding
+and turn hidden states into logits with the target's head.
+
+Every layer reads keys/values from [context ; block]: context entries come from the projected target taps
+(cached across steps, one entry per committed position), block entries from the block being drafted. The
+visibility rule per layer (causal, sliding window, bidirectional) is `visibility_mask`, shared with training.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
+
+from blockdraft.config import DraftConfig
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [b, heads, t, d] by per-position cos/sin of shape [b, t, d]."""
+    return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+def visibility_mask(
+    query_pos: torch.Tensor, key_pos: torch.Tensor, causal: bool, window: int | None
+) -> torch.Tensor | None:
+    """Which keys each query may see, by absolute position ([..., q, k] bool); None means all of them.
+
+    Causal: key <= query. Window W: query - key < W (and key - query < W when not causal). A full,
+    non-causal layer sees everything it is given: the block is bidirectional.
+    """
+    if not causal and window is None:
+        return None
+    q = query_pos.unsqueeze(-1)
+    k = key_pos.unsqueeze(-2)
+    visible = torch.ones(torch.broadcast_shapes(q.shape, k.shape), dtype=torch.bool, device=query_pos.device)
+    if causal:
+        visible &= k <= q
+    if window is not None:
+        visible &= (q - k) < window
+        if not causal:
+            visible &= (k - q) < window
+    return visible
+
+
+class DrafterAttention(nn.Module):
+    """Attention whose queries come from the block and whose keys/values come from context and block."""
+
+    def __init__(self, cfg: DraftConfig, layer: int) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.scaling = cfg.head_dim**-0.5
+        self.causal = cfg.layer_is_causal(layer)
+        self.window = cfg.layer_window(layer)
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+
+    def key_values(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (normed, rotated) and values for [b, t, hidden] inputs -> [b, kv_heads, t, head_dim]."""
+        b, t, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        context_k: torch.Tensor,
+        context_v: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """x: block hidden states [b, q, hidden]; mask: [q, ctx + q] or [b, 1, q, ctx + q] bool, or None."""
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim)).transpose(1, 2)
+        q = apply_rope(q, cos, sin)
+        block_k, block_v = self.key_values(x, cos, sin)
+        k = torch.cat([context_k, block_k], dim=2)
+        v = torch.cat([context_v, block_v], dim=2)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=self.num_heads != self.num_kv_heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class DrafterLayer(nn.Module):
+    """Pre-norm decoder layer: residual attention, then residual SwiGLU MLP."""
+
+    def __init__(self, cfg: DraftConfig, layer: int, hf_config: object) -> None:
+        super().__init__()
+        self.self_attn = DrafterAttention(cfg, layer)
+        self.mlp = Qwen3MLP(hf_config)
+        self.input_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        context_k: torch.Tensor,
+        context_v: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_k, context_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DrafterContextCache:
+    """Per-layer context K/V of committed positions 0..length-1, appended once per committed token.
+
+    Sliding-window layers keep only the last `window - 1` entries: no later block can see older ones, so
+    dropping them changes nothing while bounding memory on long contexts.
+    """
+
+    def __init__(self, drafter: "DFlashDrafter") -> None:
+        self.windows = [layer.self_attn.window for layer in drafter.layers]
+        self.keys: list[torch.Tensor | None] = [None] * len(self.windows)
+        self.values: list[torch.Tensor | None] = [None] * len(self.windows)
+        self.length = 0
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        old_k, old_v = self.keys[layer], self.values[layer]
+        if old_k is not None:
+            k = torch.cat([old_k, k], dim=2)
+            v = torch.cat([old_v, v], dim=2)
+        window = self.windows[layer]
+        if window is not None and k.shape[2] > window - 1:
+            k, v = k[:, :, k.shape[2] - (window - 1) :], v[:, :, v.shape[2] - (window - 1) :]
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+    def get(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[layer], self.values[layer]  # type: ignore[return-value]
+
+    def key_positions(self, layer: int, device: torch.device) -> torch.Tensor:
+        kept = 0 if self.keys[layer] is None else self.keys[layer].shape[2]  # type: ignore[union-attr]
+        return torch.arange(self.length - kept, self.length, device=device)
+
+
+class DFlashDrafter(nn.Module):
+    """A DFlash drafter with the published parameter names."""
+
+    def __init__(self, cfg: DraftConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        hf_config = cfg.hf_config()
+        self.layers = nn.ModuleList(DrafterLayer(cfg, i, hf_config) for i in range(cfg.num_hidden_layers))
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(hf_config)
+
+    def rope(self, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin for positions [b, t] (or [t]) in the dtype of `like`."""
+        if positions.dim() == 1:
+            positions = positions.unsqueeze(0)
+        return self.rotary_emb(like, positions)
+
+    def project_context(self, taps: torch.Tensor) -> torch.Tensor:
+        """Context features C = hidden_norm(fc(concat(taps))) for [b, t, k * hidden] taps."""
+        return self.hidden_norm(self.fc(taps))
+
+    def extend_context(self, cache: DrafterContextCache, taps: torch.Tensor) -> None:
+        """Append K/V for newly committed positions cache.length .. cache.length + t - 1."""
+        t = taps.shape[1]
+        if t == 0:
+            return
+        ctx = self.project_context(taps)
+        positions = torch.arange(cache.length, cache.length + t, device=taps.device)
+        cos, sin = self.rope(ctx, positions)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.key_values(ctx, cos, sin)
+            cache.append(i, k, v)
+        cache.length += t
+
+    def forward(self, block_embeds: torch.Tensor, block_positions: torch.Tensor, cache: DrafterContextCache) -> torch.Tensor:
+        """Final-normed hidden states [b, q, hidden] for a block at absolute positions [q]."""
+        cos, sin = self.rope(block_embeds, block_positions)
+        x = block_embeds
+        for i, layer in enumerate(self.layers):
+            ctx_k, ctx_v = cache.get(i)
+            attn = layer.self_attn
+            keys = torch.cat([cache.key_positions(i, x.device), block_positions])
+            mask = visibility_mask(block_positions, keys, attn.causal, attn.window)
+            x = layer(x, cos, sin, ctx_k, ctx_v, mask)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """Draft logits through the target's head, with the config's multiplier and soft-capping."""
+        logits = lm_head(hidden)
+        if self.cfg.output_multiplier != 1.0:
+            logits = logits * self.cfg.output_multiplier
+        cap = self.cfg.final_logit_softcapping
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -1,0 +1,102 @@
+"""Tiny random models built in fixtures (no network): targets of several HF families and DFlash drafters."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from blockdraft.config import parse_draft_config
+from blockdraft.models.drafter import DFlashDrafter
+from blockdraft.models.loading import save_drafter
+from blockdraft.models.target import Target
+
+# Tiny models run fastest single-threaded; two threads fight over microsecond-sized ops.
+torch.set_num_threads(1)
+
+VOCAB = 96
+HIDDEN = 32
+TARGET_LAYERS = 4
+
+_FAMILIES = {
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+}
+
+# Drafter variants named in the issue: all-full, mixed sliding/full (with a window small enough to matter),
+# and block_size given inside dflash_config instead of at top level.
+DRAFTER_VARIANTS = {
+    "all_full": dict(layer_types=["full_attention"] * 2, block_size=6),
+    "mixed_swa": dict(
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"], use_sliding_window=True, sliding_window=5,
+        dflash_config={"block_size": 6},
+    ),
+    "block_in_dflash_config": dict(layer_types=["full_attention"] * 2, dflash_config={"block_size": 4}),
+}
+
+
+def make_target_model(family: str = "qwen3", seed: int = 0, vocab: int = VOCAB) -> torch.nn.Module:
+    config_cls, model_cls = _FAMILIES[family]
+    config = config_cls(
+        vocab_size=vocab, hidden_size=HIDDEN, num_hidden_layers=TARGET_LAYERS, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, intermediate_size=64, max_position_embeddings=512, tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    # Larger weights than the default init make the target's greedy choices varied rather than constant.
+    for p in model.parameters():
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.2)
+    return model
+
+
+def drafter_raw_config(variant: str = "all_full", vocab: int = VOCAB, mask_id: int | None = None) -> dict:
+    spec = json.loads(json.dumps(DRAFTER_VARIANTS[variant]))
+    layer_types = spec.pop("layer_types")
+    dflash = {"mask_token_id": vocab - 1 if mask_id is None else mask_id, "target_layer_ids": [0, 2, 3]}
+    dflash.update(spec.pop("dflash_config", {}))
+    raw = dict(
+        architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=HIDDEN, num_hidden_layers=len(layer_types),
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64, vocab_size=vocab,
+        max_position_embeddings=512, rms_norm_eps=1e-6, num_target_layers=TARGET_LAYERS, layer_types=layer_types,
+        dflash_config=dflash,
+    )
+    raw.update(spec)
+    return raw
+
+
+def make_drafter(variant: str = "all_full", seed: int = 0, vocab: int = VOCAB) -> DFlashDrafter:
+    drafter = DFlashDrafter(parse_draft_config(drafter_raw_config(variant, vocab)))
+    torch.manual_seed(1000 + seed)
+    for p in drafter.parameters():
+        torch.nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.3)
+    return drafter.eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A saved tiny Qwen3 target (no tokenizer) and a saved drafter for CLI tests."""
+    root = tmp_path_factory.mktemp("tiny")
+    model = make_target_model("qwen3")
+    model.save_pretrained(root / "target")
+    save_drafter(make_drafter("mixed_swa"), root / "drafter", dtype=torch.float32)
+    return root / "target", root / "drafter"
+
+
+@pytest.fixture
+def qwen3_target() -> Target:
+    return Target(make_target_model("qwen3"))

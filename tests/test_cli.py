@@ -1,0 +1,107 @@
+"""The CLI contract: `generate --json` / `--prompts` lines, `bench`, and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from blockdraft.cli import app
+
+runner = CliRunner()
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """The installed entry point in a subprocess: the real exit code and streams."""
+    return subprocess.run([sys.executable, "-m", "blockdraft", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_generate_json_prompt_ids(tiny_dirs: tuple[Path, Path]) -> None:
+    target, drafter = tiny_dirs
+    res = runner.invoke(
+        app, ["generate", "--target", str(target), "--drafter", str(drafter), "--prompt-ids", "1,2,3", "--max-new-tokens", "12", "--json"]
+    )
+    assert res.exit_code == 0, res.output
+    record = json.loads(res.stdout.strip().splitlines()[-1])
+    assert set(record) == {"token_ids", "text", "acceptance_lengths", "metrics"}
+    assert len(record["token_ids"]) == 12 and record["text"] is None
+    assert sum(record["acceptance_lengths"]) == 11
+    assert record["metrics"]["tau"] == pytest.approx(11 / len(record["acceptance_lengths"]))
+    ar = runner.invoke(app, ["generate", "--target", str(target), "--method", "ar", "--prompt-ids", "1,2,3", "--max-new-tokens", "12", "--json"])
+    assert json.loads(ar.stdout.strip().splitlines()[-1])["token_ids"] == record["token_ids"]
+
+
+def test_generate_prompts_file_one_line_each(tiny_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    target, drafter = tiny_dirs
+    file = tmp_path / "p.jsonl"
+    file.write_text('{"prompt_ids": [4, 5]}\n{"prompt_ids": [7, 8, 9]}\n')
+    res = runner.invoke(app, ["generate", "--target", str(target), "--drafter", str(drafter), "--prompts", str(file), "--max-new-tokens", "8"])
+    assert res.exit_code == 0, res.output
+    lines = [json.loads(x) for x in res.stdout.strip().splitlines()]
+    assert len(lines) == 2 and all(len(x["token_ids"]) == 8 for x in lines)
+
+
+def test_bench_writes_json_and_plot(tiny_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    target, drafter = tiny_dirs
+    file = tmp_path / "p.jsonl"
+    file.write_text('{"prompt_ids": [4, 5], "category": "a"}\n{"prompt_ids": [7, 8, 9], "category": "b"}\n')
+    res = runner.invoke(
+        app,
+        ["bench", "--target", str(target), "--drafter", str(drafter), "--prompts", str(file), "--max-new-tokens", "10",
+         "--json-out", str(tmp_path / "r.json"), "--plot", str(tmp_path / "p.png")],
+    )
+    assert res.exit_code == 0, res.output
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert set(data["methods"]) == {"ar", "dflash"}
+    assert data["methods"]["dflash"]["identical_to_ar"] == 2
+    assert set(data["methods"]["dflash"]["by_category"]) == {"a", "b"}
+    assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--target", "/nonexistent/model", "--prompt-ids", "1"], "config.json"),
+        (["--prompt-ids", "1,x"], "--prompt-ids"),
+        (["--drafter", "/nonexistent/drafter", "--prompt-ids", "1"], "does not exist"),
+        (["--prompt", "hi"], "tokenizer"),
+        (["--prompt-ids", "1", "--max-new-tokens", "600"], "context window"),
+        (["--prompt-ids", "1", "--temperature", "-1"], "--temperature"),
+        (["--prompt-ids", "1", "--method", "beam"], "--method"),
+        (["--prompt-ids", "1", "--prompt", "x"], "exactly one"),
+    ],
+)
+def test_errors_are_one_line_exit_2(tiny_dirs: tuple[Path, Path], args: list[str], message: str) -> None:
+    target, drafter = tiny_dirs
+    full = ["generate", "--target", str(target), "--drafter", str(drafter), *args]
+    if "--target" in args:
+        full = ["generate", "--drafter", str(drafter), *args]
+    if "--drafter" in args:
+        full = ["generate", "--target", str(target), *args]
+    res = run_cli(*full)
+    assert res.returncode == 2, res.stderr
+    lines = [x for x in res.stderr.strip().splitlines() if x.strip()]
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in res.stderr
+
+
+def test_drafter_for_another_target(tiny_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    target, drafter = tiny_dirs
+    cfg = json.loads((drafter / "config.json").read_text())
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "model.safetensors").write_bytes((drafter / "model.safetensors").read_bytes())
+    for field, value, message in [("hidden_size", 64, "hidden_size"), ("num_target_layers", 8, "num_target_layers")]:
+        edited = dict(cfg, **{field: value})
+        (bad / "config.json").write_text(json.dumps(edited))
+        res = run_cli("generate", "--target", str(target), "--drafter", str(bad), "--prompt-ids", "1")
+        assert res.returncode == 2 and message in res.stderr
+    edited = json.loads(json.dumps(cfg))
+    edited["dflash_config"]["target_layer_ids"] = [0, 2, 7]
+    edited.pop("num_target_layers")
+    (bad / "config.json").write_text(json.dumps(edited))
+    res = run_cli("generate", "--target", str(target), "--drafter", str(bad), "--prompt-ids", "1")
+    assert res.returncode == 2 and "target_layer_ids" in res.stderr

@@ -1,0 +1,88 @@
+"""Ranking explanations for an observed fingerprint (synthetic fingerprints, pure functions)."""
+
+from __future__ import annotations
+
+import pytest
+
+from blockdraft.doctor.diagnose import (
+    HEALTHY,
+    curve_distance,
+    gain_deficit,
+    rank_hypotheses,
+    typical_causes,
+    verdict,
+)
+from blockdraft.doctor.fingerprint import Fingerprint
+
+
+def curve(tau: float, decay: float, k: int = 15) -> Fingerprint:
+    """A geometric per-position curve p_i = a * decay**i scaled so that 1 + sum(p) = tau."""
+    shape = [decay**i for i in range(k)]
+    scale = (tau - 1.0) / sum(shape)
+    return Fingerprint(tau, (tau - 1.0) / k, [scale * s for s in shape], 1000, k + 1, f"synthetic tau {tau}")
+
+
+REFERENCE = curve(6.5, 0.85)
+FAULTS = {
+    "wrong mask id": Fingerprint(1.12, 0.008, [0.12] + [0.0] * 14, 1000, 16, "probe"),
+    "SWA run as full attention": Fingerprint(1.35, 0.023, [0.25, 0.08, 0.02] + [0.0] * 12, 1000, 16, "probe"),
+    "thinking-mode mismatch": curve(2.8, 0.6),
+    "tap off by one": curve(6.1, 0.84),
+}
+
+
+def test_observed_close_to_reference_means_the_drafter_is_the_limit() -> None:
+    observed = curve(6.3, 0.85)
+    ranked = rank_hypotheses(observed, REFERENCE, FAULTS)
+    assert ranked[0].name == HEALTHY
+    assert verdict(observed, REFERENCE, FAULTS).startswith("the drafter is the limit")
+
+
+def test_better_than_reference_is_still_the_drafter() -> None:
+    assert gain_deficit(curve(7.0, 0.9), REFERENCE) < 0
+    assert verdict(curve(7.0, 0.9), REFERENCE, FAULTS).startswith("the drafter is the limit")
+
+
+@pytest.mark.parametrize(
+    ("observed", "expected"),
+    [
+        (Fingerprint(1.14, 0.017, [0.139, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], 762, 9, "vLLM log"), "wrong mask id"),
+        (Fingerprint(1.4, 0.03, [0.27, 0.1, 0.03] + [0.0] * 12, 500, 16, "vLLM"), "SWA run as full attention"),
+        (curve(2.6, 0.62), "thinking-mode mismatch"),
+    ],
+)
+def test_deployment_fault_names_the_closest_fault(observed: Fingerprint, expected: str) -> None:
+    ranked = rank_hypotheses(observed, REFERENCE, FAULTS)
+    assert ranked[0].name == expected
+    assert [h.distance for h in ranked] == sorted(h.distance for h in ranked)
+    assert verdict(observed, REFERENCE, FAULTS).startswith(f"deployment fault, most likely {expected}")
+
+
+def test_tau_only_fingerprints_compare_on_tau() -> None:
+    sglang = Fingerprint(2.7, None, [], None, None, "sglang")
+    ranked = rank_hypotheses(sglang, REFERENCE, FAULTS)
+    assert ranked[0].name == "thinking-mode mismatch"
+    assert ranked[0].curve_distance is None
+    assert ranked[0].distance == pytest.approx(abs(2.7 - 2.8) / 5.5)
+
+
+@pytest.mark.parametrize(
+    ("tau", "cause"), [(1.14, "mask_token_id"), (5.0, "off by one"), (2.5, "thinking-mode mismatch")]
+)
+def test_without_fault_fingerprints_name_typical_causes(tau: float, cause: str) -> None:
+    observed = Fingerprint(tau, None, [], None, None, "typed")
+    reference = Fingerprint(6.0, None, [], None, None, "ref")
+    text = verdict(observed, reference)
+    assert text.startswith("deployment fault:") and "doctor static" in text
+    assert cause in typical_causes(observed, reference) and typical_causes(observed, reference) in text
+
+
+def test_a_reference_without_gain_blames_the_pairing() -> None:
+    dead = Fingerprint(1.01, None, [], None, None, "probe")
+    assert "drafter itself accepts almost nothing" in verdict(curve(1.5, 0.5), dead, FAULTS)
+
+
+def test_curve_distance_pads_with_zeros_and_is_relative() -> None:
+    assert curve_distance([0.5, 0.25], [0.5, 0.25, 0.25], scale=1.0) == pytest.approx(0.25)
+    assert curve_distance([], [0.5], scale=1.0) is None
+    assert curve_distance([0.2], [0.4], scale=0.5) == pytest.approx(0.4)

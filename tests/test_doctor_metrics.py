@@ -1,0 +1,271 @@
+"""Parsing vLLM / SGLang metrics, vLLM's SpecDecoding log line, and typed numbers into Fingerprints."""
+
+from __future__ import annotations
+
+import pytest
+
+from blockdraft.doctor.fingerprint import Fingerprint, ProbeResult, parse_number_list, rate_from_tau
+from blockdraft.doctor.log_line import parse_spec_decoding_log
+from blockdraft.doctor.server_metrics import (
+    detect_engine,
+    parse_samples,
+    parse_server_info,
+    parse_sglang_metrics,
+    parse_vllm_metrics,
+    vllm_window,
+)
+from blockdraft.errors import BlockdraftError
+
+QWEN = "Qwen/Qwen3-8B"
+LORA = "qwen3-8b-lora"
+
+# (engine, model_name) -> (drafts, draft_tokens, accepted_per_position); accepted = sum(per position)
+BEFORE = {
+    ("0", QWEN): (600, 1800, [300, 150, 60]),
+    ("1", QWEN): (400, 1200, [200, 100, 40]),
+    ("0", LORA): (100, 300, [10, 0, 0]),
+}
+AFTER = {
+    ("0", QWEN): (1600, 4800, [800, 350, 110]),
+    ("1", QWEN): (1400, 4200, [700, 300, 90]),
+    ("0", LORA): (300, 900, [40, 0, 0]),
+}
+
+HEADER = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="Qwen/Qwen3-8B"} 3.0
+# HELP vllm:e2e_request_latency_seconds Histogram of e2e request latency in seconds.
+# TYPE vllm:e2e_request_latency_seconds histogram
+vllm:e2e_request_latency_seconds_bucket{engine="0",le="0.3",model_name="Qwen/Qwen3-8B"} 2.0
+vllm:e2e_request_latency_seconds_bucket{engine="0",le="+Inf",model_name="Qwen/Qwen3-8B"} 9.0
+vllm:e2e_request_latency_seconds_count{engine="0",model_name="Qwen/Qwen3-8B"} 9.0
+vllm:e2e_request_latency_seconds_sum{engine="0",model_name="Qwen/Qwen3-8B"} 21.5
+"""
+
+
+def vllm_exposition(counts: dict[tuple[str, str], tuple[int, int, list[int]]]) -> str:
+    """Text as prometheus_client renders vLLM's counters: `_total` samples plus `_created` gauges."""
+    families = {
+        "vllm:spec_decode_num_drafts": ("Number of spec decoding drafts.", lambda c: [((), c[0])]),
+        "vllm:spec_decode_num_draft_tokens": ("Number of draft tokens.", lambda c: [((), c[1])]),
+        "vllm:spec_decode_num_accepted_tokens": ("Number of accepted tokens.", lambda c: [((), sum(c[2]))]),
+        "vllm:spec_decode_num_accepted_tokens_per_pos": (
+            "Accepted tokens per draft position.",
+            lambda c: [((("position", str(i)),), n) for i, n in enumerate(c[2])],
+        ),
+    }
+    lines = [HEADER.rstrip("\n")]
+    for name, (help_text, values) in families.items():
+        for suffix, kind in (("_total", "counter"), ("_created", "gauge")):
+            lines += [f"# HELP {name}{suffix} {help_text}", f"# TYPE {name}{suffix} {kind}"]
+            for (engine, model), c in counts.items():
+                for extra, value in values(c):
+                    labels = ",".join(f'{k}="{v}"' for k, v in (("engine", engine), ("model_name", model), *extra))
+                    shown = 1.7559123e9 if suffix == "_created" else float(value)
+                    lines.append(f"{name}{suffix}{{{labels}}} {shown!r}")
+    return "\n".join(lines) + "\n"
+
+
+def test_vllm_counters_sum_engines_and_models_and_skip_created_twins() -> None:
+    counters = parse_vllm_metrics(vllm_exposition(BEFORE))
+    assert counters.drafts == 1100
+    assert counters.draft_tokens == 3300
+    assert counters.accepted == 860
+    assert counters.accepted_per_position == (510, 250, 100)
+
+
+def test_vllm_select_one_model() -> None:
+    counters = parse_vllm_metrics(vllm_exposition(BEFORE), model_name=QWEN)
+    fp = counters.fingerprint("test")
+    assert fp.tau == pytest.approx(1 + 850 / 1000)
+    assert fp.acceptance_rate == pytest.approx(850 / 3000)
+    assert fp.per_position == pytest.approx([0.5, 0.25, 0.1])
+    assert fp.block_size == 4
+    assert fp.num_drafts == 1000
+
+
+def test_unknown_model_lists_known_ones() -> None:
+    with pytest.raises(BlockdraftError, match="qwen3-8b-lora"):
+        parse_vllm_metrics(vllm_exposition(BEFORE), model_name="nope")
+
+
+def test_vllm_window_is_the_difference_of_two_scrapes() -> None:
+    fp = vllm_window(vllm_exposition(BEFORE), vllm_exposition(AFTER), QWEN, "window")
+    # QWEN deltas: drafts 2000, draft tokens 6000, per position [1000, 400, 100] -> accepted 1500
+    assert fp.tau == pytest.approx(1.75)
+    assert fp.acceptance_rate == pytest.approx(0.25)
+    assert fp.per_position == pytest.approx([0.5, 0.2, 0.05])
+    assert fp.tau == pytest.approx(1 + sum(fp.per_position))
+
+
+def test_counter_reset_is_a_clear_error() -> None:
+    with pytest.raises(BlockdraftError, match="went down"):
+        vllm_window(vllm_exposition(AFTER), vllm_exposition(BEFORE), None, "window")
+
+
+def test_idle_window_is_a_clear_error() -> None:
+    text = vllm_exposition(BEFORE)
+    with pytest.raises(BlockdraftError, match="no speculative drafts"):
+        vllm_window(text, text, None, "window")
+
+
+def test_vllm_without_speculative_decoding() -> None:
+    with pytest.raises(BlockdraftError, match="--speculative-config"):
+        parse_vllm_metrics(HEADER)
+
+
+@pytest.mark.parametrize("garbage", ["<html><body>404</body></html>", "hello world again", "vllm:x{a=1} 2"])
+def test_garbage_exposition_says_what_was_expected(garbage: str) -> None:
+    with pytest.raises(BlockdraftError, match="Prometheus text exposition"):
+        parse_vllm_metrics(garbage)
+
+
+SGLANG = """\
+# HELP sglang:num_running_reqs The number of running requests.
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{engine_type="unified",model_name="Qwen/Qwen3-8B",tp_rank="0"} 4.0
+# HELP sglang:spec_accept_length The average acceptance length of speculative decoding.
+# TYPE sglang:spec_accept_length gauge
+sglang:spec_accept_length{engine_type="unified",model_name="Qwen/Qwen3-8B",tp_rank="0"} 5.5
+sglang:spec_accept_length{engine_type="unified",model_name="Qwen/Qwen3-8B",tp_rank="1"} 5.7
+# HELP sglang:spec_accept_rate The average acceptance rate of speculative decoding.
+# TYPE sglang:spec_accept_rate gauge
+sglang:spec_accept_rate{engine_type="unified",model_name="Qwen/Qwen3-8B",tp_rank="0"} 0.3
+sglang:spec_accept_rate{engine_type="unified",model_name="Qwen/Qwen3-8B",tp_rank="1"} 0.32
+"""
+
+
+def test_detect_engine() -> None:
+    assert detect_engine(parse_samples(vllm_exposition(BEFORE), "m")) == "vllm"
+    assert detect_engine(parse_samples(SGLANG, "m")) == "sglang"
+    assert detect_engine(parse_samples("# HELP up x\n# TYPE up gauge\nup 1\n", "m")) is None
+
+
+def test_sglang_gauges() -> None:
+    fp = parse_sglang_metrics(SGLANG, model_name=QWEN)
+    assert fp.tau == pytest.approx(5.6)
+    assert fp.acceptance_rate == pytest.approx(0.31)
+    assert fp.per_position == []
+
+
+def test_sglang_idle_accept_length_zero() -> None:
+    with pytest.raises(BlockdraftError, match="no speculative traffic"):
+        parse_sglang_metrics(SGLANG.replace("5.5", "0.0").replace("5.7", "0.0"))
+
+
+@pytest.mark.parametrize(
+    "info",
+    [
+        {"avg_spec_accept_length": 4.0, "version": "0.4.9"},
+        {"internal_states": [{"avg_spec_accept_length": 3.5}, {"avg_spec_accept_length": 4.5}], "version": "0.5"},
+        {"internal_states": {"avg_spec_accept_length": 4.0, "last_gen_throughput": 88.0}},
+    ],
+)
+def test_server_info_top_level_or_internal_states(info: dict) -> None:
+    assert parse_server_info(info).tau == pytest.approx(4.0)
+
+
+def test_server_info_without_acceptance() -> None:
+    with pytest.raises(BlockdraftError, match="avg_spec_accept_length"):
+        parse_server_info({"internal_states": [{"last_gen_throughput": 1.0}]})
+
+
+REAL_BROKEN_LINE = (
+    "INFO 08-12 10:31:07 [metrics.py:96] SpecDecoding metrics: Mean acceptance length: 1.14, Accepted throughput: "
+    "10.60 tokens/s, Drafted throughput: 609.61 tokens/s, Accepted: 106 tokens, Drafted: 6096 tokens, "
+    "Per-position acceptance rate: 0.139, 0.000, ..., Avg Draft acceptance rate: 1.7%"
+)
+
+
+def test_real_broken_log_line() -> None:
+    fp = parse_spec_decoding_log(REAL_BROKEN_LINE)
+    assert fp.tau == pytest.approx(1.14)
+    assert fp.acceptance_rate == pytest.approx(0.017, abs=5e-4)
+    assert fp.per_position[0] == pytest.approx(0.139)
+    assert fp.per_position == [0.139, 0.0]  # elided positions are not invented
+    assert fp.block_size is None
+    assert fp.num_drafts == round(106 / 0.14)
+
+
+def test_full_log_line_gives_block_size_and_exact_drafts() -> None:
+    rates = ", ".join(["0.139"] + ["0.000"] * 7)
+    line = REAL_BROKEN_LINE.replace("0.139, 0.000, ...", rates)
+    fp = parse_spec_decoding_log(line)
+    assert fp.block_size == 9
+    assert fp.num_drafts == 6096 // 8
+    assert len(fp.per_position) == 8
+
+
+def test_log_file_uses_last_line() -> None:
+    healthy = REAL_BROKEN_LINE.replace("Mean acceptance length: 1.14", "Mean acceptance length: 6.02")
+    log = "\n".join(["INFO starting", REAL_BROKEN_LINE, "INFO 200 OK", healthy, "INFO done"])
+    assert parse_spec_decoding_log(log).tau == pytest.approx(6.02)
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("INFO nothing to see", "no `SpecDecoding metrics:` line"),
+        ("SpecDecoding metrics: all good", "Mean acceptance length"),
+        (
+            "SpecDecoding metrics: Mean acceptance length: 2.0, Per-position acceptance rate: 0.5, x, 0.1",
+            "not a number",
+        ),
+    ],
+)
+def test_log_garbage_says_what_was_expected(text: str, match: str) -> None:
+    with pytest.raises(BlockdraftError, match=match):
+        parse_spec_decoding_log(text)
+
+
+def test_typed_numbers() -> None:
+    fp = Fingerprint.from_numbers(1.2, parse_number_list("0.14,0,0", "--per-position"))
+    assert fp.per_position == [0.14, 0.0, 0.0]
+    assert fp.block_size == 4
+    assert fp.acceptance_rate == pytest.approx(0.2 / 3)
+    assert Fingerprint.from_numbers(None, [0.5, 0.25]).tau == pytest.approx(1.75)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"tau": 0.2}, "add 1"),
+        ({"tau": 2.0, "per_position": [14.0]}, "fraction"),
+        ({"tau": 2.0, "acceptance_rate": 17.0}, "percentage"),
+        ({"tau": 20.0, "block_size": 16}, "exceeds"),
+        ({"tau": None}, "--tau"),
+    ],
+)
+def test_bad_typed_numbers(kwargs: dict, match: str) -> None:
+    with pytest.raises(BlockdraftError, match=match):
+        Fingerprint.from_numbers(**kwargs)
+
+
+def test_number_list_garbage() -> None:
+    with pytest.raises(BlockdraftError, match="--per-position"):
+        parse_number_list("0.1;0.2", "--per-position")
+
+
+def test_acceptance_lengths_match_vllm_units() -> None:
+    fp = Fingerprint.from_acceptance_lengths([1, 2, 4, 4], block_size=4, source="probe")
+    assert fp.tau == pytest.approx(2.75)
+    assert fp.per_position == pytest.approx([0.75, 0.5, 0.5])
+    assert fp.tau == pytest.approx(1 + sum(fp.per_position))
+    assert fp.acceptance_rate == pytest.approx(rate_from_tau(2.75, 3))
+    with pytest.raises(BlockdraftError, match="1..block_size"):
+        Fingerprint.from_acceptance_lengths([5], block_size=4, source="probe")
+
+
+def test_probe_file_round_trip(tmp_path) -> None:
+    reference = Fingerprint.from_numbers(3.4, [0.9, 0.8, 0.7], source="probe")
+    faults = {"wrong mask id": Fingerprint.from_numbers(1.1, [0.1, 0.0, 0.0], source="probe")}
+    ProbeResult(reference, faults).save(tmp_path / "probe.json")
+    loaded = ProbeResult.load(tmp_path / "probe.json")
+    assert loaded.reference == reference
+    assert loaded.faults == faults
+    (tmp_path / "bare.json").write_text('{"tau": 5.0}')
+    assert ProbeResult.load(tmp_path / "bare.json").reference.tau == 5.0
+    (tmp_path / "bad.json").write_text('{"taux": 5.0}')
+    with pytest.raises(BlockdraftError, match="tau"):
+        ProbeResult.load(tmp_path / "bad.json")
