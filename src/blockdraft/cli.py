@@ -193,13 +193,15 @@ def bench(
     device: Optional[str] = DeviceOpt,
     dtype: Optional[str] = DtypeOpt,
     json_out: Optional[Path] = typer.Option(None, "--json-out", help="Write the full results here."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="Write the acceptance plot (PNG) here."),
+    plot: Optional[Path] = typer.Option(
+        None, "--plot", help="Write the acceptance plot (PNG) here; with several DDTree budgets also NAME_budgets.png."
+    ),
 ) -> None:
     """Methods x prompts -> tau, acceptance, tokens/s and speedup vs AR, overall and per category."""
     from rich.progress import Progress
 
     from blockdraft.bench.prompts import load_prompt_set
-    from blockdraft.bench.report import category_table, plot_acceptance, summary_table, to_json
+    from blockdraft.bench.report import category_table, plot_acceptance, plot_budget_sweep, summary_table, to_json
     from blockdraft.bench.runner import BenchPrompt, run_bench
     from blockdraft.decoding.sampling import SamplingParams
 
@@ -228,16 +230,51 @@ def bench(
         err.print(f"results: {json_out}")
     if plot:
         err.print(f"plot: {plot_acceptance(runs, plot)}")
+        if sum(spec.method == "ddtree" for spec in specs) > 1:
+            sweep = plot.with_name(f"{plot.stem}_budgets{plot.suffix or '.png'}")
+            err.print(f"budget sweep plot: {plot_budget_sweep(runs, sweep)}")
 
 
 def _register_subcommands() -> None:
     from blockdraft.doctor.cli import doctor_app, launch_command
+    from blockdraft.train.cli import train_command
 
     app.add_typer(doctor_app, name="doctor", help="Find out whether low acceptance is the drafter's fault or the deployment's.")
     app.command("launch", help="Print (and optionally write) a correct vLLM / SGLang launch for a drafter.")(launch_command)
+    app.command("train", help="Train a DFlash drafter for a target on its own responses; export for vLLM/SGLang.")(train_command)
 
 
 _register_subcommands()
+
+
+@app.command()
+def demo(
+    target: str = TargetOpt,
+    drafter: Optional[str] = typer.Option(None, "--drafter", help="Default: the drafter that ships with blockdraft."),
+    prompts: str = typer.Option("demo", "--prompts", help="Built-in set or JSONL file."),
+    limit: Optional[int] = typer.Option(None, "--limit", help="At most this many prompts."),
+    max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
+    budget: int = typer.Option(32, "--budget", help="DDTree node budget."),
+    device: Optional[str] = DeviceOpt,
+    dtype: Optional[str] = DtypeOpt,
+    plot: Path = typer.Option(Path("blockdraft-demo.png"), "--plot", help="Where to write the acceptance plot."),
+) -> None:
+    """The embedded pair (SmolLM2-135M-Instruct + our DFlash drafter) on chat, code and math prompts."""
+    from blockdraft.bench.demo import EMBEDDED_DRAFTER, run_demo
+    from blockdraft.bench.prompts import load_prompt_set
+    from blockdraft.bench.runner import BenchPrompt
+
+    items = load_prompt_set(prompts, limit=limit)
+    err.print("loading the target and drafter (the first run converts the embedded model once) ...")
+    loaded = Loaded(target, drafter or str(EMBEDDED_DRAFTER), device, dtype)
+    if loaded.tokenizer is None:
+        raise BlockdraftError(f"--target {target} has no tokenizer; the demo needs text prompts")
+    encoded = [BenchPrompt(i.id, i.category, encode_item(i, loaded.tokenizer)) for i in items]
+    texts = [i.prompt or (i.messages[-1]["content"] if i.messages else "") for i in items]
+    run_demo(
+        loaded.target, loaded.tokenizer, loaded.drafter, encoded, texts, loaded.stops([], False),
+        max_new_tokens, plot, out, budget,
+    )
 
 
 def main() -> None:

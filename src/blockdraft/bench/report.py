@@ -1,4 +1,4 @@
-"""Bench results -> a rich table, a JSON document, and plots (per-position acceptance, acceptance lengths)."""
+"""Bench results -> a rich table, a JSON document, and plots (per-position acceptance, acceptance lengths, budget sweeps)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 from rich.table import Table
 
 from blockdraft.bench.runner import MethodRun, identical_to
+from blockdraft.errors import BlockdraftError
 
 
 def _baseline(runs: list[MethodRun]) -> MethodRun | None:
@@ -100,6 +101,47 @@ def plot_acceptance(runs: list[MethodRun], path: Path) -> Path:
     for ax in (left, right):
         if drafting:
             ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_budget_sweep(runs: list[MethodRun], path: Path) -> Path:
+    """tau and tokens/s against the DDTree budget, with the DFlash chain (and AR speed) as reference lines.
+
+    Shows where a bigger tree stops paying: tau keeps rising with the budget while the verify cost grows.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    trees = sorted((r for r in runs if r.spec.method == "ddtree" and r.spec.budget is not None), key=lambda r: r.spec.budget)
+    if not trees:
+        raise BlockdraftError("the budget-sweep plot needs ddtree results; run bench with --methods ddtree --budget 16,64")
+    budgets = [r.spec.budget for r in trees]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    left.plot(budgets, [r.stats.tau for r in trees], marker="o", label="ddtree")
+    right.plot(budgets, [r.stats.tokens_per_s for r in trees], marker="o", label="ddtree")
+    for ref, style in (("dflash", "--"), ("ar", ":")):
+        run = next((r for r in runs if r.spec.method == ref), None)
+        if run is None:
+            continue
+        if ref == "dflash":
+            left.axhline(run.stats.tau, linestyle=style, color="gray", label=f"dflash chain (tau {run.stats.tau:.2f})")
+        right.axhline(run.stats.tokens_per_s, linestyle=style, color="gray", label=f"{ref} ({run.stats.tokens_per_s:.1f} tok/s)")
+    left.set_ylabel("tau (tokens per verify step)")
+    left.set_title("acceptance length vs tree budget")
+    right.set_ylabel("tokens/s")
+    right.set_title("speed vs tree budget")
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(budgets, [str(b) for b in budgets])
+        ax.set_xlabel("DDTree budget (nodes per step)")
+        ax.legend()
         ax.grid(alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)

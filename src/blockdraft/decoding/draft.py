@@ -49,13 +49,15 @@ class Draft:
     def tree_mask(self, cache_len: int, device: torch.device) -> torch.Tensor:
         """[1, 1, n+1, cache_len + n+1] bool: each row sees the cache, its ancestors and itself."""
         n = len(self) + 1
-        own = torch.zeros(n, n, dtype=torch.bool)
-        own[0, 0] = True
-        for i, parent in enumerate(self.parents, start=1):
-            own[i] = own[parent + 1]
-            own[i, i] = True
-        full = torch.cat([torch.ones(n, cache_len, dtype=torch.bool), own], dim=1)
-        return full.to(device)[None, None]
+        up = torch.tensor([0, *(p + 1 for p in self.parents)], dtype=torch.long, device=device)  # root: its own parent
+        rows = torch.arange(n, device=device)
+        own = torch.zeros(n, n, dtype=torch.bool, device=device)
+        ancestor = rows
+        for _ in range(max(self.depths, default=0) + 1):  # self, then one ancestor per step up to the root
+            own[rows, ancestor] = True
+            ancestor = up[ancestor]
+        full = torch.cat([torch.ones(n, cache_len, dtype=torch.bool, device=device), own], dim=1)
+        return full[None, None]
 
 
 class Proposer(Protocol):

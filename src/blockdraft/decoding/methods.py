@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from blockdraft.decoding.ddtree import DDTreeProposer
 from blockdraft.decoding.draft import DFlashProposer, Proposer
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.drafter import DFlashDrafter
 from blockdraft.models.target import Target
 
-METHODS = ("ar", "dflash")
+METHODS = ("ar", "dflash", "ddtree")
 
 
 def build_proposer(method: str, target: Target, drafter: DFlashDrafter | None, budget: int | None = None) -> Proposer | None:
@@ -18,4 +19,6 @@ def build_proposer(method: str, target: Target, drafter: DFlashDrafter | None, b
         raise BlockdraftError(f"--method {method!r} is not one of {', '.join(METHODS)}")
     if drafter is None:
         raise BlockdraftError(f"--method {method} needs --drafter PATH")
+    if method == "ddtree":
+        return DDTreeProposer(drafter, target, budget)
     return DFlashProposer(drafter, target)

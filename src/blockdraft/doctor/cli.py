@@ -17,7 +17,7 @@ from blockdraft.doctor.launch import sglang_command, vllm_command, write_python_
 from blockdraft.doctor.live import measure_server
 from blockdraft.doctor.log_line import parse_spec_decoding_log
 from blockdraft.doctor.report import DoctorReport, print_report, to_json, write_html
-from blockdraft.doctor.static_checks import check_pair
+from blockdraft.doctor.static_checks import Finding, check_pair
 from blockdraft.doctor.target_files import load_target_config, load_target_files
 from blockdraft.errors import BlockdraftError
 
@@ -144,6 +144,57 @@ def numbers_command(
     rates = parse_number_list(per_position, "--per-position") if per_position else None
     observed = Fingerprint.from_numbers(tau, rates, acceptance_rate, block_size, source="typed numbers")
     _emit(_observed_report("doctor numbers", observed, reference, reference_tau), json_out, html)
+
+
+@doctor_app.command("probe")
+def probe_command(
+    target: Annotated[str, typer.Option(help="Target folder, hub id or the embedded name.")],
+    drafter: Annotated[Path, typer.Option(help="Drafter folder (config.json + model.safetensors).")],
+    prompts: Annotated[
+        str, typer.Option(help="Built-in set (demo, humaneval, sharegpt, spec-bench) or a JSONL/JSON prompts file.")
+    ] = "demo",
+    limit: Annotated[int | None, typer.Option(help="At most this many prompts.")] = None,
+    max_new_tokens: Annotated[
+        int, typer.Option(help="Tokens generated per prompt, for the healthy run and for every fault.")
+    ] = 64,
+    device: Annotated[str | None, typer.Option(help="cpu or cuda (default: cuda when present).")] = None,
+    dtype: Annotated[str | None, typer.Option(help="float32, bfloat16 or float16.")] = None,
+    out: Annotated[
+        Path, typer.Option("--out", help="Where to write the probe JSON that --reference reads.")
+    ] = Path("probe.json"),
+    observed_tau: Annotated[
+        float | None, typer.Option(help="Your deployment's tau, to get a verdict right away.")
+    ] = None,
+    observed_per_position: Annotated[
+        str | None, typer.Option(help="Your deployment's per-position rates, e.g. 0.14,0,0.")
+    ] = None,
+    json_out: JsonOpt = False,
+    html: HtmlOpt = None,
+) -> None:
+    """Measure the drafter's healthy acceptance and its acceptance under each known deployment fault (T = 0)."""
+    from blockdraft.bench.prompts import load_prompt_set
+    from blockdraft.cli import Loaded, encode_item
+    from blockdraft.doctor.probes import run_probes
+
+    observed = None
+    if observed_tau is not None or observed_per_position is not None:
+        rates = parse_number_list(observed_per_position, "--observed-per-position") if observed_per_position else None
+        observed = Fingerprint.from_numbers(observed_tau, rates, source="--observed-tau/--observed-per-position")
+    items = load_prompt_set(prompts, limit=limit)
+    loaded = Loaded(target, str(drafter), device, dtype)
+    assert loaded.drafter is not None
+    encoded = [encode_item(item, loaded.tokenizer) for item in items]
+    run = run_probes(
+        loaded.target, loaded.drafter, encoded, max_new_tokens, loaded.stops([], False),
+        on_measure=lambda name: typer.echo(f"probing: {name}", err=True),
+    )
+    run.result.save(out)
+    typer.echo(f"wrote {out} (pass it as --reference to doctor server/log/numbers)", err=True)
+    skipped = [Finding("info", name, f"not probed: {why}", "", "") for name, why in run.skipped.items()]
+    report = DoctorReport(
+        f"doctor probe: {drafter} on {target}", skipped, observed, run.result.reference, run.result.faults
+    )
+    _emit(report, json_out, html)
 
 
 def launch_command(

@@ -13,6 +13,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import get_layer_types_and_kwargs
+
+from blockdraft.errors import BlockdraftError
+
+# Attention implementations that take an arbitrary (tree) mask; flash-attention kernels only know causal masks.
+TREE_ATTENTION = ("sdpa", "eager")
 
 
 @dataclass
@@ -32,6 +38,14 @@ class TargetCache:
 
     def __len__(self) -> int:
         return self.hf.get_seq_length()
+
+    def settle(self) -> None:
+        """Drop sliding-window entries no later query can see (HF keeps them until a crop, for rollback).
+
+        Called before every forward: HF sizes its sliding masks as if only the last window - 1 were stored.
+        """
+        if len(self):
+            self.hf.crop(0)
 
     def crop(self, length: int) -> None:
         """Keep the first `length` positions."""
@@ -68,6 +82,7 @@ class Target:
         self.lm_head: nn.Module = model.get_output_embeddings()
         self.vocab_size: int = self.lm_head.weight.shape[0]
         self.embedding_weight: torch.Tensor = model.get_input_embeddings().weight
+        self.layer_types: list[str] = get_layer_types_and_kwargs(text)[0]
 
     @property
     def device(self) -> torch.device:
@@ -99,12 +114,14 @@ class Target:
 
         `attention_mask` is an optional [1, 1, t, len(cache) + t] boolean mask (True = visible) for trees.
         """
+        cache.settle()
+        mask = None if attention_mask is None else self.tree_masks(attention_mask, positions, cache)
         out = self.model(
             input_ids=input_ids,
             position_ids=positions.unsqueeze(0),
             past_key_values=cache.hf,
             use_cache=True,
-            attention_mask=attention_mask,
+            attention_mask=mask,
             output_hidden_states=tap_layers is not None,
             logits_to_keep=1 if last_logits_only else 0,
         )
@@ -112,3 +129,47 @@ class Target:
         if tap_layers is not None:
             taps = torch.cat([out.hidden_states[layer + 1] for layer in tap_layers], dim=-1)
         return TargetOutput(logits=out.logits, taps=taps)
+
+    def check_tree_attention(self) -> str:
+        """The attention implementation, if it can verify a tree (an arbitrary mask); else a user error."""
+        impl = self.model.config._attn_implementation
+        if impl not in TREE_ATTENTION:
+            raise BlockdraftError(
+                f"the target runs attn_implementation={impl!r}, which cannot take a tree mask; load it with "
+                "attn_implementation='sdpa' (or 'eager') for --method ddtree, or use --method dflash"
+            )
+        return impl
+
+    def tree_masks(
+        self, mask: torch.Tensor, positions: torch.Tensor, cache: TargetCache
+    ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """A [1, 1, t, len(cache) + t] bool mask in the form each layer type's attention reads it.
+
+        HF hands a 4D mask to attention unchanged, so here: sliding layers (whose cache holds only the last
+        window - 1 positions) get the matching columns and the window; eager attention adds its mask, so it
+        gets 0 / -inf. Models with several layer types take a dict keyed by layer type.
+        """
+        impl = self.check_tree_attention()
+        t = positions.shape[0]
+        cache_len = mask.shape[-1] - t
+        masks: dict[str, torch.Tensor] = {}
+        for kind, layer in zip(self.layer_types, cache.hf.layers):
+            if kind in masks:
+                continue
+            if kind == "sliding_attention":
+                stored = layer.keys.shape[-2]
+                keys = torch.cat([torch.arange(cache_len - stored, cache_len, device=mask.device), positions])
+                visible = mask[..., cache_len - stored :] & (positions[:, None] - keys[None, :] < layer.sliding_window)
+            elif kind == "full_attention":
+                visible = mask
+            else:
+                raise BlockdraftError(
+                    f"the target has {kind!r} layers; tree verification supports full and sliding-window attention "
+                    "only, use --method dflash"
+                )
+            if impl == "eager":
+                visible = torch.zeros(visible.shape, dtype=self.dtype, device=mask.device).masked_fill(
+                    ~visible, torch.finfo(self.dtype).min
+                )
+            masks[kind] = visible
+        return next(iter(masks.values())) if len(masks) == 1 else masks

@@ -1,0 +1,7 @@
+# The SmolLM2 GGUF (98 MB) travels in two 48 MiB pieces, one per call (.gpu/p1, .gpu/p2); join and check it.
+set -e
+for p in .gpu/p*/gguf.part.*; do [ -e "$p" ] && cp "$p" /tmp/bd/; done
+if [ ! -s /tmp/bd/smollm2.gguf ] && [ -e /tmp/bd/gguf.part.aa ] && [ -e /tmp/bd/gguf.part.ab ]; then
+  cat /tmp/bd/gguf.part.aa /tmp/bd/gguf.part.ab > /tmp/bd/smollm2.gguf
+  echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  /tmp/bd/smollm2.gguf" | sha256sum -c
+fi

@@ -1,0 +1,81 @@
+"""The demo: chat, code and math prompts through AR, DFlash (and DDTree), DFlash text streamed as it is written.
+
+Each verify step's committed tokens are printed in alternating colours, so a person sees the drafter's blocks
+land; then one side-by-side table and a plot of per-position acceptance and acceptance lengths.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.text import Text
+
+from blockdraft.bench.report import category_table, plot_acceptance, summary_table
+from blockdraft.bench.runner import BenchPrompt, MethodRun, MethodSpec, PromptRun
+from blockdraft.decoding.generate import generate
+from blockdraft.decoding.methods import METHODS, build_proposer
+from blockdraft.decoding.sampling import SamplingParams
+from blockdraft.models.drafter import DFlashDrafter
+from blockdraft.models.target import Target
+
+EMBEDDED_DRAFTER = Path(__file__).resolve().parents[1] / "drafters" / "smollm2-135m-instruct-dflash"
+_STYLES = ("bold cyan", "bold magenta")
+
+
+def demo_methods(budget: int) -> list[MethodSpec]:
+    """AR, DFlash, and DDTree where this build has it."""
+    specs = [MethodSpec("ar"), MethodSpec("dflash")]
+    if "ddtree" in METHODS:
+        specs.append(MethodSpec("ddtree", budget))
+    return specs
+
+
+def run_demo(
+    target: Target,
+    tokenizer: Any,
+    drafter: DFlashDrafter,
+    prompts: list[BenchPrompt],
+    texts: list[str],
+    stop_token_ids: tuple[int, ...],
+    max_new_tokens: int,
+    plot: Path,
+    console: Console,
+    budget: int = 32,
+) -> list[MethodRun]:
+    """Run every method on every prompt (T=0), stream the DFlash text, then print the table and write the plot."""
+    specs = demo_methods(budget)
+    proposers = {s: build_proposer(s.method, target, drafter, s.budget) for s in specs}
+    runs = {s: MethodRun(s) for s in specs}
+    greedy = SamplingParams()
+    for proposer in proposers.values():
+        generate(target, prompts[0].ids, proposer, max_new_tokens=4, sampling=greedy)
+    for prompt, text in zip(prompts, texts):
+        console.rule(f"[bold]{prompt.category}[/bold]: {text[:90]}")
+        for spec in specs:
+            on_commit = None
+            if spec.method == "dflash":
+                shown: list[int] = []
+                step = [0]
+
+                def on_commit(new: list[int], shown: list[int] = shown, step: list[int] = step) -> None:
+                    before = tokenizer.decode(shown, skip_special_tokens=True)
+                    shown.extend(new)
+                    piece = tokenizer.decode(shown, skip_special_tokens=True)[len(before):]
+                    console.print(Text(piece, style=_STYLES[step[0] % 2]), end="")
+                    step[0] += 1
+
+            result = generate(target, prompt.ids, proposers[spec], max_new_tokens, greedy, stop_token_ids, on_commit=on_commit)
+            runs[spec].runs.append(PromptRun(prompt.prompt_id, prompt.category, result))
+            if spec.method == "dflash":
+                console.print()
+                console.print(
+                    f"[dim]dflash: {result.stats.generated_tokens} tokens in {len(result.acceptance_lengths)} steps "
+                    f"(tau {result.stats.tau:.2f}); colours mark what each verify step committed[/dim]"
+                )
+    ordered = [runs[s] for s in specs]
+    console.print(summary_table(ordered, title="blockdraft demo (T=0, same prompts, one process)"))
+    console.print(category_table(ordered))
+    console.print(f"plot: {plot_acceptance(ordered, plot)}")
+    return ordered

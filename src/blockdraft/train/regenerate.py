@@ -1,0 +1,116 @@
+"""Responses written by the target itself, cached on disk and resumable.
+
+A drafter learns to predict the target, so it trains on the target's own answers (the paper's recipe), not on
+someone else's. Generation is batched HF `generate` with left padding. Each rank appends finished samples to its own
+JSONL file after every batch; a rerun (after a kill, or with more ranks) skips every id already in any file.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import TextIO
+
+import torch
+from transformers import GenerationConfig
+
+from blockdraft.models.target import Target
+from blockdraft.train.data import Sample, TokenizedPrompt
+
+CACHE_GLOB = "responses-*.jsonl"
+
+
+def read_cache(folder: Path) -> dict[str, Sample]:
+    """Every complete record in the cache files (a line cut by a kill is ignored)."""
+    done: dict[str, Sample] = {}
+    for file in sorted(folder.glob(CACHE_GLOB)):
+        for line in file.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            done[record["id"]] = Sample(record["id"], record["input_ids"], record["loss_start"])
+    return done
+
+
+def _open_for_append(file: Path) -> TextIO:
+    """Append mode after cutting a partial last line, so the next record starts on a line of its own."""
+    if file.exists():
+        data = file.read_bytes()
+        if data and not data.endswith(b"\n"):
+            file.write_bytes(data[: data.rfind(b"\n") + 1])
+    return file.open("a", encoding="utf-8")
+
+
+def _left_pad(prompts: list[TokenizedPrompt], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(p.ids) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p.ids):] = torch.tensor(p.ids)
+        mask[row, width - len(p.ids):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def _response(new_tokens: list[int], eos_ids: set[int]) -> list[int]:
+    """Generated ids up to and including the first EOS (what follows is padding)."""
+    for i, token in enumerate(new_tokens):
+        if token in eos_ids:
+            return new_tokens[: i + 1]
+    return new_tokens
+
+
+@torch.no_grad()
+def regenerate(
+    target: Target,
+    prompts: list[TokenizedPrompt],
+    folder: Path,
+    *,
+    max_length: int,
+    response_tokens: int,
+    batch_size: int,
+    temperature: float,
+    eos_ids: tuple[int, ...],
+    pad_id: int,
+    seed: int,
+    rank: int = 0,
+    world: int = 1,
+    on_batch: Callable[[int], None] | None = None,
+) -> int:
+    """Generate responses for this rank's share of the prompts not yet cached; returns how many it wrote.
+
+    Prompt i belongs to rank i % world whatever the cache holds, so ranks reading the cache while others write
+    to it never split the work differently. Prompts leaving fewer than two tokens of room under `max_length` are
+    skipped (nothing to learn from them).
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    done = read_cache(folder)
+    pending = [p for p in prompts[rank::world] if p.id not in done and len(p.ids) <= max_length - 2]
+    pending.sort(key=lambda p: len(p.ids))
+    eos = set(eos_ids)
+    written = 0
+    with _open_for_append(folder / f"responses-{rank:03d}.jsonl") as out:
+        for first in range(0, len(pending), batch_size):
+            batch = pending[first : first + batch_size]
+            ids, mask = _left_pad(batch, pad_id, target.device)
+            config = GenerationConfig(
+                max_new_tokens=min(response_tokens, max_length - ids.shape[1]),
+                do_sample=temperature > 0,
+                temperature=temperature if temperature > 0 else None,
+                top_p=None,
+                top_k=None,
+                eos_token_id=list(eos_ids) or None,
+                pad_token_id=pad_id,
+            )
+            torch.manual_seed(seed + first * world + rank)  # sampled responses: a distinct stream per batch
+            generated = target.model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+            for row, prompt in enumerate(batch):
+                response = _response(generated[row, ids.shape[1]:].tolist(), eos)
+                record = {"id": prompt.id, "input_ids": prompt.ids + response, "loss_start": len(prompt.ids)}
+                out.write(json.dumps(record) + "\n")
+            out.flush()
+            written += len(batch)
+            if on_batch:
+                on_batch(len(batch) * world)
+    return written

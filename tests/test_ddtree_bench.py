@@ -1,0 +1,63 @@
+"""DDTree through the front ends: `generate --method ddtree`, bench budget sweeps and the budget-sweep plot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from blockdraft.bench.report import plot_budget_sweep
+from blockdraft.bench.runner import MethodRun, MethodSpec
+from blockdraft.cli import app
+from blockdraft.errors import BlockdraftError
+
+runner = CliRunner()
+
+
+def test_generate_ddtree_equals_ar(tiny_dirs: tuple[Path, Path]) -> None:
+    target, drafter = tiny_dirs
+    common = ["generate", "--target", str(target), "--prompt-ids", "5,6,7", "--max-new-tokens", "16", "--json"]
+    tree = runner.invoke(app, [*common, "--drafter", str(drafter), "--method", "ddtree", "--budget", "16"])
+    ar = runner.invoke(app, [*common, "--method", "ar"])
+    assert tree.exit_code == 0, tree.output
+    record = json.loads(tree.stdout.strip().splitlines()[-1])
+    assert record["token_ids"] == json.loads(ar.stdout.strip().splitlines()[-1])["token_ids"]
+    assert record["metrics"]["method"] == "ddtree" and sum(record["acceptance_lengths"]) == 15
+
+
+def test_bad_budget_is_one_line_exit_2(tiny_dirs: tuple[Path, Path]) -> None:
+    target, drafter = tiny_dirs
+    res = subprocess.run(
+        [sys.executable, "-m", "blockdraft", "generate", "--target", str(target), "--drafter", str(drafter),
+         "--method", "ddtree", "--budget", "0", "--prompt-ids", "1"],
+        capture_output=True, text=True, timeout=300,
+    )
+    lines = [x for x in res.stderr.strip().splitlines() if x.strip()]
+    assert res.returncode == 2 and len(lines) == 1 and "--budget 0 must be" in lines[0], res.stderr
+
+
+def test_bench_budget_sweep_writes_both_plots(tiny_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    target, drafter = tiny_dirs
+    file = tmp_path / "p.jsonl"
+    file.write_text('{"prompt_ids": [4, 5]}\n{"prompt_ids": [7, 8, 9]}\n')
+    res = runner.invoke(
+        app,
+        ["bench", "--target", str(target), "--drafter", str(drafter), "--prompts", str(file), "--max-new-tokens", "10",
+         "--methods", "ar,dflash,ddtree", "--budget", "4,16", "--json-out", str(tmp_path / "r.json"),
+         "--plot", str(tmp_path / "p.png")],
+    )
+    assert res.exit_code == 0, res.output
+    methods = json.loads((tmp_path / "r.json").read_text())["methods"]
+    assert set(methods) == {"ar", "dflash", "ddtree@4", "ddtree@16"}
+    assert methods["ddtree@4"]["identical_to_ar"] == methods["ddtree@16"]["identical_to_ar"] == 2
+    assert (tmp_path / "p.png").stat().st_size > 1000
+    assert (tmp_path / "p_budgets.png").stat().st_size > 1000
+
+
+def test_budget_sweep_plot_needs_tree_runs(tmp_path: Path) -> None:
+    with pytest.raises(BlockdraftError, match="ddtree"):
+        plot_budget_sweep([MethodRun(MethodSpec("dflash"))], tmp_path / "x.png")

@@ -1,0 +1,184 @@
+"""`blockdraft train` end to end on a tiny trained target: loss falls and tau rises, kill + resume equals an
+uninterrupted run, the export loads in the `dflash` reference and decodes identically, and user mistakes fail
+with one clear message."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+from trained_pair import MASK_TOKEN_ID, _train_target, prompts
+
+from blockdraft.decoding.draft import DFlashProposer
+from blockdraft.decoding.generate import generate
+from blockdraft.errors import BlockdraftError
+from blockdraft.models.loading import load_drafter, load_target
+from blockdraft.train.checkpoint import load_checkpoint
+from blockdraft.train.pipeline import run_training
+from blockdraft.train.settings import TrainSettings
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The trained-pair target (conftest runs torch single-threaded, as the subprocesses below are)."""
+    folder = tmp_path_factory.mktemp("tiny") / "target"
+    _train_target(folder, seed=0)
+    return folder
+
+
+def _settings(target_dir: Path, out: Path, **overrides: object) -> TrainSettings:
+    base = TrainSettings(
+        target=str(target_dir), out=out, layers=2, block_size=8, taps=[1, 2], mask_token_id=MASK_TOKEN_ID,
+        max_length=96, response_tokens=40, anchors_per_seq=16, steps=12, batch_size=8, lr=3e-3, save_every=4,
+        eval_every=0, eval_prompts=0, gen_batch_size=64, device="cpu", dtype="float32",
+    )
+    return replace(base, **overrides)
+
+
+@pytest.fixture(scope="module")
+def trained_run(target_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[TrainSettings, object]:
+    settings = _settings(target_dir, tmp_path_factory.mktemp("run"), steps=150, eval_prompts=6, eval_tokens=32,
+                         save_every=0, precompute_features=True)
+    return settings, run_training(settings, prompts(0, 160))
+
+
+def test_training_lowers_loss_and_raises_tau(trained_run: tuple[TrainSettings, object]) -> None:
+    settings, summary = trained_run
+    assert summary.steps == 150 and summary.tokens > 0 and summary.tokens_per_s > 0
+    assert summary.last_loss < 0.5 * summary.first_loss
+    assert summary.tau_before < 1.3 and summary.tau_after > max(1.8, summary.tau_before + 0.6)
+    log = [json.loads(line) for line in (settings.out / "train_log.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in log if "tau" in e] == [0, 150]
+    assert len([e for e in log if "loss" in e]) == 150
+    written = json.loads((settings.out / "train_summary.json").read_text())
+    assert written["tau_after"] == summary.tau_after
+    assert "num_speculative_tokens\": 7" in summary.launch["vllm"]
+    assert summary.launch["sglang"].endswith("--speculative-num-draft-tokens 8")
+
+
+def test_export_matches_dflash_reference(trained_run: tuple[TrainSettings, object], monkeypatch: pytest.MonkeyPatch) -> None:
+    import dflash.model
+    from dflash.model import DFlashDraftModel, dflash_generate
+
+    monkeypatch.setattr(dflash.model, "_cuda_time", time.perf_counter)  # its stats timer assumes CUDA
+
+    settings, summary = trained_run
+    target, _ = load_target(settings.target, CPU, torch.float32)
+    ours = load_drafter(summary.drafter_dir, target)
+    reference = DFlashDraftModel.from_pretrained(summary.drafter_dir, dtype=torch.float32).eval()
+    for prompt in prompts(7, 3):
+        mine = generate(target, prompt.ids, DFlashProposer(ours, target), max_new_tokens=40)
+        theirs = dflash_generate(reference, target.model, torch.tensor([prompt.ids]), 40, None, return_stats=True)
+        assert theirs.output_ids[0, len(prompt.ids):].tolist() == mine.token_ids
+        assert theirs.acceptance_lengths == mine.acceptance_lengths
+        assert sum(mine.acceptance_lengths) / len(mine.acceptance_lengths) > 1.5
+
+
+def _same_state(a: dict, b: dict) -> None:
+    assert a["progress"] == b["progress"]
+    for key in a["drafter"]:
+        assert torch.equal(a["drafter"][key], b["drafter"][key]), key
+    for (ka, sa), (kb, sb) in zip(a["optimizer"]["state"].items(), b["optimizer"]["state"].items()):
+        assert ka == kb and all(torch.equal(sa[n], sb[n]) for n in sa)
+    assert a["scheduler"] == b["scheduler"]
+
+
+class _Crash(Exception):
+    pass
+
+
+def test_crash_and_resume_equals_uninterrupted(target_dir: Path, tmp_path: Path) -> None:
+    data = prompts(1, 24)
+    run_training(_settings(target_dir, tmp_path / "straight"), data)
+
+    def crash(step: int) -> None:
+        if step == 6:
+            raise _Crash
+    with pytest.raises(_Crash):
+        run_training(_settings(target_dir, tmp_path / "resumed"), data, on_step=crash)
+    assert load_checkpoint(tmp_path / "resumed")["progress"]["step"] == 4
+    with pytest.raises(BlockdraftError, match="--resume"):
+        run_training(_settings(target_dir, tmp_path / "resumed"), data)
+    with pytest.raises(BlockdraftError, match="--lr"):
+        run_training(_settings(target_dir, tmp_path / "resumed", resume=True, lr=1e-3), data)
+    run_training(_settings(target_dir, tmp_path / "resumed", resume=True), data)
+    _same_state(load_checkpoint(tmp_path / "straight"), load_checkpoint(tmp_path / "resumed"))
+    logs = [(tmp_path / d / "train_log.jsonl").read_text() for d in ("straight", "resumed")]
+    assert [json.loads(x)["loss"] for x in logs[0].splitlines()] == [json.loads(x)["loss"] for x in logs[1].splitlines()]
+
+
+def _cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "blockdraft.train.cli", *args]
+
+
+def _cli_args(target_dir: Path, prompts_file: Path, out: Path, steps: int) -> list[str]:
+    return [
+        "--target", str(target_dir), "--prompts", str(prompts_file), "--out", str(out), "--layers", "2",
+        "--block-size", "8", "--taps", "1,2", "--mask-token-id", str(MASK_TOKEN_ID), "--max-length", "96",
+        "--response-tokens", "40", "--anchors-per-seq", "16", "--steps", str(steps), "--batch-size", "4",
+        "--lr", "3e-3", "--save-every", "2", "--eval-every", "0", "--eval-prompts", "2", "--eval-tokens", "8",
+        "--device", "cpu", "--dtype", "float32",
+    ]
+
+
+def _prompts_file(path: Path, count: int) -> Path:
+    path.write_text("".join(json.dumps({"id": p.id, "prompt_ids": p.ids}) + "\n" for p in prompts(3, count)))
+    return path
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def test_kill_and_resume_cli_equals_uninterrupted(target_dir: Path, tmp_path: Path) -> None:
+    file = _prompts_file(tmp_path / "prompts.jsonl", 18)
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(_cli(*_cli_args(target_dir, file, out, 400)), env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not (out / "checkpoint.pt").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.2)
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    step = load_checkpoint(out)["progress"]["step"]
+    assert 2 <= step < 400
+    total = step + 4
+    for folder, resume in ((out, True), (tmp_path / "straight", False)):
+        settings = _settings(target_dir, folder, prompts=str(file), steps=400, batch_size=4, save_every=2,
+                             response_tokens=40, eval_prompts=2, eval_tokens=8, resume=resume)
+        stop_at = total
+
+        def stop(s: int, stop_at: int = stop_at) -> None:
+            if s == stop_at:
+                raise _Crash
+        with pytest.raises(_Crash):
+            run_training(settings, on_step=stop)
+    _same_state(load_checkpoint(out), load_checkpoint(tmp_path / "straight"))
+
+
+def test_torchrun_two_ranks_trains_and_exports(target_dir: Path, tmp_path: Path) -> None:
+    file = _prompts_file(tmp_path / "prompts.jsonl", 20)
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "blockdraft.train.cli", *_cli_args(target_dir, file, out, 3)]
+    result = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("samples ") == 1 and "tau" in result.stdout
+    assert sorted(p.name for p in (out / "data").iterdir()) == ["responses-000.jsonl", "responses-001.jsonl"]
+    target, _ = load_target(str(target_dir), CPU, torch.float32)
+    drafter = load_drafter(out / "drafter", target)
+    assert (drafter.cfg.num_hidden_layers, drafter.cfg.block_size, drafter.cfg.target_layer_ids) == (2, 8, (1, 2))
+    assert load_checkpoint(out)["progress"]["step"] == 3
+    summary = json.loads((out / "train_summary.json").read_text())
+    assert summary["steps"] == 3 and summary["samples"] == 18
