@@ -97,6 +97,17 @@ def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return root / "target", root / "drafter"
 
 
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded SmolLM2 target, converted once per session into a fresh cache (real weights, offline)."""
+    from blockdraft import assets
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("BLOCKDRAFT_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        mp.delenv(assets.GGUF_ENV, raising=False)
+        return assets.ensure_embedded_target(progress=False)
+
+
 @pytest.fixture
 def qwen3_target() -> Target:
     return Target(make_target_model("qwen3"))

