@@ -98,6 +98,24 @@ def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 @pytest.fixture(scope="session")
+def trained_pairs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    """Two tiny trained (target_dir, drafter_dir) pairs, built once per session side by side (one per core):
+    "full" (two bidirectional layers) and "swa" (a causal sliding-window layer, window 8, + a full layer)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    import trained_pair
+
+    swa_root, full_root = tmp_path_factory.mktemp("pair_swa"), tmp_path_factory.mktemp("pair_full")
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        swa = pool.submit(
+            trained_pair.build_trained_pair, swa_root, layer_types=["sliding_attention", "full_attention"], sliding_window=8
+        )
+        full = trained_pair.build_trained_pair(full_root)
+        return {"swa": swa.result(), "full": full}
+
+
+@pytest.fixture(scope="session")
 def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The embedded SmolLM2 target, converted once per session into a fresh cache (real weights, offline)."""
     from blockdraft import assets

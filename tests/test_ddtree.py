@@ -272,12 +272,11 @@ def test_cache_after_tree_step_equals_ar_cache(name: str) -> None:
 
 
 @pytest.fixture(scope="session")
-def trained_pair(tmp_path_factory: pytest.TempPathFactory) -> tuple[Target, object]:
-    """The tiny trained (target, drafter) pair from tests/trained_pair.py, loaded like a user would."""
-    trained = pytest.importorskip("trained_pair")
+def trained_pair(trained_pairs: dict) -> tuple[Target, object]:
+    """The tiny trained all-full (target, drafter) pair, loaded like a user would."""
     from blockdraft.models.loading import load_drafter, load_target
 
-    target_dir, drafter_dir = trained.build_trained_pair(tmp_path_factory.mktemp("ddtree_pair"))
+    target_dir, drafter_dir = trained_pairs["full"]
     target, _ = load_target(str(target_dir), torch.device("cpu"), torch.float32)
     return target, load_drafter(drafter_dir, target)
 

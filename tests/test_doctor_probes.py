@@ -9,8 +9,6 @@ full drafter whose window matters for 8..24-token prompts + 24 generated tokens.
 from __future__ import annotations
 
 import json
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,25 +72,13 @@ def _zoo(target_dir: Path, drafter_dir: Path) -> Zoo:
 
 
 @pytest.fixture(scope="module")
-def pairs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
-    """Both trained pairs, built side by side: the builds are independent and each runs on one core."""
-    swa_root, full_root = tmp_path_factory.mktemp("zoo_swa"), tmp_path_factory.mktemp("zoo_full")
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        swa = pool.submit(
-            trained.build_trained_pair, swa_root, layer_types=["sliding_attention", "full_attention"], sliding_window=8
-        )
-        full = trained.build_trained_pair(full_root)
-        return {"swa": swa.result(), "full": full}
+def swa_zoo(trained_pairs: dict[str, tuple[Path, Path]]) -> Zoo:
+    return _zoo(*trained_pairs["swa"])
 
 
 @pytest.fixture(scope="module")
-def swa_zoo(pairs: dict[str, tuple[Path, Path]]) -> Zoo:
-    return _zoo(*pairs["swa"])
-
-
-@pytest.fixture(scope="module")
-def full_zoo(pairs: dict[str, tuple[Path, Path]]) -> Zoo:
-    return _zoo(*pairs["full"])
+def full_zoo(trained_pairs: dict[str, tuple[Path, Path]]) -> Zoo:
+    return _zoo(*trained_pairs["full"])
 
 
 # ---------------------------------------------------------------- the zoo

@@ -78,3 +78,20 @@ def test_config_scales_parity() -> None:
     drafter.load_state_dict(make_drafter("all_full").state_dict())
     same, _ = compare(make_target_model("qwen3"), drafter.eval(), random_prompts(3, 2), 30)
     assert same == 3
+
+
+@pytest.mark.parametrize("kind", ["full", "swa"])
+def test_trained_pair_parity(trained_pairs: dict, kind: str) -> None:
+    """A drafter trained by `blockdraft train` (tau well above 1): every run identical to the reference."""
+    import trained_pair
+
+    from blockdraft.models.loading import load_drafter, load_target
+
+    target_dir, drafter_dir = trained_pairs[kind]
+    target, _ = load_target(str(target_dir), torch.device("cpu"), torch.float32)
+    drafter = load_drafter(drafter_dir, target)
+    prompts = [p.ids for p in trained_pair.prompts(7, 12)]
+    same, tau = compare(target.model, drafter, prompts, 64)
+    assert same == len(prompts)
+    assert tau > 2.0
+    print(f"parity {kind}: {same}/{len(prompts)} runs identical, tau {tau:.2f}")

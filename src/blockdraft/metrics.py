@@ -24,6 +24,7 @@ class SpecStats:
     decode_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
+    tree_build_s: float = 0.0
 
     @property
     def steps(self) -> int:
@@ -88,6 +89,7 @@ class SpecStats:
             decode_s=self.decode_s + other.decode_s,
             draft_s=self.draft_s + other.draft_s,
             verify_s=self.verify_s + other.verify_s,
+            tree_build_s=self.tree_build_s + other.tree_build_s,
         )
 
     def to_dict(self) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from rich.table import Table
 
@@ -75,14 +76,30 @@ def to_json(runs: list[MethodRun], settings: dict) -> dict:
     return out
 
 
-def plot_acceptance(runs: list[MethodRun], path: Path) -> Path:
-    """Per-position acceptance (left) and the acceptance-length histogram (right) for every drafting method."""
+def _two_panels() -> tuple[Any, Any, Any]:
+    """A headless figure with two side-by-side axes (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    return fig, left, right
+
+
+def _save(fig: Any, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_acceptance(runs: list[MethodRun], path: Path) -> Path:
+    """Per-position acceptance (left) and the acceptance-length histogram (right) for every drafting method."""
+    fig, left, right = _two_panels()
     drafting = [r for r in runs if r.spec.method != "ar"]
     for run in drafting:
         s = run.stats
@@ -103,11 +120,7 @@ def plot_acceptance(runs: list[MethodRun], path: Path) -> Path:
         if drafting:
             ax.legend()
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def plot_budget_sweep(runs: list[MethodRun], path: Path) -> Path:
@@ -115,16 +128,11 @@ def plot_budget_sweep(runs: list[MethodRun], path: Path) -> Path:
 
     Shows where a bigger tree stops paying: tau keeps rising with the budget while the verify cost grows.
     """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     trees = sorted((r for r in runs if r.spec.method == "ddtree" and r.spec.budget is not None), key=lambda r: r.spec.budget)
     if not trees:
         raise BlockdraftError("the budget-sweep plot needs ddtree results; run bench with --methods ddtree --budget 16,64")
     budgets = [r.spec.budget for r in trees]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, left, right = _two_panels()
     left.plot(budgets, [r.stats.tau for r in trees], marker="o", label="ddtree")
     right.plot(budgets, [r.stats.tokens_per_s for r in trees], marker="o", label="ddtree")
     for ref, style in (("dflash", "--"), ("ar", ":")):
@@ -144,8 +152,4 @@ def plot_budget_sweep(runs: list[MethodRun], path: Path) -> Path:
         ax.set_xlabel("DDTree budget (nodes per step)")
         ax.legend()
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)

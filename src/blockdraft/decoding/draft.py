@@ -65,6 +65,7 @@ class Proposer(Protocol):
 
     name: str
     tap_layers: tuple[int, ...] | None
+    build_s: float  # time spent building trees since reset (part of the draft time; 0 for chains)
 
     def reset(self) -> None: ...
 
@@ -79,6 +80,7 @@ class DFlashProposer:
     """The DFlash chain: one drafter pass over [anchor, MASK x (B-1)] gives B-1 proposals."""
 
     name = "dflash"
+    build_s = 0.0
 
     def __init__(self, drafter: DFlashDrafter, target: Target) -> None:
         self.drafter = drafter

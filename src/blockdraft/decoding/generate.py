@@ -133,6 +133,7 @@ def generate(
             on_commit(committed)
 
     stats.decode_s = clock.now() - t_decode
+    stats.tree_build_s = proposer.build_s if proposer else 0.0
     stats.generated_tokens = len(tokens)
     return GenerationResult(
         token_ids=tokens, acceptance_lengths=list(stats.acceptance_lengths), stats=stats, stopped_on=stopped_on
