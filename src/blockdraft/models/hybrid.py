@@ -1,21 +1,32 @@
-"""Exact rollback for hybrid targets (Gated DeltaNet linear attention + full attention: Qwen3.5, Qwen3-Next).
+"""Exact rollback for hybrid targets: linear-attention (conv + recurrent state) layers next to attention.
 
 A linear-attention layer folds every token into one recurrent state, so a rejected draft cannot be cropped out
-of it. Keeping a state per position would need the per-token kernel (HF's chunked kernel returns only the
-final state), so the cache instead snapshots the linear-attention states before each verify forward and, when
-a step keeps fewer rows than it verified, restores the snapshot and replays the kept tokens through the target.
-The cost is one extra target forward over the committed tokens on every step with a rejection.
+of it. Keeping a state per position would need the per-token kernel (HF's chunked kernel returns only the final
+state), so the cache snapshots the linear-attention states before each forward and, when a step keeps fewer
+rows than it verified, restores the snapshot and replays the kept tokens through the target: one extra target
+forward over the committed tokens on every step with a rejection. Trees (Gated DeltaNet only: Qwen3.5,
+Qwen3-Next) also need the verify itself to follow each node's path, since linear attention ignores masks.
 """
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from transformers import PreTrainedModel
+from transformers.activations import ACT2FN
 from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
+from blockdraft.errors import BlockdraftError
 from blockdraft.models.target import TargetCache
+
+
+_FIELDS = ("conv_states", "recurrent_states", "has_previous_state", "is_conv_states_initialized",
+           "is_recurrent_states_initialized")
 
 
 @dataclass
@@ -24,8 +35,11 @@ class _Snapshot:
 
     base: int
     input_ids: torch.Tensor
-    conv: list[torch.Tensor | None]
-    recurrent: list[torch.Tensor | None]
+    states: list[dict[str, dict[int, object]]]  # per linear layer: each field of _FIELDS, per state index
+
+
+def _copy(value: object) -> object:
+    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 class HybridCache(TargetCache):
@@ -33,55 +47,173 @@ class HybridCache(TargetCache):
 
     def __init__(self, model: PreTrainedModel) -> None:
         super().__init__(model)
+        self.model = model
         # The replay needs no logits: the decoder alone skips the LM head.
         self.decoder = model.get_decoder()
         self.linear = [layer for layer in self.hf.layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
         self.snapshot: _Snapshot | None = None
         self.replayed_tokens = 0  # tokens re-run by rollbacks since creation: the rollback's whole cost
 
-    def prepare(self, input_ids: torch.Tensor, positions: torch.Tensor) -> None:
-        """Settle, then remember the linear-attention states and the ids this forward is about to append."""
+    @contextmanager
+    def running(self, input_ids: torch.Tensor, tree_mask: torch.Tensor | None) -> Iterator[None]:
+        """Settle, remember the linear-attention states and the ids about to be appended, and for a tree make
+        linear attention follow each node's path."""
         self.settle()
-
-        def copy(state: torch.Tensor | None) -> torch.Tensor | None:
-            return None if state is None else state.clone()
-
         self.snapshot = _Snapshot(
             base=len(self),
             input_ids=input_ids,
-            conv=[copy(layer.conv_states[0]) for layer in self.linear],
-            recurrent=[copy(layer.recurrent_states[0]) for layer in self.linear],
+            states=[
+                {name: {i: _copy(v) for i, v in getattr(layer, name).items()} for name in _FIELDS}
+                for layer in self.linear
+            ],
         )
+        if tree_mask is None:
+            yield
+        else:
+            with tree_linear_attention(self.model, tree_parents(tree_mask), len(self.linear)):
+                yield
 
     def crop(self, length: int) -> None:
-        """Keep the first `length` positions: the last forward's rows [0, length - base) stay."""
-        base = self.snapshot.base if self.snapshot else 0
-        self._keep_rows(torch.arange(length - base, device=self.hf_device))
+        """Keep the first `length` positions (at least the base of the last forward)."""
+        if length >= len(self):
+            return
+        snap = self._last_forward(length)
+        self._keep_rows(torch.arange(length - snap.base))
 
     def compact(self, base: int, keep: torch.Tensor) -> None:
         """Keep positions [0, base) followed by the last forward's rows `keep`, re-run at base, base + 1, ..."""
-        if self.snapshot is None or self.snapshot.base != base:
-            raise ValueError(f"compact(base={base}) must follow a forward that started at that base")
+        self._last_forward(base)
         self._keep_rows(keep)
 
-    @property
-    def hf_device(self) -> torch.device:
-        return self.decoder.get_input_embeddings().weight.device
+    def _last_forward(self, base: int) -> _Snapshot:
+        """The snapshot a rollback to `base` needs: only the last forward can be undone, and only once."""
+        snap = self.snapshot
+        if snap is None or base < snap.base:
+            raise ValueError(f"cannot roll a hybrid cache back to {base}: only the last forward's rows can be dropped")
+        return snap
 
+    @torch.inference_mode()
     def _keep_rows(self, rows: torch.Tensor) -> None:
         """Make the cache hold [0, base) + the last forward's `rows`, as if only those had ever been run."""
         snap = self.snapshot
-        appended = snap.input_ids.shape[-1] if snap else 0
-        if snap is None or torch.equal(rows.cpu(), torch.arange(appended)):
+        if torch.equal(rows.cpu(), torch.arange(snap.input_ids.shape[-1])):
             return  # every appended row kept, in order: the forward already left the exact state
         self.hf.crop(-(len(self) - snap.base))  # attention KV back to base (linear states are restored next)
-        for layer, conv, recurrent in zip(self.linear, snap.conv, snap.recurrent):
-            layer.conv_states[0] = conv
-            layer.recurrent_states[0] = recurrent
-        self.snapshot = None  # the restored tensors are now the live state; a second rollback has nothing to use
+        for layer, saved in zip(self.linear, snap.states):
+            for name, values in saved.items():
+                setattr(layer, name, values)
+        self.snapshot = None  # the restored tensors are the live state now: a second rollback has nothing to use
         if rows.numel() == 0:
             return
         ids = snap.input_ids[:, rows.to(snap.input_ids.device)]
         positions = torch.arange(snap.base, snap.base + rows.numel(), device=ids.device).unsqueeze(0)
         self.decoder(input_ids=ids, position_ids=positions, past_key_values=self.hf, use_cache=True)
         self.replayed_tokens += rows.numel()
+
+
+def tree_parents(mask: torch.Tensor) -> list[int]:
+    """Each row's parent row (-1 for the root) from a [1, 1, t, cache + t] ancestor-or-self tree mask.
+
+    Rows come parents first, so a row's parent is its latest ancestor other than itself.
+    """
+    t = mask.shape[-2]
+    own = mask[0, 0, :, -t:].tril(-1)
+    latest = torch.where(own, torch.arange(t, device=mask.device), -1).max(dim=-1).values
+    return latest.tolist()
+
+
+@contextmanager
+def tree_linear_attention(model: PreTrainedModel, parents: list[int], linear_layers: int) -> Iterator[None]:
+    """While a tree verify runs, make every Gated DeltaNet layer of `model` follow each node's ancestor path.
+
+    Linear attention ignores attention masks: it would fold sibling branches into one state. HF's layers call
+    their causal-conv and delta-rule kernels by module-global name, so those are swapped here for path-aware
+    ones: a node's conv window is its own ancestors, and its recurrent state continues its parent's. The
+    states the forward leaves behind are wrong and are discarded by the compact that follows.
+    """
+    nets = [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
+    modules = {sys.modules[type(m).__module__] for m in nets}
+    kernels = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+    if len(nets) != linear_layers or not all(hasattr(m, k) for m in modules for k in kernels):
+        raise BlockdraftError(
+            f"tree verification follows tree paths only through Gated DeltaNet linear attention (Qwen3.5, "
+            f"Qwen3-Next); this {model.config.model_type!r} target has other recurrent layers, use --method dflash"
+        )
+    saved = [(m, m.causal_conv1d_fn, m.torch_chunk_gated_delta_rule) for m in modules]
+    try:
+        for module, _, _ in saved:
+            module.causal_conv1d_fn = _tree_conv(parents)
+            module.torch_chunk_gated_delta_rule = _tree_delta_rule(parents, module.torch_recurrent_gated_delta_rule)
+        yield
+    finally:
+        for module, conv, rule in saved:
+            module.causal_conv1d_fn, module.torch_chunk_gated_delta_rule = conv, rule
+
+
+def _tree_conv(parents: list[int]) -> Callable[..., torch.Tensor]:
+    """A stand-in for HF's `causal_conv1d_fn` (same arguments) that convolves along tree paths."""
+
+    def conv(
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        activation: str | None = None,
+        **_: object,
+    ) -> torch.Tensor:
+        """Depthwise causal conv of [b, C, prefix + t] where node i's window is its ancestor path; [b, C, t] out."""
+        k, t = weight.shape[-1], len(parents)
+        x = F.pad(x.to(weight.dtype), (k - 1, 0))  # zeros before the start, as the causal conv pads
+        first = x.shape[-1] - t  # column of the root
+        windows = []
+        for node in range(t):
+            path = []
+            while len(path) < k and node >= 0:
+                path.append(first + node)
+                node = parents[node]
+            path += range(first - 1, first - 1 - (k - len(path)), -1)  # the committed tokens before the root
+            windows.append(path[::-1])
+        index = torch.tensor(windows, device=x.device)
+        out = (x[:, :, index] * weight[None, :, None, :]).sum(-1)
+        if bias is not None:
+            out = out + bias[None, :, None]
+        return ACT2FN[activation](out) if activation is not None else out
+
+    return conv
+
+
+DeltaRule = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+def _tree_delta_rule(parents: list[int], step: DeltaRule) -> DeltaRule:
+    """A stand-in for HF's chunked delta rule (same arguments) built on its per-token `step` kernel."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(0 if parent < 0 else depths[parent] + 1)
+
+    def rule(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        initial_state: torch.Tensor,
+        use_qk_l2norm_in_kernel: bool = False,
+        **_: object,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The per-token delta rule over [1, t, ...] inputs, all nodes of one depth at once, each from its parent."""
+        out = torch.empty_like(value)
+        states = initial_state.new_empty((len(parents), *initial_state.shape[1:]))
+        for depth in range(max(depths) + 1):
+            nodes = [i for i, d in enumerate(depths) if d == depth]
+            start = initial_state.expand(len(nodes), -1, -1, -1) if depth == 0 else states[[parents[i] for i in nodes]]
+            index = torch.tensor(nodes, device=value.device)
+            node_out, node_states = step(
+                *(x[0, index].unsqueeze(1) for x in (query, key, value)), g=g[0, index].unsqueeze(1),
+                beta=beta[0, index].unsqueeze(1), initial_state=start, output_final_state=True,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            )
+            out[0, index] = node_out[:, 0]
+            states[index] = node_states.to(states.dtype)
+        return out, states[-1:]
+
+    return rule

@@ -7,6 +7,8 @@ KV-cache operations the decode loop needs (crop after a rejected chain, gather-c
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +21,8 @@ from blockdraft.errors import BlockdraftError
 
 # Attention implementations that take an arbitrary (tree) mask; flash-attention kernels only know causal masks.
 TREE_ATTENTION = ("sdpa", "eager")
+# HF layer types that keep a recurrent (linear-attention / conv) state, which a crop cannot roll back.
+RECURRENT_LAYER_TYPES = frozenset({"linear_attention", "conv", "hybrid", "hybrid_sliding"})
 
 
 @dataclass
@@ -46,6 +50,12 @@ class TargetCache:
         """
         if len(self):
             self.hf.crop(0)
+
+    @contextmanager
+    def running(self, input_ids: torch.Tensor, tree_mask: torch.Tensor | None) -> Iterator[None]:
+        """Around every forward that appends `input_ids`: settle first (hybrid caches snapshot and follow trees)."""
+        self.settle()
+        yield
 
     def crop(self, length: int) -> None:
         """Keep the first `length` positions."""
@@ -93,6 +103,11 @@ class Target:
         return self.embedding_weight.dtype
 
     def new_cache(self) -> TargetCache:
+        """A cache that can undo rejected rows: hybrid targets' linear-attention states need snapshot + replay."""
+        if RECURRENT_LAYER_TYPES.intersection(self.layer_types):
+            from blockdraft.models.hybrid import HybridCache  # hybrid builds on TargetCache: import when needed
+
+            return HybridCache(self.model)
         return TargetCache(self.model)
 
     def embed(self, ids: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
@@ -114,17 +129,17 @@ class Target:
 
         `attention_mask` is an optional [1, 1, t, len(cache) + t] boolean mask (True = visible) for trees.
         """
-        cache.settle()
-        mask = None if attention_mask is None else self.tree_masks(attention_mask, positions, cache)
-        out = self.model(
-            input_ids=input_ids,
-            position_ids=positions.unsqueeze(0),
-            past_key_values=cache.hf,
-            use_cache=True,
-            attention_mask=mask,
-            output_hidden_states=tap_layers is not None,
-            logits_to_keep=1 if last_logits_only else 0,
-        )
+        with cache.running(input_ids, attention_mask):
+            mask = None if attention_mask is None else self.tree_masks(attention_mask, positions, cache)
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=positions.unsqueeze(0),
+                past_key_values=cache.hf,
+                use_cache=True,
+                attention_mask=mask,
+                output_hidden_states=tap_layers is not None,
+                logits_to_keep=1 if last_logits_only else 0,
+            )
         taps = None
         if tap_layers is not None:
             taps = torch.cat([out.hidden_states[layer + 1] for layer in tap_layers], dim=-1)
@@ -142,7 +157,7 @@ class Target:
 
     def tree_masks(
         self, mask: torch.Tensor, positions: torch.Tensor, cache: TargetCache
-    ) -> torch.Tensor | dict[str, torch.Tensor]:
+    ) -> torch.Tensor | dict[str, torch.Tensor | None]:
         """A [1, 1, t, len(cache) + t] bool mask in the form each layer type's attention reads it.
 
         HF hands a 4D mask to attention unchanged, so here: sliding layers (whose cache holds only the last
@@ -152,7 +167,7 @@ class Target:
         impl = self.check_tree_attention()
         t = positions.shape[0]
         cache_len = mask.shape[-1] - t
-        masks: dict[str, torch.Tensor] = {}
+        masks: dict[str, torch.Tensor | None] = {}
         for kind, layer in zip(self.layer_types, cache.hf.layers):
             if kind in masks:
                 continue
@@ -162,10 +177,13 @@ class Target:
                 visible = mask[..., cache_len - stored :] & (positions[:, None] - keys[None, :] < layer.sliding_window)
             elif kind == "full_attention":
                 visible = mask
+            elif kind == "linear_attention":
+                masks[kind] = None  # no mask: the hybrid cache makes linear attention follow the tree itself
+                continue
             else:
                 raise BlockdraftError(
-                    f"the target has {kind!r} layers; tree verification supports full and sliding-window attention "
-                    "only, use --method dflash"
+                    f"the target has {kind!r} layers; tree verification supports full, sliding-window and linear "
+                    "attention only, use --method dflash"
                 )
             if impl == "eager":
                 visible = torch.zeros(visible.shape, dtype=self.dtype, device=mask.device).masked_fill(

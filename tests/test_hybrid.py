@@ -1,0 +1,257 @@
+"""Hybrid targets (Gated DeltaNet linear attention + full attention): rejected drafts roll back exactly, so
+speculative decoding equals the target's own greedy decode and the cache after a rejection equals a clean AR
+cache over the committed tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3NextConfig, Qwen3NextForCausalLM
+
+from blockdraft.decoding.ddtree import DDTreeProposer
+from blockdraft.decoding.draft import DFlashProposer, Draft
+from blockdraft.decoding.generate import generate
+from blockdraft.decoding.sampling import SamplingParams
+from blockdraft.errors import BlockdraftError
+from blockdraft.models.hybrid import HybridCache, tree_linear_attention, tree_parents
+from blockdraft.models.target import Target, TargetCache
+
+from conftest import HIDDEN, TARGET_LAYERS, VOCAB, make_drafter
+from test_lossless import hf_greedy
+
+# Two linear-attention layers, then full attention, then linear: the drafter taps (0, 2, 3) see both kinds.
+LAYER_TYPES = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
+PROMPTS = [[3, 14, 15, 9, 26], [7], [40, 2, 2, 71, 5, 33, 90, 12, 8, 61, 19]]
+
+
+def make_hybrid(family: str, seed: int = 0) -> torch.nn.Module:
+    """A tiny random hybrid target with the conftest sizes, so conftest's drafters fit it."""
+    common = dict(
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=TARGET_LAYERS, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, intermediate_size=64, max_position_embeddings=512,
+        tie_word_embeddings=False, layer_types=LAYER_TYPES, linear_conv_kernel_dim=4, linear_key_head_dim=8,
+        linear_num_key_heads=2, linear_value_head_dim=8, linear_num_value_heads=4,
+    )
+    if family == "qwen3_5":
+        model_cls, config = Qwen3_5ForCausalLM, Qwen3_5TextConfig(**common)
+    else:
+        model_cls = Qwen3NextForCausalLM
+        config = Qwen3NextConfig(
+            **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32
+        )
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    for p in model.parameters():  # as in conftest: varied greedy choices rather than a constant token
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.2)
+    return model
+
+
+FAMILIES = ["qwen3_5", "qwen3_next"]
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def hybrid(request: pytest.FixtureRequest) -> tuple[torch.nn.Module, Target]:
+    model = make_hybrid(request.param)
+    return model, Target(model)
+
+
+class OracleProposer:
+    """Proposes the target's true continuation with draft `step % (slots + 1)` made wrong (none when that is
+    `slots`): the steps cycle through rejection at every depth and the full accept, so every rollback runs."""
+
+    name = "oracle"
+    tap_layers = (0,)
+    build_s = 0.0
+
+    def __init__(self, truth: list[int], slots: int) -> None:
+        self.truth = truth
+        self.slots = slots
+        self.step = 0
+
+    def reset(self) -> None:
+        self.step = 0
+
+    def add_context(self, taps: torch.Tensor) -> None: ...
+
+    def propose(self, anchor: int, start: int, max_depth: int, sampling: SamplingParams, generator) -> Draft:
+        tokens = self.truth[start + 1 : start + 1 + min(self.slots, max_depth)]
+        wrong, self.step = self.step % (self.slots + 1), self.step + 1
+        if wrong < len(tokens):
+            tokens[wrong] = (tokens[wrong] + 1) % (VOCAB - 1)
+        return Draft.chain(torch.tensor(tokens, dtype=torch.long))
+
+
+def test_hybrid_target_gets_a_hybrid_cache(hybrid) -> None:
+    _, target = hybrid
+    assert isinstance(target.new_cache(), HybridCache)
+    assert "linear_attention" in target.layer_types
+
+
+def test_ar_loop_matches_hf_generate(hybrid) -> None:
+    model, target = hybrid
+    for prompt in PROMPTS:
+        assert generate(target, prompt, None, max_new_tokens=20).token_ids == hf_greedy(model, prompt, 20)
+
+
+def test_dflash_equals_ar(hybrid) -> None:
+    """A random drafter (rejections nearly every step) and an oracle (all acceptance lengths) stay lossless."""
+    _, target = hybrid
+    dflash = DFlashProposer(make_drafter("all_full"), target)
+    for prompt in PROMPTS:
+        ar = generate(target, prompt, None, max_new_tokens=24).token_ids
+        oracle = OracleProposer(prompt + ar, slots=5)
+        for proposer in (dflash, oracle):
+            spec = generate(target, prompt, proposer, max_new_tokens=24)
+            assert spec.token_ids == ar
+        assert spec.acceptance_lengths[:6] == [1, 2, 3, 4, 5, 6]  # the oracle ran every rollback and a full accept
+
+
+def linear_states(cache: TargetCache) -> list[torch.Tensor]:
+    """Every state the next forward reads: conv and recurrent state per linear layer, K and V per attention layer."""
+    cache.settle()
+    out: list[torch.Tensor] = []
+    for layer in cache.hf.layers:
+        if hasattr(layer, "conv_states"):
+            out += [layer.conv_states[0], layer.recurrent_states[0]]
+        else:
+            out += [layer.keys, layer.values]
+    return out
+
+
+def ar_cache(target: Target, tokens: list[int], prompt_len: int) -> TargetCache:
+    """A clean AR run over `tokens`: prefill the prompt, then one token per forward."""
+    cache = target.new_cache()
+    target.forward(torch.tensor([tokens[:prompt_len]]), torch.arange(prompt_len), cache)
+    for pos in range(prompt_len, len(tokens)):
+        target.forward(torch.tensor([[tokens[pos]]]), torch.tensor([pos]), cache)
+    return cache
+
+
+def assert_same_states(cache: TargetCache, ref: TargetCache) -> None:
+    assert len(cache) == len(ref)
+    for got, want in zip(linear_states(cache), linear_states(ref), strict=True):
+        assert got.shape == want.shape
+        assert (got - want).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("kept", [0, 2, 4])
+def test_state_after_rejection_equals_ar(hybrid, kept: int) -> None:
+    """Verify [anchor] + 5 drafts whose draft `kept` is wrong; after the crop the cache (and the next forward)
+    equal a clean AR run over prompt + anchor + the accepted drafts."""
+    _, target = hybrid
+    prompt = PROMPTS[0]
+    seq = generate(target, prompt, None, max_new_tokens=8).token_ids  # seq[0] is the anchor
+    draft = seq[1:6]
+    draft[kept] = (draft[kept] + 1) % (VOCAB - 1)
+    start = len(prompt)
+    cache = target.new_cache()
+    target.forward(torch.tensor([prompt]), torch.arange(start), cache)
+    out = target.forward(torch.tensor([[seq[0], *draft]]), torch.arange(start, start + 6), cache)
+    assert out.logits[0].argmax(-1).tolist()[: kept + 1] == seq[1 : kept + 2]  # the target rejects draft `kept`
+    cache.crop(start + kept + 1)
+    assert cache.replayed_tokens == kept + 1
+
+    ref = ar_cache(target, prompt + seq[: kept + 1], start)
+    assert_same_states(cache, ref)
+    bonus, pos = torch.tensor([[seq[kept + 1]]]), torch.tensor([start + kept + 1])
+    assert (target.forward(bonus, pos, cache).logits - target.forward(bonus, pos, ref).logits).abs().max() < 1e-4
+
+
+def test_full_accept_needs_no_replay(hybrid) -> None:
+    _, target = hybrid
+    prompt = PROMPTS[0]
+    seq = generate(target, prompt, None, max_new_tokens=7).token_ids
+    cache = target.new_cache()
+    target.forward(torch.tensor([prompt]), torch.arange(5), cache)
+    target.forward(torch.tensor([seq[:6]]), torch.arange(5, 11), cache)
+    cache.crop(11)
+    assert cache.replayed_tokens == 0
+    assert_same_states(cache, ar_cache(target, prompt + seq[:6], 5))
+
+
+def test_compact_replays_scattered_rows(hybrid) -> None:
+    """compact keeps rows out of order of appending (as a tree walk does): the kept tokens are re-run at base..."""
+    _, target = hybrid
+    prompt = PROMPTS[2]
+    start = len(prompt)
+    ids = [5, 17, 60, 3, 44]
+    cache = target.new_cache()
+    target.forward(torch.tensor([prompt]), torch.arange(start), cache)
+    target.forward(torch.tensor([ids]), torch.arange(start, start + 5), cache)
+    cache.compact(start, torch.tensor([0, 2, 4]))
+    assert_same_states(cache, ar_cache(target, prompt + [ids[0], ids[2], ids[4]], start))
+
+
+def test_only_the_last_forward_can_be_undone(hybrid) -> None:
+    _, target = hybrid
+    cache = target.new_cache()
+    target.forward(torch.tensor([PROMPTS[0]]), torch.arange(5), cache)
+    target.forward(torch.tensor([[1, 2, 3]]), torch.arange(5, 8), cache)
+    with pytest.raises(ValueError, match="only the last forward"):
+        cache.crop(4)
+    cache.crop(6)
+    with pytest.raises(ValueError, match="only the last forward"):
+        cache.crop(5)
+
+
+def test_rollback_into_the_prefill(hybrid) -> None:
+    """Cropping the prompt itself restarts the linear layers from scratch and re-runs the kept prefix."""
+    _, target = hybrid
+    cache = target.new_cache()
+    target.forward(torch.tensor([PROMPTS[2]]), torch.arange(len(PROMPTS[2])), cache)
+    cache.crop(4)
+    assert_same_states(cache, ar_cache(target, PROMPTS[2][:4], 4))
+
+
+def test_tree_step_equals_ar(hybrid) -> None:
+    """A hand-made tree with the greedy path among wrong branches: logits and taps of the path rows equal a
+    clean forward over the committed tokens (linear attention followed each path, not the verify order), and
+    after compaction so does the cache."""
+    _, target = hybrid
+    prompt = PROMPTS[2]
+    seq = generate(target, prompt, None, max_new_tokens=6).token_ids  # anchor, 4 path tokens, bonus
+    wrong = [(t + 1) % (VOCAB - 1) for t in seq]
+    nodes = [
+        (-1, wrong[1]), (-1, seq[1]), (0, seq[2]), (1, wrong[2]), (1, seq[2]), (4, seq[3]), (3, seq[3]),
+        (5, wrong[4]), (5, seq[4]),
+    ]
+    parents = [p for p, _ in nodes]
+    depths: list[int] = []
+    for p in parents:
+        depths.append(1 if p == -1 else depths[p] + 1)
+    draft = Draft(tokens=torch.tensor([t for _, t in nodes]), parents=parents, depths=depths)
+    taps, start = (0, 2, 3), len(prompt)
+    cache = target.new_cache()
+    target.forward(torch.tensor([prompt]), torch.arange(start), cache, taps)
+    ids = torch.cat([torch.tensor([seq[0]]), draft.tokens]).unsqueeze(0)
+    mask = draft.tree_mask(len(cache), target.device)
+    assert tree_parents(mask) == [-1, *(p + 1 for p in parents)]
+    out = target.forward(ids, draft.positions(start, target.device), cache, taps, attention_mask=mask)
+    rows = torch.tensor([0, 2, 5, 6, 9])
+    assert out.logits[0, rows[:-1]].argmax(-1).tolist() == seq[1:5]
+    cache.compact(start, rows)
+
+    committed = prompt + seq[:5]
+    ref_cache = target.new_cache()
+    ref = target.forward(torch.tensor([committed]), torch.arange(len(committed)), ref_cache, taps)
+    assert (out.logits[0, rows] - ref.logits[0, start:]).abs().max() < 1e-4
+    assert (out.taps[0, rows] - ref.taps[0, start:]).abs().max() < 1e-4
+    assert_same_states(cache, ar_cache(target, committed, start))
+
+
+def test_ddtree_equals_ar(hybrid) -> None:
+    _, target = hybrid
+    drafter = make_drafter("all_full")
+    for budget in (3, 12):
+        tree = DDTreeProposer(drafter, target, budget)
+        for prompt in PROMPTS:
+            assert generate(target, prompt, tree, max_new_tokens=16).token_ids == hf_greedy(target.model, prompt, 16)
+
+
+def test_trees_refused_through_other_recurrent_layers(hybrid) -> None:
+    """Only Gated DeltaNet kernels are made path-aware: a target whose linear layers are not all of them is refused."""
+    model, target = hybrid
+    with pytest.raises(BlockdraftError, match="use --method dflash"):
+        with tree_linear_attention(model, [-1, 0], linear_layers=len(target.new_cache().linear) + 1):
+            pass
