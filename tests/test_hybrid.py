@@ -24,10 +24,10 @@ LAYER_TYPES = ["linear_attention", "linear_attention", "full_attention", "linear
 PROMPTS = [[3, 14, 15, 9, 26], [7], [40, 2, 2, 71, 5, 33, 90, 12, 8, 61, 19]]
 
 
-def make_hybrid(family: str, seed: int = 0) -> torch.nn.Module:
+def make_hybrid(family: str, seed: int = 0, vocab: int = VOCAB) -> torch.nn.Module:
     """A tiny random hybrid target with the conftest sizes, so conftest's drafters fit it."""
     common = dict(
-        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=TARGET_LAYERS, num_attention_heads=4,
+        vocab_size=vocab, hidden_size=HIDDEN, num_hidden_layers=TARGET_LAYERS, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, intermediate_size=64, max_position_embeddings=512,
         tie_word_embeddings=False, layer_types=LAYER_TYPES, linear_conv_kernel_dim=4, linear_key_head_dim=8,
         linear_num_key_heads=2, linear_value_head_dim=8, linear_num_value_heads=4,
@@ -255,3 +255,16 @@ def test_trees_refused_through_other_recurrent_layers(hybrid) -> None:
     with pytest.raises(BlockdraftError, match="use --method dflash"):
         with tree_linear_attention(model, [-1, 0], linear_layers=len(target.new_cache().linear) + 1):
             pass
+
+
+@pytest.mark.parametrize("family, method", [("qwen3_5", "dflash"), ("qwen3_next", "ddtree")])
+def test_sampling_matches_the_target(family: str, method: str) -> None:
+    """T=1 on a 5-token vocabulary: every rollback path keeps the joint distribution of 3 generated tokens."""
+    from test_sampling import V, exact_joint, p_value, sample_counts
+
+    model = make_hybrid(family, seed=3, vocab=V)
+    target = Target(model)
+    drafter = make_drafter("all_full", seed=3, vocab=V)
+    proposer = DFlashProposer(drafter, target) if method == "dflash" else DDTreeProposer(drafter, target, 8)
+    params = SamplingParams(1.0)
+    assert p_value(sample_counts(target, proposer, params, 3), exact_joint(model, params, 3)) > 1e-3
