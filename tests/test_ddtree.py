@@ -221,15 +221,9 @@ def settled_kv(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys, layer.values) for layer in cache.hf.layers]
 
 
-@pytest.mark.parametrize("name", sorted(TARGETS))
-def test_cache_after_tree_step_equals_ar_cache(name: str) -> None:
-    """A hand-made tree with the target's greedy path among wrong branches: the walk accepts the path; after
-    compaction the cache, the logits and the taps equal a clean forward over the committed tokens."""
-    target = Target(TARGETS[name]())
-    prompt = PROMPTS[2]
-    seq = greedy(target, prompt, 6)  # seq[0] is the anchor, seq[1:5] the path, seq[5] the bonus
+def scattered_path_tree(seq: list[int]) -> Draft:
+    """A tree holding the path seq[1..4] (seq[0] is the anchor) scattered among wrong siblings, parents first."""
     wrong = [(t + 1) % (VOCAB - 1) for t in seq]
-    # verify order: parents before children, path nodes scattered among distractors
     nodes = [
         (-1, wrong[1]), (-1, seq[1]), (0, seq[2]), (1, wrong[2]), (1, seq[2]), (4, seq[3]), (3, seq[3]),
         (5, wrong[4]), (5, seq[4]),
@@ -238,7 +232,17 @@ def test_cache_after_tree_step_equals_ar_cache(name: str) -> None:
     depths: list[int] = []
     for p in parents:
         depths.append(1 if p == -1 else depths[p] + 1)
-    draft = Draft(tokens=torch.tensor([t for _, t in nodes]), parents=parents, depths=depths)
+    return Draft(tokens=torch.tensor([t for _, t in nodes]), parents=parents, depths=depths)
+
+
+@pytest.mark.parametrize("name", sorted(TARGETS))
+def test_cache_after_tree_step_equals_ar_cache(name: str) -> None:
+    """A hand-made tree with the target's greedy path among wrong branches: the walk accepts the path; after
+    compaction the cache, the logits and the taps equal a clean forward over the committed tokens."""
+    target = Target(TARGETS[name]())
+    prompt = PROMPTS[2]
+    seq = greedy(target, prompt, 6)  # seq[0] is the anchor, seq[1:5] the path, seq[5] the bonus
+    draft = scattered_path_tree(seq)
     assert not draft.is_chain
 
     taps = (0, 2, 3)

@@ -17,6 +17,7 @@ from blockdraft.models.hybrid import HybridCache, tree_linear_attention, tree_pa
 from blockdraft.models.target import Target, TargetCache
 
 from conftest import HIDDEN, TARGET_LAYERS, VOCAB, make_drafter
+from test_ddtree import scattered_path_tree
 from test_lossless import hf_greedy
 
 # Two linear-attention layers, then full attention, then linear: the drafter taps (0, 2, 3) see both kinds.
@@ -211,22 +212,13 @@ def test_tree_step_equals_ar(hybrid) -> None:
     _, target = hybrid
     prompt = PROMPTS[2]
     seq = generate(target, prompt, None, max_new_tokens=6).token_ids  # anchor, 4 path tokens, bonus
-    wrong = [(t + 1) % (VOCAB - 1) for t in seq]
-    nodes = [
-        (-1, wrong[1]), (-1, seq[1]), (0, seq[2]), (1, wrong[2]), (1, seq[2]), (4, seq[3]), (3, seq[3]),
-        (5, wrong[4]), (5, seq[4]),
-    ]
-    parents = [p for p, _ in nodes]
-    depths: list[int] = []
-    for p in parents:
-        depths.append(1 if p == -1 else depths[p] + 1)
-    draft = Draft(tokens=torch.tensor([t for _, t in nodes]), parents=parents, depths=depths)
+    draft = scattered_path_tree(seq)
     taps, start = (0, 2, 3), len(prompt)
     cache = target.new_cache()
     target.forward(torch.tensor([prompt]), torch.arange(start), cache, taps)
     ids = torch.cat([torch.tensor([seq[0]]), draft.tokens]).unsqueeze(0)
     mask = draft.tree_mask(len(cache), target.device)
-    assert tree_parents(mask) == [-1, *(p + 1 for p in parents)]
+    assert tree_parents(mask) == [-1, *(p + 1 for p in draft.parents)]
     out = target.forward(ids, draft.positions(start, target.device), cache, taps, attention_mask=mask)
     rows = torch.tensor([0, 2, 5, 6, 9])
     assert out.logits[0, rows[:-1]].argmax(-1).tolist() == seq[1:5]

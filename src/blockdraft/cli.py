@@ -88,6 +88,14 @@ def _stop_ids(text: Optional[str]) -> list[int]:
     return parse_ids(text) if text else []
 
 
+def _text_stream(tokenizer: Any) -> Any:
+    """Print the text of each committed chunk as it lands."""
+    from blockdraft.prompting import IncrementalDecoder
+
+    decoder = IncrementalDecoder(tokenizer)
+    return lambda new: out.print(decoder.push(new), end="", highlight=False, markup=False)
+
+
 TargetOpt = typer.Option("smollm2-135m-instruct", "--target", help="HF model folder, hub id, or the embedded name.")
 DeviceOpt = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present).")
 DtypeOpt = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on GPU).")
@@ -129,15 +137,7 @@ def generate(
     encoded = [encode_item(item, loaded.tokenizer, thinking) for item in items]
     json_lines = as_json or prompts is not None
     for ids in encoded:
-        stream = None
-        if not json_lines and loaded.tokenizer is not None:
-            shown: list[int] = []
-
-            def stream(new: list[int], shown: list[int] = shown) -> None:
-                before = loaded.decode(shown) or ""
-                shown.extend(new)
-                out.print((loaded.decode(shown) or "")[len(before):], end="", highlight=False, markup=False)
-
+        stream = _text_stream(loaded.tokenizer) if not json_lines and loaded.tokenizer is not None else None
         result = run(loaded.target, ids, proposer, max_new_tokens, sampling, stops, seed, on_commit=stream)
         if json_lines:
             record = {
@@ -154,7 +154,9 @@ def generate(
             s = result.stats
             err.print(
                 f"\n[{s.method}] {s.generated_tokens} tokens, tau {s.tau:.2f}, {s.tokens_per_s:.1f} tok/s, "
-                f"TTFT {1000 * s.ttft_s:.0f} ms"
+                f"TTFT {1000 * s.ttft_s:.0f} ms",
+                markup=False,
+                highlight=False,
             )
 
 

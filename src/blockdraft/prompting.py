@@ -55,3 +55,22 @@ def stop_tokens(tokenizer: Any, generation_eos: int | list[int] | None, extra: l
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
     return tuple(dict.fromkeys(ids))
+
+
+class IncrementalDecoder:
+    """Committed token chunks -> the text each chunk adds, for streaming.
+
+    It decodes everything so far and returns the new suffix, so tokens that only make sense together (merged
+    bytes, leading spaces) come out right.
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+
+    def push(self, new: list[int]) -> str:
+        self.ids.extend(new)
+        full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        piece, self.text = full[len(self.text):], full
+        return piece

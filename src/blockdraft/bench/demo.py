@@ -6,6 +6,8 @@ land; then one side-by-side table and a plot of per-position acceptance and acce
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,9 +21,21 @@ from blockdraft.decoding.methods import METHODS, build_proposer
 from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.models.drafter import DFlashDrafter
 from blockdraft.models.target import Target
+from blockdraft.prompting import IncrementalDecoder
 
 EMBEDDED_DRAFTER = Path(__file__).resolve().parents[1] / "drafters" / "smollm2-135m-instruct-dflash"
 _STYLES = ("bold cyan", "bold magenta")
+
+
+def _coloured_stream(tokenizer: Any, console: Console) -> Callable[[list[int]], None]:
+    """Print each verify step's committed text in the next of two colours."""
+    decoder = IncrementalDecoder(tokenizer)
+    steps = itertools.count()
+
+    def on_commit(new: list[int]) -> None:
+        console.print(Text(decoder.push(new), style=_STYLES[next(steps) % 2]), end="")
+
+    return on_commit
 
 
 def demo_methods(budget: int) -> list[MethodSpec]:
@@ -54,17 +68,7 @@ def run_demo(
     for prompt, text in zip(prompts, texts):
         console.rule(f"[bold]{prompt.category}[/bold]: {text[:90]}")
         for spec in specs:
-            on_commit = None
-            if spec.method == "dflash":
-                shown: list[int] = []
-                step = [0]
-
-                def on_commit(new: list[int], shown: list[int] = shown, step: list[int] = step) -> None:
-                    before = tokenizer.decode(shown, skip_special_tokens=True)
-                    shown.extend(new)
-                    piece = tokenizer.decode(shown, skip_special_tokens=True)[len(before):]
-                    console.print(Text(piece, style=_STYLES[step[0] % 2]), end="")
-                    step[0] += 1
+            on_commit = _coloured_stream(tokenizer, console) if spec.method == "dflash" else None
 
             result = generate(target, prompt.ids, proposers[spec], max_new_tokens, greedy, stop_token_ids, on_commit=on_commit)
             runs[spec].runs.append(PromptRun(prompt.prompt_id, prompt.category, result))
