@@ -15,9 +15,9 @@ from rich.console import Console
 from rich.text import Text
 
 from blockdraft.bench.report import category_table, plot_acceptance, summary_table
-from blockdraft.bench.runner import BenchPrompt, MethodRun, MethodSpec, PromptRun
+from blockdraft.bench.runner import BenchPrompt, MethodRun, MethodSpec, PromptRun, warmed_proposers
 from blockdraft.decoding.generate import generate
-from blockdraft.decoding.methods import METHODS, build_proposer
+from blockdraft.decoding.methods import METHODS
 from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.models.drafter import DFlashDrafter
 from blockdraft.models.target import Target
@@ -60,11 +60,9 @@ def run_demo(
 ) -> list[MethodRun]:
     """Run every method on every prompt (T=0), stream the DFlash text, then print the table and write the plot."""
     specs = demo_methods(budget)
-    proposers = {s: build_proposer(s.method, target, drafter, s.budget) for s in specs}
-    runs = {s: MethodRun(s) for s in specs}
     greedy = SamplingParams()
-    for proposer in proposers.values():
-        generate(target, prompts[0].ids, proposer, max_new_tokens=4, sampling=greedy)
+    proposers = warmed_proposers(target, drafter, specs, prompts, greedy, max_new_tokens)
+    runs = {s: MethodRun(s) for s in specs}
     for prompt, text in zip(prompts, texts):
         console.rule(f"[bold]{prompt.category}[/bold]: {text[:90]}")
         for spec in specs:

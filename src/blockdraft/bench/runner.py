@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from blockdraft.decoding.draft import Proposer
 from blockdraft.decoding.generate import GenerationResult, generate
 from blockdraft.decoding.methods import build_proposer
 from blockdraft.decoding.sampling import SamplingParams
@@ -57,6 +58,22 @@ class BenchPrompt:
     ids: list[int]
 
 
+def warmed_proposers(
+    target: Target,
+    drafter: DFlashDrafter | None,
+    methods: list[MethodSpec],
+    prompts: list[BenchPrompt],
+    sampling: SamplingParams,
+    max_new_tokens: int,
+) -> dict[MethodSpec, Proposer | None]:
+    """One proposer per method, each run once on a short generation so no method pays the first-call costs."""
+    proposers = {spec: build_proposer(spec.method, target, drafter, spec.budget) for spec in methods}
+    if prompts:
+        for proposer in proposers.values():
+            generate(target, prompts[0].ids, proposer, max_new_tokens=min(8, max_new_tokens), sampling=sampling)
+    return proposers
+
+
 def run_bench(
     target: Target,
     drafter: DFlashDrafter | None,
@@ -68,11 +85,8 @@ def run_bench(
     seed: int = 0,
     on_progress: Callable[[str, int], None] | None = None,
 ) -> list[MethodRun]:
-    """Run every method on every prompt; a short warm-up first so no method pays the first-call costs."""
-    proposers = {spec: build_proposer(spec.method, target, drafter, spec.budget) for spec in methods}
-    if prompts:
-        for proposer in proposers.values():
-            generate(target, prompts[0].ids, proposer, max_new_tokens=min(8, max_new_tokens), sampling=sampling)
+    """Run every method on every prompt, side by side in this process."""
+    proposers = warmed_proposers(target, drafter, methods, prompts, sampling, max_new_tokens)
     runs = []
     for spec in methods:
         run = MethodRun(spec)
