@@ -182,3 +182,17 @@ def test_torchrun_two_ranks_trains_and_exports(target_dir: Path, tmp_path: Path)
     assert load_checkpoint(out)["progress"]["step"] == 3
     summary = json.loads((out / "train_summary.json").read_text())
     assert summary["steps"] == 3 and summary["samples"] == 18
+
+
+def test_init_from_a_drafter_folder_continues_from_its_weights(
+    trained_run: tuple[TrainSettings, object], target_dir: Path, tmp_path: Path
+) -> None:
+    settings, summary = trained_run
+    with pytest.raises(BlockdraftError, match="--init"):
+        run_training(_settings(target_dir, tmp_path / "bad", init=str(tmp_path / "nowhere")), prompts(0, 24))
+    warm = run_training(_settings(target_dir, tmp_path / "warm", init=str(settings.out / "drafter"), steps=1, lr=1e-12),
+                        prompts(0, 24))
+    assert warm.first_loss < 0.5 * summary.first_loss
+    before, after = load_drafter(settings.out / "drafter"), load_drafter(tmp_path / "warm" / "drafter")
+    for (name, x), (_, y) in zip(before.state_dict().items(), after.state_dict().items()):
+        torch.testing.assert_close(x, y, atol=1e-6, rtol=0, msg=name)

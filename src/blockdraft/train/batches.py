@@ -46,7 +46,11 @@ def draw_anchors(sample: Sample, count: int, seed: int, epoch: int, index: int) 
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """Epoch-wise shuffled, rank-sharded micro-batches; every rank gets the same number per epoch (DDP needs it)."""
+    """Epoch-wise shuffled, rank-sharded micro-batches; every rank gets the same number per epoch (DDP needs it).
+
+    With `pad_width`, every batch is padded to that many positions and `anchors_per_seq` anchors, so compiled
+    kernels see one shape instead of recompiling per batch.
+    """
 
     samples: list[Sample]
     batch_size: int
@@ -54,6 +58,7 @@ class BatchPlan:
     seed: int
     rank: int = 0
     world: int = 1
+    pad_width: int | None = None
 
     @property
     def per_rank(self) -> int:
@@ -75,8 +80,8 @@ class BatchPlan:
         epoch, chosen = self.indices(micro_batch)
         picked = [self.samples[i] for i in chosen]
         anchors = [draw_anchors(s, self.anchors_per_seq, self.seed, epoch, i) for s, i in zip(picked, chosen)]
-        width = max(len(s.ids) for s in picked)
-        n = max(len(a) for a in anchors)
+        width = self.pad_width or max(len(s.ids) for s in picked)
+        n = self.anchors_per_seq if self.pad_width else max(len(a) for a in anchors)
         ids = torch.zeros((len(picked), width), dtype=torch.long)
         anchor_t = torch.zeros((len(picked), n), dtype=torch.long)
         valid = torch.zeros((len(picked), n), dtype=torch.bool)

@@ -2,7 +2,9 @@
 
 A checkpoint holds everything the next step depends on: drafter, optimizer, scheduler, RNG states, the step and
 the micro-batch counter (batches are a pure function of it). It is written to a temporary file and renamed over
-the old one, so a kill mid-write leaves the previous checkpoint intact.
+the old one, so a kill mid-write leaves the previous checkpoint intact. Its format does not depend on the parallel
+mode: under FSDP the shards are gathered into full (unsharded) state dicts in torch's own layout, so a run may be
+resumed with fsdp, ddp or one process whatever wrote the checkpoint.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from blockdraft.errors import BlockdraftError
 
@@ -30,6 +34,44 @@ def restore_rng_states(states: dict[str, Any]) -> None:
     torch.set_rng_state(states["torch"])
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def full_state(drafter: nn.Module, optimizer: torch.optim.Optimizer, sharded: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Drafter and optimizer state dicts as one process would have them (`Module.state_dict`, `Optimizer.state_dict`).
+
+    Sharded (FSDP), this is a collective every rank must enter; rank 0 gets the gathered dicts on CPU and the other
+    ranks empty ones (rank 0 is the one writer).
+    """
+    if not sharded:
+        return drafter.state_dict(), optimizer.state_dict()
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    model_state, optim_state = get_state_dict(drafter, optimizer, options=options)
+    if not model_state:
+        return {}, {}
+    # parameter names -> torch's indices (its order: the groups' parameters, in turn); hyperparameters as they are
+    names = [name for group in optim_state["param_groups"] for name in group["params"]]
+    index = {name: i for i, name in enumerate(names)}
+    state = dict(sorted(((index[name], value) for name, value in optim_state["state"].items()), key=lambda kv: kv[0]))
+    return model_state, {"state": state, "param_groups": optimizer.state_dict()["param_groups"]}
+
+
+def load_full_state(drafter: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict[str, Any],
+                    optim_state: dict[str, Any], sharded: bool) -> None:
+    """Load `full_state`'s dicts; sharded, every rank passes the full dicts and keeps its own shards."""
+    if not sharded:
+        drafter.load_state_dict(model_state)
+        optimizer.load_state_dict(optim_state)
+        return
+    names = [name for name, _ in drafter.named_parameters()]  # the optimizer was built on drafter.parameters()
+    by_name = {
+        "state": {names[i]: dict(value) for i, value in optim_state["state"].items()},
+        "param_groups": [{**group, "params": [names[i] for i in group["params"]]} for group in optim_state["param_groups"]],
+    }
+    # copies: set_state_dict swaps the tensors of the dicts it is given for this rank's shards, in place
+    set_state_dict(drafter, optimizer, model_state_dict=dict(model_state), optim_state_dict=by_name,
+                   options=StateDictOptions(full_state_dict=True))
+    for group, saved in zip(optimizer.param_groups, optim_state["param_groups"]):  # as saved (it turns tuples to lists)
+        group.update({key: value for key, value in saved.items() if key != "params"})
 
 
 def save_checkpoint(folder: Path, state: dict[str, Any]) -> Path:

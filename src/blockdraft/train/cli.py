@@ -2,7 +2,8 @@
 
 Scale out by launching the same command under torchrun, e.g.
 `torchrun --nproc_per_node 8 $(which blockdraft) train --target ... --prompts sharegpt --out runs/x`
-(or `torchrun --nproc_per_node 8 -m blockdraft.train.cli ...`).
+(or `torchrun --nproc_per_node 8 -m blockdraft.train.cli ...`); add `--parallel fsdp` to shard the drafter and
+its optimizer state across the ranks when they do not fit one device.
 """
 
 from __future__ import annotations
@@ -79,11 +80,15 @@ def train_command(
     gen_batch_size: int = typer.Option(32, "--gen-batch-size", help="Prompts per batched generate call."),
     gen_temperature: float = typer.Option(0.0, "--gen-temperature", help="Temperature of the target's responses (0: greedy)."),
     precompute_features: bool = typer.Option(False, "--precompute-features", help="Write target taps to disk once (small targets)."),
-    init: str = typer.Option("target", "--init", help="target (copy the target's last layers where shapes match) or random."),
-    attention: str = typer.Option("sdpa", "--attention", help="sdpa (CPU and GPU) or flex (CUDA only; skips masked tiles)."),
+    init: str = typer.Option("target", "--init", help="target (copy the target's last layers where shapes match), random, or a drafter folder to continue "
+                       "from (its shape and weights; a fresh optimizer)."),
+    attention: str = typer.Option(
+        "auto", "--attention", help="auto (flex on CUDA, else sdpa), sdpa (CPU and GPU) or flex (CUDA only; skips masked tiles)."
+    ),
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="Target dtype: float32, bfloat16, float16 (default: float32 on CPU, bfloat16 on GPU)."),
     seed: int = typer.Option(0, "--seed"),
+    parallel: str = typer.Option("ddp", "--parallel", help="Under torchrun: ddp (replicate the drafter) or fsdp (shard drafter, gradients and optimizer state across ranks; the frozen target stays replicated)."),
 ) -> None:
     """Train a DFlash drafter for a target on its own responses, then export it for vLLM, SGLang and dflash."""
     settings = TrainSettings(
@@ -95,7 +100,7 @@ def train_command(
         save_every=save_every, eval_every=eval_every, eval_prompts=eval_prompts, eval_tokens=eval_tokens,
         resume=resume, regenerate=regenerate, num_prompts=num_prompts, gen_batch_size=gen_batch_size,
         gen_temperature=gen_temperature, precompute_features=precompute_features, init=init, attention=attention,
-        device=device, dtype=dtype, seed=seed,
+        device=device, dtype=dtype, seed=seed, parallel=parallel,
     )
     summary = run_training(settings)
     if os.environ.get("RANK", "0") == "0":

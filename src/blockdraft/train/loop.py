@@ -1,10 +1,9 @@
-"""The optimisation loop: AdamW + cosine warmup, gradient accumulation, clipping, bf16 autocast on GPU, DDP,
-atomic checkpoints that resume to the bit, periodic tau evaluation, a JSONL log and a rich progress bar.
+"""The optimisation loop: AdamW + cosine warmup, gradient accumulation, clipping, bf16 autocast on GPU, DDP or
+FSDP, atomic checkpoints that resume to the bit, periodic tau evaluation, a JSONL log and a rich progress bar.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from collections.abc import Callable
@@ -15,13 +14,12 @@ from typing import Any
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-from torch.nn.parallel import DistributedDataParallel
 from transformers import get_cosine_schedule_with_warmup
 
 from blockdraft.models.target import Target
 from blockdraft.train.batches import BatchPlan, DraftBatch
-from blockdraft.train.checkpoint import restore_rng_states, rng_states, save_checkpoint
-from blockdraft.train.distributed import DistContext
+from blockdraft.train.checkpoint import full_state, load_full_state, restore_rng_states, rng_states, save_checkpoint
+from blockdraft.train.distributed import DistContext, micro_batch_sync, parallelize
 from blockdraft.train.features import TapSource
 from blockdraft.train.masks import BlockLayout
 from blockdraft.train.objective import BlockObjective, block_targets, slot_weights
@@ -104,7 +102,7 @@ def train_loop(
     drafter = objective.drafter
     cfg = drafter.cfg
     device = ctx.device
-    model = DistributedDataParallel(objective) if ctx.active else objective
+    model = parallelize(objective, ctx)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=settings.lr)
     scheduler = get_cosine_schedule_with_warmup(optimizer, round(settings.warmup_ratio * settings.steps), settings.steps)
     weights = slot_weights(cfg.block_size, settings.gamma).to(device)
@@ -113,15 +111,15 @@ def train_loop(
                               enabled=device.type == "cuda" or target.dtype != torch.float32)
     progress = {"step": 0, "micro_batches": 0, "first_loss": None, "last_loss": None, "tau_before": None}
     if checkpoint is not None:
-        drafter.load_state_dict(checkpoint["drafter"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
+        load_full_state(drafter, optimizer, checkpoint["drafter"], checkpoint["optimizer"], ctx.sharded)
         scheduler.load_state_dict(checkpoint["scheduler"])
         restore_rng_states(checkpoint["rng"])
         progress.update(checkpoint["progress"])
     log = _Log(out / LOG_NAME, ctx.is_main, progress["step"] if checkpoint is not None else None)
 
     def state() -> dict[str, Any]:
-        return {"drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(),
+        drafter_state, optimizer_state = full_state(drafter, optimizer, ctx.sharded)
+        return {"drafter": drafter_state, "optimizer": optimizer_state,
                 "scheduler": scheduler.state_dict(), "rng": rng_states(), "progress": dict(progress),
                 "draft_config": cfg.to_dict()}
 
@@ -149,8 +147,7 @@ def train_loop(
             for j in range(settings.grad_accum):
                 batch = plan.batch(progress["micro_batches"]).to(device)
                 progress["micro_batches"] += 1
-                sync = j == settings.grad_accum - 1 or not ctx.active
-                with contextlib.nullcontext() if sync else model.no_sync():
+                with micro_batch_sync(model, last=j == settings.grad_accum - 1):
                     loss = micro_loss(batch) / settings.grad_accum
                     loss.backward()
                 step_loss += loss.item()
@@ -178,8 +175,10 @@ def train_loop(
                 tau_after = evaluate()
                 drafter.train()
                 log.write(step=step, tau=tau_after)
-            if ctx.is_main and (step == settings.steps or (settings.save_every and step % settings.save_every == 0)):
-                save_checkpoint(out, state())
+            if step == settings.steps or (settings.save_every and step % settings.save_every == 0):
+                snapshot = state()  # every rank: gathering FSDP shards is a collective
+                if ctx.is_main:
+                    save_checkpoint(out, snapshot)
             if on_step is not None:
                 on_step(step)
     ctx.barrier()

@@ -11,12 +11,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.utils.checkpoint import checkpoint
 
 from blockdraft.models.drafter import DFlashDrafter, DrafterLayer, apply_rope
 from blockdraft.train.masks import BlockLayout, layer_masks
@@ -69,30 +71,108 @@ def block_targets(
 
 
 def _flex_attention() -> Callable[..., torch.Tensor]:
-    """The flex kernel: compiled on CUDA (its fast path); eager elsewhere, which tests use to check the math."""
+    """The flex kernel: compiled on CUDA (its fast path; batches have static shapes there); eager elsewhere, which
+    tests use to check the math."""
     if torch.cuda.is_available():
-        return torch.compile(flex_attention, dynamic=True)
+        return torch.compile(flex_attention, dynamic=False)
     return flex_attention
 
 
-def _flex_block_mask(dense: torch.Tensor) -> BlockMask:
-    """A flex BlockMask reading the same dense visibility as the SDPA path (so results match by construction)."""
-    b, _, q_len, kv_len = dense.shape
-    visible = dense[:, 0]
+def flex_block_mask(layout: BlockLayout, causal: bool, window: int | None) -> BlockMask:
+    """The same visibility as `masks.block_visibility`, as index arithmetic flex evaluates per tile.
+
+    Context key kv is visible when it lies before the query's anchor; block keys only within the query's own block.
+    Whole tiles a query tile cannot see (most of them: blocks see a prefix and themselves) are skipped by the kernel.
+    """
+    anchors = layout.anchors
+    b, n = anchors.shape
+    size, ctx_len = layout.block_size, layout.context_len
 
     def mask_mod(batch: torch.Tensor, head: torch.Tensor, q: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
-        return visible[batch, q, kv]
+        block = q // size
+        anchor = anchors[batch, block]
+        q_pos = anchor + q % size
+        in_ctx = kv < ctx_len
+        own = kv - ctx_len
+        k_pos = torch.where(in_ctx, kv, anchor + own % size)
+        visible = torch.where(in_ctx, kv < anchor, own // size == block)
+        if causal:
+            visible = visible & (k_pos <= q_pos)
+        if window is not None:
+            visible = visible & (q_pos - k_pos < window)
+            if not causal:
+                visible = visible & (k_pos - q_pos < window)
+        return visible
 
-    return create_block_mask(mask_mod, B=b, H=None, Q_LEN=q_len, KV_LEN=kv_len, device=dense.device)
+    return create_block_mask(mask_mod, B=b, H=None, Q_LEN=n * size, KV_LEN=ctx_len + n * size,
+                             device=anchors.device, _compile=anchors.is_cuda)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Dense-mask SDPA with grouped K/V, as `DrafterAttention` runs it. (Expanding K/V to the query heads lets CUDA
+    pick its memory-efficient kernel instead of the math one: measured 3.6x slower here, so it is not done.)"""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def weighted_cross_entropy(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    logits: Callable[[torch.Tensor], torch.Tensor],
+    vocab_size: int,
+    max_logits: int = 2**28,
+) -> torch.Tensor:
+    """sum(w * CE) / sum(w) over rows, in row chunks whose logits are recomputed in backward.
+
+    A 151k-token vocabulary times tens of thousands of scored slots would not fit as one logits tensor; chunks of at
+    most `max_logits` elements (1 GiB in fp32) bound the memory at the price of one more LM-head matmul.
+    """
+    rows = max(1, max_logits // vocab_size)
+
+    def chunk_loss(h: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        z = logits(h)
+        return (F.cross_entropy(z.float() if z.element_size() < 4 else z, y, reduction="none") * w).sum()
+
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for first in range(0, hidden.shape[0], rows):
+        part = slice(first, first + rows)
+        if hidden.shape[0] <= rows:
+            total = total + chunk_loss(hidden[part], labels[part], weights[part])
+        else:
+            total = total + checkpoint(chunk_loss, hidden[part], labels[part], weights[part], use_reentrant=False)
+    return total / weights.sum().clamp_min(1e-6)
+
+
+def _layer(
+    layer: DrafterLayer,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    ctx_k: torch.Tensor,
+    ctx_v: torch.Tensor,
+    attend: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """`DrafterLayer.forward` with the attention kernel passed in (tests check it equals inference per block)."""
+    attn = layer.self_attn
+    h = layer.input_layernorm(x)
+    b, t, _ = h.shape
+    q = attn.q_norm(attn.q_proj(h).view(b, t, attn.num_heads, attn.head_dim)).transpose(1, 2)
+    q = apply_rope(q, cos, sin)
+    block_k, block_v = attn.key_values(h, cos, sin)
+    v = torch.cat([ctx_v, block_v], dim=2)
+    k = torch.cat([ctx_k, block_k], dim=2).to(v.dtype)
+    out = attend(q.to(v.dtype), k, v)
+    x = x + attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
 class BlockObjective(nn.Module):
     """Wraps the drafter so one module (the one DDP wraps) turns taps + blocks into the weighted block loss.
 
-    `attention="sdpa"` runs each `DrafterLayer` as is with boolean masks (CPU and GPU); `"flex"` (CUDA only) runs
-    the same layer math with compiled flex attention, which skips fully masked tiles. Measured on one H200 with a
-    SmolLM2-135M-shaped target (5 layers, B=16, 512 anchors at 2048 tokens) SDPA was still ~15% faster at equal
-    memory (attention is a small share of the step), so SDPA is the default; flex is there for longer contexts.
+    `attention="sdpa"` uses dense boolean masks (CPU and GPU); `"flex"` (CUDA only for training) uses compiled
+    flex attention over the same visibility, which skips the fully masked tiles (most of them: each block sees a
+    prefix of the context and itself): 2.2-4x the SDPA step rate on an H200 (benchmarks/RESULTS.md). Both run the
+    layer math of `DrafterLayer` unchanged.
     """
 
     def __init__(self, drafter: DFlashDrafter, attention: str = "sdpa") -> None:
@@ -104,47 +184,24 @@ class BlockObjective(nn.Module):
     def hidden(self, taps: torch.Tensor, block_embeds: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
         """Final-normed drafter states [b, n*B, hidden] for every block slot."""
         drafter = self.drafter
+        cfg = drafter.cfg
         ctx = drafter.project_context(taps)
         ctx_cos, ctx_sin = drafter.rope(ctx, torch.arange(layout.context_len, device=ctx.device))
         cos, sin = drafter.rope(block_embeds, layout.query_positions)
-        masks = layer_masks(layout, drafter.cfg)
-        if self._flex is not None:
-            converted = {id(m): _flex_block_mask(m) for m in masks}
-            masks = [converted[id(m)] for m in masks]
+        rules = [(cfg.layer_is_causal(i), cfg.layer_window(i)) for i in range(cfg.num_hidden_layers)]
+        if self._flex is None:
+            dense = dict(zip(rules, layer_masks(layout, cfg)))
+        else:
+            sparse = {rule: flex_block_mask(layout, *rule) for rule in set(rules)}
         x = block_embeds
-        for layer, mask in zip(drafter.layers, masks):
+        for layer, rule in zip(drafter.layers, rules):
             ctx_k, ctx_v = layer.self_attn.key_values(ctx, ctx_cos, ctx_sin)
             if self._flex is None:
-                x = layer(x, cos, sin, ctx_k, ctx_v, mask)
+                attend = partial(_sdpa, mask=dense[rule], scale=layer.self_attn.scaling)
             else:
-                x = self._flex_layer(layer, x, cos, sin, ctx_k, ctx_v, mask)
+                attend = partial(self._flex, block_mask=sparse[rule], scale=layer.self_attn.scaling, enable_gqa=True)
+            x = _layer(layer, x, cos, sin, ctx_k, ctx_v, attend)
         return drafter.norm(x)
-
-    def _flex_layer(
-        self,
-        layer: DrafterLayer,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        ctx_k: torch.Tensor,
-        ctx_v: torch.Tensor,
-        block_mask: BlockMask,
-    ) -> torch.Tensor:
-        """`DrafterLayer.forward` with flex attention in place of SDPA (tests check the two agree)."""
-        attn = layer.self_attn
-        h = layer.input_layernorm(x)
-        b, t, _ = h.shape
-        q = attn.q_norm(attn.q_proj(h).view(b, t, attn.num_heads, attn.head_dim)).transpose(1, 2)
-        q = apply_rope(q, cos, sin)
-        block_k, block_v = attn.key_values(h, cos, sin)
-        v = torch.cat([ctx_v, block_v], dim=2)
-        k = torch.cat([ctx_k, block_k], dim=2).to(v.dtype)
-        out = self._flex(
-            q.to(v.dtype), k, v, block_mask=block_mask, scale=attn.scaling,
-            enable_gqa=attn.num_heads != attn.num_kv_heads,
-        )
-        x = x + attn.o_proj(out.transpose(1, 2).reshape(b, t, -1))
-        return x + layer.mlp(layer.post_attention_layernorm(x))
 
     def forward(
         self,
@@ -159,7 +216,5 @@ class BlockObjective(nn.Module):
         b, n, slots = targets.labels.shape
         hidden = hidden.view(b, n, slots + 1, -1)[:, :, 1:]
         keep = targets.weights > 0
-        logits = self.drafter.logits(hidden[keep], lm_head).float()
-        ce = F.cross_entropy(logits, targets.labels[keep], reduction="none")
-        weights = targets.weights[keep]
-        return (ce * weights).sum() / weights.sum().clamp_min(1e-6)
+        return weighted_cross_entropy(hidden[keep], targets.labels[keep], targets.weights[keep],
+                                      partial(self.drafter.logits, lm_head=lm_head), self.drafter.cfg.vocab_size)

@@ -22,13 +22,13 @@ from rich.progress import Progress
 from blockdraft.config import DraftConfig, parse_draft_config
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.drafter import DFlashDrafter
-from blockdraft.models.loading import load_target, resolve_dtype
+from blockdraft.models.loading import load_drafter, load_target, resolve_dtype
 from blockdraft.models.target import Target
 from blockdraft.prompting import stop_tokens
 from blockdraft.train.batches import BatchPlan
 from blockdraft.train.checkpoint import CHECKPOINT_NAME, load_checkpoint
 from blockdraft.train.data import Sample, TokenizedPrompt, load_given_samples, load_prompts
-from blockdraft.train.distributed import DistContext, init_distributed, shutdown
+from blockdraft.train.distributed import DistContext, full_drafter, init_distributed, shutdown
 from blockdraft.train.evaluate import measure_tau
 from blockdraft.train.export import export_drafter, launch_commands
 from blockdraft.train.features import OnlineTaps, StoredTaps, TapSource, precompute_taps
@@ -86,7 +86,8 @@ def _samples(settings: TrainSettings, target: Target, tokenizer: Any, prompts: l
     pad = pad if pad is not None else (eos[0] if eos else 0)
     folder = settings.out / "data"
     with Progress(console=console, disable=not ctx.is_main) as bar:
-        todo = len([p for p in train_prompts if p.id not in read_cache(folder)]) if folder.exists() else len(train_prompts)
+        cached = read_cache(folder) if folder.exists() else {}
+        todo = sum(p.id not in cached for p in train_prompts)
         task = bar.add_task("responses by the target", total=todo)
         regenerate(target, train_prompts, folder, max_length=settings.max_length, response_tokens=settings.response_tokens,
                    batch_size=settings.gen_batch_size, temperature=settings.gen_temperature, eos_ids=eos, pad_id=pad,
@@ -128,7 +129,7 @@ def _tap_source(settings: TrainSettings, target: Target, cfg: DraftConfig, sampl
 def run_training(settings: TrainSettings, prompts: list[TokenizedPrompt] | None = None, on_step: Callable[[int], None] | None = None) -> TrainSummary:
     """Train a drafter for `settings.target` and export it to `<out>/drafter`; rank 0 returns the full summary."""
     settings.check()
-    ctx = init_distributed(settings.device)
+    ctx = init_distributed(settings.device, settings.parallel)
     console = Console(file=sys.stderr, quiet=not ctx.is_main)
     try:
         return _run(settings, prompts, ctx, console, on_step)
@@ -144,8 +145,13 @@ def _run(settings: TrainSettings, prompts: list[TokenizedPrompt] | None, ctx: Di
         (settings.out / SETTINGS_NAME).write_text(json.dumps(settings.to_json(), indent=2) + "\n")
     target, tokenizer = load_target(settings.target, ctx.device, resolve_dtype(settings.dtype, ctx.device))
     target.model.requires_grad_(False)
+    warm = None
     if checkpoint is not None:
         cfg = parse_draft_config(checkpoint["draft_config"], source=str(settings.out / CHECKPOINT_NAME))
+    elif settings.init not in ("target", "random"):
+        warm = load_drafter(settings.init, target)
+        cfg = warm.cfg
+        console.print(f"drafter: shape and weights from {settings.init} (shape options ignored)", soft_wrap=True)
     else:
         request = ShapeRequest(settings.layers, settings.block_size, settings.taps, settings.sliding_layers,
                                settings.sliding_window, settings.causal, settings.mask_token_id)
@@ -162,24 +168,36 @@ def _run(settings: TrainSettings, prompts: list[TokenizedPrompt] | None, ctx: Di
     _check_mask_unused(cfg, samples)
     torch.manual_seed(settings.seed)
     drafter = DFlashDrafter(cfg).to(ctx.device)
-    if checkpoint is None and settings.init == "target":
+    if warm is not None:
+        drafter.load_state_dict(warm.state_dict())  # copied into the fp32 master weights
+    elif checkpoint is None and settings.init == "target":
         console.print(f"drafter: {init_from_target(drafter, target)}", soft_wrap=True)
     attention = settings.attention
+    if attention == "auto":
+        attention = "flex" if ctx.device.type == "cuda" else "sdpa"
     if attention == "flex" and ctx.device.type != "cuda":
         raise BlockdraftError("--attention flex needs a CUDA device (torch has no flex-attention backward on CPU); use sdpa")
     taps = _tap_source(settings, target, cfg, samples, ctx, console)
-    plan = BatchPlan(samples, settings.batch_size, settings.anchors_per_seq, settings.seed, ctx.rank, ctx.world)
+    plan = BatchPlan(samples, settings.batch_size, settings.anchors_per_seq, settings.seed, ctx.rank, ctx.world,
+                     pad_width=settings.max_length if attention == "flex" else None)
     steps = settings.steps or math.ceil(settings.epochs * plan.batches_per_epoch / settings.grad_accum)
     eos = stop_tokens(tokenizer, getattr(target.model.generation_config, "eos_token_id", None), [])
     evaluate: Callable[[], float] | None = None
     if held:
-        evaluate = partial(measure_tau, target, drafter, held, settings.eval_tokens, eos, ctx)
+        evaluate = partial(_measure_tau, target, drafter, held, settings.eval_tokens, eos, ctx)
     loop = LoopSettings(steps=steps, grad_accum=settings.grad_accum, lr=settings.lr, warmup_ratio=settings.warmup_ratio,
                         gamma=settings.gamma, save_every=settings.save_every, eval_every=settings.eval_every)
-    console.print(f"training on {len(samples)} samples ({ctx.world} rank(s)), {steps} steps, attention={attention}")
+    console.print(f"training on {len(samples)} samples ({ctx.world} rank(s){', fsdp' if ctx.sharded else ''}), "
+                  f"{steps} steps, attention={attention}")
     result = train_loop(BlockObjective(drafter, attention), target, plan, taps, loop, settings.out, ctx, console,
                         evaluate, checkpoint, on_step)
     return _finish(settings, drafter, target, result, len(samples), ctx)
+
+
+def _measure_tau(target: Target, drafter: DFlashDrafter, held: list[TokenizedPrompt], tokens: int,
+                 eos: tuple[int, ...], ctx: DistContext) -> float:
+    """tau of the drafter being trained; under FSDP of a gathered copy (a sharded module cannot decode)."""
+    return measure_tau(target, full_drafter(drafter, ctx), held, tokens, eos, ctx)
 
 
 def _finish(settings: TrainSettings, drafter: DFlashDrafter, target: Target, result: LoopResult, samples: int,
@@ -194,8 +212,9 @@ def _finish(settings: TrainSettings, drafter: DFlashDrafter, target: Target, res
         tau_after=result.tau_after, drafter_dir=str(folder),
         launch=launch_commands(settings.target, folder, cfg.block_size, mixed),
     )
+    full = full_drafter(drafter, ctx)
     if ctx.is_main:
-        export_drafter(drafter, folder, target)
+        export_drafter(full, folder, target)
         (settings.out / SUMMARY_NAME).write_text(json.dumps(asdict(summary), indent=2) + "\n")
     ctx.barrier()
     return summary

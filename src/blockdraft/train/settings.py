@@ -16,7 +16,9 @@ from blockdraft.errors import BlockdraftError
 SETTINGS_NAME = "train_settings.json"
 SUMMARY_NAME = "train_summary.json"
 # Options that do not change the training trajectory, so a resumed run may differ in them.
-RESUME_FREE = {"resume", "save_every", "eval_every", "eval_tokens", "device", "gen_batch_size"}
+# `parallel` is among them: fsdp, ddp and one process train the same model, and write the same checkpoint format.
+RESUME_FREE = {"resume", "save_every", "eval_every", "eval_tokens", "device", "gen_batch_size", "parallel"}
+PARALLEL_MODES = ("ddp", "fsdp")
 
 
 @dataclass(frozen=True)
@@ -54,10 +56,11 @@ class TrainSettings:
     gen_temperature: float = 0.0
     precompute_features: bool = False
     init: str = "target"
-    attention: str = "sdpa"
+    attention: str = "auto"
     device: str | None = None
     dtype: str | None = None
     seed: int = 0
+    parallel: str = "ddp"
 
     def check(self) -> None:
         """Refuse impossible values before any loading."""
@@ -69,10 +72,14 @@ class TrainSettings:
             raise BlockdraftError(f"--steps {self.steps} must be >= 1 (or leave it out to train --epochs)")
         if self.lr <= 0:
             raise BlockdraftError(f"--lr {self.lr} must be > 0")
-        if self.init not in ("target", "random"):
-            raise BlockdraftError(f"--init {self.init!r} must be target or random")
-        if self.attention not in ("sdpa", "flex"):
-            raise BlockdraftError(f"--attention {self.attention!r} must be sdpa or flex")
+        if self.init not in ("target", "random") and not (Path(self.init).expanduser() / "config.json").is_file():
+            raise BlockdraftError(
+                f"--init {self.init!r} must be target, random or a drafter folder (config.json + model.safetensors)"
+            )
+        if self.attention not in ("auto", "sdpa", "flex"):
+            raise BlockdraftError(f"--attention {self.attention!r} must be auto, sdpa or flex")
+        if self.parallel not in PARALLEL_MODES:
+            raise BlockdraftError(f"--parallel {self.parallel!r} must be ddp or fsdp")
         if self.prompts is not None and self.prompts not in BUILTIN_SETS and not Path(self.prompts).expanduser().is_file():
             raise BlockdraftError(
                 f"--prompts {self.prompts}: no such file; pass a .jsonl/.json/.txt file or a built-in set "
