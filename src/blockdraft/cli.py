@@ -23,7 +23,9 @@ out = Console()
 class Loaded:
     """A target (with tokenizer and stop ids) and an optional drafter, loaded once per command."""
 
-    def __init__(self, target: str, drafter: Optional[str], device: Optional[str], dtype: Optional[str]) -> None:
+    def __init__(
+        self, target: str, drafter: Optional[str], device: Optional[str], dtype: Optional[str], engine: str = "hf"
+    ) -> None:
         from transformers.utils import logging as hf_logging
 
         from blockdraft.config import load_draft_config
@@ -33,7 +35,7 @@ class Loaded:
         if drafter:
             load_draft_config(drafter)  # a bad drafter fails before minutes of target loading
         dev = resolve_device(device)
-        self.target, self.tokenizer = load_target(target, dev, resolve_dtype(dtype, dev))
+        self.target, self.tokenizer = load_target(target, dev, resolve_dtype(dtype, dev), engine)
         self.drafter = load_drafter(drafter, self.target) if drafter else None
         generation = getattr(self.target.model, "generation_config", None)
         self.generation_eos = getattr(generation, "eos_token_id", None)
@@ -99,6 +101,11 @@ def _text_stream(tokenizer: Any) -> Any:
 TargetOpt = typer.Option("smollm2-135m-instruct", "--target", help="HF model folder, hub id, or the embedded name.")
 DeviceOpt = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present).")
 DtypeOpt = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on GPU).")
+EngineOpt = typer.Option(
+    "auto", "--engine",
+    help="hf (HF forward, any model), fast (static cache + CUDA graphs; Qwen3/Qwen2/Llama/Mistral) or auto "
+    "(fast on CUDA when supported, else hf).",
+)
 
 
 @app.command()
@@ -116,6 +123,7 @@ def generate(
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Do not stop on the tokenizer's EOS."),
     device: Optional[str] = DeviceOpt,
     dtype: Optional[str] = DtypeOpt,
+    engine: str = EngineOpt,
     prompt: Optional[str] = typer.Option(None, "--prompt", help="Plain text (add --chat to wrap it as a user turn)."),
     chat: bool = typer.Option(False, "--chat", help="Apply the chat template to --prompt."),
     thinking: bool = typer.Option(False, "--thinking", help="Enable thinking in chat templates that support it."),
@@ -131,7 +139,7 @@ def generate(
 
     sampling = SamplingParams(temperature, top_p, top_k)
     items = _prompt_items(prompt, messages, prompt_ids, prompts, chat)
-    loaded = Loaded(target, drafter, device, dtype)
+    loaded = Loaded(target, drafter, device, dtype, engine)
     proposer = build_proposer(method, loaded.target, loaded.drafter, budget)
     stops = loaded.stops(_stop_ids(stop_token_ids), ignore_eos)
     encoded = [encode_item(item, loaded.tokenizer, thinking) for item in items]
@@ -194,6 +202,7 @@ def bench(
     thinking: bool = typer.Option(False, "--thinking"),
     device: Optional[str] = DeviceOpt,
     dtype: Optional[str] = DtypeOpt,
+    engine: str = EngineOpt,
     json_out: Optional[Path] = typer.Option(None, "--json-out", help="Write the full results here."),
     plot: Optional[Path] = typer.Option(
         None, "--plot", help="Write the acceptance plot (PNG) here; with several DDTree budgets also NAME_budgets.png."
@@ -210,7 +219,7 @@ def bench(
     sampling = SamplingParams(temperature, top_p, top_k)
     specs = _parse_methods(methods, budget)
     items = load_prompt_set(prompts, limit=limit, per_category=per_category)
-    loaded = Loaded(target, drafter, device, dtype)
+    loaded = Loaded(target, drafter, device, dtype, engine)
     encoded = [BenchPrompt(i.id, i.category, encode_item(i, loaded.tokenizer, thinking)) for i in items]
     stops = loaded.stops([], ignore_eos)
     with Progress(console=err, transient=True) as progress:
@@ -225,6 +234,7 @@ def bench(
         "target": target, "drafter": drafter, "prompts": prompts, "num_prompts": len(encoded),
         "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
         "device": str(loaded.target.device), "dtype": str(loaded.target.dtype).removeprefix("torch."),
+        "engine": loaded.target.engine,
     }
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)

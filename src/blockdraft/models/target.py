@@ -83,6 +83,8 @@ class TargetCache:
 class Target:
     """A Hugging Face causal LM seen the way the decode loop needs it."""
 
+    engine = "hf"  # which forward runs: HF's own ("hf") or FastTarget's ("fast")
+
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model.eval()
         text = model.config.get_text_config(decoder=True)

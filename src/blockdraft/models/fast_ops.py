@@ -1,0 +1,143 @@
+"""The elementwise pieces of the fast target's decoder layer, with HF's numerics, optionally fused by torch.compile.
+
+At batch 1 a decoder layer is a few weight reads (GEMVs) and dozens of tiny elementwise kernels; on a GPU the
+tiny kernels, not the weights, set the step time unless they are fused. Each function here is one fusion unit;
+`LayerOps(compiled=True)` wraps each in `torch.compile` and falls back to the plain function (with one warning)
+if compilation fails, so a missing compiler toolchain costs speed, never correctness.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm exactly: normalise in float32, cast back, then scale."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Residual add and the next norm in one unit: (x + delta, rms_norm(x + delta))."""
+    x = x + delta
+    return x, rms_norm(x, weight, eps)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def qkv_heads(
+    qkv: torch.Tensor,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed q|k|v [1, t, *] -> q [1, kv_heads, groups * t, d] (GQA folded into rows), k and v [1, kv_heads, t, d].
+
+    Folding the query heads that share a KV head into the query rows lets one plain attention call serve GQA
+    without copying keys and values per head. cos/sin are [1, 1, t, d].
+    """
+    t = qkv.shape[1]
+    d = cos.shape[-1]
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q = q.view(1, t, heads, d)
+    k = k.view(1, t, kv_heads, d)
+    if q_norm is not None and k_norm is not None:
+        q = rms_norm(q, q_norm, eps)
+        k = rms_norm(k, k_norm, eps)
+    q = _rotate(q.transpose(1, 2), cos, sin)
+    k = _rotate(k.transpose(1, 2), cos, sin)
+    v = v.view(1, t, kv_heads, d).transpose(1, 2)
+    return q.reshape(1, kv_heads, (heads // kv_heads) * t, d), k, v
+
+
+def merge_heads(out: torch.Tensor, heads: int, t: int) -> torch.Tensor:
+    """Attention output [1, kv_heads, groups * t, d] -> [1, t, heads * d] (undo the GQA fold)."""
+    d = out.shape[-1]
+    return out.reshape(1, heads, t, d).transpose(1, 2).reshape(1, t, heads * d)
+
+
+def glu(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """act(gate) * up for a packed gate|up projection."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return ACTIVATIONS[act](gate) * up
+
+
+def attention_bias(
+    length: torch.Tensor,
+    slot_ids: torch.Tensor,
+    positions: torch.Tensor,
+    own: torch.Tensor,
+    window: int | None,
+    groups: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """[1, 1, groups * t, cap] additive mask over the first cap slots: 0 where visible, -inf elsewhere.
+
+    Slots below `length` hold committed tokens (slot = position) and are visible to every row; slot length + j
+    holds this forward's row j, visible to row i when own[i, j] (causal for chains, ancestors for trees); a
+    sliding window also hides keys `window` or more positions behind the query. Built on the device, no sync.
+    """
+    t = positions.shape[0]
+    rel = slot_ids - length
+    committed = rel < 0
+    row = rel.clamp(0, t - 1)
+    fresh = (rel >= 0) & (rel < t)
+    visible = committed.unsqueeze(0) | (fresh.unsqueeze(0) & own.gather(1, row.unsqueeze(0).expand(t, -1)))
+    if window is not None:
+        key_pos = torch.where(committed, slot_ids, positions[row])
+        visible = visible & (positions.unsqueeze(1) - key_pos.unsqueeze(0) < window)
+    bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, float("-inf"))
+    return bias.repeat(groups, 1)[None, None]
+
+
+class _CompiledOrPlain:
+    """torch.compile(fn), falling back to fn for good after the first failure (with one warning)."""
+
+    def __init__(self, fn: Callable[..., object]) -> None:
+        self.fn = fn
+        self.compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+        self.failed = False
+
+    def __call__(self, *args: object) -> object:
+        if not self.failed:
+            try:
+                return self.compiled(*args)
+            except Exception as exc:  # a toolchain problem must cost speed, not the run
+                self.failed = True
+                sys.stderr.write(f"warning: torch.compile of {self.fn.__name__} failed, running it unfused ({exc!r:.200})\n")
+        return self.fn(*args)
+
+
+class LayerOps:
+    """The fusion units a FastTarget forward calls; compiled on request."""
+
+    def __init__(self, compiled: bool) -> None:
+        wrap: Callable[[Callable[..., object]], Callable[..., object]] = _CompiledOrPlain if compiled else (lambda f: f)
+        self.compiled = compiled
+        self.rms_norm = wrap(rms_norm)
+        self.add_rms_norm = wrap(add_rms_norm)
+        self.qkv_heads = wrap(qkv_heads)
+        self.merge_heads = wrap(merge_heads)
+        self.glu = wrap(glu)
+        self.attention_bias = wrap(attention_bias)

@@ -1,0 +1,313 @@
+"""FastTarget: the Target interface for common dense models, run by our own forward over a static KV cache.
+
+HF execution at batch 1 is launch-bound (issue 7: 8x over the weights-read floor on an H200). For Qwen3, Qwen2,
+Llama and Mistral (full or sliding-window attention) this forward reads the HF module's own weights (q|k|v and
+gate|up re-packed into one matrix each, the HF modules keep working on views of them), writes K/V into a
+preallocated cache, and builds every mask on the device from positions. On CUDA each verify shape is captured
+once as a CUDA graph and replayed; on CPU the same code runs eagerly, which is how tests check it against HF.
+Anything else stays on the HF `Target`, the general fallback.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.cache_utils import get_layer_types_and_kwargs
+
+from blockdraft.models.fast_ops import ACTIVATIONS, LayerOps
+from blockdraft.models.static_cache import KVStorage, StaticTargetCache, round_up
+from blockdraft.models.target import Target, TargetOutput
+
+SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+# RoPE variants whose frequencies depend on the sequence length cannot use one precomputed table.
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+GRAPH_MAX_TOKENS = 1024  # larger forwards (prefill) run eagerly: they are compute-bound anyway
+MAX_GRAPHS = 32
+
+
+def fast_engine_problem(model: PreTrainedModel) -> str | None:
+    """Why the fast engine cannot run this model (one phrase), or None when it can."""
+    text = model.config.get_text_config(decoder=True)
+    model_type = getattr(text, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model_type {model_type!r} (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+    kinds = set(get_layer_types_and_kwargs(text)[0]) - set(SUPPORTED_LAYER_TYPES)
+    if kinds:
+        return f"{sorted(kinds)[0]!r} layers (supported: full and sliding-window attention)"
+    rope = getattr(text, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") in LENGTH_DEPENDENT_ROPE:
+        return f"rope_type {rope['rope_type']!r} (its frequencies depend on the sequence length)"
+    if getattr(text, "hidden_act", "silu") not in ACTIVATIONS:
+        return f"hidden_act {text.hidden_act!r}"
+    return None
+
+
+def _pack(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight (and bias) for several projections of the same input; the modules become views of it."""
+    weight = torch.cat([m.weight.detach() for m in linears])
+    bias = None
+    if any(m.bias is not None for m in linears):
+        bias = torch.cat([
+            m.weight.new_zeros(m.weight.shape[0]) if m.bias is None else m.bias.detach() for m in linears
+        ])
+    start = 0
+    for m in linears:
+        rows = m.weight.shape[0]
+        m.weight = nn.Parameter(weight[start : start + rows], requires_grad=False)
+        if m.bias is not None and bias is not None:
+            m.bias = nn.Parameter(bias[start : start + rows], requires_grad=False)
+        start += rows
+    return weight, bias
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer's weights in the form the fast forwards (target and drafter) read them."""
+
+    norm_in: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    o_proj: nn.Linear
+    norm_post: torch.Tensor
+    gate_up: torch.Tensor
+    gate_up_bias: torch.Tensor | None
+    down: nn.Linear
+    scaling: float
+    window: int | None
+
+
+def pack_layer(layer: nn.Module, window: int | None) -> LayerWeights:
+    """A pre-norm attention + gated-MLP layer (HF names: self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj, the
+    two layernorms) with q|k|v and gate|up packed, so each is one matrix read per step."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv, qkv_bias = _pack([attn.q_proj, attn.k_proj, attn.v_proj])
+    gate_up, gate_up_bias = _pack([mlp.gate_proj, mlp.up_proj])
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+    return LayerWeights(
+        norm_in=layer.input_layernorm.weight, qkv=qkv, qkv_bias=qkv_bias,
+        q_norm=None if q_norm is None else q_norm.weight, k_norm=None if k_norm is None else k_norm.weight,
+        o_proj=attn.o_proj, norm_post=layer.post_attention_layernorm.weight, gate_up=gate_up,
+        gate_up_bias=gate_up_bias, down=mlp.down_proj, scaling=attn.scaling, window=window,
+    )
+
+
+@dataclass
+class _Graph:
+    """A captured forward for one (rows, key capacity, taps) shape and its static inputs and outputs."""
+
+    graph: torch.cuda.CUDAGraph
+    ids: torch.Tensor
+    positions: torch.Tensor
+    own: torch.Tensor
+    logits: torch.Tensor
+    taps: torch.Tensor | None
+
+
+def graph_rows(t: int) -> int:
+    """Rows a graph is captured for: short forwards round up to a power of two (they cost the same on a GPU,
+    and the chain's shorter last steps then reuse one graph); longer ones (trees) are captured exactly."""
+    return 1 << (t - 1).bit_length() if t <= 16 else t
+
+
+class FastTarget(Target):
+    """A Target whose forward, cache and (on CUDA) graphs are ours; same interface, same results as HF's."""
+
+    engine = "fast"
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        cache_slots: int | None = None,
+        graphs: bool | None = None,
+        compiled: bool | None = None,
+    ) -> None:
+        problem = fast_engine_problem(model)
+        if problem is not None:
+            raise ValueError(f"the fast engine does not support {problem}")
+        super().__init__(model)
+        text = model.config.get_text_config(decoder=True)
+        decoder = model.get_decoder()
+        cuda = self.device.type == "cuda"
+        self.use_graphs = cuda if graphs is None else graphs and cuda
+        self.ops = LayerOps(cuda if compiled is None else compiled)
+        self.eps: float = text.rms_norm_eps
+        self.act: str = getattr(text, "hidden_act", "silu")
+        self.heads: int = text.num_attention_heads
+        self.kv_heads: int = text.num_key_value_heads
+        self.head_dim: int = getattr(text, "head_dim", None) or self.hidden_size // self.heads
+        self.final_norm: torch.Tensor = decoder.norm.weight
+        self.rotary = decoder.rotary_emb
+        windows = get_layer_types_and_kwargs(text)[1].get("sliding_window")
+        self.layers = [
+            pack_layer(layer, windows if kind == "sliding_attention" else None)
+            for layer, kind in zip(decoder.layers, self.layer_types)
+        ]
+        slots = cache_slots or min(self.max_positions or 4096, 4096)
+        self.storage = KVStorage(self.num_layers, self.kv_heads, self.head_dim, slots, self.dtype, self.device)
+        self._tables_for = -1
+        self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self._graphs_version = self.storage.version
+        self._masks: dict[tuple[str, int], torch.Tensor] = {}
+
+    def new_cache(self) -> StaticTargetCache:
+        """The target's one static cache, emptied: graphs keep pointing at the same buffers across generations."""
+        return StaticTargetCache(self.storage)
+
+    def check_tree_attention(self) -> str:
+        """Our attention always takes the tree mask (whatever attn_implementation the HF model was loaded with)."""
+        return "sdpa"
+
+    def _tables(self) -> None:
+        """cos/sin for every slot position and the slot index, rebuilt when the cache grows."""
+        slots = self.storage.slots
+        if self._tables_for == slots:
+            return
+        positions = torch.arange(slots, device=self.device)
+        like = torch.empty(0, dtype=self.dtype, device=self.device)
+        cos, sin = self.rotary(like, positions.unsqueeze(0))
+        self.cos, self.sin, self.slot_ids = cos[0], sin[0], positions
+        self._tables_for = slots
+
+    def _fixed_mask(self, kind: str, rows: int) -> torch.Tensor:
+        """The causal ("tril") or self-only ("eye") [rows, rows] mask; verify-sized ones are made once."""
+        key = (kind, rows)
+        if key in self._masks:
+            return self._masks[key]
+        eye = torch.eye(rows, dtype=torch.bool, device=self.device)
+        mask = eye if kind == "eye" else torch.ones_like(eye).tril()
+        if rows <= GRAPH_MAX_TOKENS:
+            self._masks[key] = mask
+        return mask
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: StaticTargetCache,
+        tap_layers: tuple[int, ...] | None = None,
+        last_logits_only: bool = False,
+        attention_mask: torch.Tensor | None = None,
+    ) -> TargetOutput:
+        """Run [1, t] ids at absolute positions [t] appending to the cache; taps for all t rows if asked.
+
+        `attention_mask` ([1, 1, t, len(cache) + t] bool, for trees) is read for its last t columns, how the
+        new rows see each other; every row sees the whole committed cache, as in every tree the loop builds.
+        """
+        t = input_ids.shape[1]
+        with cache.running(input_ids, attention_mask):
+            own = None if attention_mask is None else attention_mask[0, 0, :, -t:]
+            if self.use_graphs and not last_logits_only and t <= GRAPH_MAX_TOKENS:
+                logits, taps = self._replay(input_ids, positions, own, cache, tap_layers)
+            else:
+                cache.reserve(t)
+                self._tables()
+                own = self._fixed_mask("tril", t) if own is None else own
+                cap = round_up(len(cache) + t)
+                logits, taps = self._run(input_ids, positions, own, cap, tap_layers, last_logits_only)
+        return TargetOutput(logits=logits, taps=taps)
+
+    def _run(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        own: torch.Tensor,
+        cap: int,
+        tap_layers: tuple[int, ...] | None,
+        last_logits_only: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward itself: only device work on fixed buffers, so a CUDA graph can capture it."""
+        ops, kv = self.ops, self.storage.kv
+        t = ids.shape[1]
+        groups = self.heads // self.kv_heads
+        slots = self.storage.length + self.slot_ids[:t]
+        cos, sin = self.cos[positions][None, None], self.sin[positions][None, None]
+        biases = {
+            w: ops.attention_bias(self.storage.length, self.slot_ids[:cap], positions, own, w, groups, self.dtype)
+            for w in {layer.window for layer in self.layers}
+        }
+        wanted = set(tap_layers or ())
+        taps: dict[int, torch.Tensor] = {}
+        x = F.embedding(ids, self.embedding_weight)
+        h = ops.rms_norm(x, self.layers[0].norm_in, self.eps)
+        for i, layer in enumerate(self.layers):
+            q, k, v = ops.qkv_heads(
+                F.linear(h, layer.qkv, layer.qkv_bias), layer.q_norm, layer.k_norm, cos, sin,
+                self.heads, self.kv_heads, self.eps,
+            )
+            kv[i, 0].index_copy_(1, slots, k[0])
+            kv[i, 1].index_copy_(1, slots, v[0])
+            out = F.scaled_dot_product_attention(
+                q, kv[i, 0, :, :cap].unsqueeze(0), kv[i, 1, :, :cap].unsqueeze(0),
+                attn_mask=biases[layer.window], scale=layer.scaling,
+            )
+            x, h = ops.add_rms_norm(x, layer.o_proj(ops.merge_heads(out, self.heads, t)), layer.norm_post, self.eps)
+            delta = layer.down(ops.glu(F.linear(h, layer.gate_up, layer.gate_up_bias), self.act))
+            following = self.layers[i + 1].norm_in if i + 1 < len(self.layers) else self.final_norm
+            x, h = ops.add_rms_norm(x, delta, following, self.eps)
+            if i in wanted:
+                taps[i] = h if i == self.num_layers - 1 else x  # HF's last hidden state is the final-normed one
+        logits = self.lm_head(h[:, -1:] if last_logits_only else h)
+        tapped = torch.cat([taps[i] for i in tap_layers], dim=-1) if tap_layers is not None else None
+        return logits, tapped
+
+    def _replay(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        own: torch.Tensor | None,
+        cache: StaticTargetCache,
+        tap_layers: tuple[int, ...] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Copy the inputs into the captured graph for this shape (capturing it on first use) and replay it."""
+        t = input_ids.shape[1]
+        rows = graph_rows(t)
+        cache.reserve(rows)
+        self._tables()
+        if self._graphs_version != self.storage.version:  # the cache grew: old graphs point at freed buffers
+            self._graphs.clear()
+            self._graphs_version = self.storage.version
+        cap = round_up(len(cache) + rows)
+        key = (rows, cap, tap_layers)
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._capture(rows, cap, tap_layers)
+            self._graphs[key] = entry
+            if len(self._graphs) > MAX_GRAPHS:
+                self._graphs.popitem(last=False)
+        self._graphs.move_to_end(key)
+        entry.ids[:, :t].copy_(input_ids)
+        entry.positions[:t].copy_(positions)
+        if own is None:
+            entry.own.copy_(self._fixed_mask("tril", rows))
+        else:
+            entry.own.copy_(self._fixed_mask("eye", rows))
+            entry.own[:t, :t].copy_(own)
+        entry.graph.replay()
+        taps = None if entry.taps is None else entry.taps[:, :t].clone()
+        return entry.logits[:, :t].clone(), taps
+
+    def _capture(self, rows: int, cap: int, tap_layers: tuple[int, ...] | None) -> _Graph:
+        """Capture the forward for one shape. Warm-up runs write only slots past the cache length (rows nobody
+        has committed yet), which the real replay then overwrites, so capturing never disturbs the cache."""
+        ids = torch.zeros(1, rows, dtype=torch.long, device=self.device)
+        positions = torch.zeros(rows, dtype=torch.long, device=self.device)
+        own = torch.eye(rows, dtype=torch.bool, device=self.device)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._run(ids, positions, own, cap, tap_layers, False)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits, taps = self._run(ids, positions, own, cap, tap_layers, False)
+        return _Graph(graph=graph, ids=ids, positions=positions, own=own, logits=logits, taps=taps)

@@ -1,0 +1,107 @@
+"""A preallocated KV cache for the fast target: fixed buffers, so CUDA graphs can capture its reads and writes.
+
+Every layer's keys and values live in one tensor [layers, 2, kv_heads, slots, head_dim]. A forward writes its
+rows at slots length .. length + t - 1 (`index_copy_`), a crop only moves the length, and a compact gathers the
+kept rows of all layers with one `index_select`. The length lives on the host (the loop knows it anyway) and on
+the device (what captured graphs read), so no cache operation copies anything back to the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+# Slots are allocated, and attention reads keys, in multiples of this: few distinct shapes (few CUDA graphs),
+# and masks whose last dimension suits the fused attention kernels.
+SLOT_STEP = 256
+
+
+def round_up(n: int, step: int = SLOT_STEP) -> int:
+    return -(-n // step) * step
+
+
+class KVStorage:
+    """The buffers one FastTarget owns, reused by every cache it hands out so captured graphs stay valid."""
+
+    def __init__(
+        self, layers: int, kv_heads: int, head_dim: int, slots: int, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        self.kv = torch.zeros(layers, 2, kv_heads, round_up(slots), head_dim, dtype=dtype, device=device)
+        self.length = torch.zeros((), dtype=torch.long, device=device)
+        self.version = 0  # bumped on reallocation: graphs captured on the old buffers must not run again
+        self.owner: StaticTargetCache | None = None
+
+    @property
+    def slots(self) -> int:
+        return self.kv.shape[3]
+
+    @torch.inference_mode()
+    def ensure(self, slots: int, keep: int) -> None:
+        """Make room for `slots` rows (doubling), keeping the first `keep` rows. (Buffers made here are inference
+        tensors, so every in-place edit of them runs in inference mode.)"""
+        if slots <= self.slots:
+            return
+        grown = torch.zeros(
+            *self.kv.shape[:3], round_up(max(slots, 2 * self.slots)), self.kv.shape[4],
+            dtype=self.kv.dtype, device=self.kv.device,
+        )
+        grown[:, :, :, :keep] = self.kv[:, :, :, :keep]
+        self.kv = grown
+        self.version += 1
+
+
+class StaticTargetCache:
+    """The decode loop's cache interface (len, settle, running, crop, compact) over a KVStorage.
+
+    A FastTarget has one storage, so only its newest cache is live; using an older one is a bug and raises.
+    """
+
+    def __init__(self, storage: KVStorage) -> None:
+        self.storage = storage
+        self.length = 0
+        storage.owner = self
+        storage.length.zero_()
+
+    def __len__(self) -> int:
+        return self.length
+
+    def _check_live(self) -> None:
+        if self.storage.owner is not self:
+            raise RuntimeError("this cache was replaced by a newer new_cache() of the same FastTarget")
+
+    def settle(self) -> None:
+        """Nothing to drop: sliding windows are applied by the attention mask, in absolute positions."""
+
+    def reserve(self, rows: int) -> None:
+        """Room for `rows` more slots after the current length (graph buckets may write padding rows)."""
+        self._check_live()
+        self.storage.ensure(self.length + rows, self.length)
+
+    @contextmanager
+    def running(self, input_ids: torch.Tensor, tree_mask: torch.Tensor | None) -> Iterator[None]:
+        """Around every forward that appends `input_ids`: the forward writes them, this records them."""
+        self._check_live()
+        yield
+        self._set_length(self.length + input_ids.shape[1])
+
+    @torch.inference_mode()
+    def _set_length(self, length: int) -> None:
+        self.length = length
+        self.storage.length.fill_(length)
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` positions: rows after them are simply never read again."""
+        self._check_live()
+        if length < self.length:
+            self._set_length(length)
+
+    @torch.inference_mode()
+    def compact(self, base: int, keep: torch.Tensor) -> None:
+        """Keep positions [0, base) followed by rows base + keep (in that order), for every layer at once."""
+        self._check_live()
+        n = keep.numel()
+        kv = self.storage.kv
+        kv[:, :, :, base : base + n] = kv.index_select(3, keep.to(kv.device) + base)
+        self._set_length(base + n)

@@ -1,0 +1,256 @@
+"""FastTarget (static cache, own forward, CUDA-graph bookkeeping) agrees with the HF Target on CPU: logits and taps
+for prefill, chains, trees, crop and compact, on every supported family; ids of whole generations; engine choice."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
+
+from blockdraft.decoding.draft import Draft
+from blockdraft.decoding.generate import generate
+from blockdraft.decoding.methods import build_proposer
+from blockdraft.errors import BlockdraftError
+from blockdraft.models import fast_target as fast_mod
+from blockdraft.models.fast_target import FastTarget, graph_rows
+from blockdraft.models.loading import load_target, make_target
+from blockdraft.models.target import Target, TargetOutput
+
+from conftest import HIDDEN, TARGET_LAYERS, VOCAB, make_drafter, make_target_model
+
+FAMILIES = ["qwen3", "qwen2", "llama", "mistral"]
+TAPS = (0, 2, TARGET_LAYERS - 1)  # the last layer's tap is HF's final-normed state: covered on purpose
+
+
+def close(a: TargetOutput, b: TargetOutput) -> None:
+    assert a.logits.shape == b.logits.shape
+    torch.testing.assert_close(a.logits, b.logits, rtol=1e-4, atol=1e-4)
+    if a.taps is not None or b.taps is not None:
+        torch.testing.assert_close(a.taps, b.taps, rtol=1e-4, atol=1e-4)
+
+
+class Pair:
+    """The same model behind the HF Target and a FastTarget, stepped in lockstep and compared at every forward."""
+
+    def __init__(self, model: torch.nn.Module, **fast: object) -> None:
+        self.hf, self.fast = Target(model), FastTarget(model, **fast)
+        self.hf_cache, self.fast_cache = self.hf.new_cache(), self.fast.new_cache()
+
+    def forward(self, ids: list[int], positions: torch.Tensor, mask: Callable[[int], torch.Tensor] | None = None,
+                last_logits_only: bool = False) -> TargetOutput:
+        outs = []
+        for target, cache in ((self.hf, self.hf_cache), (self.fast, self.fast_cache)):
+            outs.append(target.forward(
+                torch.tensor([ids]), positions, cache, TAPS, last_logits_only,
+                attention_mask=None if mask is None else mask(len(cache)),
+            ))
+        close(*outs)
+        assert len(self.hf_cache) == len(self.fast_cache)
+        return outs[1]
+
+    def crop(self, length: int) -> None:
+        self.hf_cache.crop(length)
+        self.fast_cache.crop(length)
+
+    def compact(self, base: int, rows: list[int]) -> None:
+        self.hf_cache.compact(base, torch.tensor(rows))
+        self.fast_cache.compact(base, torch.tensor(rows))
+
+
+def ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, VOCAB - 1, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def tree_draft(parents: list[int], seed: int) -> Draft:
+    depths: list[int] = []
+    for p in parents:
+        depths.append(1 if p == -1 else depths[p] + 1)
+    return Draft(tokens=torch.tensor(ids(len(parents), seed)), parents=parents, depths=depths)
+
+
+def lifecycle(pair: Pair) -> None:
+    """Prefill, chain verify, crop, tree verify, compact, then another chain: every step compared."""
+    pair.forward(ids(9, 1), torch.arange(9), last_logits_only=True)
+    pair.forward(ids(9, 1), torch.arange(9, 18))
+    pair.forward(ids(5, 2), torch.arange(18, 23))
+    pair.crop(20)
+    draft = tree_draft([-1, -1, 0, 0, 2, 1, 4], seed=3)
+    pair.forward([7, *draft.tokens.tolist()], draft.positions(20, torch.device("cpu")),
+                 mask=lambda n: draft.tree_mask(n, torch.device("cpu")))
+    pair.compact(20, [0, 1, 3, 5])  # anchor, then nodes 0 -> 2 -> 4 (rows 1, 3, 5)
+    pair.forward(ids(4, 4), torch.arange(24, 28))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_matches_hf_through_a_decode_lifecycle(family: str) -> None:
+    lifecycle(Pair(make_target_model(family)))
+
+
+def test_sliding_window_layers_match_hf() -> None:
+    """Qwen2 with a window of 5 on two of four layers: windows apply in absolute positions, trees included."""
+    config = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=TARGET_LAYERS, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, intermediate_size=64, max_position_embeddings=512,
+        use_sliding_window=True, sliding_window=5, max_window_layers=2,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).eval()
+    assert "sliding_attention" in FastTarget(model).layer_types
+    lifecycle(Pair(model))
+
+
+def test_cache_grows_past_its_first_allocation() -> None:
+    pair = Pair(make_target_model("qwen3"), cache_slots=8)
+    pair.forward(ids(300, 5), torch.arange(300))
+    pair.forward(ids(3, 6), torch.arange(300, 303))
+    assert pair.fast.storage.slots >= 303
+
+
+@st.composite
+def trees(draw: st.DrawFn) -> tuple[list[int], list[int]]:
+    """A tree (parents before children) and one root-to-node path through it, as verify rows."""
+    n = draw(st.integers(1, 12))
+    parents = [draw(st.integers(-1, i - 1)) for i in range(n)]
+    node = draw(st.integers(-1, n - 1))
+    path = []
+    while node != -1:
+        path.append(node + 1)
+        node = parents[node]
+    return parents, [0, *reversed(path)]
+
+
+@pytest.fixture(scope="module")
+def qwen3_model() -> torch.nn.Module:
+    return make_target_model("qwen3")
+
+
+@settings(max_examples=15, deadline=None)
+@given(tree=trees(), prompt_len=st.integers(1, 40), seed=st.integers(0, 99))
+def test_any_tree_then_compact_matches_hf(qwen3_model: torch.nn.Module, tree: tuple[list[int], list[int]],
+                                          prompt_len: int, seed: int) -> None:
+    parents, rows = tree
+    pair = Pair(qwen3_model)
+    pair.forward(ids(prompt_len, seed), torch.arange(prompt_len))
+    draft = tree_draft(parents, seed)
+    pair.forward([5, *draft.tokens.tolist()], draft.positions(prompt_len, torch.device("cpu")),
+                 mask=lambda n: draft.tree_mask(n, torch.device("cpu")))
+    pair.compact(prompt_len, rows)
+    pair.forward(ids(3, seed + 1), torch.arange(prompt_len + len(rows), prompt_len + len(rows) + 3))
+
+
+class _EagerGraph:
+    """Stands in for torch.cuda.CUDAGraph on CPU: replay re-runs the forward into the captured outputs."""
+
+    def __init__(self, replay: Callable[[], None]) -> None:
+        self.replay = replay
+
+
+def _eager_capture(self: FastTarget, rows: int, cap: int, tap_layers: tuple[int, ...] | None) -> fast_mod._Graph:
+    ids_ = torch.zeros(1, rows, dtype=torch.long)
+    positions = torch.zeros(rows, dtype=torch.long)
+    own = torch.eye(rows, dtype=torch.bool)
+    logits, taps = self._run(ids_, positions, own, cap, tap_layers, False)  # like the warm-up: writes past the length
+
+    def replay() -> None:
+        new_logits, new_taps = self._run(ids_, positions, own, cap, tap_layers, False)
+        logits.copy_(new_logits)
+        if taps is not None:
+            taps.copy_(new_taps)
+
+    self.captures += 1
+    return fast_mod._Graph(graph=_EagerGraph(replay), ids=ids_, positions=positions, own=own, logits=logits, taps=taps)
+
+
+def test_graph_path_pads_reuses_and_matches(monkeypatch: pytest.MonkeyPatch, qwen3_model: torch.nn.Module) -> None:
+    """The CUDA-graph bookkeeping (static buffers, padded rows, one graph per shape, re-capture after the cache
+    grows) checked on CPU by replaying eagerly into the same static buffers."""
+    monkeypatch.setattr(FastTarget, "_capture", _eager_capture)
+    pair = Pair(qwen3_model, cache_slots=256)
+    pair.fast.use_graphs, pair.fast.captures = True, 0
+    pair.forward(ids(10, 1), torch.arange(10), last_logits_only=True)  # prefill: eager, no graph
+    assert pair.fast.captures == 0
+    pair.forward(ids(16, 2), torch.arange(10, 26))
+    pair.forward(ids(5, 3), torch.arange(26, 31))  # padded to 8 rows
+    pair.forward(ids(7, 4), torch.arange(31, 38))  # reuses the 8-row graph (fresh inputs, stale padding)
+    assert pair.fast.captures == 2
+    pair.crop(35)
+    draft = tree_draft([-1, 0, 0, 1, -1, 4, 2, 3, 3, 5, 0, 6, 7, 8, 9, 10, 11], seed=5)  # 18 rows: exact
+    pair.forward([3, *draft.tokens.tolist()], draft.positions(35, torch.device("cpu")),
+                 mask=lambda n: draft.tree_mask(n, torch.device("cpu")))
+    pair.compact(35, [0, 1, 2, 4])
+    pair.forward(ids(1, 6), torch.arange(39, 40))
+    assert pair.fast.captures == 4
+    version = pair.fast.storage.version
+    pair.forward(ids(230, 7), torch.arange(40, 270), last_logits_only=True)  # grows the cache
+    pair.forward(ids(1, 8), torch.arange(270, 271))
+    assert pair.fast.storage.version > version and pair.fast.captures == 5
+
+
+def test_graph_rows() -> None:
+    assert [graph_rows(t) for t in (1, 2, 3, 5, 9, 16, 17, 257)] == [1, 2, 4, 8, 16, 16, 17, 257]
+
+
+def test_a_replaced_cache_refuses_to_run(qwen3_model: torch.nn.Module) -> None:
+    target = FastTarget(qwen3_model)
+    old = target.new_cache()
+    target.new_cache()
+    with pytest.raises(RuntimeError, match="replaced"):
+        target.forward(torch.tensor([[1, 2]]), torch.arange(2), old)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "mistral"])
+@pytest.mark.parametrize("method,variant,budget", [
+    ("ar", None, None), ("dflash", "all_full", None), ("dflash", "mixed_swa", None), ("ddtree", "all_full", 12),
+])
+def test_generate_ids_match_the_hf_engine(family: str, method: str, variant: str | None, budget: int | None) -> None:
+    model = make_target_model(family)
+    runs = []
+    for target in (Target(model), FastTarget(model)):
+        proposer = build_proposer(method, target, make_drafter(variant) if variant else None, budget)
+        runs.append([generate(target, ids(n, n), proposer, max_new_tokens=24) for n in (1, 6, 17)])
+    for hf, fast in zip(*runs):
+        assert fast.token_ids == hf.token_ids
+        assert fast.acceptance_lengths == hf.acceptance_lengths
+
+
+def test_engine_choice(qwen3_model: torch.nn.Module) -> None:
+    assert type(make_target(qwen3_model, "auto")) is Target  # CPU: auto keeps HF's forward
+    assert type(make_target(qwen3_model, "hf")) is Target
+    assert isinstance(make_target(qwen3_model, "fast"), FastTarget)
+    with pytest.raises(BlockdraftError, match="--engine 'turbo' is not one of auto, hf, fast"):
+        make_target(qwen3_model, "turbo")
+
+
+def test_unsupported_model_with_engine_fast_is_a_user_error(tmp_path: Path) -> None:
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=64)).save_pretrained(tmp_path)
+    with pytest.raises(BlockdraftError) as info:
+        load_target(str(tmp_path), torch.device("cpu"), torch.float32, engine="fast")
+    message = str(info.value)
+    assert "model_type 'gpt2'" in message and "--engine hf" in message and "\n" not in message
+    target, _ = load_target(str(tmp_path), torch.device("cpu"), torch.float32, engine="auto")
+    assert type(target) is Target
+
+
+def test_cli_engine_flag(tiny_dirs: tuple[Path, Path]) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from blockdraft.cli import app
+
+    target, drafter = tiny_dirs
+    lines = {}
+    for engine in ("hf", "fast"):
+        res = CliRunner().invoke(app, [
+            "generate", "--target", str(target), "--drafter", str(drafter), "--method", "ddtree", "--budget", "8",
+            "--prompt-ids", "1,2,3", "--max-new-tokens", "12", "--json", "--engine", engine,
+        ])
+        assert res.exit_code == 0, res.output
+        lines[engine] = json.loads(res.stdout.strip().splitlines()[-1])
+    assert lines["fast"]["token_ids"] == lines["hf"]["token_ids"]
+    assert lines["fast"]["acceptance_lengths"] == lines["hf"]["acceptance_lengths"]
