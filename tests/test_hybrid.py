@@ -1,19 +1,27 @@
-"""Hybrid targets (Gated DeltaNet linear attention + full attention): rejected drafts roll back exactly, so
-speculative decoding equals the target's own greedy decode and the cache after a rejection equals a clean AR
-cache over the committed tokens."""
+"""Hybrid targets (Gated DeltaNet linear attention + full attention): rejected drafts roll back exactly, by either
+strategy (snapshot + replay, per-position states), so speculative decoding equals the target's own greedy decode
+and the cache after a rejection equals a clean AR cache over the committed tokens."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3NextConfig, Qwen3NextForCausalLM
+from transformers import (
+    Qwen3_5ForCausalLM,
+    Qwen3_5MoeForCausalLM,
+    Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
+    Qwen3NextConfig,
+    Qwen3NextForCausalLM,
+)
 
 from blockdraft.decoding.ddtree import DDTreeProposer
 from blockdraft.decoding.draft import DFlashProposer, Draft
 from blockdraft.decoding.generate import generate
 from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.errors import BlockdraftError
-from blockdraft.models.hybrid import HybridCache, tree_linear_attention, tree_parents
+from blockdraft.models.hybrid import DEFAULT_STRATEGY, STRATEGIES, HybridCache, tree_linear_attention, tree_parents
+from blockdraft.models.loading import load_target
 from blockdraft.models.target import Target, TargetCache
 
 from conftest import HIDDEN, TARGET_LAYERS, VOCAB, make_drafter
@@ -33,13 +41,13 @@ def make_hybrid(family: str, seed: int = 0, vocab: int = VOCAB) -> torch.nn.Modu
         tie_word_embeddings=False, layer_types=LAYER_TYPES, linear_conv_kernel_dim=4, linear_key_head_dim=8,
         linear_num_key_heads=2, linear_value_head_dim=8, linear_num_value_heads=4,
     )
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
     if family == "qwen3_5":
         model_cls, config = Qwen3_5ForCausalLM, Qwen3_5TextConfig(**common)
+    elif family == "qwen3_5_moe":
+        model_cls, config = Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig(**common, **moe)
     else:
-        model_cls = Qwen3NextForCausalLM
-        config = Qwen3NextConfig(
-            **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32
-        )
+        model_cls, config = Qwen3NextForCausalLM, Qwen3NextConfig(**common, **moe)
     torch.manual_seed(seed)
     model = model_cls(config).eval()
     for p in model.parameters():  # as in conftest: varied greedy choices rather than a constant token
@@ -48,13 +56,26 @@ def make_hybrid(family: str, seed: int = 0, vocab: int = VOCAB) -> torch.nn.Modu
     return model
 
 
-FAMILIES = ["qwen3_5", "qwen3_next"]
+FAMILIES = ["qwen3_5", "qwen3_5_moe", "qwen3_next"]
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+def with_strategy(target: Target, strategy: str) -> Target:
+    """`target`, its new caches rolling back by `strategy` (Target itself always builds the default); the latest
+    one stays readable as `target.last_cache`."""
+
+    def new_cache() -> HybridCache:
+        target.last_cache = HybridCache(target.model, strategy)
+        return target.last_cache
+
+    target.new_cache = new_cache
+    return target
+
+
+@pytest.fixture(scope="module", params=[(f, s) for f in FAMILIES for s in STRATEGIES], ids="-".join)
 def hybrid(request: pytest.FixtureRequest) -> tuple[torch.nn.Module, Target]:
-    model = make_hybrid(request.param)
-    return model, Target(model)
+    family, strategy = request.param
+    model = make_hybrid(family)
+    return model, with_strategy(Target(model), strategy)
 
 
 class OracleProposer:
@@ -84,9 +105,29 @@ class OracleProposer:
 
 
 def test_hybrid_target_gets_a_hybrid_cache(hybrid) -> None:
-    _, target = hybrid
-    assert isinstance(target.new_cache(), HybridCache)
+    model, target = hybrid
+    cache = Target(model).new_cache()
+    assert isinstance(cache, HybridCache) and cache.strategy == DEFAULT_STRATEGY
     assert "linear_attention" in target.layer_types
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_saved_hybrid_loads_with_taps(family: str, tmp_path) -> None:
+    """A saved checkpoint of each hybrid model type loads as a user's would: same logits, taps from linear and
+    attention layers, the embedding and LM head the drafter shares, a hybrid cache."""
+    model = make_hybrid(family)
+    model.save_pretrained(tmp_path)
+    target, tokenizer = load_target(str(tmp_path), torch.device("cpu"), torch.float32)
+    assert type(target.model) is type(model) and tokenizer is None
+    assert isinstance(target.new_cache(), HybridCache)
+    ids, taps = torch.tensor([PROMPTS[2]]), (0, 2, 3)
+    out = target.forward(ids, torch.arange(ids.shape[1]), target.new_cache(), taps)
+    ref = model(ids, output_hidden_states=True)
+    assert (out.logits - ref.logits).abs().max() < 1e-5
+    assert (out.taps - torch.cat([ref.hidden_states[layer + 1] for layer in taps], dim=-1)).abs().max() < 1e-5
+    assert torch.equal(target.lm_head.weight, model.lm_head.weight)
+    assert torch.equal(target.embedding_weight, model.get_input_embeddings().weight)
+    assert DFlashProposer(make_drafter("all_full"), target).tap_layers == taps
 
 
 def test_ar_loop_matches_hf_generate(hybrid) -> None:
@@ -106,6 +147,7 @@ def test_dflash_equals_ar(hybrid) -> None:
             spec = generate(target, prompt, proposer, max_new_tokens=24)
             assert spec.token_ids == ar
         assert spec.acceptance_lengths[:6] == [1, 2, 3, 4, 5, 6]  # the oracle ran every rollback and a full accept
+        assert (target.last_cache.replayed_tokens > 0) == (target.last_cache.strategy == "replay")
 
 
 def linear_states(cache: TargetCache) -> list[torch.Tensor]:
@@ -151,7 +193,7 @@ def test_state_after_rejection_equals_ar(hybrid, kept: int) -> None:
     out = target.forward(torch.tensor([[seq[0], *draft]]), torch.arange(start, start + 6), cache)
     assert out.logits[0].argmax(-1).tolist()[: kept + 1] == seq[1 : kept + 2]  # the target rejects draft `kept`
     cache.crop(start + kept + 1)
-    assert cache.replayed_tokens == kept + 1
+    assert cache.replayed_tokens == (kept + 1 if cache.strategy == "replay" else 0)  # per_position picks a state
 
     ref = ar_cache(target, prompt + seq[: kept + 1], start)
     assert_same_states(cache, ref)
@@ -172,7 +214,8 @@ def test_full_accept_needs_no_replay(hybrid) -> None:
 
 
 def test_compact_replays_scattered_rows(hybrid) -> None:
-    """compact keeps rows out of order of appending (as a tree walk does): the kept tokens are re-run at base..."""
+    """compact keeps rows out of order of appending (as a tree walk does): the kept tokens are re-run at base...
+    (per_position too: rows that are not one path of the forward have no recorded state, so they replay)"""
     _, target = hybrid
     prompt = PROMPTS[2]
     start = len(prompt)
@@ -181,6 +224,7 @@ def test_compact_replays_scattered_rows(hybrid) -> None:
     target.forward(torch.tensor([prompt]), torch.arange(start), cache)
     target.forward(torch.tensor([ids]), torch.arange(start, start + 5), cache)
     cache.compact(start, torch.tensor([0, 2, 4]))
+    assert cache.replayed_tokens == 3
     assert_same_states(cache, ar_cache(target, prompt + [ids[0], ids[2], ids[4]], start))
 
 
@@ -223,6 +267,7 @@ def test_tree_step_equals_ar(hybrid) -> None:
     rows = torch.tensor([0, 2, 5, 6, 9])
     assert out.logits[0, rows[:-1]].argmax(-1).tolist() == seq[1:5]
     cache.compact(start, rows)
+    assert cache.replayed_tokens == (5 if cache.strategy == "replay" else 0)
 
     committed = prompt + seq[:5]
     ref_cache = target.new_cache()
@@ -239,6 +284,7 @@ def test_ddtree_equals_ar(hybrid) -> None:
         tree = DDTreeProposer(drafter, target, budget)
         for prompt in PROMPTS:
             assert generate(target, prompt, tree, max_new_tokens=16).token_ids == hf_greedy(target.model, prompt, 16)
+            assert (target.last_cache.replayed_tokens > 0) == (target.last_cache.strategy == "replay")
 
 
 def test_trees_refused_through_other_recurrent_layers(hybrid) -> None:
