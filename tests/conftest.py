@@ -129,3 +129,13 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def qwen3_target() -> Target:
     return Target(make_target_model("qwen3"))
+
+
+@pytest.fixture(scope="session")
+def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The trained-pair target for the training tests (torch runs single-threaded here, as their subprocesses do)."""
+    from trained_pair import _train_target
+
+    folder = tmp_path_factory.mktemp("tiny") / "target"
+    _train_target(folder, seed=0)
+    return folder

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from trained_pair import MASK_TOKEN_ID, _train_target, prompts
+from trained_pair import MASK_TOKEN_ID, prompts
 
 from blockdraft.decoding.draft import DFlashProposer
 from blockdraft.decoding.generate import generate
@@ -26,14 +26,6 @@ from blockdraft.train.pipeline import run_training
 from blockdraft.train.settings import TrainSettings
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The trained-pair target (conftest runs torch single-threaded, as the subprocesses below are)."""
-    folder = tmp_path_factory.mktemp("tiny") / "target"
-    _train_target(folder, seed=0)
-    return folder
 
 
 def _settings(target_dir: Path, out: Path, **overrides: object) -> TrainSettings:

@@ -19,7 +19,6 @@ import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 from transformers import get_cosine_schedule_with_warmup
 from test_train import _cli_args, _Crash, _env, _prompts_file, _settings
-from trained_pair import _train_target
 
 from blockdraft.config import parse_draft_config
 from blockdraft.errors import BlockdraftError
@@ -32,13 +31,6 @@ from blockdraft.train.pipeline import run_training
 from blockdraft.train.settings import TrainSettings
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("tiny") / "target"
-    _train_target(folder, seed=0)
-    return folder
 
 
 def test_parallel_flag_is_checked(tmp_path: Path) -> None:
