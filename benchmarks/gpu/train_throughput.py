@@ -5,7 +5,9 @@ autocast -> backward -> AdamW) for each attention kernel and batch size, prints 
 peak memory, then a torch.profiler table of the top CUDA kernels for one configuration. Random weights and data:
 the time of a step does not depend on their values.
 
-    python3 benchmarks/gpu/train_throughput.py --batch-sizes 8,16,32 --attention sdpa,flex --profile flex:16
+    python3 benchmarks/gpu/train_throughput.py --batch-sizes 8,16,32 --attention sdpa,flex,flex+compile --profile flex:16
+
+`+compile` runs the layer stack under torch.compile (inductor), as `blockdraft train --compile` does.
 """
 
 from __future__ import annotations
@@ -51,9 +53,10 @@ def run(args: argparse.Namespace, attention: str, batch_size: int, profile: bool
     target = Target(model)
     cfg, _ = build_draft_config(target, None, ShapeRequest(num_layers=args.layers, block_size=16, mask_token_id=16))
     drafter = DFlashDrafter(cfg).to(device)
-    objective = BlockObjective(drafter, attention)
+    kernel = attention.removesuffix("+compile")
+    objective = BlockObjective(drafter, kernel, "inductor" if attention.endswith("+compile") else None)
     plan = BatchPlan(samples(4096, args.max_length, 0), batch_size, args.anchors, 0,
-                     pad_width=args.max_length if attention == "flex" else None)
+                     pad_width=args.max_length if kernel == "flex" else None)
     taps = OnlineTaps(target, cfg.target_layer_ids)
     weights = slot_weights(16).to(device)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
@@ -84,7 +87,7 @@ def run(args: argparse.Namespace, attention: str, batch_size: int, profile: bool
     sync()
     elapsed = time.perf_counter() - started
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
-    print(f"{attention:5s} batch {batch_size:3d}: {1000 * elapsed / args.steps:7.1f} ms/step "
+    print(f"{attention:13s} batch {batch_size:3d}: {1000 * elapsed / args.steps:7.1f} ms/step "
           f"{tokens / elapsed / 1000:7.1f} k tok/s  peak {peak:5.1f} GiB", flush=True)
     if profile:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
@@ -98,7 +101,7 @@ def run(args: argparse.Namespace, attention: str, batch_size: int, profile: bool
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-sizes", default="8,16,32")
-    parser.add_argument("--attention", default="sdpa,flex")
+    parser.add_argument("--attention", default="sdpa,flex,flex+compile")
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--anchors", type=int, default=256)
     parser.add_argument("--max-length", type=int, default=768)

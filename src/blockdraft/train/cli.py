@@ -82,6 +82,9 @@ def train_command(
     precompute_features: bool = typer.Option(False, "--precompute-features", help="Write target taps to disk once (small targets)."),
     init: str = typer.Option("target", "--init", help="target (copy the target's last layers where shapes match), random, or a drafter folder to continue "
                        "from (its shape and weights; a fresh optimizer)."),
+    compile_layers: bool = typer.Option(
+        False, "--compile", help="torch.compile the drafter's layer stack (fuses rope, norms and casts; first step slower)."
+    ),
     attention: str = typer.Option(
         "auto", "--attention", help="auto (flex on CUDA, else sdpa), sdpa (CPU and GPU) or flex (CUDA only; skips masked tiles)."
     ),
@@ -99,7 +102,7 @@ def train_command(
         batch_size=batch_size, grad_accum=grad_accum, lr=lr, warmup_ratio=warmup_ratio, gamma=gamma,
         save_every=save_every, eval_every=eval_every, eval_prompts=eval_prompts, eval_tokens=eval_tokens,
         resume=resume, regenerate=regenerate, num_prompts=num_prompts, gen_batch_size=gen_batch_size,
-        gen_temperature=gen_temperature, precompute_features=precompute_features, init=init, attention=attention,
+        gen_temperature=gen_temperature, precompute_features=precompute_features, init=init, attention=attention, compile=compile_layers,
         device=device, dtype=dtype, seed=seed, parallel=parallel,
     )
     summary = run_training(settings)

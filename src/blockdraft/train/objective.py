@@ -175,31 +175,47 @@ class BlockObjective(nn.Module):
     layer math of `DrafterLayer` unchanged.
     """
 
-    def __init__(self, drafter: DFlashDrafter, attention: str = "sdpa") -> None:
+    def __init__(self, drafter: DFlashDrafter, attention: str = "sdpa", compile_backend: str | None = None) -> None:
         super().__init__()
         self.drafter = drafter
         self.attention = attention
-        self._flex = _flex_attention() if attention == "flex" else None
+        if compile_backend is None:
+            self._flex = _flex_attention() if attention == "flex" else None
+            self._stack = self._layers
+        else:  # one compiled region for the whole layer stack: rope, norms, casts and the MLP gate fuse
+            self._flex = flex_attention if attention == "flex" else None
+            self._stack = torch.compile(self._layers, backend=compile_backend, dynamic=False)
 
     def hidden(self, taps: torch.Tensor, block_embeds: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
         """Final-normed drafter states [b, n*B, hidden] for every block slot."""
-        drafter = self.drafter
-        cfg = drafter.cfg
-        ctx = drafter.project_context(taps)
-        ctx_cos, ctx_sin = drafter.rope(ctx, torch.arange(layout.context_len, device=ctx.device))
-        cos, sin = drafter.rope(block_embeds, layout.query_positions)
+        cfg = self.drafter.cfg
         rules = [(cfg.layer_is_causal(i), cfg.layer_window(i)) for i in range(cfg.num_hidden_layers)]
         if self._flex is None:
-            dense = dict(zip(rules, layer_masks(layout, cfg)))
+            masks = dict(zip(rules, layer_masks(layout, cfg)))
         else:
-            sparse = {rule: flex_block_mask(layout, *rule) for rule in set(rules)}
+            masks = {rule: flex_block_mask(layout, *rule) for rule in set(rules)}
+        return self._stack(taps, block_embeds, layout.query_positions, layout.context_len, [masks[r] for r in rules])
+
+    def _layers(
+        self,
+        taps: torch.Tensor,
+        block_embeds: torch.Tensor,
+        query_positions: torch.Tensor,
+        context_len: int,
+        masks: list[torch.Tensor] | list[BlockMask],
+    ) -> torch.Tensor:
+        drafter = self.drafter
+        ctx = drafter.project_context(taps)
+        ctx_cos, ctx_sin = drafter.rope(ctx, torch.arange(context_len, device=ctx.device))
+        cos, sin = drafter.rope(block_embeds, query_positions)
         x = block_embeds
-        for layer, rule in zip(drafter.layers, rules):
+        for layer, mask in zip(drafter.layers, masks):
             ctx_k, ctx_v = layer.self_attn.key_values(ctx, ctx_cos, ctx_sin)
+            scale = layer.self_attn.scaling
             if self._flex is None:
-                attend = partial(_sdpa, mask=dense[rule], scale=layer.self_attn.scaling)
+                attend = partial(_sdpa, mask=mask, scale=scale)
             else:
-                attend = partial(self._flex, block_mask=sparse[rule], scale=layer.self_attn.scaling, enable_gqa=True)
+                attend = partial(self._flex, block_mask=mask, scale=scale, enable_gqa=True)
             x = _layer(layer, x, cos, sin, ctx_k, ctx_v, attend)
         return drafter.norm(x)
 

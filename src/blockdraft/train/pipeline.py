@@ -189,7 +189,8 @@ def _run(settings: TrainSettings, prompts: list[TokenizedPrompt] | None, ctx: Di
                         gamma=settings.gamma, save_every=settings.save_every, eval_every=settings.eval_every)
     console.print(f"training on {len(samples)} samples ({ctx.world} rank(s){', fsdp' if ctx.sharded else ''}), "
                   f"{steps} steps, attention={attention}")
-    result = train_loop(BlockObjective(drafter, attention), target, plan, taps, loop, settings.out, ctx, console,
+    objective = BlockObjective(drafter, attention, "inductor" if settings.compile else None)
+    result = train_loop(objective, target, plan, taps, loop, settings.out, ctx, console,
                         evaluate, checkpoint, on_step)
     return _finish(settings, drafter, target, result, len(samples), ctx)
 

@@ -17,7 +17,7 @@ SETTINGS_NAME = "train_settings.json"
 SUMMARY_NAME = "train_summary.json"
 # Options that do not change the training trajectory, so a resumed run may differ in them.
 # `parallel` is among them: fsdp, ddp and one process train the same model, and write the same checkpoint format.
-RESUME_FREE = {"resume", "save_every", "eval_every", "eval_tokens", "device", "gen_batch_size", "parallel"}
+RESUME_FREE = {"resume", "save_every", "eval_every", "eval_tokens", "device", "gen_batch_size", "parallel", "compile"}
 PARALLEL_MODES = ("ddp", "fsdp")
 
 
@@ -57,6 +57,7 @@ class TrainSettings:
     precompute_features: bool = False
     init: str = "target"
     attention: str = "auto"
+    compile: bool = False
     device: str | None = None
     dtype: str | None = None
     seed: int = 0
