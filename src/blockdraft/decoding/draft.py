@@ -14,6 +14,8 @@ import torch
 
 from blockdraft.decoding.sampling import SamplingParams, probabilities, sample
 from blockdraft.models.drafter import DFlashDrafter, DrafterContextCache
+from blockdraft.models.fast_drafter import FastDrafter, fast_drafter_problem
+from blockdraft.models.fast_target import FastTarget
 from blockdraft.models.target import Target
 
 
@@ -77,30 +79,46 @@ class Proposer(Protocol):
 
 
 class DFlashProposer:
-    """The DFlash chain: one drafter pass over [anchor, MASK x (B-1)] gives B-1 proposals."""
+    """The DFlash chain: one drafter pass over [anchor, MASK x (B-1)] gives B-1 proposals.
+
+    On a FastTarget the drafter runs on the static path (`FastDrafter`: fixed buffers, CUDA graphs), so the
+    drafter pass does not stay launch-bound next to a fast verify; elsewhere, and with `static=False` (for
+    subclasses that replace the eager context cache), the drafter module runs over a `DrafterContextCache`.
+    Both give the same logits.
+    """
 
     name = "dflash"
     build_s = 0.0
 
-    def __init__(self, drafter: DFlashDrafter, target: Target) -> None:
+    def __init__(self, drafter: DFlashDrafter, target: Target, static: bool = True) -> None:
         self.drafter = drafter
         self.target = target
         self.cfg = drafter.cfg
         self.tap_layers: tuple[int, ...] | None = self.cfg.target_layer_ids
         self.block_size = self.cfg.block_size
         self.cache = DrafterContextCache(drafter)
+        self.fast: FastDrafter | None = None
+        if static and isinstance(target, FastTarget) and fast_drafter_problem(drafter) is None:
+            self.fast = FastDrafter(drafter, target)
 
     def reset(self) -> None:
         self.cache = DrafterContextCache(self.drafter)
+        if self.fast is not None:
+            self.fast.reset()
 
     @torch.inference_mode()
     def add_context(self, taps: torch.Tensor) -> None:
         """Context K/V for newly committed positions, written once."""
-        self.drafter.extend_context(self.cache, taps.to(self.target.dtype))
+        if self.fast is not None:
+            self.fast.extend(taps.to(self.target.dtype))
+        else:
+            self.drafter.extend_context(self.cache, taps.to(self.target.dtype))
 
     @torch.inference_mode()
     def slot_logits(self, anchor: int, start: int, slots: int) -> torch.Tensor:
         """Draft logits [slots, V] for positions start+1 .. start+slots from one drafter pass."""
+        if self.fast is not None:
+            return self.fast.slot_logits(anchor, start, slots, self.cfg.mask_token_id)
         device = self.target.device
         block = torch.full((1, slots + 1), self.cfg.mask_token_id, dtype=torch.long, device=device)
         block[0, 0] = anchor

@@ -109,7 +109,7 @@ class EvictingProposer(DFlashProposer):
 
     def __init__(self, drafter: DFlashDrafter, target: Target, keep: int) -> None:
         self.keep = keep
-        super().__init__(drafter, target)
+        super().__init__(drafter, target, static=False)  # the eviction lives in the eager cache
         self.reset()
 
     def reset(self) -> None:

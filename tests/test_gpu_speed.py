@@ -1,0 +1,38 @@
+"""benchmarks/gpu_speed.py runs end to end on CPU (tiny shapes): the table, the JSON and the same-ids checks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_speed.py"
+
+
+def test_cpu_smoke_run(tiny_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    target, drafter = tiny_dirs
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt_ids": [4, 5, 6]}\n{"prompt_ids": [7, 8, 9, 10]}\n')
+    out = tmp_path / "speed.json"
+    res = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--shape", "tiny", "--context", "40",
+         "--budgets", "4,8", "--iters", "2", "--warmup", "1", "--target", str(target), "--drafter", str(drafter),
+         "--prompts", str(prompts), "--budget", "6", "--max-new-tokens", "16", "--json", str(out)],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "| AR step (ms) |" in res.stdout and "Failures" not in res.stdout
+    data = json.loads(out.read_text())
+    assert not data["errors"]
+    assert set(data["rows"]["DDTree verify @8 (ms)"]) == {"hf", "fast"}
+    assert data["rows"]["verify16 logits vs hf: argmax agree / max rel diff"]["fast"].startswith("1.00")
+    methods = {e["method"]: e for e in data["e2e"]}
+    assert {"ours fast dflash", "ours hf ddtree@6", "HF generate (greedy)"} <= set(methods)
+    assert all(e["same_ids"] in (None, "2/2") for e in data["e2e"])
+
+
+def test_help_runs() -> None:
+    res = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "--quick" in res.stdout
