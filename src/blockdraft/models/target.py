@@ -105,7 +105,8 @@ class Target:
         return self.embedding_weight.dtype
 
     def new_cache(self) -> TargetCache:
-        """A cache that can undo rejected rows: hybrid targets' linear-attention states need snapshot + replay."""
+        """A cache that can undo rejected rows; hybrid targets roll their linear-attention states back by per-position
+        states (default) or snapshot + replay (models/hybrid.py)."""
         if RECURRENT_LAYER_TYPES.intersection(self.layer_types):
             from blockdraft.models.hybrid import HybridCache  # hybrid builds on TargetCache: import when needed
 
