@@ -61,3 +61,27 @@ def test_bench_budget_sweep_writes_both_plots(tiny_dirs: tuple[Path, Path], tmp_
 def test_budget_sweep_plot_needs_tree_runs(tmp_path: Path) -> None:
     with pytest.raises(BlockdraftError, match="ddtree"):
         plot_budget_sweep([MethodRun(MethodSpec("dflash"))], tmp_path / "x.png")
+
+
+def _method(label: str, ids: list[list[int]]) -> MethodRun:
+    from blockdraft.bench.runner import PromptRun
+    from blockdraft.decoding.generate import GenerationResult
+    from blockdraft.metrics import SpecStats
+
+    method, _, budget = label.partition("@")
+    runs = [PromptRun(f"p{i}", "chat", GenerationResult(x, [1] * len(x), SpecStats(method=label), None))
+            for i, x in enumerate(ids)]
+    return MethodRun(MethodSpec(method, int(budget) if budget else None), runs)
+
+
+def test_exactness_note_names_the_cause_and_the_check() -> None:
+    from blockdraft.bench.report import exactness_note
+
+    ar = _method("ar", [[1, 2, 3], [4, 5]])
+    same, off = _method("dflash", [[1, 2, 3], [4, 5]]), _method("ddtree@32", [[1, 2, 3], [4, 6]])
+    assert exactness_note([ar, same], "bfloat16", 0.0) is None
+    assert exactness_note([ar, off], "bfloat16", 1.0) is None
+    assert exactness_note([same, off], "bfloat16", 0.0) is None  # no AR baseline to compare with
+    note = exactness_note([ar, same, off], "bfloat16", 0.0)
+    assert "ddtree@32 on 1 prompt(s)" in note and "dflash" not in note and "--dtype float32" in note
+    assert "please report" in exactness_note([ar, off], "float32", 0.0)

@@ -36,6 +36,27 @@ def summary_table(runs: list[MethodRun], title: str = "blockdraft bench") -> Tab
     return table
 
 
+def exactness_note(runs: list[MethodRun], dtype: str, temperature: float) -> str | None:
+    """What to make of greedy outputs that differ from AR: a bug in float32, near-tie flips in 16-bit types.
+
+    Verifying many rows at once and decoding one row use different kernels; in bf16/fp16 their rounding differs
+    enough to flip an argmax between near-equal logits, the same drift as between batch sizes in any server.
+    """
+    base = _baseline(runs)
+    if base is None or temperature > 0:
+        return None
+    differing = {r.spec.label: len(r.runs) - identical_to(base, r) for r in runs if r is not base}
+    differing = {label: n for label, n in differing.items() if n}
+    if not differing:
+        return None
+    which = ", ".join(f"{label} on {n}" for label, n in differing.items())
+    if dtype == "float32":
+        return (f"greedy output differs from AR in float32 ({which} prompt(s)): speculative decoding must be exact "
+                "here; please report it with the --json-out file")
+    return (f"greedy output differs from AR in {dtype} ({which} prompt(s)): multi-row verification and one-row "
+            "decoding round differently, so near-tied logits can flip; rerun with --dtype float32 to check exactness")
+
+
 def category_table(runs: list[MethodRun]) -> Table:
     """tau per category and method (the numbers papers report per benchmark)."""
     cats = sorted({r.category for run in runs for r in run.runs})
