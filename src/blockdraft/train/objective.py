@@ -110,7 +110,7 @@ def flex_block_mask(layout: BlockLayout, causal: bool, window: int | None) -> Bl
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """Dense-mask SDPA with grouped K/V, as `DrafterAttention` runs it. (Expanding K/V to the query heads lets CUDA
-    pick its memory-efficient kernel instead of the math one: measured 3.6x slower here, so it is not done.)"""
+    pick its memory-efficient kernel instead of the math one; on an H200 that was slower, benchmarks/RESULTS.md.)"""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
