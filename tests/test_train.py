@@ -188,3 +188,35 @@ def test_init_from_a_drafter_folder_continues_from_its_weights(
     before, after = load_drafter(settings.out / "drafter"), load_drafter(tmp_path / "warm" / "drafter")
     for (name, x), (_, y) in zip(before.state_dict().items(), after.state_dict().items()):
         torch.testing.assert_close(x, y, atol=1e-6, rtol=0, msg=name)
+
+
+def test_sigterm_saves_the_current_step_exports_and_resumes(target_dir: Path, tmp_path: Path) -> None:
+    """A `timeout` or a preempting scheduler sends SIGTERM: the run finishes its step, checkpoints it (no periodic
+    save was due), exports, says how to continue and exits 143; --resume continues from that very step."""
+    file = _prompts_file(tmp_path / "prompts.jsonl", 18)
+    out = tmp_path / "stopped"
+    args = _cli_args(target_dir, file, out, 400)
+    args[args.index("--save-every") + 1] = "1000"
+    proc = subprocess.Popen(_cli(*args), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = out / "train_log.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None and (not log.exists() or log.read_text().count('"loss"') < 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143, stderr[-2000:]
+    assert "--resume" in stderr.splitlines()[-1]
+    step = load_checkpoint(out)["progress"]["step"]
+    assert 3 <= step < 400 and log.read_text().count('"loss"') == step
+    assert json.loads((out / "train_summary.json").read_text())["stopped_early"] is True
+    assert (out / "drafter" / "model.safetensors").exists()
+    settings = _settings(target_dir, out, prompts=str(file), steps=400, batch_size=4, save_every=1000,
+                         response_tokens=40, eval_prompts=2, eval_tokens=8, resume=True)
+    seen: list[int] = []
+
+    def crash(s: int) -> None:
+        seen.append(s)
+        raise _Crash
+    with pytest.raises(_Crash):
+        run_training(settings, on_step=crash)
+    assert seen == [step + 1]

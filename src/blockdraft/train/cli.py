@@ -9,6 +9,7 @@ its optimizer state across the ranks when they do not fit one device.
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 from typing import Optional
 
@@ -108,6 +109,10 @@ def train_command(
     summary = run_training(settings)
     if os.environ.get("RANK", "0") == "0":
         print_summary(summary)
+    if summary.stopped_early:
+        typer.echo(f"stopped by SIGTERM at step {summary.steps}: checkpoint saved and drafter exported from it; "
+                   "continue with the same command plus --resume", err=True)
+        raise typer.Exit(code=128 + signal.SIGTERM)
 
 
 if __name__ == "__main__":

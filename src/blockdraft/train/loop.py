@@ -5,6 +5,8 @@ FSDP, atomic checkpoints that resume to the bit, periodic tau evaluation, a JSON
 from __future__ import annotations
 
 import json
+import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,6 +54,7 @@ class LoopResult:
     tau_after: float | None
     tokens: int
     train_seconds: float
+    stopped_early: bool = False
 
     @property
     def tokens_per_s(self) -> float:
@@ -75,6 +78,29 @@ class _Log:
         if self.enabled:
             with self.path.open("a") as f:
                 f.write(json.dumps(entry) + "\n")
+
+
+class StopRequest:
+    """SIGTERM (a `timeout`, a scheduler's preemption) asks the loop to finish the current step, save a checkpoint
+    and return, so a stopped run loses nothing and still exports; a second SIGTERM is not waited for."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+
+    def __enter__(self) -> "StopRequest":
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: object) -> None:
+        if self.requested:
+            raise SystemExit(128 + signum)
+        self.requested = True
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
 
 
 def _progress(console: Console, enabled: bool) -> Progress:
@@ -138,7 +164,8 @@ def train_loop(
     drafter.train()
     tokens, train_seconds = 0, 0.0
     tau_after = None
-    with _progress(console, ctx.is_main) as bar:
+    stopped_early = False
+    with _progress(console, ctx.is_main) as bar, StopRequest() as stop:
         task = bar.add_task("train", total=settings.steps, completed=progress["step"], loss="-", tps="-")
         while progress["step"] < settings.steps:
             started = time.perf_counter()
@@ -156,7 +183,7 @@ def train_loop(
             optimizer.step()
             scheduler.step()
             progress["step"] += 1
-            loss_sum, step_tokens = ctx.sum([step_loss, float(step_tokens)])
+            loss_sum, step_tokens, stops = ctx.sum([step_loss, float(step_tokens), float(stop.requested)])
             mean_loss = loss_sum / ctx.world
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -170,20 +197,24 @@ def train_loop(
                       grad_norm=float(grad_norm), tokens=int(step_tokens), tokens_per_s=tps)
             bar.update(task, completed=progress["step"], loss=f"{mean_loss:.3f}", tps=f"{tps:,.0f}")
             step = progress["step"]
-            if evaluate is not None and (step == settings.steps or (settings.eval_every and step % settings.eval_every == 0)):
+            stopped_early = stops > 0 and step < settings.steps  # every rank sees the same sum: all stop together
+            due = step == settings.steps or (settings.eval_every and step % settings.eval_every == 0)
+            if evaluate is not None and due and not stopped_early:
                 drafter.eval()
                 tau_after = evaluate()
                 drafter.train()
                 log.write(step=step, tau=tau_after)
-            if step == settings.steps or (settings.save_every and step % settings.save_every == 0):
+            if stopped_early or step == settings.steps or (settings.save_every and step % settings.save_every == 0):
                 snapshot = state()  # every rank: gathering FSDP shards is a collective
                 if ctx.is_main:
                     save_checkpoint(out, snapshot)
             if on_step is not None:
                 on_step(step)
+            if stopped_early:
+                break
     ctx.barrier()
-    if tau_after is None and evaluate is not None:
+    if tau_after is None and evaluate is not None and not stopped_early:
         tau_after = evaluate()
     drafter.eval()
     return LoopResult(progress["step"], progress["first_loss"], progress["last_loss"], progress["tau_before"],
-                      tau_after, tokens, train_seconds)
+                      tau_after, tokens, train_seconds, stopped_early)

@@ -211,7 +211,7 @@ def _finish(settings: TrainSettings, drafter: DFlashDrafter, target: Target, res
         samples=samples, steps=result.steps, tokens=result.tokens, tokens_per_s=result.tokens_per_s,
         first_loss=result.first_loss, last_loss=result.last_loss, tau_before=result.tau_before,
         tau_after=result.tau_after, drafter_dir=str(folder),
-        launch=launch_commands(settings.target, folder, cfg.block_size, mixed),
+        launch=launch_commands(settings.target, folder, cfg.block_size, mixed), stopped_early=result.stopped_early,
     )
     full = full_drafter(drafter, ctx)
     if ctx.is_main:

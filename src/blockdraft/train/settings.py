@@ -105,3 +105,4 @@ class TrainSummary:
     tau_after: float | None
     drafter_dir: str
     launch: dict[str, str] = field(default_factory=dict)
+    stopped_early: bool = False
