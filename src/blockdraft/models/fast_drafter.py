@@ -24,7 +24,9 @@ import torch.nn.functional as F
 
 from blockdraft.models.drafter import DFlashDrafter, apply_rope, visibility_mask
 from blockdraft.models.fast_ops import ACTIVATIONS, rms_norm
-from blockdraft.models.fast_target import LENGTH_DEPENDENT_ROPE, MAX_GRAPHS, FastTarget, graph_rows, pack_layer
+from blockdraft.models.fast_target import (
+    LENGTH_DEPENDENT_ROPE, MAX_GRAPHS, FastTarget, graph_rows, layer_step, pack_layer,
+)
 from blockdraft.models.static_cache import KVStorage, round_up
 
 T = TypeVar("T")
@@ -252,20 +254,9 @@ class FastDrafter:
         x = self.target.embed(ids, self.drafter.cfg.input_embedding_scale)
         h = ops.rms_norm(x, self.layers[0].norm_in, self.eps)
         for i, (layer, rule) in enumerate(zip(self.layers, self.rules)):
-            q, k, v = ops.qkv_heads(
-                F.linear(h, layer.qkv, layer.qkv_bias), layer.q_norm, layer.k_norm, cos, sin,
-                self.heads, self.kv_heads, self.eps,
-            )
-            kv[i, 0].index_copy_(1, slots, k[0])
-            kv[i, 1].index_copy_(1, slots, v[0])
-            out = F.scaled_dot_product_attention(
-                q, kv[i, 0, :, :cap].unsqueeze(0), kv[i, 1, :, :cap].unsqueeze(0),
-                attn_mask=biases[rule], scale=layer.scaling,
-            )
-            x, h = ops.add_rms_norm(x, layer.o_proj(ops.merge_heads(out, self.heads, t)), layer.norm_post, self.eps)
-            delta = layer.down(ops.glu(F.linear(h, layer.gate_up, layer.gate_up_bias), self.act))
             following = self.layers[i + 1].norm_in if i + 1 < len(self.layers) else self.final_norm
-            x, h = ops.add_rms_norm(x, delta, following, self.eps)
+            x, h = layer_step(ops, layer, x, h, cos, sin, kv[i], slots, cap, biases[rule], following,
+                              self.heads, self.kv_heads, self.eps, self.act)
         return self.drafter.logits(h[0, 1:], self.target.lm_head)
 
     def _capture_draft(self, cap: int) -> _DraftGraph:

@@ -111,6 +111,39 @@ class _Graph:
     taps: torch.Tensor | None
 
 
+def layer_step(
+    ops: LayerOps,
+    layer: LayerWeights,
+    x: torch.Tensor,
+    h: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv: torch.Tensor,
+    slots: torch.Tensor,
+    cap: int,
+    bias: torch.Tensor,
+    next_norm: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    eps: float,
+    act: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decoder layer on a static cache (target and drafter alike): K/V of the t new rows written at `slots` of
+    `kv` ([2, kv_heads, slots, d]), attention over its first `cap` slots under `bias`; returns the residual stream
+    and its `next_norm`-ed copy, the next layer's input."""
+    t = h.shape[1]
+    q, k, v = ops.qkv_heads(F.linear(h, layer.qkv, layer.qkv_bias), layer.q_norm, layer.k_norm, cos, sin,
+                            heads, kv_heads, eps)
+    kv[0].index_copy_(1, slots, k[0])
+    kv[1].index_copy_(1, slots, v[0])
+    out = F.scaled_dot_product_attention(
+        q, kv[0, :, :cap].unsqueeze(0), kv[1, :, :cap].unsqueeze(0), attn_mask=bias, scale=layer.scaling
+    )
+    x, h = ops.add_rms_norm(x, layer.o_proj(ops.merge_heads(out, heads, t)), layer.norm_post, eps)
+    delta = layer.down(ops.glu(F.linear(h, layer.gate_up, layer.gate_up_bias), act))
+    return ops.add_rms_norm(x, delta, next_norm, eps)
+
+
 def graph_rows(t: int) -> int:
     """Rows a graph is captured for: short forwards round up to a power of two (they cost the same on a GPU,
     and the chain's shorter last steps then reuse one graph); longer ones (trees) are captured exactly."""
@@ -239,20 +272,9 @@ class FastTarget(Target):
         x = F.embedding(ids, self.embedding_weight)
         h = ops.rms_norm(x, self.layers[0].norm_in, self.eps)
         for i, layer in enumerate(self.layers):
-            q, k, v = ops.qkv_heads(
-                F.linear(h, layer.qkv, layer.qkv_bias), layer.q_norm, layer.k_norm, cos, sin,
-                self.heads, self.kv_heads, self.eps,
-            )
-            kv[i, 0].index_copy_(1, slots, k[0])
-            kv[i, 1].index_copy_(1, slots, v[0])
-            out = F.scaled_dot_product_attention(
-                q, kv[i, 0, :, :cap].unsqueeze(0), kv[i, 1, :, :cap].unsqueeze(0),
-                attn_mask=biases[layer.window], scale=layer.scaling,
-            )
-            x, h = ops.add_rms_norm(x, layer.o_proj(ops.merge_heads(out, self.heads, t)), layer.norm_post, self.eps)
-            delta = layer.down(ops.glu(F.linear(h, layer.gate_up, layer.gate_up_bias), self.act))
             following = self.layers[i + 1].norm_in if i + 1 < len(self.layers) else self.final_norm
-            x, h = ops.add_rms_norm(x, delta, following, self.eps)
+            x, h = layer_step(ops, layer, x, h, cos, sin, kv[i], slots, cap, biases[layer.window], following,
+                              self.heads, self.kv_heads, self.eps, self.act)
             if i in wanted:
                 taps[i] = h if i == self.num_layers - 1 else x  # HF's last hidden state is the final-normed one
         logits = self.lm_head(h[:, -1:] if last_logits_only else h)
