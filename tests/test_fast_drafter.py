@@ -100,6 +100,13 @@ def test_reset_empties_the_context_and_keeps_the_buffers() -> None:
     assert pair.static.fast.storage.kv is kv
 
 
+def test_proposers_over_one_drafter_share_its_packed_weights() -> None:
+    pair = Lockstep("all_full")
+    again = DFlashProposer(pair.static.drafter, pair.static.target)
+    assert again.fast is not None and again.fast.layers is pair.static.fast.layers
+    pair.run()  # the first proposer still drafts correctly next to the second
+
+
 def counting_capture(counter: list[int]) -> Callable[[Callable[[], Any], torch.device], tuple[_EagerGraph, Any]]:
     """Stands in for fast_drafter.capture on CPU: replay re-runs the function into the captured outputs."""
 
