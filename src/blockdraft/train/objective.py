@@ -171,8 +171,8 @@ class BlockObjective(nn.Module):
 
     `attention="sdpa"` uses dense boolean masks (CPU and GPU); `"flex"` (CUDA only for training) uses compiled
     flex attention over the same visibility, which skips the fully masked tiles (most of them: each block sees a
-    prefix of the context and itself): 2.2-4x the SDPA step rate on an H200 (benchmarks/RESULTS.md). Both run the
-    layer math of `DrafterLayer` unchanged.
+    prefix of the context and itself): 1.6-4.9x the SDPA step rate in an H200 measurement (benchmarks/RESULTS.md).
+    Both run the layer math of `DrafterLayer` unchanged.
     """
 
     def __init__(self, drafter: DFlashDrafter, attention: str = "sdpa", compile_backend: str | None = None) -> None:
