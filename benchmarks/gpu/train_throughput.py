@@ -1,6 +1,6 @@
 """Trainer throughput on one GPU: the training step of `blockdraft train` on a random SmolLM2-135M-shaped target.
 
-Runs the same pieces the loop runs (BatchPlan -> online taps -> block targets -> BlockObjective under bf16
+Runs the loop's own step (BatchPlan -> `loop.batch_loss`: online taps, block targets, BlockObjective under bf16
 autocast -> backward -> AdamW) for each attention kernel and batch size, prints ms/step, sequence tokens/s and
 peak memory, then a torch.profiler table of the top CUDA kernels for one configuration. Random weights and data:
 the time of a step does not depend on their values.
@@ -24,8 +24,8 @@ from blockdraft.models.target import Target
 from blockdraft.train.batches import BatchPlan
 from blockdraft.train.data import Sample
 from blockdraft.train.features import OnlineTaps
-from blockdraft.train.masks import BlockLayout
-from blockdraft.train.objective import BlockObjective, block_targets, slot_weights
+from blockdraft.train.loop import batch_loss
+from blockdraft.train.objective import BlockObjective, slot_weights
 from blockdraft.train.shape import ShapeRequest, build_draft_config
 
 SMOLLM2 = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
@@ -63,14 +63,12 @@ def run(args: argparse.Namespace, attention: str, batch_size: int, profile: bool
     if cuda:
         torch.cuda.reset_peak_memory_stats()
 
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16)
+
     def step(k: int) -> int:
         batch = plan.batch(k).to(device)
-        layout = BlockLayout(batch.anchors, 16, batch.input_ids.shape[1])
-        targets = block_targets(batch.input_ids, batch.lengths, batch.anchors, batch.anchor_valid, 16, weights)
-        embeds = target.embed(targets.block_ids)
         optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = objective(taps(batch), embeds, layout, targets, target.lm_head)
+        loss = batch_loss(objective, target, taps, batch, cfg, weights, autocast)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         optimizer.step()

@@ -36,6 +36,14 @@ class DraftBatch:
         return int(self.lengths.sum())
 
 
+def right_pad(rows: list[list[int]], width: int) -> torch.Tensor:
+    """[len(rows), width] long tensor of the rows, zero-padded on the right."""
+    out = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+    return out
+
+
 def draw_anchors(sample: Sample, count: int, seed: int, epoch: int, index: int) -> list[int]:
     """Up to `count` distinct anchor positions in the response, each leaving at least one token to predict."""
     candidates = np.arange(sample.start, len(sample.ids) - 1)
@@ -82,12 +90,7 @@ class BatchPlan:
         anchors = [draw_anchors(s, self.anchors_per_seq, self.seed, epoch, i) for s, i in zip(picked, chosen)]
         width = self.pad_width or max(len(s.ids) for s in picked)
         n = self.anchors_per_seq if self.pad_width else max(len(a) for a in anchors)
-        ids = torch.zeros((len(picked), width), dtype=torch.long)
-        anchor_t = torch.zeros((len(picked), n), dtype=torch.long)
-        valid = torch.zeros((len(picked), n), dtype=torch.bool)
-        for row, (sample, sample_anchors) in enumerate(zip(picked, anchors)):
-            ids[row, : len(sample.ids)] = torch.tensor(sample.ids)
-            anchor_t[row, : len(sample_anchors)] = torch.tensor(sample_anchors, dtype=torch.long)
-            valid[row, : len(sample_anchors)] = True
+        valid = torch.arange(n) < torch.tensor([len(a) for a in anchors]).unsqueeze(1)
         lengths = torch.tensor([len(s.ids) for s in picked])
-        return DraftBatch([s.id for s in picked], ids, lengths, anchor_t, valid)
+        return DraftBatch([s.id for s in picked], right_pad([s.ids for s in picked], width), lengths,
+                          right_pad(anchors, n), valid)

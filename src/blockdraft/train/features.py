@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.target import Target
-from blockdraft.train.batches import DraftBatch
+from blockdraft.train.batches import DraftBatch, right_pad
 from blockdraft.train.data import Sample
 
 SHARD_SAMPLES = 256
@@ -75,9 +75,7 @@ def precompute_taps(
             for first in range(0, len(chunk), batch_size):
                 part = chunk[first : first + batch_size]
                 lengths = torch.tensor([len(s.ids) for s in part], device=target.device)
-                ids = torch.zeros((len(part), int(lengths.max())), dtype=torch.long, device=target.device)
-                for row, s in enumerate(part):
-                    ids[row, : len(s.ids)] = torch.tensor(s.ids, device=target.device)
+                ids = right_pad([s.ids for s in part], int(lengths.max())).to(target.device)
                 taps = compute_taps(target, ids, lengths, tap_layers)
                 for row, s in enumerate(part):
                     tensors[s.id] = taps[row, : len(s.ids)].cpu().contiguous()

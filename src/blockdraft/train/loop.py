@@ -16,8 +16,10 @@ from typing import Any
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from torch import nn
 from transformers import get_cosine_schedule_with_warmup
 
+from blockdraft.config import DraftConfig
 from blockdraft.models.target import Target
 from blockdraft.train.batches import BatchPlan, DraftBatch
 from blockdraft.train.checkpoint import full_state, load_full_state, restore_rng_states, rng_states, save_checkpoint
@@ -78,6 +80,26 @@ class _Log:
         if self.enabled:
             with self.path.open("a") as f:
                 f.write(json.dumps(entry) + "\n")
+
+
+def batch_loss(
+    model: nn.Module,
+    target: Target,
+    taps: TapSource,
+    batch: DraftBatch,
+    cfg: DraftConfig,
+    weights: torch.Tensor,
+    autocast: torch.autocast,
+) -> torch.Tensor:
+    """The weighted block loss of one micro-batch: blocks and labels, their embeddings, then the (wrapped)
+    `BlockObjective` under autocast. `model` may be the objective itself or its DDP/FSDP wrapper."""
+    layout = BlockLayout(batch.anchors, cfg.block_size, batch.input_ids.shape[1])
+    targets = block_targets(batch.input_ids, batch.lengths, batch.anchors, batch.anchor_valid, cfg.mask_token_id,
+                            weights)
+    with torch.no_grad():
+        embeds = target.embed(targets.block_ids, cfg.input_embedding_scale)
+    with autocast:
+        return model(taps(batch), embeds, layout, targets, target.lm_head)
 
 
 class StopRequest:
@@ -149,15 +171,6 @@ def train_loop(
                 "scheduler": scheduler.state_dict(), "rng": rng_states(), "progress": dict(progress),
                 "draft_config": cfg.to_dict()}
 
-    def micro_loss(batch: DraftBatch) -> torch.Tensor:
-        layout = BlockLayout(batch.anchors, cfg.block_size, batch.input_ids.shape[1])
-        targets = block_targets(batch.input_ids, batch.lengths, batch.anchors, batch.anchor_valid,
-                                cfg.mask_token_id, weights)
-        with torch.no_grad():
-            embeds = target.embed(targets.block_ids, cfg.input_embedding_scale)
-        with autocast:
-            return model(taps(batch), embeds, layout, targets, target.lm_head)
-
     if checkpoint is None and evaluate is not None:
         progress["tau_before"] = evaluate()
         log.write(step=0, tau=progress["tau_before"])
@@ -175,7 +188,7 @@ def train_loop(
                 batch = plan.batch(progress["micro_batches"]).to(device)
                 progress["micro_batches"] += 1
                 with micro_batch_sync(model, last=j == settings.grad_accum - 1):
-                    loss = micro_loss(batch) / settings.grad_accum
+                    loss = batch_loss(model, target, taps, batch, cfg, weights, autocast) / settings.grad_accum
                     loss.backward()
                 step_loss += loss.item()
                 step_tokens += batch.tokens

@@ -133,13 +133,13 @@ def weighted_cross_entropy(
         z = logits(h)
         return (F.cross_entropy(z.float() if z.element_size() < 4 else z, y, reduction="none") * w).sum()
 
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for first in range(0, hidden.shape[0], rows):
-        part = slice(first, first + rows)
-        if hidden.shape[0] <= rows:
-            total = total + chunk_loss(hidden[part], labels[part], weights[part])
-        else:
-            total = total + checkpoint(chunk_loss, hidden[part], labels[part], weights[part], use_reentrant=False)
+    if hidden.shape[0] <= rows:
+        total = chunk_loss(hidden, labels, weights)
+    else:
+        total = sum(
+            checkpoint(chunk_loss, hidden[i : i + rows], labels[i : i + rows], weights[i : i + rows], use_reentrant=False)
+            for i in range(0, hidden.shape[0], rows)
+        )
     return total / weights.sum().clamp_min(1e-6)
 
 

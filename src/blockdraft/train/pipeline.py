@@ -86,12 +86,11 @@ def _samples(settings: TrainSettings, target: Target, tokenizer: Any, prompts: l
     pad = pad if pad is not None else (eos[0] if eos else 0)
     folder = settings.out / "data"
     with Progress(console=console, disable=not ctx.is_main) as bar:
-        cached = read_cache(folder) if folder.exists() else {}
-        todo = sum(p.id not in cached for p in train_prompts)
-        task = bar.add_task("responses by the target", total=todo)
+        task = bar.add_task("responses by the target", total=None)
         regenerate(target, train_prompts, folder, max_length=settings.max_length, response_tokens=settings.response_tokens,
                    batch_size=settings.gen_batch_size, temperature=settings.gen_temperature, eos_ids=eos, pad_id=pad,
-                   seed=settings.seed, rank=ctx.rank, world=ctx.world, on_batch=lambda n: bar.advance(task, n))
+                   seed=settings.seed, rank=ctx.rank, world=ctx.world, on_start=lambda n: bar.update(task, total=n),
+                   on_batch=lambda n: bar.advance(task, n))
     ctx.barrier()
     done = read_cache(folder)
     return [done[p.id] for p in train_prompts if p.id in done], held

@@ -76,18 +76,21 @@ def regenerate(
     seed: int,
     rank: int = 0,
     world: int = 1,
+    on_start: Callable[[int], None] | None = None,
     on_batch: Callable[[int], None] | None = None,
 ) -> int:
     """Generate responses for this rank's share of the prompts not yet cached; returns how many it wrote.
 
     Prompt i belongs to rank i % world whatever the cache holds, so ranks reading the cache while others write
     to it never split the work differently. Prompts leaving fewer than two tokens of room under `max_length` are
-    skipped (nothing to learn from them).
+    skipped (nothing to learn from them). `on_start` hears how many prompts (times world) are left to generate.
     """
     folder.mkdir(parents=True, exist_ok=True)
     done = read_cache(folder)
     pending = [p for p in prompts[rank::world] if p.id not in done and len(p.ids) <= max_length - 2]
     pending.sort(key=lambda p: len(p.ids))
+    if on_start:
+        on_start(len(pending) * world)
     eos = set(eos_ids)
     written = 0
     with _open_for_append(folder / f"responses-{rank:03d}.jsonl") as out:
