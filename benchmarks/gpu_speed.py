@@ -337,7 +337,9 @@ def e2e(args: argparse.Namespace, rec: Recorder) -> None:
     from blockdraft.models.loading import load_drafter, load_target
 
     device, n = args.device, args.max_new_tokens
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(
+        args.e2e_dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    log(f"e2e dtype {dtype}")
     hf_target, tokenizer = load_target(args.target, device, dtype, engine="hf")
     model = hf_target.model
     drafter = load_drafter(args.drafter, hf_target)
@@ -441,7 +443,7 @@ def print_tables(args: argparse.Namespace, rec: Recorder) -> None:
             continue
         print(f"| {row} | " + " | ".join(fmt(values.get(c)) for c in columns) + " |")
     if rec.data["e2e"]:
-        print(f"\n## End to end: {args.target} + {args.drafter}, prompts {args.prompts}, {args.max_new_tokens} new tokens\n")
+        print(f"\n## End to end: {args.target} + {args.drafter}, prompts {args.prompts}, {args.max_new_tokens} new tokens, dtype {args.e2e_dtype}\n")
         print("| method | tokens/s | tau | same ids as AR (AR rows: as ours hf ar) |")
         print("|---|---|---|---|")
         ar_hf = next((e["tokens_per_s"] for e in rec.data["e2e"] if e["method"] == "ours hf ar"), None)
@@ -477,6 +479,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=None, help="end to end: tokens per prompt (default 128; --quick 32)")
     parser.add_argument("--budget", type=int, default=64, help="end to end: DDTree budget")
     parser.add_argument("--e2e-engines", default="hf,fast", help="end to end: engines for our methods")
+    parser.add_argument("--e2e-dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                        help="end to end: weights dtype (auto: bf16 on CUDA; float32 makes same-ids exact across kernels)")
     parser.add_argument("--skip-synthetic", action="store_true", help="only the end-to-end part")
     parser.add_argument("--quick", action="store_true", help="fewer iterations and prompts: a smoke run")
     parser.add_argument("--json", type=Path, default=None, help="write every number here (rewritten as it goes)")

@@ -3,7 +3,8 @@
 # converts SmolLM2 from its GGUF, regenerates ShareGPT responses with SmolLM2 itself, trains until TRAIN_TIMEOUT.
 # Later calls (RESUME=1, same STEPS/BATCH/ATTENTION): continue from the last checkpoint; the run exports the
 # drafter when it reaches STEPS. Results (drafter, log, summary) are copied to $OUT.
-# NPROC=2 trains under torchrun (DDP) on an nvidia-h200-x2 machine; INIT=path continues from a drafter folder.
+# NPROC=2 trains under torchrun (DDP) on an nvidia-h200-x2 machine; INIT=path continues from a drafter folder;
+# COMPILE=1 adds --compile; EVAL_PROMPTS (default 8) held-out prompts for tau before/after (0: none, all prompts train).
 set -u
 source benchmarks/gpu/env.sh
 set +e
@@ -22,7 +23,8 @@ timeout "${TRAIN_TIMEOUT:-520}" $TRAIN --target smollm2-135m-instruct \
   --prompts /tmp/bd/sharegpt.jsonl --out /tmp/bd/run --num-prompts "${NUM_PROMPTS:-5000}" \
   --gen-batch-size "${GEN_BATCH:-1024}" --response-tokens 320 --max-length 768 --layers 3 --block-size 16 \
   --anchors-per-seq 256 --steps "${STEPS:-1800}" --batch-size "${BATCH:-8}" --attention "${ATTENTION:-auto}" \
-  --save-every "${SAVE_EVERY:-500}" --eval-every 0 --eval-prompts 8 --eval-tokens 128 ${RESUME:+--resume} ${INIT:+--init "$INIT"} \
+  --save-every "${SAVE_EVERY:-500}" --eval-every 0 --eval-prompts "${EVAL_PROMPTS:-8}" --eval-tokens 128 ${RESUME:+--resume} ${INIT:+--init "$INIT"} \
+  ${COMPILE:+--compile} \
   2> /tmp/bd/train.err
 RC=$?
 echo "train rc $RC after $(( $(date +%s) - T0 )) s"

@@ -1,0 +1,74 @@
+"""Where a fast-engine decode step spends its GPU time: the top CUDA kernels of AR and verify-16 steps.
+
+`benchmarks/gpu_speed.py` says how far a step is from the weights-read floor; this says why. It runs the fast
+engine eagerly (no CUDA graphs: the same kernels, each visible to the profiler) on the same random 8B-shaped
+target, once with plain ops and once with the compiled fusion units, and prints per configuration the kernel
+table (sorted by total CUDA time), the kernel count per step and the GPU-busy time per step.
+
+    python3 benchmarks/gpu/profile_step.py --shape 8b --rows 1,16
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gpu_speed import build_synthetic  # noqa: E402  (the benchmark's own target, so the numbers line up)
+
+from blockdraft.models.fast_target import FastTarget  # noqa: E402
+
+STEPS = 5
+
+
+def profile(target: FastTarget, rows: int, context: int, label: str) -> None:
+    """Profile STEPS forwards of `rows` new tokens after a `context`-token prefill; print the kernel table."""
+    device = target.device
+    cache = target.new_cache()
+    vocab = target.vocab_size
+    target.forward(torch.randint(0, vocab, (1, context), device=device), torch.arange(context, device=device), cache,
+                   last_logits_only=True)
+    ids = torch.randint(0, vocab, (1, rows), device=device)
+    positions = torch.arange(context, context + rows, device=device)
+
+    def step() -> None:
+        target.forward(ids, positions, cache)
+        cache.crop(context)
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize(device)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(STEPS):
+            step()
+        torch.cuda.synchronize(device)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_ms = sum(e.device_time for e in kernels) / 1000 / STEPS
+    print(f"\n### {label}, {rows} row(s): {len(kernels) // STEPS} kernels/step, GPU busy {busy_ms:.2f} ms/step\n",
+          flush=True)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="8b")
+    parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--rows", default="1,16", help="new tokens per profiled step (1: AR, 16: DFlash verify)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("profile_step.py needs a CUDA device")
+    device = torch.device("cuda")
+    model, _ = build_synthetic(args.shape, device, torch.bfloat16)
+    for compiled in (False, True):
+        target = FastTarget(model, graphs=False, compiled=compiled)
+        for rows in map(int, args.rows.split(",")):
+            profile(target, rows, args.context, f"fast engine, {'compiled' if compiled else 'plain'} ops, eager")
+        del target
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
