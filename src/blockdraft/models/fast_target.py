@@ -29,6 +29,9 @@ SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
 GRAPH_MAX_TOKENS = 1024  # larger forwards (prefill) run eagerly: they are compute-bound anyway
 MAX_GRAPHS = 32
+# Forwards of up to this many new tokens (decode, chain verify, small trees) attend with two matmuls, which suit
+# few query rows; longer ones (prefill, large trees) use the fused SDPA kernels.
+DECODE_ATTENTION_MAX_ROWS = 64
 
 
 def fast_engine_problem(model: PreTrainedModel) -> str | None:
@@ -136,9 +139,11 @@ def layer_step(
                             heads, kv_heads, eps)
     kv[0].index_copy_(1, slots, k[0])
     kv[1].index_copy_(1, slots, v[0])
-    out = F.scaled_dot_product_attention(
-        q, kv[0, :, :cap].unsqueeze(0), kv[1, :, :cap].unsqueeze(0), attn_mask=bias, scale=layer.scaling
-    )
+    keys, values = kv[0, :, :cap].unsqueeze(0), kv[1, :, :cap].unsqueeze(0)
+    if t <= DECODE_ATTENTION_MAX_ROWS:
+        out = ops.decode_attention(q, keys, values, bias, layer.scaling)
+    else:
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=layer.scaling)
     x, h = ops.add_rms_norm(x, layer.o_proj(ops.merge_heads(out, heads, t)), layer.norm_post, eps)
     delta = layer.down(ops.glu(F.linear(h, layer.gate_up, layer.gate_up_bias), act))
     return ops.add_rms_norm(x, delta, next_norm, eps)
