@@ -144,6 +144,23 @@ def test_sharegpt_from_the_truncated_package_file() -> None:
     assert [item.id for item in load_prompt_set("sharegpt", limit=3)] == [item.id for item in items[:3]]
 
 
+def test_sharegpt_turns_extends_first_turns_with_history() -> None:
+    first = load_prompt_set("sharegpt")
+    turns = load_prompt_set("sharegpt-turns")
+    assert len({item.id for item in turns}) == len(turns) > 4 * len(first)
+    # First turns are the sharegpt set itself (ids, text, order), so its response cache carries over.
+    assert [item for item in turns if "#" not in item.id] == first
+    later = [item for item in turns if "#" in item.id]
+    for item in later[:200]:
+        *history, last = item.messages
+        assert last["role"] == "user" and last["content"].strip() and history
+        assert {m["role"] for m in history} <= {"user", "assistant", "system"}
+    # QWJhYvA_0 alternates human/gpt: its turn 2 carries turns 0 and 1 as history.
+    second = next(item for item in turns if item.id == "QWJhYvA_0#2")
+    assert [m["role"] for m in second.messages] == ["user", "assistant", "user"]
+    assert second.messages[0] == first[0].messages[0]
+
+
 @needs_spec_bench
 def test_spec_bench_from_shared_data(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(prompts.SPEC_BENCH_ENV, raising=False)
@@ -179,7 +196,7 @@ def test_path_per_category_then_limit(tmp_path: Path) -> None:
 
 
 def test_bad_names_and_counts(tmp_path: Path) -> None:
-    with pytest.raises(BlockdraftError, match="demo, humaneval, sharegpt, spec-bench"):
+    with pytest.raises(BlockdraftError, match="demo, humaneval, sharegpt, sharegpt-turns, spec-bench"):
         load_prompt_set("mt-bench")
     with pytest.raises(BlockdraftError, match="limit must be a positive"):
         load_prompt_set("demo", limit=0)

@@ -4,14 +4,15 @@
 # Later calls (RESUME=1, same STEPS/BATCH/ATTENTION): continue from the last checkpoint; the run exports the
 # drafter when it reaches STEPS. Results (drafter, log, summary) are copied to $OUT.
 # NPROC=2 trains under torchrun (DDP) on an nvidia-h200-x2 machine; INIT=path continues from a drafter folder;
-# COMPILE=1 adds --compile; EVAL_PROMPTS (default 8) held-out prompts for tau before/after (0: none, all prompts train).
+# PROMPTS_GZ picks the prompts (default .gpu/p3/sharegpt.jsonl.gz, the first turns; /tmp/bd/sharegpt_turns.jsonl.gz
+# after .gpu/p2 was copied there: every turn with its history, `benchmarks/gpu/export_prompts.py`); COMPILE=1 adds --compile; EVAL_PROMPTS (default 8) held-out prompts for tau before/after (0: none, all prompts train).
 set -u
 source benchmarks/gpu/env.sh
 set +e
 T0=$(date +%s)
 if [ -z "${RESUME:-}" ]; then
   bash benchmarks/gpu/assemble_gguf.sh || exit 1
-  zcat .gpu/p3/sharegpt.jsonl.gz > /tmp/bd/sharegpt.jsonl
+  zcat "${PROMPTS_GZ:-.gpu/p3/sharegpt.jsonl.gz}" > /tmp/bd/prompts.jsonl
   python3 -c "from blockdraft.assets import ensure_embedded_target as e; print(e())" 2>&1 | tail -1
   echo "convert: $(( $(date +%s) - T0 )) s"
 fi
@@ -20,7 +21,7 @@ if [ -z "${RESUME:-}" ] && [ -e .gpu/p3/data.tgz ]; then mkdir -p /tmp/bd/run &&
 if [ "${NPROC:-1}" -gt 1 ]; then TRAIN="torchrun --standalone --nproc_per_node $NPROC -m blockdraft.train.cli"
 else TRAIN="python3 -m blockdraft train"; fi
 timeout "${TRAIN_TIMEOUT:-520}" $TRAIN --target smollm2-135m-instruct \
-  --prompts /tmp/bd/sharegpt.jsonl --out /tmp/bd/run --num-prompts "${NUM_PROMPTS:-5000}" \
+  --prompts /tmp/bd/prompts.jsonl --out /tmp/bd/run --num-prompts "${NUM_PROMPTS:-5000}" \
   --gen-batch-size "${GEN_BATCH:-1024}" --response-tokens 320 --max-length 768 --layers 3 --block-size 16 \
   --anchors-per-seq 256 --steps "${STEPS:-1800}" --batch-size "${BATCH:-8}" --attention "${ATTENTION:-auto}" \
   --save-every "${SAVE_EVERY:-500}" --eval-every 0 --eval-prompts "${EVAL_PROMPTS:-8}" --eval-tokens 128 ${RESUME:+--resume} ${INIT:+--init "$INIT"} \
@@ -53,4 +54,6 @@ mkdir -p "$OUT/d"
 cp /tmp/bd/run/drafter/config.json "$OUT/d/" 2>/dev/null
 split -b 12M /tmp/bd/run/drafter/model.safetensors "$OUT/d/model.safetensors.part." 2>/dev/null
 cp /tmp/bd/run/train_summary.json /tmp/bd/run/*.jsonl "$OUT/" 2>/dev/null
+# The regenerated responses, to carry next time as .gpu/p3/data.tgz (no regeneration of the prompts they cover).
+tar czf "$OUT/data.tgz" -C /tmp/bd/run data 2>/dev/null
 ls /tmp/bd/run

@@ -190,7 +190,7 @@ def bench(
     drafter: Optional[str] = typer.Option(None, "--drafter"),
     methods: str = typer.Option("ar,dflash", "--methods", help="Comma-separated: ar, dflash, ddtree."),
     budget: Optional[str] = typer.Option(None, "--budget", help="DDTree budgets to sweep, e.g. 16,32,64."),
-    prompts: str = typer.Option("demo", "--prompts", help="JSONL file or built-in set (demo, spec-bench, humaneval, sharegpt)."),
+    prompts: str = typer.Option("demo", "--prompts", help="JSONL file or built-in set (demo, spec-bench, humaneval, sharegpt, sharegpt-turns)."),
     limit: Optional[int] = typer.Option(None, "--limit", help="At most this many prompts."),
     per_category: Optional[int] = typer.Option(None, "--per-category", help="At most this many prompts per category."),
     max_new_tokens: int = typer.Option(256, "--max-new-tokens"),

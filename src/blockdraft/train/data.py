@@ -13,12 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from blockdraft.bench.prompts import load_prompt_set
+from blockdraft.bench.prompts import SHAREGPT_ROLES, load_prompt_set
 from blockdraft.errors import BlockdraftError
 from blockdraft.prompting import encode_messages, encode_text
-
-_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
-          "bard": "assistant", "bing": "assistant", "model": "assistant", "system": "system"}
 
 
 @dataclass(frozen=True)
@@ -72,7 +69,7 @@ def load_prompts(source: str, tokenizer: Any, limit: int | None = None) -> list[
 def _messages(record: dict[str, Any]) -> list[dict[str, str]] | None:
     """A record's chat as role/content messages (ShareGPT `conversations`, `messages`, or `prompt` + `response`)."""
     if isinstance(record.get("conversations"), list):
-        return [{"role": _ROLES.get(t.get("from", ""), "user"), "content": t.get("value", "")}
+        return [{"role": SHAREGPT_ROLES.get(t.get("from", ""), "user"), "content": t.get("value", "")}
                 for t in record["conversations"] if isinstance(t, dict)]
     if isinstance(record.get("messages"), list):
         return record["messages"]
