@@ -91,6 +91,23 @@ def test_matches_hf_through_a_decode_lifecycle(family: str) -> None:
     lifecycle(Pair(make_target_model(family)))
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["plain-ops", "compiled-ops"])
+def test_both_attention_paths_match_hf(compiled: bool) -> None:
+    """Forwards of more than DECODE_ATTENTION_MAX_ROWS new tokens attend through SDPA, shorter ones through the
+    matmul path; compiled ops (torch.compile, the CUDA default; inductor also runs on CPU) write the K/V cache
+    inside the fused q/k/v unit, which the later forwards read."""
+    pair = Pair(make_target_model("qwen3"), compiled=compiled)
+    n = fast_mod.DECODE_ATTENTION_MAX_ROWS + 6
+    pair.forward(ids(n, 1), torch.arange(n))
+    pair.forward(ids(1, 2), torch.arange(n, n + 1))
+    pair.forward(ids(16, 3), torch.arange(n + 1, n + 17))
+    pair.crop(n + 5)
+    pair.forward(ids(2, 4), torch.arange(n + 5, n + 7))
+    if compiled:  # the compiled units really ran (a failed compile falls back to the plain function, silently here)
+        ops = pair.fast.ops
+        assert not any(unit.failed for unit in (ops.qkv_heads, ops.decode_attention, ops.add_rms_norm, ops.glu))
+
+
 def test_sliding_window_layers_match_hf() -> None:
     """Qwen2 with a window of 5 on two of four layers: windows apply in absolute positions, trees included."""
     config = Qwen2Config(

@@ -51,11 +51,17 @@ def qkv_heads(
     heads: int,
     kv_heads: int,
     eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Packed q|k|v [1, t, *] -> q [1, kv_heads, groups * t, d] (GQA folded into rows), k and v [1, kv_heads, t, d].
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """Packed q|k|v [1, t, *] -> q [1, kv_heads, groups * t, d] (GQA folded into rows); k and v are written into
+    the caches ([kv_heads, cache slots, d]) at `slots`.
 
     Folding the query heads that share a KV head into the query rows lets one plain attention call serve GQA
-    without copying keys and values per head. cos/sin are [1, 1, t, d].
+    without copying keys and values per head. Writing K/V here puts the cache write in the same fused kernel as
+    the norms and rope (the caches must be separate arguments: compiled, an indexed write into a view taken
+    inside the function would copy the whole cache). cos/sin are [1, 1, t, d].
     """
     t = qkv.shape[1]
     d = cos.shape[-1]
@@ -66,9 +72,9 @@ def qkv_heads(
         q = rms_norm(q, q_norm, eps)
         k = rms_norm(k, k_norm, eps)
     q = _rotate(q.transpose(1, 2), cos, sin)
-    k = _rotate(k.transpose(1, 2), cos, sin)
-    v = v.view(1, t, kv_heads, d).transpose(1, 2)
-    return q.reshape(1, kv_heads, (heads // kv_heads) * t, d), k, v
+    k_cache[:, slots] = _rotate(k.transpose(1, 2), cos, sin)[0]
+    v_cache[:, slots] = v.view(1, t, kv_heads, d).transpose(1, 2)[0]
+    return q.reshape(1, kv_heads, (heads // kv_heads) * t, d)
 
 
 def merge_heads(out: torch.Tensor, heads: int, t: int) -> torch.Tensor:

@@ -135,10 +135,8 @@ def layer_step(
     `kv` ([2, kv_heads, slots, d]), attention over its first `cap` slots under `bias`; returns the residual stream
     and its `next_norm`-ed copy, the next layer's input."""
     t = h.shape[1]
-    q, k, v = ops.qkv_heads(F.linear(h, layer.qkv, layer.qkv_bias), layer.q_norm, layer.k_norm, cos, sin,
-                            heads, kv_heads, eps)
-    kv[0].index_copy_(1, slots, k[0])
-    kv[1].index_copy_(1, slots, v[0])
+    q = ops.qkv_heads(F.linear(h, layer.qkv, layer.qkv_bias), layer.q_norm, layer.k_norm, cos, sin,
+                      heads, kv_heads, eps, kv[0], kv[1], slots)
     keys, values = kv[0, :, :cap].unsqueeze(0), kv[1, :, :cap].unsqueeze(0)
     if t <= DECODE_ATTENTION_MAX_ROWS:
         out = ops.decode_attention(q, keys, values, bias, layer.scaling)
