@@ -85,3 +85,28 @@ def test_exactness_note_names_the_cause_and_the_check() -> None:
     note = exactness_note([ar, same, off], "bfloat16", 0.0)
     assert "ddtree@32 on 1 prompt(s)" in note and "dflash" not in note and "--dtype float32" in note
     assert "please report" in exactness_note([ar, off], "float32", 0.0)
+
+
+def _timed(label: str, tokens: int, seconds: float, lengths: list[int]) -> MethodRun:
+    from blockdraft.bench.runner import PromptRun
+    from blockdraft.decoding.generate import GenerationResult
+    from blockdraft.metrics import SpecStats
+
+    method, _, budget = label.partition("@")
+    stats = SpecStats(method=label, num_prompts=1, generated_tokens=tokens, acceptance_lengths=lengths,
+                      decode_s=seconds)
+    return MethodRun(MethodSpec(method, int(budget) if budget else None),
+                     [PromptRun("p0", "chat", GenerationResult(list(range(tokens)), lengths, stats, None))])
+
+
+def test_speedup_note_says_whether_tau_or_step_cost_is_short() -> None:
+    from blockdraft.bench.report import speedup_note
+
+    ar = _timed("ar", 100, 1.0, [1] * 100)
+    slow = _timed("dflash", 100, 2.0, [2] * 50)  # tau 2.00 at half AR's rate: a step costs 4 AR steps
+    fast = _timed("ddtree@32", 100, 0.5, [4] * 25)
+    note = speedup_note([ar, slow, fast])
+    assert "dflash 0.50x" in note and "commits 2.00 tokens" in note and "costs 4.00 AR steps" in note
+    assert "ddtree" not in note and "model card" in note
+    assert speedup_note([ar, fast]) is None
+    assert speedup_note([slow, fast]) is None  # no AR baseline

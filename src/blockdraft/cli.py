@@ -213,7 +213,7 @@ def bench(
 
     from blockdraft.bench.prompts import load_prompt_set
     from blockdraft.bench.report import (
-        category_table, exactness_note, plot_acceptance, plot_budget_sweep, summary_table, to_json,
+        category_table, exactness_note, plot_acceptance, plot_budget_sweep, speedup_note, summary_table, to_json,
     )
     from blockdraft.bench.runner import BenchPrompt, run_bench
     from blockdraft.decoding.sampling import SamplingParams
@@ -232,9 +232,9 @@ def bench(
         )
     out.print(summary_table(runs))
     out.print(category_table(runs))
-    note = exactness_note(runs, str(loaded.target.dtype).removeprefix("torch."), temperature)
-    if note:
-        err.print(f"note: {note}", soft_wrap=True)
+    for note in (exactness_note(runs, str(loaded.target.dtype).removeprefix("torch."), temperature), speedup_note(runs)):
+        if note:
+            err.print(f"note: {note}", soft_wrap=True)
     settings = {
         "target": target, "drafter": drafter, "prompts": prompts, "num_prompts": len(encoded),
         "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,

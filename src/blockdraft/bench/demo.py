@@ -14,7 +14,7 @@ from typing import Any
 from rich.console import Console
 from rich.text import Text
 
-from blockdraft.bench.report import category_table, plot_acceptance, summary_table
+from blockdraft.bench.report import category_table, plot_acceptance, speedup_note, summary_table
 from blockdraft.bench.runner import BenchPrompt, MethodRun, MethodSpec, PromptRun, warmed_proposers
 from blockdraft.decoding.generate import generate
 from blockdraft.decoding.methods import METHODS
@@ -80,4 +80,7 @@ def run_demo(
     console.print(summary_table(ordered, title="blockdraft demo (T=0, same prompts, one process)"))
     console.print(category_table(ordered))
     console.print(f"plot: {plot_acceptance(ordered, plot)}")
+    note = speedup_note(ordered)
+    if note:
+        console.print(f"[dim]note: {note}[/dim]", soft_wrap=True)
     return ordered

@@ -57,6 +57,31 @@ def exactness_note(runs: list[MethodRun], dtype: str, temperature: float) -> str
             "decoding round differently, so near-tied logits can flip; rerun with --dtype float32 to check exactness")
 
 
+def speedup_note(runs: list[MethodRun]) -> str | None:
+    """Why a speculative method is slower than AR, in the two numbers that decide it.
+
+    A step commits tau tokens and costs (tau / speedup) AR steps (drafter pass + multi-row verify + overhead); the
+    method only pays when the first exceeds the second. Saying both tells a user whether the drafter (tau) or the
+    engine (step cost) is the one to fix.
+    """
+    base = _baseline(runs)
+    if base is None or not base.stats.tokens_per_s:
+        return None
+    slow = []
+    for run in runs:
+        s = run.stats
+        if run is base or not s.tokens_per_s or not s.tau:
+            continue
+        speedup = s.tokens_per_s / base.stats.tokens_per_s
+        if speedup < 1:
+            slow.append(f"{run.spec.label} {speedup:.2f}x (a step commits {s.tau:.2f} tokens but costs "
+                        f"{s.tau / speedup:.2f} AR steps)")
+    if not slow:
+        return None
+    return ("slower than AR here: " + "; ".join(slow) + ". Raise tau (a better-trained drafter: its model card says "
+            "how it was trained) or cut the step cost (--engine fast on a GPU)")
+
+
 def category_table(runs: list[MethodRun]) -> Table:
     """tau per category and method (the numbers papers report per benchmark)."""
     cats = sorted({r.category for run in runs for r in run.runs})
