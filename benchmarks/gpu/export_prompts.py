@@ -1,7 +1,7 @@
 """Write a built-in prompt set as gzipped JSONL ({"id", "category", "messages"|"prompt"|"prompt_ids"} per line),
 for a machine that lacks the data package (the GPU machine reaches no registry), e.g.
 
-    python benchmarks/gpu/export_prompts.py sharegpt-turns --max-chars 3000 --out .gpu/p2/sharegpt_turns.jsonl.gz
+    python benchmarks/gpu/export_prompts.py sharegpt-turns --max-chars 3000 --out .gpu/p1/sharegpt_turns.jsonl.gz
 
 `--max-chars` drops prompts whose text (history included) is longer: they would not fit a short `--max-length`
 anyway, and the file must travel in a 64 MiB call. The ids are kept, so response caches keyed by them carry over.

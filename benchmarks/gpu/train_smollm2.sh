@@ -4,15 +4,17 @@
 # Later calls (RESUME=1, same STEPS/BATCH/ATTENTION): continue from the last checkpoint; the run exports the
 # drafter when it reaches STEPS. Results (drafter, log, summary) are copied to $OUT.
 # NPROC=2 trains under torchrun (DDP) on an nvidia-h200-x2 machine; INIT=path continues from a drafter folder;
-# PROMPTS_GZ picks the prompts (default .gpu/p3/sharegpt.jsonl.gz, the first turns; /tmp/bd/sharegpt_turns.jsonl.gz
-# after .gpu/p2 was copied there: every turn with its history, `benchmarks/gpu/export_prompts.py`); COMPILE=1 adds --compile; EVAL_PROMPTS (default 8) held-out prompts for tau before/after (0: none, all prompts train).
+# PROMPTS_GZ picks the prompts (default /tmp/bd/sharegpt_turns.jsonl.gz, copied there from .gpu/p1 by the first call:
+# every ShareGPT turn with its history up to 3,000 characters, from `benchmarks/gpu/export_prompts.py sharegpt-turns
+# --max-chars 3000`; the first-turn-only file of earlier runs is `export_prompts.py sharegpt`);
+# COMPILE=1 adds --compile; EVAL_PROMPTS (default 8) held-out prompts for tau before/after (0: none, all train).
 set -u
 source benchmarks/gpu/env.sh
 set +e
 T0=$(date +%s)
 if [ -z "${RESUME:-}" ]; then
   bash benchmarks/gpu/assemble_gguf.sh || exit 1
-  zcat "${PROMPTS_GZ:-.gpu/p3/sharegpt.jsonl.gz}" > /tmp/bd/prompts.jsonl
+  zcat "${PROMPTS_GZ:-/tmp/bd/sharegpt_turns.jsonl.gz}" > /tmp/bd/prompts.jsonl
   python3 -c "from blockdraft.assets import ensure_embedded_target as e; print(e())" 2>&1 | tail -1
   echo "convert: $(( $(date +%s) - T0 )) s"
 fi
