@@ -93,11 +93,11 @@ def test_matches_hf_through_a_decode_lifecycle(family: str) -> None:
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["plain-ops", "compiled-ops"])
 def test_both_attention_paths_match_hf(compiled: bool) -> None:
-    """Forwards of more than DECODE_ATTENTION_MAX_ROWS new tokens attend through SDPA, shorter ones through the
+    """Forwards of more than DECODE_ATTENTION_MAX_TOKENS new tokens attend through SDPA, shorter ones through the
     matmul path; compiled ops (torch.compile, the CUDA default; inductor also runs on CPU) write the K/V cache
     inside the fused q/k/v unit, which the later forwards read."""
     pair = Pair(make_target_model("qwen3"), compiled=compiled)
-    n = fast_mod.DECODE_ATTENTION_MAX_ROWS + 6
+    n = fast_mod.DECODE_ATTENTION_MAX_TOKENS + 6
     pair.forward(ids(n, 1), torch.arange(n))
     pair.forward(ids(1, 2), torch.arange(n, n + 1))
     pair.forward(ids(16, 3), torch.arange(n + 1, n + 17))

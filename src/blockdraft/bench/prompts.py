@@ -266,14 +266,10 @@ def _sharegpt_records() -> Iterator[dict[str, Any]]:
 def _sharegpt() -> Iterator[PromptItem]:
     """First-turn prompts of ShareGPT V3: conversations that open with a non-empty human (or "user") turn; those
     that open with the assistant are continuations of a split chat."""
-    for record in _sharegpt_records():
-        turns = record.get("conversations") or []
-        first = turns[0] if turns else {}
-        if first.get("from") in _HUMAN_ROLES and first.get("value", "").strip():
-            yield PromptItem(record["id"], "sharegpt", messages=[{"role": "user", "content": first["value"]}])
+    return _sharegpt_turns(first_only=True)
 
 
-def _sharegpt_turns() -> Iterator[PromptItem]:
+def _sharegpt_turns(first_only: bool = False) -> Iterator[PromptItem]:
     """Every non-empty human turn of ShareGPT V3 with the conversation before it as history: 5.5x the prompts
     of `sharegpt`, in the multi-turn shape chats have in deployment. A conversation's first turn keeps the record's
     id (the `sharegpt` item, so a response cache made from that set carries over); a later turn k is `<id>#<k>`.
@@ -287,6 +283,8 @@ def _sharegpt_turns() -> Iterator[PromptItem]:
             if role == "user" and turn["value"].strip():
                 item_id = record["id"] if k == 0 else f"{record['id']}#{k}"
                 yield PromptItem(item_id, "sharegpt", messages=[*history, {"role": "user", "content": turn["value"]}])
+            if first_only:
+                break
             history.append({"role": role, "content": turn["value"]})
 
 

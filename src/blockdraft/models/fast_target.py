@@ -31,7 +31,7 @@ GRAPH_MAX_TOKENS = 1024  # larger forwards (prefill) run eagerly: they are compu
 MAX_GRAPHS = 32
 # Forwards of up to this many new tokens (decode, chain verify, small trees) attend with two matmuls, which suit
 # few query rows; longer ones (prefill, large trees) use the fused SDPA kernels.
-DECODE_ATTENTION_MAX_ROWS = 64
+DECODE_ATTENTION_MAX_TOKENS = 64
 
 
 def fast_engine_problem(model: PreTrainedModel) -> str | None:
@@ -138,7 +138,7 @@ def layer_step(
     q = ops.qkv_heads(F.linear(h, layer.qkv, layer.qkv_bias), layer.q_norm, layer.k_norm, cos, sin,
                       heads, kv_heads, eps, kv[0], kv[1], slots)
     keys, values = kv[0, :, :cap].unsqueeze(0), kv[1, :, :cap].unsqueeze(0)
-    if t <= DECODE_ATTENTION_MAX_ROWS:
+    if t <= DECODE_ATTENTION_MAX_TOKENS:
         out = ops.decode_attention(q, keys, values, bias, layer.scaling)
     else:
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=layer.scaling)

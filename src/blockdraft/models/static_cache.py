@@ -2,8 +2,9 @@
 
 Every layer's keys and values live in one tensor [layers, 2, kv_heads, slots, head_dim]. A forward writes its
 rows at slots length .. length + t - 1 (an indexed write, fused into the q/k/v unit when compiled), a crop only
-moves the length, and a compact gathers the kept rows of all layers with one `index_select`. The length lives on the host (the loop knows it anyway) and on
-the device (what captured graphs read), so no cache operation copies anything back to the host.
+moves the length, and a compact gathers the kept rows of all layers with one `index_select`. The length lives on
+the host (the loop knows it anyway) and on the device (what captured graphs read), so no cache operation copies
+anything back to the host.
 """
 
 from __future__ import annotations
