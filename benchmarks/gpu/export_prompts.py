@@ -12,9 +12,11 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import sys
 from pathlib import Path
 
 from blockdraft.bench.prompts import load_prompt_set
+from blockdraft.errors import BlockdraftError
 
 
 def main() -> None:
@@ -23,9 +25,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--max-chars", type=int, default=None, help="skip prompts with more characters than this")
     args = parser.parse_args()
+    try:
+        items = load_prompt_set(args.name)
+    except BlockdraftError as exc:
+        sys.exit(f"error: {exc}")
     kept = dropped = 0
     with gzip.open(args.out, "wt", encoding="utf-8") as out:
-        for item in load_prompt_set(args.name):
+        for item in items:
             record = {"id": item.id, "category": item.category}
             if item.messages is not None:
                 record["messages"] = item.messages
