@@ -2,10 +2,10 @@
 
 `benchmarks/gpu_speed.py` says how far a step is from the weights-read floor; this says why. It runs the fast
 engine eagerly (no CUDA graphs: the same kernels, each visible to the profiler) on the same random 8B-shaped
-target, once with plain ops and once with the compiled fusion units, and prints per configuration the kernel
-table (sorted by total CUDA time), the kernel count per step and the GPU-busy time per step.
+target, per configuration (plain ops; compiled fusion units; compiled with flex's decode kernel), and prints
+the kernel table (sorted by total CUDA time), the kernel count per step and the GPU-busy time per step.
 
-    python3 benchmarks/gpu/profile_step.py --shape 8b --rows 1,16
+    python3 benchmarks/gpu/profile_step.py --shape 8b --rows 1,16 --configs compiled,compiled-flex
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from gpu_speed import build_synthetic  # noqa: E402  (the benchmark's own target
 from blockdraft.models.fast_target import FastTarget  # noqa: E402
 
 STEPS = 5
+CONFIGS = {"plain": dict(compiled=False), "compiled": dict(compiled=True),
+           "compiled-flex": dict(compiled=True, decode_kernel="flex")}
 
 
 def profile(target: FastTarget, rows: int, context: int, label: str) -> None:
@@ -57,15 +59,20 @@ def main() -> None:
     parser.add_argument("--shape", default="8b")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--rows", default="1,16", help="new tokens per profiled step (1: AR, 16: DFlash verify)")
+    parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
     args = parser.parse_args()
+    configs = args.configs.split(",")
+    unknown = sorted(set(configs) - set(CONFIGS))
+    if unknown:
+        sys.exit(f"--configs: unknown {unknown[0]!r}; use {', '.join(CONFIGS)}")
     if not torch.cuda.is_available():
         sys.exit("profile_step.py needs a CUDA device")
     device = torch.device("cuda")
     model, _ = build_synthetic(args.shape, device, torch.bfloat16)
-    for compiled in (False, True):
-        target = FastTarget(model, graphs=False, compiled=compiled)
+    for config in configs:
+        target = FastTarget(model, graphs=False, **CONFIGS[config])
         for rows in map(int, args.rows.split(",")):
-            profile(target, rows, args.context, f"fast engine, {'compiled' if compiled else 'plain'} ops, eager")
+            profile(target, rows, args.context, f"fast engine, {config} ops, eager")
         del target
         torch.cuda.empty_cache()
 
