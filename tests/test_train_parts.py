@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from blockdraft.train.batches import BatchPlan, draw_anchors
+from blockdraft.train.checkpoint import restore_rng_states
 from blockdraft.train.data import Sample, load_given_samples, load_prompts
 from blockdraft.train.objective import block_targets, default_gamma, slot_weights
 from blockdraft.train.regenerate import read_cache, regenerate
@@ -120,3 +122,14 @@ def test_response_cache_resumes_after_a_cut_line(tmp_path: Path) -> None:
     assert sorted(done) == ["p0", "p1", "p2", "p3", "p4"]
     assert done["p0"].ids == [1, 2, 9] and done["p3"].ids == [1, 5, 7, 8, 2] and done["p3"].start == 2
     assert regenerate(target, prompts, tmp_path, **kw) == 0 and target.model.calls == 2
+
+
+def test_rng_states_of_more_gpus_than_visible_restore_the_visible_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint written by a process that saw two GPUs resumes in one that sees one (it raised IndexError)."""
+    restored: list[tuple[int, torch.Tensor]] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.append((device, state)))
+    states = {"torch": torch.get_rng_state(), "cuda": [torch.tensor([1], dtype=torch.uint8), torch.tensor([2], dtype=torch.uint8)]}
+    restore_rng_states(states)
+    assert [(d, int(s[0])) for d, s in restored] == [(0, 1)]

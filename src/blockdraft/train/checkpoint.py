@@ -31,9 +31,12 @@ def rng_states() -> dict[str, Any]:
 
 
 def restore_rng_states(states: dict[str, Any]) -> None:
+    """Restore what `rng_states` saved, on as many GPUs as both runs see: a run written by a process that saw two
+    GPUs (DDP) resumes in one that sees one."""
     torch.set_rng_state(states["torch"])
     if "cuda" in states and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(states["cuda"])
+        for device, state in enumerate(states["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(state, device)
 
 
 def full_state(drafter: nn.Module, optimizer: torch.optim.Optimizer, sharded: bool) -> tuple[dict[str, Any], dict[str, Any]]:
