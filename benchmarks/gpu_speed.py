@@ -2,8 +2,7 @@
 
 Part 1 (always): a Qwen3-8B-shaped target and a published-shape DFlash drafter (5 layers, B=16) with random bf16
 weights, batch 1, a 1K context. Per engine (hf = HF forward, fast = FastTarget with compiled ops + CUDA graphs,
-fast-flex = the same with flex attention's decode kernel for few-row forwards, fast-graphs = FastTarget without
-torch.compile, fast-eager = no graphs either): AR step, DFlash verify (16 rows),
+fast-graphs = FastTarget without torch.compile, fast-eager = no graphs either): AR step, DFlash verify (16 rows),
 drafter pass and context extension (the eager drafter under hf, the static FastDrafter under the fast engines,
 graphed where the engine graphs), DDTree verify per budget, the step ratios against issue 7's goals, and the 8B tokens/s projected at
 the papers' tau. Part 2 (with --target/--drafter): end-to-end tokens/s, tau and same-ids checks on a real pair.
@@ -171,10 +170,9 @@ def make_engine(name: str, model: Any) -> Any:
 
     if name == "hf":
         return Target(model)
-    options = {"fast": {}, "fast-flex": {"decode_kernel": "flex"}, "fast-graphs": {"compiled": False},
-               "fast-eager": {"compiled": False, "graphs": False}}
+    options = {"fast": {}, "fast-graphs": {"compiled": False}, "fast-eager": {"compiled": False, "graphs": False}}
     if name not in options:
-        raise ValueError(f"unknown engine {name!r}; use hf, {', '.join(options)}")
+        raise ValueError(f"unknown engine {name!r}; use hf, fast, fast-graphs or fast-eager")
     return FastTarget(model, **options[name])
 
 

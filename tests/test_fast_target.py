@@ -91,13 +91,12 @@ def test_matches_hf_through_a_decode_lifecycle(family: str) -> None:
     lifecycle(Pair(make_target_model(family)))
 
 
-@pytest.mark.parametrize(("compiled", "kernel"), [(False, "matmul"), (True, "matmul"), (True, "flex")],
-                         ids=["plain-ops", "compiled-ops", "compiled-flex"])
-def test_both_attention_paths_match_hf(compiled: bool, kernel: str) -> None:
+@pytest.mark.parametrize("compiled", [False, True], ids=["plain-ops", "compiled-ops"])
+def test_both_attention_paths_match_hf(compiled: bool) -> None:
     """Forwards of more than DECODE_ATTENTION_MAX_TOKENS new tokens attend through SDPA, shorter ones through the
-    decode kernel; compiled ops (torch.compile, the CUDA default; inductor also runs on CPU) write the K/V cache
+    matmul path; compiled ops (torch.compile, the CUDA default; inductor also runs on CPU) write the K/V cache
     inside the fused q/k/v unit, which the later forwards read."""
-    pair = Pair(make_target_model("qwen3"), compiled=compiled, decode_kernel=kernel)
+    pair = Pair(make_target_model("qwen3"), compiled=compiled)
     n = fast_mod.DECODE_ATTENTION_MAX_TOKENS + 6
     pair.forward(ids(n, 1), torch.arange(n))
     pair.forward(ids(1, 2), torch.arange(n, n + 1))
@@ -109,35 +108,17 @@ def test_both_attention_paths_match_hf(compiled: bool, kernel: str) -> None:
         assert not any(unit.failed for unit in (ops.qkv_heads, ops.decode_attention, ops.add_rms_norm, ops.glu))
 
 
-def sliding_window_model() -> Qwen2ForCausalLM:
+def test_sliding_window_layers_match_hf() -> None:
+    """Qwen2 with a window of 5 on two of four layers: windows apply in absolute positions, trees included."""
     config = Qwen2Config(
         vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=TARGET_LAYERS, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, intermediate_size=64, max_position_embeddings=512,
         use_sliding_window=True, sliding_window=5, max_window_layers=2,
     )
     torch.manual_seed(0)
-    return Qwen2ForCausalLM(config).eval()
-
-
-def test_sliding_window_layers_match_hf() -> None:
-    """Qwen2 with a window of 5 on two of four layers: windows apply in absolute positions, trees included."""
-    model = sliding_window_model()
+    model = Qwen2ForCausalLM(config).eval()
     assert "sliding_attention" in FastTarget(model).layer_types
     lifecycle(Pair(model))
-
-
-@pytest.mark.parametrize("model", [lambda: make_target_model("qwen3"), sliding_window_model], ids=["qwen3", "swa"])
-def test_flex_decode_kernel_matches_hf(model: Callable[[], torch.nn.Module]) -> None:
-    """The flex-attention decode kernel (the mask read per score; run uncompiled here, its reference form) gives
-    HF's logits through chains, trees, crops and compaction, sliding windows included."""
-    pair = Pair(model(), decode_kernel="flex")
-    assert pair.fast.ops.decode_kernel == "flex"
-    lifecycle(pair)
-
-
-def test_unknown_decode_kernel_is_named() -> None:
-    with pytest.raises(ValueError, match="decode_kernel 'fused'"):
-        FastTarget(make_target_model("qwen3"), decode_kernel="fused")
 
 
 def test_cache_grows_past_its_first_allocation() -> None:

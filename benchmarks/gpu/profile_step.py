@@ -2,10 +2,10 @@
 
 `benchmarks/gpu_speed.py` says how far a step is from the weights-read floor; this says why. It runs the fast
 engine eagerly (no CUDA graphs: the same kernels, each visible to the profiler) on the same random 8B-shaped
-target, per configuration (plain ops; compiled fusion units; compiled with flex's decode kernel), and prints
-the kernel table (sorted by total CUDA time), the kernel count per step and the GPU-busy time per step.
+target, per configuration (plain ops; compiled fusion units), and prints the kernel table (sorted by total
+CUDA time), the kernel count per step and the GPU-busy time per step.
 
-    python3 benchmarks/gpu/profile_step.py --shape 8b --rows 1,16 --configs compiled,compiled-flex
+    python3 benchmarks/gpu/profile_step.py --shape 8b --rows 1,16 --configs compiled
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ from gpu_speed import build_synthetic  # noqa: E402  (the benchmark's own target
 from blockdraft.models.fast_target import FastTarget  # noqa: E402
 
 STEPS = 5
-CONFIGS = {"plain": dict(compiled=False), "compiled": dict(compiled=True),
-           "compiled-flex": dict(compiled=True, decode_kernel="flex")}
+CONFIGS = {"plain": dict(compiled=False), "compiled": dict(compiled=True)}
 
 
 def profile(target: FastTarget, rows: int, context: int, label: str) -> None:

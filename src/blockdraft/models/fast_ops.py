@@ -13,7 +13,6 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import flex_attention
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -131,24 +130,6 @@ def decode_attention(
     return torch.matmul(scores.softmax(-1).to(v.dtype), v)
 
 
-def flex_decode_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """`decode_attention`'s contract as one flex-attention call, the additive mask read per score.
-
-    Compiled on CUDA, flex runs few-row queries with its decoding kernel, which splits the keys across blocks
-    (flash-decoding): one kernel a layer instead of two matmuls and a softmax. Uncompiled it is a slow reference.
-    """
-
-    def add_bias(score: torch.Tensor, b: torch.Tensor, h: torch.Tensor, row: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-        return score + bias[0, 0, row, key]
-
-    return flex_attention(q, k, v, score_mod=add_bias, scale=scale)
-
-
-DECODE_KERNELS: dict[str, Callable[..., torch.Tensor]] = {"matmul": decode_attention, "flex": flex_decode_attention}
-
-
 class _CompiledOrPlain:
     """torch.compile(fn), falling back to fn for good after the first failure (with one warning)."""
 
@@ -168,12 +149,9 @@ class _CompiledOrPlain:
 
 
 class LayerOps:
-    """The fusion units a FastTarget forward calls; compiled on request. `decode_kernel` names the attention of
-    few-row forwards (`DECODE_KERNELS`)."""
+    """The fusion units a FastTarget forward calls; compiled on request."""
 
-    def __init__(self, compiled: bool, decode_kernel: str = "matmul") -> None:
-        if decode_kernel not in DECODE_KERNELS:
-            raise ValueError(f"decode_kernel {decode_kernel!r}: use one of {', '.join(DECODE_KERNELS)}")
+    def __init__(self, compiled: bool) -> None:
         wrap: Callable[[Callable[..., object]], Callable[..., object]] = _CompiledOrPlain if compiled else (lambda f: f)
         self.compiled = compiled
         self.rms_norm = wrap(rms_norm)
@@ -182,5 +160,4 @@ class LayerOps:
         self.merge_heads = wrap(merge_heads)
         self.glu = wrap(glu)
         self.attention_bias = wrap(attention_bias)
-        self.decode_kernel = decode_kernel
-        self.decode_attention = wrap(DECODE_KERNELS[decode_kernel])
+        self.decode_attention = wrap(decode_attention)

@@ -164,7 +164,6 @@ class FastTarget(Target):
         cache_slots: int | None = None,
         graphs: bool | None = None,
         compiled: bool | None = None,
-        decode_kernel: str = "matmul",
     ) -> None:
         problem = fast_engine_problem(model)
         if problem is not None:
@@ -174,7 +173,7 @@ class FastTarget(Target):
         decoder = model.get_decoder()
         cuda = self.device.type == "cuda"
         self.use_graphs = cuda if graphs is None else graphs and cuda
-        self.ops = LayerOps(cuda if compiled is None else compiled, decode_kernel)
+        self.ops = LayerOps(cuda if compiled is None else compiled)
         self.eps: float = text.rms_norm_eps
         self.act: str = getattr(text, "hidden_act", "silu")
         self.heads: int = text.num_attention_heads
