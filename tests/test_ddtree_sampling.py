@@ -48,7 +48,8 @@ def min_p_over_q_rule(draft: Draft, logits: torch.Tensor, sampling: SamplingPara
                 node = child
                 break
         else:
-            return Verdict(accepted=accepted, bonus=int(sample(p[node + 1], generator).item()))
+            return Verdict(accepted=accepted, tokens=[tokens[i] for i in accepted],
+                           bonus=int(sample(p[node + 1], generator).item()))
 
 
 def test_min_p_over_q_on_tree_children_is_caught(setup, monkeypatch: pytest.MonkeyPatch) -> None:

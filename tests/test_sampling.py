@@ -73,7 +73,7 @@ def biased_rule(draft, logits, sampling, generator) -> Verdict:
     ok = (torch.rand(n, generator=generator) < ratio).int().cumprod(0)
     accepted = int(ok.sum())
     bonus = int(torch.multinomial(p[accepted], 1, generator=generator))
-    return Verdict(accepted=list(range(accepted)), bonus=bonus)
+    return Verdict(accepted=list(range(accepted)), tokens=draft.tokens[:accepted].tolist(), bonus=bonus)
 
 
 @pytest.fixture(scope="module")

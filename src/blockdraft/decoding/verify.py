@@ -21,16 +21,19 @@ from blockdraft.decoding.sampling import SamplingParams, pick, probabilities, sa
 
 @dataclass
 class Verdict:
-    """Accepted node indices along one root-to-node path (draft order), and the target's bonus token."""
+    """Accepted node indices along one root-to-node path (draft order), their tokens, and the target's bonus
+    token: everything the loop commits, already on the host."""
 
     accepted: list[int]
+    tokens: list[int]
     bonus: int
 
 
-def walk(draft: Draft, target_tokens: list[int]) -> Verdict:
-    """Follow the target's token per row ([anchor] + nodes) down the draft tree."""
+def walk(draft: Draft, target_tokens: list[int], draft_tokens: list[int] | None = None) -> Verdict:
+    """Follow the target's token per row ([anchor] + nodes) down the draft tree (`draft_tokens`: the draft's tokens
+    when the caller already read them back)."""
     children: dict[tuple[int, int], int] = {}
-    tokens = draft.tokens.tolist()
+    tokens = draft.tokens.tolist() if draft_tokens is None else draft_tokens
     for node, (parent, token) in enumerate(zip(draft.parents, tokens)):
         children.setdefault((parent, token), node)
     accepted: list[int] = []
@@ -39,7 +42,7 @@ def walk(draft: Draft, target_tokens: list[int]) -> Verdict:
         wanted = target_tokens[node + 1]
         child = children.get((node, wanted))
         if child is None:
-            return Verdict(accepted=accepted, bonus=wanted)
+            return Verdict(accepted=accepted, tokens=[tokens[i] for i in accepted], bonus=wanted)
         accepted.append(child)
         node = child
 
@@ -65,13 +68,18 @@ def speculative_sample(
         total = residual.sum()
         residual = residual / total if total > 0 else p[accepted]
         bonus = int(sample(residual, generator).item())
-    return Verdict(accepted=list(range(accepted)), bonus=bonus)
+    return Verdict(accepted=list(range(accepted)), tokens=draft.tokens[:accepted].tolist(), bonus=bonus)
 
 
 def verify(
     draft: Draft, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None
 ) -> Verdict:
-    """logits: [len(draft) + 1, V] target logits for [anchor] + nodes."""
+    """logits: [len(draft) + 1, V] target logits for [anchor] + nodes.
+
+    Deterministic drafts read the target's tokens and the draft's back in one transfer: the decode step's one
+    wait for the device."""
     if draft.draft_probs is not None and not sampling.greedy:
         return speculative_sample(draft, logits, sampling, generator)
-    return walk(draft, pick(logits, sampling, generator).tolist())
+    rows = logits.shape[0]
+    both = torch.cat([pick(logits, sampling, generator), draft.tokens.to(logits.device)]).tolist()
+    return walk(draft, both[:rows], both[rows:])

@@ -1,0 +1,58 @@
+"""The decode loop waits for the device once per step (issue 7): the read of what the verify accepted.
+
+Every way a tensor's value reaches Python (`tolist`, `item`, `int()`, `bool()`, `float()`, `.cpu()`, `.numpy()`)
+is a host sync on a GPU. A torch-function mode counts them during whole generations on CPU, where the same code
+runs: AR and the DFlash chain must read once per step on both engines; DDTree reads the drafter's top-k once more,
+to build its tree on the host.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from blockdraft.decoding.generate import generate
+from blockdraft.decoding.methods import build_proposer
+from blockdraft.models.fast_target import FastTarget
+from blockdraft.models.target import Target
+
+from conftest import make_drafter, make_target_model
+
+HOST_READS = {"tolist", "item", "__int__", "__bool__", "__float__", "__index__", "cpu", "numpy"}
+
+
+class CountHostReads(TorchFunctionMode):
+    """Counts host reads by kind; reading a tensor that `.cpu()` already brought over is not another one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: Counter[str] = Counter()
+        self.on_host: list[torch.Tensor] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        name = getattr(func, "__name__", "")
+        result = func(*args, **(kwargs or {}))
+        if name in HOST_READS and not any(args[0] is t for t in self.on_host):
+            self.reads[name] += 1
+        if name == "cpu":
+            self.on_host.append(result)
+        return result
+
+
+@pytest.mark.parametrize("engine", [Target, FastTarget], ids=["hf", "fast"])
+@pytest.mark.parametrize(("method", "per_step"), [("ar", {"tolist": 1}), ("dflash", {"tolist": 1}),
+                                                  ("ddtree", {"tolist": 1, "cpu": 1})])
+def test_one_read_per_step(engine: type, method: str, per_step: dict[str, int]) -> None:
+    target = engine(make_target_model("qwen3"))
+    proposer = build_proposer(method, target, make_drafter(), budget=8)
+    with CountHostReads() as mode:
+        result = generate(target, [3, 4, 5, 6], proposer, max_new_tokens=40)
+    steps = len(result.acceptance_lengths)
+    assert steps > 10
+    expected = Counter({name: n * steps for name, n in per_step.items()})
+    expected["item"] += 1  # the prefill's first token
+    assert mode.reads == expected
