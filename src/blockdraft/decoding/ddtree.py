@@ -24,6 +24,7 @@ import time
 import torch
 
 from blockdraft.decoding.draft import DFlashProposer, Draft
+from blockdraft.decoding.host_to_device import long_tensor
 from blockdraft.decoding.sampling import SamplingParams, probabilities
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.drafter import DFlashDrafter
@@ -70,7 +71,7 @@ def build_tree(log_probs: torch.Tensor, budget: int) -> Draft:
             heapq.heappush(heap, (-(scores[parent + 1] + values[depth][rank + 1]), depth, rank + 1, parent))
         if depth + 1 < slots:
             heapq.heappush(heap, (neg - values[depth + 1][0], depth + 1, 0, node))
-    index = torch.tensor(flat, dtype=torch.long, device=log_probs.device)
+    index = long_tensor(flat, log_probs.device)
     return Draft(tokens=top.indices.reshape(-1)[index], parents=parents, depths=depths)
 
 

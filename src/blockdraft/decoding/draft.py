@@ -12,6 +12,7 @@ from typing import Protocol
 
 import torch
 
+from blockdraft.decoding.host_to_device import long_tensor
 from blockdraft.decoding.sampling import SamplingParams, probabilities, sample
 from blockdraft.models.drafter import DFlashDrafter, DrafterContextCache
 from blockdraft.models.fast_drafter import FastDrafter, fast_drafter_problem
@@ -46,12 +47,12 @@ class Draft:
 
     def positions(self, start: int, device: torch.device) -> torch.Tensor:
         """Absolute positions of [anchor] + nodes: a node sits at start + depth."""
-        return torch.tensor([start, *(start + d for d in self.depths)], dtype=torch.long, device=device)
+        return long_tensor([start, *(start + d for d in self.depths)], device)
 
     def tree_mask(self, cache_len: int, device: torch.device) -> torch.Tensor:
         """[1, 1, n+1, cache_len + n+1] bool: each row sees the cache, its ancestors and itself."""
         n = len(self) + 1
-        up = torch.tensor([0, *(p + 1 for p in self.parents)], dtype=torch.long, device=device)  # root: its own parent
+        up = long_tensor([0, *(p + 1 for p in self.parents)], device)  # root: its own parent
         rows = torch.arange(n, device=device)
         own = torch.zeros(n, n, dtype=torch.bool, device=device)
         ancestor = rows

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from blockdraft.decoding.draft import Draft, Proposer
+from blockdraft.decoding.host_to_device import long_tensor
 from blockdraft.decoding.sampling import SamplingParams, pick
 from blockdraft.decoding.verify import verify
 from blockdraft.errors import BlockdraftError
@@ -137,7 +138,7 @@ def generate(
         stages.add("draft", t_draft, t_verify)
         stats.drafted_tokens += len(draft)
 
-        ids = torch.cat([torch.tensor([anchor], device=device), draft.tokens]).unsqueeze(0)
+        ids = torch.cat([long_tensor([anchor], device), draft.tokens]).unsqueeze(0)
         mask = None if draft.is_chain else draft.tree_mask(len(cache), device)
         out = target.forward(ids, draft.positions(start, device), cache, tap_layers, attention_mask=mask)
         verdict = verify(draft, out.logits[0], sampling, generator)
@@ -151,13 +152,15 @@ def generate(
                 stopped_on = token
                 break
         produced = len(committed)
-        rows = [0] + [node + 1 for node in verdict.accepted][: produced - 1]
-        if draft.is_chain:
+        if draft.is_chain:  # the committed rows are the first `produced`
             cache.crop(start + produced)
+            if proposer:
+                proposer.add_context(out.taps[:, :produced])
         else:
-            cache.compact(start, torch.tensor(rows, device=device))
-        if proposer:
-            proposer.add_context(out.taps[:, rows])
+            rows = long_tensor([0] + [node + 1 for node in verdict.accepted][: produced - 1], device)
+            cache.compact(start, rows)
+            if proposer:
+                proposer.add_context(out.taps[:, rows])
         tokens.extend(committed)
         stats.acceptance_lengths.append(produced)
         if on_commit:
