@@ -105,8 +105,10 @@ def test_speedup_note_says_whether_tau_or_step_cost_is_short() -> None:
     ar = _timed("ar", 100, 1.0, [1] * 100)
     slow = _timed("dflash", 100, 2.0, [2] * 50)  # tau 2.00 at half AR's rate: a step costs 4 AR steps
     fast = _timed("ddtree@32", 100, 0.5, [4] * 25)
-    note = speedup_note([ar, slow, fast])
+    note = speedup_note([ar, slow, fast], "hf")
     assert "dflash 0.50x" in note and "commits 2.00 tokens" in note and "costs 4.00 AR steps" in note
-    assert "ddtree" not in note and "model card" in note
-    assert speedup_note([ar, fast]) is None
-    assert speedup_note([slow, fast]) is None  # no AR baseline
+    assert "ddtree" not in note and "model card" in note and "--engine fast" in note
+    on_fast = speedup_note([ar, slow, fast], "fast")
+    assert "costs 4.00 AR steps" in on_fast and "--engine fast" not in on_fast and "fast engine is on" in on_fast
+    assert speedup_note([ar, fast], "hf") is None
+    assert speedup_note([slow, fast], "hf") is None  # no AR baseline

@@ -232,7 +232,7 @@ def bench(
         )
     out.print(summary_table(runs))
     out.print(category_table(runs))
-    for note in (exactness_note(runs, str(loaded.target.dtype).removeprefix("torch."), temperature), speedup_note(runs)):
+    for note in (exactness_note(runs, str(loaded.target.dtype).removeprefix("torch."), temperature), speedup_note(runs, loaded.target.engine)):
         if note:
             err.print(f"note: {note}", soft_wrap=True)
     settings = {

@@ -80,7 +80,7 @@ def run_demo(
     console.print(summary_table(ordered, title="blockdraft demo (T=0, same prompts, one process)"))
     console.print(category_table(ordered))
     console.print(f"plot: {plot_acceptance(ordered, plot)}")
-    note = speedup_note(ordered)
+    note = speedup_note(ordered, target.engine)
     if note:
         console.print(f"[dim]note: {note}[/dim]", soft_wrap=True)
     return ordered
