@@ -2,8 +2,8 @@
 
 Every way a tensor's value reaches Python (`tolist`, `item`, `int()`, `bool()`, `float()`, `.cpu()`, `.numpy()`)
 is a host sync on a GPU. A torch-function mode counts them during whole generations on CPU, where the same code
-runs: AR and the DFlash chain must read once per step on both engines; DDTree reads the drafter's top-k once more,
-to build its tree on the host.
+runs: AR and the DFlash chain (greedy or sampled) must read once per step on both engines; DDTree reads the
+drafter's top-k once more, to build its tree on the host.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from torch.overrides import TorchFunctionMode
 
 from blockdraft.decoding.generate import generate
 from blockdraft.decoding.methods import build_proposer
+from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.models.fast_target import FastTarget
 from blockdraft.models.target import Target
 
@@ -44,13 +45,16 @@ class CountHostReads(TorchFunctionMode):
 
 
 @pytest.mark.parametrize("engine", [Target, FastTarget], ids=["hf", "fast"])
-@pytest.mark.parametrize(("method", "per_step"), [("ar", {"tolist": 1}), ("dflash", {"tolist": 1}),
-                                                  ("ddtree", {"tolist": 1, "cpu": 1})])
-def test_one_read_per_step(engine: type, method: str, per_step: dict[str, int]) -> None:
+@pytest.mark.parametrize(("method", "temperature", "per_step"), [
+    ("ar", 0.0, {"tolist": 1}), ("dflash", 0.0, {"tolist": 1}), ("dflash", 0.8, {"tolist": 1}),
+    ("ddtree", 0.0, {"tolist": 1, "cpu": 1}),
+])
+def test_one_read_per_step(engine: type, method: str, temperature: float, per_step: dict[str, int]) -> None:
+    """T=0.8 covers speculative sampling (accept test, residual and bonus decided on the device)."""
     target = engine(make_target_model("qwen3"))
     proposer = build_proposer(method, target, make_drafter(), budget=8)
     with CountHostReads() as mode:
-        result = generate(target, [3, 4, 5, 6], proposer, max_new_tokens=40)
+        result = generate(target, [3, 4, 5, 6], proposer, max_new_tokens=40, sampling=SamplingParams(temperature))
     steps = len(result.acceptance_lengths)
     assert steps > 10
     expected = Counter({name: n * steps for name, n in per_step.items()})

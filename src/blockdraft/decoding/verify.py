@@ -50,7 +50,9 @@ def walk(draft: Draft, target_tokens: list[int], draft_tokens: list[int] | None 
 def speculative_sample(
     draft: Draft, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None
 ) -> Verdict:
-    """Rejection sampling for a chain of tokens sampled from `draft.draft_probs`."""
+    """Rejection sampling for a chain of tokens sampled from `draft.draft_probs`, decided on the device and read
+    back once: the residual max(p - q, 0) of every slot is formed, and the bonus drawn from the row at the first
+    rejection (or from the last p after a full accept)."""
     n = len(draft)
     p = probabilities(logits, sampling)
     q = draft.draft_probs
@@ -59,16 +61,14 @@ def speculative_sample(
     p_x = p[idx, draft.tokens]
     q_x = q[idx, draft.tokens]
     u = torch.rand(n, device=logits.device, generator=generator)
-    ok = (u * q_x < p_x).int().cumprod(0)
-    accepted = int(ok.sum().item())
-    if accepted == n:
-        bonus = int(sample(p[n], generator).item())
-    else:
-        residual = (p[accepted] - q[accepted]).clamp_min(0)
-        total = residual.sum()
-        residual = residual / total if total > 0 else p[accepted]
-        bonus = int(sample(residual, generator).item())
-    return Verdict(accepted=list(range(accepted)), tokens=draft.tokens[:accepted].tolist(), bonus=bonus)
+    accepted = (u * q_x < p_x).int().cumprod(0).sum().view(1)
+    residual = (p[:n] - q).clamp_min(0)
+    total = residual.sum(-1, keepdim=True)
+    residual = torch.where(total > 0, residual / total.clamp_min(torch.finfo(total.dtype).tiny), p[:n])
+    bonus = sample(torch.cat([residual, p[n:]]).index_select(0, accepted)[0], generator)
+    read = torch.cat([accepted, bonus.view(1), draft.tokens]).tolist()
+    count = read[0]
+    return Verdict(accepted=list(range(count)), tokens=read[2 : 2 + count], bonus=read[1])
 
 
 def verify(
