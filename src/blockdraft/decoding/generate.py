@@ -37,11 +37,12 @@ class _Clock:
     """Wall clock for the run's edges (TTFT, the whole decode), waiting for the device so those times are real."""
 
     def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.cuda = device.type == "cuda"
 
     def now(self) -> float:
         if self.cuda:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
 
@@ -53,6 +54,7 @@ class _StageTimer:
     """
 
     def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.cuda = device.type == "cuda"
         self.spans: dict[str, list[tuple[Any, Any]]] = {}
 
@@ -60,7 +62,7 @@ class _StageTimer:
         if not self.cuda:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))
         return event
 
     def add(self, stage: str, start: Any, end: Any) -> None:
