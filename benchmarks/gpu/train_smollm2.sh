@@ -2,12 +2,13 @@
 # First call (RESUME unset): needs the GGUF pieces of .gpu/p1 and .gpu/p2 from earlier calls (in /tmp/bd) and .gpu/p3 carried now;
 # converts SmolLM2 from its GGUF, regenerates ShareGPT responses with SmolLM2 itself, trains until TRAIN_TIMEOUT.
 # Later calls (RESUME=1, same STEPS/BATCH/ATTENTION): continue from the last checkpoint; the run exports the
-# drafter when it reaches STEPS. Results (drafter, log, summary) are copied to $OUT.
+# drafter when it reaches STEPS. Results (drafter parts, logs archive) are copied to $OUT.
 # NPROC=2 trains under torchrun (DDP) on an nvidia-h200-x2 machine; INIT=path continues from a drafter folder;
 # PROMPTS_GZ picks the prompts (default /tmp/bd/sharegpt_turns.jsonl.gz, copied there from .gpu/p1 by the first call:
 # every ShareGPT turn with its history up to 3,000 characters, from `benchmarks/gpu/export_prompts.py sharegpt-turns
 # --max-chars 3000`; the first-turn-only file of earlier runs is `export_prompts.py sharegpt`);
-# COMPILE=1 adds --compile; EVAL_PROMPTS (default 8) held-out prompts for tau before/after (0: none, all train).
+# COMPILE=1 adds --compile; EVAL_PROMPTS (default 8) held-out prompts for tau before/after (0: none, all train);
+# DATA_OUT=1 also returns the regenerated responses.
 set -u
 source benchmarks/gpu/env.sh
 set +e
@@ -52,10 +53,11 @@ drafter.load_state_dict(state["drafter"])
 save_drafter(drafter, "/tmp/bd/run/drafter")
 print("exported checkpoint step", state["progress"]["step"])
 PY
+# At most 8 files come back from a call: the drafter (config + two 12 MB parts), the run's logs in one archive,
+# and with DATA_OUT=1 the regenerated responses (to carry next time as .gpu/p3/data.tgz: no regeneration).
 mkdir -p "$OUT/d"
 cp /tmp/bd/run/drafter/config.json "$OUT/d/" 2>/dev/null
 split -b 12M /tmp/bd/run/drafter/model.safetensors "$OUT/d/model.safetensors.part." 2>/dev/null
-cp /tmp/bd/run/train_summary.json /tmp/bd/run/*.jsonl "$OUT/" 2>/dev/null
-# The regenerated responses, to carry next time as .gpu/p3/data.tgz (no regeneration of the prompts they cover).
-tar czf "$OUT/data.tgz" -C /tmp/bd/run data 2>/dev/null
+tar czf "$OUT/train.tgz" -C /tmp/bd/run train_summary.json train_settings.json train_log.jsonl -C /tmp/bd train.err 2>/dev/null
+[ -z "${DATA_OUT:-}" ] || tar czf "$OUT/data.tgz" -C /tmp/bd/run data 2>/dev/null
 ls /tmp/bd/run
