@@ -351,7 +351,8 @@ def e2e(args: argparse.Namespace, rec: Recorder) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    def row(label: str, run: Callable[[list[int], int], tuple[list[int], list[int]]], same_as: list[list[int]] | None) -> list[list[int]] | None:
+    def row(label: str, run: Callable[[list[int], int], tuple[list[int], list[int], Any]], same_as: list[list[int]] | None) -> list[list[int]] | None:
+        """One method's row; runs of ours also return their SpecStats, whose stage times give the per-step split."""
         try:
             run(prompts[0], min(8, n))  # warm-up: first-call costs (graph capture, compilation) are not measured
             sync()
@@ -367,21 +368,28 @@ def e2e(args: argparse.Namespace, rec: Recorder) -> None:
             return None
         ids = [o[0] for o in outs]
         lengths = [a for o in outs for a in o[1]]
+        stats = [o[2] for o in outs if o[2] is not None]
+        steps = sum(len(s.acceptance_lengths) for s in stats)
+        split = None
+        if steps:  # mean ms per decode step: drafter (+ tree build), verify forward + read, the rest of the loop
+            draft, verify = sum(s.draft_s for s in stats), sum(s.verify_s for s in stats)
+            split = [1000 * x / steps for x in (draft, verify, sum(s.decode_s for s in stats) - draft - verify)]
         entry = {
             "method": label, "tokens_per_s": sum(map(len, ids)) / seconds,
             "tau": sum(lengths) / len(lengths) if lengths else None,
             "same_ids": None if same_as is None else f"{sum(a == b for a, b in zip(ids, same_as))}/{len(ids)}",
+            "step_ms_draft_verify_rest": split,
         }
         rec.data["e2e"].append(entry)
         rec.save()
         log(f"e2e {label}: {entry['tokens_per_s']:.1f} tok/s, tau {fmt(entry['tau'])}, same ids {entry['same_ids']}")
         return ids
 
-    def hf_generate(prompt: list[int], new: int) -> tuple[list[int], list[int]]:
+    def hf_generate(prompt: list[int], new: int) -> tuple[list[int], list[int], Any]:
         ids = torch.tensor([prompt], device=device)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                              do_sample=False, eos_token_id=None, pad_token_id=0)
-        return out[0, len(prompt):].tolist(), []
+        return out[0, len(prompt):].tolist(), [], None
 
     ours: dict[str, Any] = {}
     for engine in args.e2e_engines:
@@ -394,9 +402,9 @@ def e2e(args: argparse.Namespace, rec: Recorder) -> None:
         for method, budget in (("ar", None), ("dflash", None), ("ddtree", args.budget)):
             proposer = build_proposer(method, target, drafter, budget)
 
-            def run(prompt: list[int], new: int, proposer: Any = proposer, target: Any = target) -> tuple[list[int], list[int]]:
+            def run(prompt: list[int], new: int, proposer: Any = proposer, target: Any = target) -> tuple[list[int], list[int], Any]:
                 result = generate(target, prompt, proposer, max_new_tokens=new)
-                return result.token_ids, result.acceptance_lengths
+                return result.token_ids, result.acceptance_lengths, result.stats
 
             label = f"ours {engine} {method}" + (f"@{budget}" if budget else "")
             ids = row(label, run, ours.get(f"{engine} ar") or (reference or None if method == "ar" else None))
@@ -424,10 +432,10 @@ def reference_dflash(args: argparse.Namespace, model: Any, drafter: Any, row: Ca
     ref.load_state_dict(drafter.state_dict(), strict=False)
     ref.to(device=args.device, dtype=next(drafter.parameters()).dtype)
 
-    def run(prompt: list[int], new: int) -> tuple[list[int], list[int]]:
+    def run(prompt: list[int], new: int) -> tuple[list[int], list[int], Any]:
         ids = torch.tensor([prompt], device=args.device)
         stats = dflash_model.dflash_generate(ref, model, ids, new, None, return_stats=True)
-        return stats.output_ids[0, len(prompt):].tolist(), list(stats.acceptance_lengths)
+        return stats.output_ids[0, len(prompt):].tolist(), list(stats.acceptance_lengths), None
 
     row("reference dflash_generate", run, reference or None)
 
@@ -444,11 +452,13 @@ def print_tables(args: argparse.Namespace, rec: Recorder) -> None:
         print(f"| {row} | " + " | ".join(fmt(values.get(c)) for c in columns) + " |")
     if rec.data["e2e"]:
         print(f"\n## End to end: {args.target} + {args.drafter}, prompts {args.prompts}, {args.max_new_tokens} new tokens, dtype {args.e2e_dtype}\n")
-        print("| method | tokens/s | tau | same ids as AR (AR rows: as ours hf ar) |")
-        print("|---|---|---|---|")
+        print("| method | tokens/s | tau | same ids as AR (AR rows: as ours hf ar) | ms per step: draft / verify / rest |")
+        print("|---|---|---|---|---|")
         ar_hf = next((e["tokens_per_s"] for e in rec.data["e2e"] if e["method"] == "ours hf ar"), None)
         for e in rec.data["e2e"]:
-            print(f"| {e['method']} | {e['tokens_per_s']:.1f} | {fmt(e['tau'])} | {e['same_ids'] or '-'} |")
+            split = e.get("step_ms_draft_verify_rest")
+            cost = " / ".join(f"{x:.3f}" for x in split) if split else "-"
+            print(f"| {e['method']} | {e['tokens_per_s']:.1f} | {fmt(e['tau'])} | {e['same_ids'] or '-'} | {cost} |")
         ref = next((e["tokens_per_s"] for e in rec.data["e2e"] if e["method"] == "reference dflash_generate"), None)
         fast = next((e["tokens_per_s"] for e in rec.data["e2e"] if e["method"].endswith("fast dflash")), None)
         if ref and fast:

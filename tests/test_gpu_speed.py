@@ -31,6 +31,10 @@ def test_cpu_smoke_run(tiny_dirs: tuple[Path, Path], tmp_path: Path) -> None:
     methods = {e["method"]: e for e in data["e2e"]}
     assert {"ours fast dflash", "ours hf ddtree@6", "HF generate (greedy)"} <= set(methods)
     assert all(e["same_ids"] in (None, "2/2") for e in data["e2e"])
+    split = methods["ours fast dflash"]["step_ms_draft_verify_rest"]  # the loop's per-step cost, by stage
+    assert len(split) == 3 and split[0] > 0 and split[1] > 0
+    assert methods["HF generate (greedy)"]["step_ms_draft_verify_rest"] is None
+    assert "| ms per step: draft / verify / rest |" in res.stdout
 
 
 def test_help_runs() -> None:
