@@ -26,7 +26,6 @@ _EXPECTED = (
     '"turns" (Spec-Bench) or "conversations" (ShareGPT)'
 )
 _PROMPT_KEYS = ("prompt", "messages", "prompt_ids", "turns", "conversations")
-_HUMAN_ROLES = ("human", "user")
 # ShareGPT's speaker names -> chat roles (the exports use several names for the assistant).
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "chatgpt": "assistant", "bard": "assistant", "bing": "assistant", "model": "assistant",
@@ -223,7 +222,8 @@ def _first_human_turn(conversation: Any) -> str | None:
     for turn in conversation:
         if not isinstance(turn, dict):
             return None
-        if turn.get("from") in _HUMAN_ROLES and isinstance(turn.get("value"), str) and turn["value"].strip():
+        human = SHAREGPT_ROLES.get(turn.get("from", "")) == "user"
+        if human and isinstance(turn.get("value"), str) and turn["value"].strip():
             return turn["value"]
     return None
 
