@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_speed.py"
+SPEC = importlib.util.spec_from_file_location("gpu_speed", SCRIPT)
+gpu_speed = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(gpu_speed)
+AGREEMENT_ROW = gpu_speed.AGREEMENT_ROW
 
 
 def test_cpu_smoke_run(tiny_dirs: tuple[Path, Path], tmp_path: Path) -> None:
@@ -27,7 +35,7 @@ def test_cpu_smoke_run(tiny_dirs: tuple[Path, Path], tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert not data["errors"]
     assert set(data["rows"]["DDTree verify @8 (ms)"]) == {"hf", "fast"}
-    assert data["rows"]["verify16 logits vs hf: argmax agree / max rel diff"]["fast"].startswith("1.00")
+    assert data["rows"][AGREEMENT_ROW]["fast"].startswith("1.00")
     methods = {e["method"]: e for e in data["e2e"]}
     assert {"ours fast dflash", "ours hf ddtree@6", "HF generate (greedy)"} <= set(methods)
     assert all(e["same_ids"] in (None, "2/2") for e in data["e2e"])
@@ -40,3 +48,14 @@ def test_cpu_smoke_run(tiny_dirs: tuple[Path, Path], tmp_path: Path) -> None:
 def test_help_runs() -> None:
     res = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and "--quick" in res.stdout
+
+
+def test_logits_agreement_tells_near_ties_from_disagreements() -> None:
+    reference = torch.tensor([[10.0, 9.99, 0.0], [0.0, 5.0, 10.0]])
+    tie = torch.tensor([[9.99, 10.0, 0.0], [0.0, 5.0, 10.0]])  # row 0 flips between two logits 0.01 apart
+    agree, diff, widest = (float(x) for x in gpu_speed.logits_agreement(tie, reference).split(" / "))
+    assert agree == 0.5 and widest == pytest.approx(0.001) and diff == pytest.approx(0.001)
+    wrong = torch.tensor([[10.0, 9.99, 0.0], [0.0, 11.0, 10.0]])  # row 1 picks an id HF put 5 below its top
+    agree, diff, widest = (float(x) for x in gpu_speed.logits_agreement(wrong, reference).split(" / "))
+    assert agree == 0.5 and widest == pytest.approx(0.5)
+    assert gpu_speed.logits_agreement(reference, reference) == "1.00 / 0.0e+00 / 0.0e+00"

@@ -7,7 +7,8 @@
 # PROMPTS_GZ picks the prompts (default /tmp/bd/sharegpt_turns.jsonl.gz, copied there from .gpu/p1 by the first call:
 # every ShareGPT turn with its history up to 3,000 characters, from `benchmarks/gpu/export_prompts.py sharegpt-turns
 # --max-chars 3000`; the first-turn-only file of earlier runs is `export_prompts.py sharegpt`);
-# COMPILE=1 adds --compile; EVAL_PROMPTS (default 8) held-out prompts for tau before/after (0: none, all train);
+# COMPILE=1 adds --compile; LR and WARMUP set the peak learning rate and warmup share (a warm start may want less);
+# EVAL_PROMPTS (default 8) held-out prompts for tau before/after (0: none, all train);
 # DATA_OUT=1 also returns the regenerated responses.
 set -u
 source benchmarks/gpu/env.sh
@@ -28,7 +29,7 @@ timeout "${TRAIN_TIMEOUT:-520}" $TRAIN --target smollm2-135m-instruct \
   --gen-batch-size "${GEN_BATCH:-1024}" --response-tokens 320 --max-length 768 --layers 3 --block-size 16 \
   --anchors-per-seq 256 --steps "${STEPS:-1800}" --batch-size "${BATCH:-8}" --attention "${ATTENTION:-auto}" \
   --save-every "${SAVE_EVERY:-500}" --eval-every 0 --eval-prompts "${EVAL_PROMPTS:-8}" --eval-tokens 128 ${RESUME:+--resume} ${INIT:+--init "$INIT"} \
-  ${COMPILE:+--compile} \
+  ${COMPILE:+--compile} --lr "${LR:-6e-4}" --warmup-ratio "${WARMUP:-0.04}" \
   2> /tmp/bd/train.err
 RC=$?
 echo "train rc $RC after $(( $(date +%s) - T0 )) s"
