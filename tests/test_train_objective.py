@@ -1,16 +1,19 @@
-"""The chunked weighted cross-entropy equals the one-shot loss, and the compiled layer stack the eager one, in
-values and in gradients."""
+"""The chunked weighted cross-entropy equals the one-shot loss, and the compiled layer stack and loss the eager ones,
+in values and in gradients."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounterWithBackend
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_train_masks import B, HIDDEN, LAYOUTS, TAPS, _drafter
 
 from blockdraft.train.masks import BlockLayout
-from blockdraft.train.objective import BlockObjective, weighted_cross_entropy
+from blockdraft.train.objective import BlockObjective, block_targets, scored_loss, slot_weights, weighted_cross_entropy
 
 
 @settings(max_examples=15, deadline=None)
@@ -25,7 +28,7 @@ def test_chunked_loss_and_gradients_equal_unchunked(rows: int, vocab: int, max_l
     def run(limit: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         head.zero_grad()
         hidden.grad = None
-        loss = weighted_cross_entropy(hidden, labels, weights, head, vocab, max_logits=limit)
+        loss = weighted_cross_entropy(hidden, labels, weights, partial(scored_loss, head), vocab, max_logits=limit)
         loss.backward()
         return loss.detach(), hidden.grad.clone(), head.weight.grad.clone()
 
@@ -54,3 +57,57 @@ def test_compiled_layer_stack_equals_eager(kind: str) -> None:
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-6)
     for a, b in zip(results[0][1], results[1][1]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_compiled_chunk_loss_equals_eager_under_checkpointing_without_recompiling() -> None:
+    """--compile's loss unit inside the checkpointed chunks: same loss and gradients as eager, and one capture
+    serves every chunk and batch size (the row count is dynamic; a recompile per batch would cost minutes)."""
+    g = torch.Generator().manual_seed(5)
+    head = torch.nn.Linear(8, 30, bias=False)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(scored_loss, backend=counter, dynamic=True)
+    captures = []
+    for rows in (37, 23, 52):
+        hidden = torch.randn(rows, 8, generator=g, requires_grad=True)
+        labels = torch.randint(0, 30, (rows,), generator=g)
+        weights = torch.rand(rows, generator=g)
+        results = []
+        for unit in (scored_loss, compiled):
+            head.zero_grad()
+            hidden.grad = None
+            loss = weighted_cross_entropy(hidden, labels, weights, partial(unit, head), 30, max_logits=300)
+            loss.backward()
+            results.append((loss.detach(), hidden.grad.clone(), head.weight.grad.clone()))
+        for a, b in zip(*results):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        captures.append(counter.frame_count)
+    assert captures[0] > 0 and len(set(captures)) == 1
+
+
+def test_compiled_objective_loss_equals_eager_and_compiles_once() -> None:
+    """The whole --compile objective (layer stack + loss unit) over batches of one padded shape but different
+    numbers of scored slots: the eager loss and gradients, and nothing captured again after the first batch."""
+    drafter = _drafter(LAYOUTS["full"]).float()
+    head = torch.nn.Linear(HIDDEN, 50, bias=False).requires_grad_(False)
+    g = torch.Generator().manual_seed(4)
+    counter = CompileCounterWithBackend("aot_eager")
+    eager, compiled = BlockObjective(drafter, "sdpa"), BlockObjective(drafter, "sdpa", counter)
+    layout = BlockLayout(torch.tensor([[1, 5, 6], [3, 4, 10]]), B, 12)
+    captures = []
+    for valid, lengths in (([[1, 1, 1], [1, 1, 1]], [16, 14]), ([[1, 1, 0], [1, 0, 0]], [16, 5])):
+        ids = torch.randint(0, 49, (2, 16), generator=g)
+        targets = block_targets(ids, torch.tensor(lengths), layout.anchors, torch.tensor(valid, dtype=torch.bool), 49,
+                                slot_weights(B))
+        taps = torch.randn(2, 12, TAPS * HIDDEN, generator=g)
+        embeds = torch.randn(2, 3 * B, HIDDEN, generator=g)
+        results = []
+        for objective in (eager, compiled):
+            drafter.zero_grad()
+            loss = objective(taps, embeds, layout, targets, head)
+            loss.backward()
+            results.append((loss.detach(), [p.grad.clone() for p in drafter.parameters()]))
+        torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-6)
+        for a, b in zip(results[0][1], results[1][1]):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+        captures.append(counter.frame_count)
+    assert captures[0] > 0 and len(set(captures)) == 1

@@ -12,6 +12,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import numpy as np
 import torch
@@ -114,11 +115,19 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
+def scored_loss(logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor,
+                weights: torch.Tensor) -> torch.Tensor:
+    """sum(w * CE) over rows of slots: the LM head, its epilogue and a float32 log-softmax (the unit --compile fuses,
+    so the float32 logits and their gradient are never written out whole)."""
+    z = logits(hidden)
+    return (F.cross_entropy(z.float() if z.element_size() < 4 else z, labels, reduction="none") * weights).sum()
+
+
 def weighted_cross_entropy(
     hidden: torch.Tensor,
     labels: torch.Tensor,
     weights: torch.Tensor,
-    logits: Callable[[torch.Tensor], torch.Tensor],
+    chunk_loss: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
     vocab_size: int,
     max_logits: int = 2**28,
 ) -> torch.Tensor:
@@ -126,13 +135,9 @@ def weighted_cross_entropy(
 
     A 151k-token vocabulary times tens of thousands of scored slots would not fit as one logits tensor; chunks of at
     most `max_logits` elements (1 GiB in fp32) bound the memory at the price of one more LM-head matmul.
+    `chunk_loss(hidden, labels, weights)` is `scored_loss` with the LM head bound, compiled or not.
     """
     rows = max(1, max_logits // vocab_size)
-
-    def chunk_loss(h: torch.Tensor, y: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        z = logits(h)
-        return (F.cross_entropy(z.float() if z.element_size() < 4 else z, y, reduction="none") * w).sum()
-
     if hidden.shape[0] <= rows:
         total = chunk_loss(hidden, labels, weights)
     else:
@@ -175,16 +180,21 @@ class BlockObjective(nn.Module):
     Both run the layer math of `DrafterLayer` unchanged.
     """
 
-    def __init__(self, drafter: DFlashDrafter, attention: str = "sdpa", compile_backend: str | None = None) -> None:
+    def __init__(
+        self, drafter: DFlashDrafter, attention: str = "sdpa", compile_backend: str | Callable[..., Any] | None = None
+    ) -> None:
         super().__init__()
         self.drafter = drafter
         self.attention = attention
         if compile_backend is None:
             self._flex = _flex_attention() if attention == "flex" else None
             self._stack = self._layers
-        else:  # one compiled region for the whole layer stack: rope, norms, casts and the MLP gate fuse
+            self._scored = scored_loss
+        else:  # one compiled region for the whole layer stack (rope, norms, casts and the MLP gate fuse), one for
+            # the loss of a chunk of slots (the row count varies: dynamic)
             self._flex = flex_attention if attention == "flex" else None
             self._stack = torch.compile(self._layers, backend=compile_backend, dynamic=False)
+            self._scored = torch.compile(scored_loss, backend=compile_backend, dynamic=True)
 
     def hidden(self, taps: torch.Tensor, block_embeds: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
         """Final-normed drafter states [b, n*B, hidden] for every block slot."""
@@ -232,5 +242,6 @@ class BlockObjective(nn.Module):
         b, n, slots = targets.labels.shape
         hidden = hidden.view(b, n, slots + 1, -1)[:, :, 1:]
         keep = targets.weights > 0
+        logits = partial(self.drafter.logits, lm_head=lm_head)
         return weighted_cross_entropy(hidden[keep], targets.labels[keep], targets.weights[keep],
-                                      partial(self.drafter.logits, lm_head=lm_head), self.drafter.cfg.vocab_size)
+                                      partial(self._scored, logits), self.drafter.cfg.vocab_size)
