@@ -84,7 +84,8 @@ def train_command(
     init: str = typer.Option("target", "--init", help="target (copy the target's last layers where shapes match), random, or a drafter folder to continue "
                        "from (its shape and weights; a fresh optimizer)."),
     compile_layers: bool = typer.Option(
-        False, "--compile", help="torch.compile the drafter's layer stack (fuses rope, norms and casts; first step slower)."
+        False, "--compile", help="torch.compile the drafter's layer stack and the loss (fuses rope, norms, casts and "
+        "the float32 log-softmax; first step slower)."
     ),
     attention: str = typer.Option(
         "auto", "--attention", help="auto (flex on CUDA, else sdpa), sdpa (CPU and GPU) or flex (CUDA only; skips masked tiles)."
