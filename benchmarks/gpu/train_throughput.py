@@ -7,7 +7,7 @@ the time of a step does not depend on their values.
 
     python3 benchmarks/gpu/train_throughput.py --batch-sizes 8,16,32 --attention sdpa,flex,flex+compile --profile flex:16
 
-`+compile` runs the layer stack under torch.compile (inductor), as `blockdraft train --compile` does.
+`+compile` runs the layer stack and the loss under torch.compile (inductor), as `blockdraft train --compile` does.
 """
 
 from __future__ import annotations
