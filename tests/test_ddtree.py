@@ -252,7 +252,7 @@ def test_cache_after_tree_step_equals_ar_cache(name: str) -> None:
     ids = torch.cat([torch.tensor([seq[0]]), draft.tokens]).unsqueeze(0)
     mask = draft.tree_mask(len(cache), target.device)
     out = target.forward(ids, draft.positions(start, target.device), cache, taps, attention_mask=mask)
-    verdict = walk(draft, out.logits[0].argmax(-1).tolist())
+    verdict = walk(draft, out.logits[0].argmax(-1).tolist(), draft.tokens.tolist())
     assert verdict.accepted == [1, 4, 5, 8] and verdict.bonus == seq[5]
     rows = torch.tensor([0] + [n + 1 for n in verdict.accepted])
     cache.compact(start, rows)

@@ -154,15 +154,15 @@ def generate(
                 stopped_on = token
                 break
         produced = len(committed)
+        rows: slice | torch.Tensor
         if draft.is_chain:  # the committed rows are the first `produced`
+            rows = slice(0, produced)
             cache.crop(start + produced)
-            if proposer:
-                proposer.add_context(out.taps[:, :produced])
         else:
             rows = long_tensor([0] + [node + 1 for node in verdict.accepted][: produced - 1], device)
             cache.compact(start, rows)
-            if proposer:
-                proposer.add_context(out.taps[:, rows])
+        if proposer:
+            proposer.add_context(out.taps[:, rows])
         tokens.extend(committed)
         stats.acceptance_lengths.append(produced)
         if on_commit:

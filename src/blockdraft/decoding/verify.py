@@ -29,11 +29,10 @@ class Verdict:
     bonus: int
 
 
-def walk(draft: Draft, target_tokens: list[int], draft_tokens: list[int] | None = None) -> Verdict:
-    """Follow the target's token per row ([anchor] + nodes) down the draft tree (`draft_tokens`: the draft's tokens
-    when the caller already read them back)."""
+def walk(draft: Draft, target_tokens: list[int], tokens: list[int]) -> Verdict:
+    """Follow the target's token per row ([anchor] + nodes) down the draft tree; `tokens` are the draft's, read back
+    by the caller in the same transfer as the target's."""
     children: dict[tuple[int, int], int] = {}
-    tokens = draft.tokens.tolist() if draft_tokens is None else draft_tokens
     for node, (parent, token) in enumerate(zip(draft.parents, tokens)):
         children.setdefault((parent, token), node)
     accepted: list[int] = []
