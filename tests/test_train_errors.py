@@ -59,6 +59,12 @@ def test_cli_refuses_taps_out_of_range(tiny_target: Path, tmp_path: Path) -> Non
     assert isinstance(exc, BlockdraftError) and "--taps" in str(exc) and "0..3" in str(exc)
 
 
+@pytest.mark.parametrize("ratio", ["-0.1", "1"])
+def test_cli_refuses_warmup_ratio_outside_zero_to_one(tiny_target: Path, tmp_path: Path, ratio: str) -> None:
+    exc = _invoke(["--target", str(tiny_target), "--out", str(tmp_path / "o"), "--warmup-ratio", ratio])
+    assert isinstance(exc, BlockdraftError) and "--warmup-ratio" in str(exc) and "[0, 1)" in str(exc)
+
+
 def test_cli_refuses_missing_prompts_file(tiny_target: Path, tmp_path: Path) -> None:
     exc = _invoke(["--target", str(tiny_target), "--prompts", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "o")])
     assert isinstance(exc, BlockdraftError) and "--prompts" in str(exc) and "no such file" in str(exc)

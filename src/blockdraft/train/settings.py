@@ -73,6 +73,8 @@ class TrainSettings:
             raise BlockdraftError(f"--steps {self.steps} must be >= 1 (or leave it out to train --epochs)")
         if self.lr <= 0:
             raise BlockdraftError(f"--lr {self.lr} must be > 0")
+        if not 0 <= self.warmup_ratio < 1:
+            raise BlockdraftError(f"--warmup-ratio {self.warmup_ratio} must be in [0, 1): the share of steps spent warming up")
         if self.init not in ("target", "random") and not (Path(self.init).expanduser() / "config.json").is_file():
             raise BlockdraftError(
                 f"--init {self.init!r} must be target, random or a drafter folder (config.json + model.safetensors)"
