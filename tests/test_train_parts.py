@@ -14,7 +14,7 @@ from blockdraft.train.batches import BatchPlan, draw_anchors
 from blockdraft.train.checkpoint import restore_rng_states
 from blockdraft.train.data import Sample, load_given_samples, load_prompts
 from blockdraft.train.objective import block_targets, default_gamma, slot_weights
-from blockdraft.train.regenerate import read_cache, regenerate
+from blockdraft.train.regenerate import read_cache, regenerate, response_id
 
 
 def chat_tokenizer() -> PreTrainedTokenizerFast:
@@ -96,9 +96,11 @@ class _FakeModel:
 
     def __init__(self) -> None:
         self.calls = 0
+        self.sampled: list[bool] = []
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, generation_config: object) -> torch.Tensor:
         self.calls += 1
+        self.sampled.append(bool(generation_config.do_sample))
         tail = torch.tensor([[7, 8, 2, 0]]).expand(input_ids.shape[0], -1)
         return torch.cat([input_ids, tail], dim=1)
 
@@ -122,6 +124,23 @@ def test_response_cache_resumes_after_a_cut_line(tmp_path: Path) -> None:
     assert sorted(done) == ["p0", "p1", "p2", "p3", "p4"]
     assert done["p0"].ids == [1, 2, 9] and done["p3"].ids == [1, 5, 7, 8, 2] and done["p3"].start == 2
     assert regenerate(target, prompts, tmp_path, **kw) == 0 and target.model.calls == 2
+
+
+def test_each_temperature_answers_every_prompt_under_its_own_id(tmp_path: Path) -> None:
+    """A sampled pass next to the greedy one adds a record per prompt; neither pass redoes the other's work."""
+    from blockdraft.train.data import TokenizedPrompt
+
+    prompts = [TokenizedPrompt(f"p{i}", [1, 2 + i]) for i in range(3)]
+    target = _FakeTarget()
+    kw = dict(max_length=32, response_tokens=4, batch_size=8, eos_ids=(2,), pad_id=0, seed=0)
+    assert regenerate(target, prompts, tmp_path, temperature=0.0, **kw) == 3
+    assert regenerate(target, prompts, tmp_path, temperature=0.7, **kw) == 3
+    assert regenerate(target, prompts, tmp_path, temperature=0.7, **kw) == 0
+    assert target.model.sampled == [False, True]
+    done = read_cache(tmp_path)
+    assert sorted(done) == ["p0", "p0@T0.7", "p1", "p1@T0.7", "p2", "p2@T0.7"]
+    assert response_id("p1", 0.0) == "p1" and response_id("p1", 0.7) == "p1@T0.7"
+    assert done["p1@T0.7"].ids == [1, 3, 7, 8, 2] and done["p1@T0.7"].start == 2
 
 
 def test_rng_states_of_more_gpus_than_visible_restore_the_visible_ones(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -33,6 +33,17 @@ def _int_list(text: Optional[str], flag: str) -> Optional[list[int]]:
     return values
 
 
+def _float_list(text: str, flag: str) -> tuple[float, ...]:
+    """`0,0.7` -> (0.0, 0.7)."""
+    try:
+        values = tuple(float(x) for x in text.replace(" ", "").split(",") if x)
+    except ValueError:
+        raise BlockdraftError(f"{flag} {text!r} must be comma-separated numbers like 0,0.7") from None
+    if not values:
+        raise BlockdraftError(f"{flag} is empty; give comma-separated numbers like 0,0.7")
+    return values
+
+
 def _fmt(value: Optional[float]) -> str:
     return "-" if value is None else f"{value:.3f}"
 
@@ -79,7 +90,10 @@ def train_command(
     regenerate: bool = typer.Option(True, "--regenerate/--no-regenerate", help="Let the target write the responses (default), or train on the assistant turns given."),
     num_prompts: Optional[int] = typer.Option(None, "--num-prompts", help="Use at most this many prompts."),
     gen_batch_size: int = typer.Option(32, "--gen-batch-size", help="Prompts per batched generate call."),
-    gen_temperature: float = typer.Option(0.0, "--gen-temperature", help="Temperature of the target's responses (0: greedy)."),
+    gen_temperatures: str = typer.Option(
+        "0", "--gen-temperatures", "--gen-temperature",
+        help="Temperatures of the target's responses, comma-separated: each prompt is answered once per value "
+             "(0: greedy; 0,0.7 adds a sampled answer per prompt, more data from the same prompts)."),
     precompute_features: bool = typer.Option(False, "--precompute-features", help="Write target taps to disk once (small targets)."),
     init: str = typer.Option("target", "--init", help="target (copy the target's last layers where shapes match), random, or a drafter folder to continue "
                        "from (its shape and weights; a fresh optimizer)."),
@@ -104,8 +118,8 @@ def train_command(
         batch_size=batch_size, grad_accum=grad_accum, lr=lr, warmup_ratio=warmup_ratio, gamma=gamma,
         save_every=save_every, eval_every=eval_every, eval_prompts=eval_prompts, eval_tokens=eval_tokens,
         resume=resume, regenerate=regenerate, num_prompts=num_prompts, gen_batch_size=gen_batch_size,
-        gen_temperature=gen_temperature, precompute_features=precompute_features, init=init, attention=attention, compile=compile_layers,
-        device=device, dtype=dtype, seed=seed, parallel=parallel,
+        gen_temperatures=_float_list(gen_temperatures, "--gen-temperatures"), precompute_features=precompute_features,
+        init=init, attention=attention, compile=compile_layers, device=device, dtype=dtype, seed=seed, parallel=parallel,
     )
     summary = run_training(settings)
     if os.environ.get("RANK", "0") == "0":

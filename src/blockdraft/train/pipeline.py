@@ -34,7 +34,7 @@ from blockdraft.train.export import export_drafter, launch_commands
 from blockdraft.train.features import OnlineTaps, StoredTaps, TapSource, precompute_taps
 from blockdraft.train.loop import LoopResult, LoopSettings, train_loop
 from blockdraft.train.objective import BlockObjective
-from blockdraft.train.regenerate import read_cache, regenerate
+from blockdraft.train.regenerate import read_cache, regenerate, response_id
 from blockdraft.train.settings import RESUME_FREE, SETTINGS_NAME, SUMMARY_NAME, TrainSettings, TrainSummary
 from blockdraft.train.shape import ShapeRequest, build_draft_config, init_from_target
 
@@ -86,14 +86,17 @@ def _samples(settings: TrainSettings, target: Target, tokenizer: Any, prompts: l
     pad = pad if pad is not None else (eos[0] if eos else 0)
     folder = settings.out / "data"
     with Progress(console=console, disable=not ctx.is_main) as bar:
-        task = bar.add_task("responses by the target", total=None)
-        regenerate(target, train_prompts, folder, max_length=settings.max_length, response_tokens=settings.response_tokens,
-                   batch_size=settings.gen_batch_size, temperature=settings.gen_temperature, eos_ids=eos, pad_id=pad,
-                   seed=settings.seed, rank=ctx.rank, world=ctx.world, on_start=lambda n: bar.update(task, total=n),
-                   on_batch=lambda n: bar.advance(task, n))
+        for k, temperature in enumerate(settings.gen_temperatures):
+            task = bar.add_task(f"responses by the target, T={temperature:g}", total=None)
+            regenerate(target, train_prompts, folder, max_length=settings.max_length,
+                       response_tokens=settings.response_tokens, batch_size=settings.gen_batch_size,
+                       temperature=temperature, eos_ids=eos, pad_id=pad, seed=settings.seed + 1_000_003 * k,
+                       rank=ctx.rank, world=ctx.world, on_start=lambda n, t=task: bar.update(t, total=n),
+                       on_batch=lambda n, t=task: bar.advance(t, n))
     ctx.barrier()
     done = read_cache(folder)
-    return [done[p.id] for p in train_prompts if p.id in done], held
+    ids = [response_id(p.id, t) for p in train_prompts for t in settings.gen_temperatures]
+    return [done[i] for i in ids if i in done], held
 
 
 def _usable(samples: list[Sample], max_length: int) -> list[Sample]:

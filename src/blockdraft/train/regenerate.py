@@ -3,6 +3,8 @@
 A drafter learns to predict the target, so it trains on the target's own answers (the paper's recipe), not on
 someone else's. Generation is batched HF `generate` with left padding. Each rank appends finished samples to its own
 JSONL file after every batch; a rerun (after a kill, or with more ranks) skips every id already in any file.
+A prompt may be answered at several temperatures (a greedy answer plus sampled ones: more distinct contexts from a
+small prompt set); the record id says which (`response_id`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,12 @@ from blockdraft.models.target import Target
 from blockdraft.train.data import Sample, TokenizedPrompt
 
 CACHE_GLOB = "responses-*.jsonl"
+
+
+def response_id(prompt_id: str, temperature: float) -> str:
+    """The cache id of a prompt's answer at a temperature: the prompt id for the greedy one (as caches always held),
+    `<id>@T<temperature>` for a sampled one."""
+    return prompt_id if temperature == 0 else f"{prompt_id}@T{temperature:g}"
 
 
 def read_cache(folder: Path) -> dict[str, Sample]:
@@ -87,7 +95,8 @@ def regenerate(
     """
     folder.mkdir(parents=True, exist_ok=True)
     done = read_cache(folder)
-    pending = [p for p in prompts[rank::world] if p.id not in done and len(p.ids) <= max_length - 2]
+    pending = [p for p in prompts[rank::world]
+               if response_id(p.id, temperature) not in done and len(p.ids) <= max_length - 2]
     pending.sort(key=lambda p: len(p.ids))
     if on_start:
         on_start(len(pending) * world)
@@ -110,7 +119,8 @@ def regenerate(
             generated = target.model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
             for row, prompt in enumerate(batch):
                 response = _response(generated[row, ids.shape[1]:].tolist(), eos)
-                record = {"id": prompt.id, "input_ids": prompt.ids + response, "loss_start": len(prompt.ids)}
+                record = {"id": response_id(prompt.id, temperature), "input_ids": prompt.ids + response,
+                          "loss_start": len(prompt.ids), "temperature": temperature}
                 out.write(json.dumps(record) + "\n")
             out.flush()
             written += len(batch)

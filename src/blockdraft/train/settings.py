@@ -53,7 +53,7 @@ class TrainSettings:
     regenerate: bool = True
     num_prompts: int | None = None
     gen_batch_size: int = 32
-    gen_temperature: float = 0.0
+    gen_temperatures: tuple[float, ...] = (0.0,)
     precompute_features: bool = False
     init: str = "target"
     attention: str = "auto"
@@ -75,6 +75,10 @@ class TrainSettings:
             raise BlockdraftError(f"--lr {self.lr} must be > 0")
         if not 0 <= self.warmup_ratio < 1:
             raise BlockdraftError(f"--warmup-ratio {self.warmup_ratio} must be in [0, 1): the share of steps spent warming up")
+        if not self.gen_temperatures or any(t < 0 for t in self.gen_temperatures):
+            raise BlockdraftError(f"--gen-temperatures {self._temperatures()} must list temperatures >= 0 (0: greedy)")
+        if len(set(self.gen_temperatures)) < len(self.gen_temperatures):
+            raise BlockdraftError(f"--gen-temperatures {self._temperatures()} repeats a value; give each temperature once")
         if self.init not in ("target", "random") and not (Path(self.init).expanduser() / "config.json").is_file():
             raise BlockdraftError(
                 f"--init {self.init!r} must be target, random or a drafter folder (config.json + model.safetensors)"
@@ -89,8 +93,13 @@ class TrainSettings:
                 f"({', '.join(BUILTIN_SETS)})"
             )
 
+    def _temperatures(self) -> str:
+        return ",".join(f"{t:g}" for t in self.gen_temperatures)
+
     def to_json(self) -> dict[str, Any]:
-        return {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(self).items()}
+        """JSON values (paths as strings, tuples as lists), so a resumed run compares equal to what was written."""
+        return {k: str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v
+                for k, v in asdict(self).items()}
 
 
 @dataclass
