@@ -62,7 +62,8 @@ def train_command(
     target: str = typer.Option("smollm2-135m-instruct", "--target", help="HF model folder, hub id, or the embedded name."),
     prompts: Optional[str] = typer.Option(
         None, "--prompts", help="JSONL/JSON (ShareGPT, Spec-Bench turns, prompt, messages, prompt_ids), a .txt of "
-        "blank-line separated documents, or a built-in set: sharegpt (first turns), sharegpt-turns (every turn with its history), humaneval, spec-bench."
+        "blank-line separated documents, a built-in set: sharegpt (first turns), sharegpt-turns (every turn with its history), humaneval, spec-bench; "
+        "or self: --num-prompts requests written by the target itself from its chat template (Magpie)."
     ),
     out: Path = typer.Option(..., "--out", help="Run folder: data cache, checkpoint, log, drafter/, train_summary.json."),
     layers: Optional[int] = typer.Option(None, "--layers", help="Draft layers (default 5, at most the target's)."),

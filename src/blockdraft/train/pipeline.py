@@ -13,11 +13,12 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
 from rich.console import Console
-from rich.progress import Progress
+from rich.progress import Progress, TaskID
 
 from blockdraft.config import DraftConfig, parse_draft_config
 from blockdraft.errors import BlockdraftError
@@ -34,7 +35,8 @@ from blockdraft.train.export import export_drafter, launch_commands
 from blockdraft.train.features import OnlineTaps, StoredTaps, TapSource, precompute_taps
 from blockdraft.train.loop import LoopResult, LoopSettings, train_loop
 from blockdraft.train.objective import BlockObjective
-from blockdraft.train.regenerate import read_cache, regenerate, response_id
+from blockdraft.train.regenerate import Worker, read_cache, regenerate, response_id
+from blockdraft.train.self_prompts import SELF_SOURCE, load_self_prompts, write_self_prompts
 from blockdraft.train.settings import RESUME_FREE, SETTINGS_NAME, SUMMARY_NAME, TrainSettings, TrainSummary
 from blockdraft.train.shape import ShapeRequest, build_draft_config, init_from_target
 
@@ -70,10 +72,14 @@ def _samples(settings: TrainSettings, target: Target, tokenizer: Any, prompts: l
         held = given[len(given) - min(settings.eval_prompts, len(given) - 1):] if settings.eval_prompts else []
         train = given[: len(given) - len(held)]
         return train, [TokenizedPrompt(s.id, s.ids[: s.start]) for s in held]
+    folder = settings.out / "data"
     if prompts is None:
         if settings.prompts is None:
             raise BlockdraftError("--prompts is required: a .jsonl/.json/.txt file or a built-in set (sharegpt, humaneval, spec-bench)")
-        prompts = load_prompts(settings.prompts, tokenizer, settings.num_prompts)
+        if settings.prompts == SELF_SOURCE:
+            prompts = _self_prompts(settings, target, tokenizer, folder, ctx, console)
+        else:
+            prompts = load_prompts(settings.prompts, tokenizer, settings.num_prompts)
     elif settings.num_prompts is not None:
         prompts = prompts[: settings.num_prompts]
     repeated = next((i for i, n in Counter(p.id for p in prompts).items() if n > 1), None)
@@ -84,19 +90,35 @@ def _samples(settings: TrainSettings, target: Target, tokenizer: Any, prompts: l
     eos = stop_tokens(tokenizer, getattr(target.model.generation_config, "eos_token_id", None), [])
     pad = getattr(tokenizer, "pad_token_id", None)
     pad = pad if pad is not None else (eos[0] if eos else 0)
-    folder = settings.out / "data"
     with Progress(console=console, disable=not ctx.is_main) as bar:
         for k, temperature in enumerate(settings.gen_temperatures):
             task = bar.add_task(f"responses by the target, T={temperature:g}", total=None)
             regenerate(target, train_prompts, folder, max_length=settings.max_length,
                        response_tokens=settings.response_tokens, batch_size=settings.gen_batch_size,
                        temperature=temperature, eos_ids=eos, pad_id=pad, seed=settings.seed + 1_000_003 * k,
-                       rank=ctx.rank, world=ctx.world, on_start=lambda n, t=task: bar.update(t, total=n),
-                       on_batch=lambda n, t=task: bar.advance(t, n))
+                       worker=_worker(ctx, bar, task))
     ctx.barrier()
     done = read_cache(folder)
     ids = [response_id(p.id, t) for p in train_prompts for t in settings.gen_temperatures]
     return [done[i] for i in ids if i in done], held
+
+
+def _worker(ctx: DistContext, bar: Progress, task: TaskID) -> Worker:
+    """This rank's part of a generation job, reporting to a progress bar task."""
+    return Worker(ctx.rank, ctx.world, on_start=lambda n: bar.update(task, total=n), on_batch=lambda n: bar.advance(task, n))
+
+
+def _self_prompts(settings: TrainSettings, target: Target, tokenizer: Any, folder: Path, ctx: DistContext,
+                  console: Console) -> list[TokenizedPrompt]:
+    """--prompts self: the target writes --num-prompts requests (each rank its share), read back by every rank."""
+    eos = stop_tokens(tokenizer, getattr(target.model.generation_config, "eos_token_id", None), [])
+    with Progress(console=console, disable=not ctx.is_main) as bar:
+        task = bar.add_task("requests by the target", total=None)
+        write_self_prompts(target, tokenizer, folder, settings.num_prompts, max_tokens=min(256, settings.max_length // 2),
+                           batch_size=settings.gen_batch_size, eos_ids=eos, seed=settings.seed,
+                           worker=_worker(ctx, bar, task))
+    ctx.barrier()
+    return load_self_prompts(folder, tokenizer)
 
 
 def _usable(samples: list[Sample], max_length: int) -> list[Sample]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
@@ -21,6 +22,17 @@ from blockdraft.models.target import Target
 from blockdraft.train.data import Sample, TokenizedPrompt
 
 CACHE_GLOB = "responses-*.jsonl"
+
+
+@dataclass(frozen=True)
+class Worker:
+    """Which rank of how many does this part of a generation job, and whom it tells how far it got
+    (`on_start`: rows left in the whole job; `on_batch`: rows just done, times world)."""
+
+    rank: int = 0
+    world: int = 1
+    on_start: Callable[[int], None] | None = None
+    on_batch: Callable[[int], None] | None = None
 
 
 def response_id(prompt_id: str, temperature: float) -> str:
@@ -42,7 +54,7 @@ def read_cache(folder: Path) -> dict[str, Sample]:
     return done
 
 
-def _open_for_append(file: Path) -> TextIO:
+def open_for_append(file: Path) -> TextIO:
     """Append mode after cutting a partial last line, so the next record starts on a line of its own."""
     if file.exists():
         data = file.read_bytes()
@@ -82,27 +94,25 @@ def regenerate(
     eos_ids: tuple[int, ...],
     pad_id: int,
     seed: int,
-    rank: int = 0,
-    world: int = 1,
-    on_start: Callable[[int], None] | None = None,
-    on_batch: Callable[[int], None] | None = None,
+    worker: Worker = Worker(),
 ) -> int:
     """Generate responses for this rank's share of the prompts not yet cached; returns how many it wrote.
 
     Prompt i belongs to rank i % world whatever the cache holds, so ranks reading the cache while others write
     to it never split the work differently. Prompts leaving fewer than two tokens of room under `max_length` are
-    skipped (nothing to learn from them). `on_start` hears how many prompts (times world) are left to generate.
+    skipped (nothing to learn from them).
     """
     folder.mkdir(parents=True, exist_ok=True)
     done = read_cache(folder)
+    rank, world = worker.rank, worker.world
     pending = [p for p in prompts[rank::world]
                if response_id(p.id, temperature) not in done and len(p.ids) <= max_length - 2]
     pending.sort(key=lambda p: len(p.ids))
-    if on_start:
-        on_start(len(pending) * world)
+    if worker.on_start:
+        worker.on_start(len(pending) * world)
     eos = set(eos_ids)
     written = 0
-    with _open_for_append(folder / f"responses-{rank:03d}.jsonl") as out:
+    with open_for_append(folder / f"responses-{rank:03d}.jsonl") as out:
         for first in range(0, len(pending), batch_size):
             batch = pending[first : first + batch_size]
             ids, mask = _left_pad(batch, pad_id, target.device)
@@ -124,6 +134,6 @@ def regenerate(
                 out.write(json.dumps(record) + "\n")
             out.flush()
             written += len(batch)
-            if on_batch:
-                on_batch(len(batch) * world)
+            if worker.on_batch:
+                worker.on_batch(len(batch) * world)
     return written

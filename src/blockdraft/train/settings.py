@@ -12,6 +12,7 @@ from typing import Any
 
 from blockdraft.bench.prompts import BUILTIN_SETS
 from blockdraft.errors import BlockdraftError
+from blockdraft.train.self_prompts import SELF_SOURCE
 
 SETTINGS_NAME = "train_settings.json"
 SUMMARY_NAME = "train_summary.json"
@@ -87,10 +88,15 @@ class TrainSettings:
             raise BlockdraftError(f"--attention {self.attention!r} must be auto, sdpa or flex")
         if self.parallel not in PARALLEL_MODES:
             raise BlockdraftError(f"--parallel {self.parallel!r} must be ddp or fsdp")
-        if self.prompts is not None and self.prompts not in BUILTIN_SETS and not Path(self.prompts).expanduser().is_file():
+        if self.prompts == SELF_SOURCE:
+            if self.num_prompts is None:
+                raise BlockdraftError("--prompts self needs --num-prompts N: how many requests the target writes")
+            if not self.regenerate:
+                raise BlockdraftError("--prompts self has no answers to train on; drop --no-regenerate")
+        elif self.prompts is not None and self.prompts not in BUILTIN_SETS and not Path(self.prompts).expanduser().is_file():
             raise BlockdraftError(
-                f"--prompts {self.prompts}: no such file; pass a .jsonl/.json/.txt file or a built-in set "
-                f"({', '.join(BUILTIN_SETS)})"
+                f"--prompts {self.prompts}: no such file; pass a .jsonl/.json/.txt file, a built-in set "
+                f"({', '.join(BUILTIN_SETS)}) or self (requests the target writes)"
             )
 
     def _temperatures(self) -> str:
