@@ -67,22 +67,22 @@ def test_cli_refuses_warmup_ratio_outside_zero_to_one(tiny_target: Path, tmp_pat
     assert isinstance(exc, BlockdraftError) and "--warmup-ratio" in str(exc) and "[0, 1)" in str(exc)
 
 
-@pytest.mark.parametrize(("value", "says"), [("0,0.7,0", "repeats a value"), ("0,-1", ">= 0"), ("hot", "comma-separated numbers")])
+@pytest.mark.parametrize(("value", "says"), [("0,0.7,0", "lists 0 twice"), ("0,-1", ">= 0"), ("hot", "comma-separated numbers")])
 def test_cli_refuses_bad_gen_temperatures(tiny_target: Path, tmp_path: Path, value: str, says: str) -> None:
     exc = _invoke(["--target", str(tiny_target), "--out", str(tmp_path / "o"), "--gen-temperatures", value])
     assert isinstance(exc, BlockdraftError) and "--gen-temperatures" in str(exc) and says in str(exc)
 
 
-def test_two_temperatures_train_on_two_answers_per_prompt(tiny_target: Path, tmp_path: Path) -> None:
+def test_each_listed_temperature_adds_an_answer_per_prompt(tiny_target: Path, tmp_path: Path) -> None:
     settings = TrainSettings(target=str(tiny_target), out=tmp_path / "o", layers=1, block_size=4, taps=[1],
                              mask_token_id=63, max_length=32, response_tokens=4, steps=1, eval_prompts=0, device="cpu",
-                             gen_temperatures=(0.0, 0.7))
+                             gen_temperatures=(0.0, 0.7, 0.7))
     summary = run_training(settings, [TokenizedPrompt("a", [3, 4, 5]), TokenizedPrompt("b", [5, 6, 1])])
-    assert summary.samples == 4
+    assert summary.samples == 6  # a greedy and two sampled answers per prompt
     saved = json.loads((tmp_path / "o" / "train_settings.json").read_text())
-    assert saved["gen_temperatures"] == [0.0, 0.7]
+    assert saved["gen_temperatures"] == [0.0, 0.7, 0.7]
     prompts = [TokenizedPrompt("a", [3, 4, 5]), TokenizedPrompt("b", [5, 6, 1])]
-    assert run_training(replace(settings, resume=True), prompts).samples == 4  # the saved list equals the tuple
+    assert run_training(replace(settings, resume=True), prompts).samples == 6  # the saved list equals the tuple
     with pytest.raises(BlockdraftError, match="--gen-temperatures"):
         run_training(replace(settings, resume=True, gen_temperatures=(0.0,)), prompts)
 

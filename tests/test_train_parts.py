@@ -136,10 +136,12 @@ def test_each_temperature_answers_every_prompt_under_its_own_id(tmp_path: Path) 
     assert regenerate(target, prompts, tmp_path, temperature=0.0, **kw) == 3
     assert regenerate(target, prompts, tmp_path, temperature=0.7, **kw) == 3
     assert regenerate(target, prompts, tmp_path, temperature=0.7, **kw) == 0
-    assert target.model.sampled == [False, True]
+    assert regenerate(target, prompts[:1], tmp_path, temperature=0.7, draw=2, **kw) == 1  # a second sampled answer
+    assert target.model.sampled == [False, True, True]
     done = read_cache(tmp_path)
-    assert sorted(done) == ["p0", "p0@T0.7", "p1", "p1@T0.7", "p2", "p2@T0.7"]
+    assert sorted(done) == ["p0", "p0@T0.7", "p0@T0.7#2", "p1", "p1@T0.7", "p2", "p2@T0.7"]
     assert response_id("p1", 0.0) == "p1" and response_id("p1", 0.7) == "p1@T0.7"
+    assert response_id("p1", 0.7, 3) == "p1@T0.7#3"
     assert done["p1@T0.7"].ids == [1, 3, 7, 8, 2] and done["p1@T0.7"].start == 2
 
 

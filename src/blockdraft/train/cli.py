@@ -94,7 +94,7 @@ def train_command(
     gen_temperatures: str = typer.Option(
         "0", "--gen-temperatures", "--gen-temperature",
         help="Temperatures of the target's responses, comma-separated: each prompt is answered once per value "
-             "(0: greedy; 0,0.7 adds a sampled answer per prompt, more data from the same prompts)."),
+             "(0: greedy; 0,0.7 adds a sampled answer per prompt, 0,0.7,0.7 two: more text from the same prompts)."),
     precompute_features: bool = typer.Option(False, "--precompute-features", help="Write target taps to disk once (small targets)."),
     init: str = typer.Option("target", "--init", help="target (copy the target's last layers where shapes match), random, or a drafter folder to continue "
                        "from (its shape and weights; a fresh optimizer)."),

@@ -90,16 +90,18 @@ def _samples(settings: TrainSettings, target: Target, tokenizer: Any, prompts: l
     eos = stop_tokens(tokenizer, getattr(target.model.generation_config, "eos_token_id", None), [])
     pad = getattr(tokenizer, "pad_token_id", None)
     pad = pad if pad is not None else (eos[0] if eos else 0)
+    draws = [(t, settings.gen_temperatures[:k].count(t) + 1) for k, t in enumerate(settings.gen_temperatures)]
     with Progress(console=console, disable=not ctx.is_main) as bar:
-        for k, temperature in enumerate(settings.gen_temperatures):
-            task = bar.add_task(f"responses by the target, T={temperature:g}", total=None)
+        for k, (temperature, draw) in enumerate(draws):
+            task = bar.add_task(f"responses by the target, T={temperature:g}" + (f" #{draw}" if draw > 1 else ""),
+                                total=None)
             regenerate(target, train_prompts, folder, max_length=settings.max_length,
                        response_tokens=settings.response_tokens, batch_size=settings.gen_batch_size,
                        temperature=temperature, eos_ids=eos, pad_id=pad, seed=settings.seed + 1_000_003 * k,
-                       worker=_worker(ctx, bar, task))
+                       worker=_worker(ctx, bar, task), draw=draw)
     ctx.barrier()
     done = read_cache(folder)
-    ids = [response_id(p.id, t) for p in train_prompts for t in settings.gen_temperatures]
+    ids = [response_id(p.id, t, d) for p in train_prompts for t, d in draws]
     return [done[i] for i in ids if i in done], held
 
 

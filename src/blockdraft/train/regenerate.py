@@ -35,10 +35,12 @@ class Worker:
     on_batch: Callable[[int], None] | None = None
 
 
-def response_id(prompt_id: str, temperature: float) -> str:
+def response_id(prompt_id: str, temperature: float, draw: int = 1) -> str:
     """The cache id of a prompt's answer at a temperature: the prompt id for the greedy one (as caches always held),
-    `<id>@T<temperature>` for a sampled one."""
-    return prompt_id if temperature == 0 else f"{prompt_id}@T{temperature:g}"
+    `<id>@T<temperature>` for a sampled one, `<id>@T<temperature>#<draw>` for the second and later at the same one."""
+    if temperature == 0:
+        return prompt_id
+    return f"{prompt_id}@T{temperature:g}" + (f"#{draw}" if draw > 1 else "")
 
 
 def read_cache(folder: Path) -> dict[str, Sample]:
@@ -95,6 +97,7 @@ def regenerate(
     pad_id: int,
     seed: int,
     worker: Worker = Worker(),
+    draw: int = 1,
 ) -> int:
     """Generate responses for this rank's share of the prompts not yet cached; returns how many it wrote.
 
@@ -106,7 +109,7 @@ def regenerate(
     done = read_cache(folder)
     rank, world = worker.rank, worker.world
     pending = [p for p in prompts[rank::world]
-               if response_id(p.id, temperature) not in done and len(p.ids) <= max_length - 2]
+               if response_id(p.id, temperature, draw) not in done and len(p.ids) <= max_length - 2]
     pending.sort(key=lambda p: len(p.ids))
     if worker.on_start:
         worker.on_start(len(pending) * world)
@@ -129,7 +132,7 @@ def regenerate(
             generated = target.model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
             for row, prompt in enumerate(batch):
                 response = _response(generated[row, ids.shape[1]:].tolist(), eos)
-                record = {"id": response_id(prompt.id, temperature), "input_ids": prompt.ids + response,
+                record = {"id": response_id(prompt.id, temperature, draw), "input_ids": prompt.ids + response,
                           "loss_start": len(prompt.ids), "temperature": temperature}
                 out.write(json.dumps(record) + "\n")
             out.flush()

@@ -78,8 +78,8 @@ class TrainSettings:
             raise BlockdraftError(f"--warmup-ratio {self.warmup_ratio} must be in [0, 1): the share of steps spent warming up")
         if not self.gen_temperatures or any(t < 0 for t in self.gen_temperatures):
             raise BlockdraftError(f"--gen-temperatures {self._temperatures()} must list temperatures >= 0 (0: greedy)")
-        if len(set(self.gen_temperatures)) < len(self.gen_temperatures):
-            raise BlockdraftError(f"--gen-temperatures {self._temperatures()} repeats a value; give each temperature once")
+        if self.gen_temperatures.count(0) > 1:
+            raise BlockdraftError(f"--gen-temperatures {self._temperatures()} lists 0 twice; greedy answers are all alike, list it once")
         if self.init not in ("target", "random") and not (Path(self.init).expanduser() / "config.json").is_file():
             raise BlockdraftError(
                 f"--init {self.init!r} must be target, random or a drafter folder (config.json + model.safetensors)"
