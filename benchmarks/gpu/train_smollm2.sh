@@ -86,5 +86,5 @@ mkdir -p "$OUT/d"
 cp /tmp/bd/run/drafter/config.json "$OUT/d/" 2>/dev/null
 split -b 12M /tmp/bd/run/drafter/model.safetensors "$OUT/d/model.safetensors.part." 2>/dev/null
 tar czf "$OUT/train.tgz" -C /tmp/bd/run train_summary.json train_settings.json train_log.jsonl -C /tmp/bd train.err 2>/dev/null
-[ -z "${DATA_OUT:-}" ] || tar cJf - -C /tmp/bd/run data | split -b 12M - "$OUT/data.txz.part."
+[ -z "${DATA_OUT:-}" ] || tar cf - -C /tmp/bd/run data | xz -T0 | split -b 12M - "$OUT/data.txz.part."
 ls /tmp/bd/run
