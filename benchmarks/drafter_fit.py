@@ -90,8 +90,8 @@ def measure(target: Target, drafter: DFlashDrafter, samples: list[Sample], max_n
             h, s = teacher_forced(target, drafter, ids, sample.start)
             kind[0].append(h)
             kind[1].append(s)
-        begun = [c for c in itertools.accumulate([0] + result.acceptance_lengths[:-1])][:-1]  # the last step may be cut
-        forced = _chain(live[0][-1][begun]).clamp(max=slots + 1).tolist()
+        begun = list(itertools.accumulate([0] + result.acceptance_lengths[:-1]))[:-1]  # the last step may be cut
+        forced = _chain(live[0][-1][begun] & live[1][-1][begun]).tolist()
         agree += sum(f == a for f, a in zip(forced, result.acceptance_lengths))
         steps += len(begun)
         lengths += result.acceptance_lengths
