@@ -12,7 +12,7 @@
 # EVAL_PROMPTS (default 8) held-out prompts for tau before/after (0: none, all train);
 # GEN_TEMPS answers every prompt once per listed temperature (default 0: greedy only; 0,0.7 adds sampled answers);
 # SELF_PROMPTS=N adds N requests SmolLM2 writes itself (first call; NUM_PROMPTS must then cover both sets);
-# DATA_OUT=1 also returns the regenerated responses.
+# DATA_OUT=1 also returns the response cache; TRAIN_TIMEOUT=0 prepares data and trains nothing.
 set -u
 source benchmarks/gpu/env.sh
 set +e
@@ -49,6 +49,10 @@ if [ -z "${RESUME:-}" ]; then
     echo "self-written requests: $(cat /tmp/bd/self/data/self-prompts-*.jsonl | wc -l), after $(( $(date +%s) - T0 )) s"
   fi
 fi
+# With DATA_OUT=1 the response cache comes back in 12 MB pieces (`cat` them into .gpu/p4/data.txz to carry next time:
+# no regeneration). TRAIN_TIMEOUT=0 stops here: a call that only prepares data (conversion, SELF_PROMPTS).
+data_out() { [ -z "${DATA_OUT:-}" ] || tar cf - -C /tmp/bd/run data | xz -T0 | split -b 12M - "$OUT/data.txz.part."; }
+if [ "${TRAIN_TIMEOUT:-520}" = 0 ]; then data_out; ls /tmp/bd/run/data; exit 0; fi
 timeout "${TRAIN_TIMEOUT:-520}" $TRAIN --target smollm2-135m-instruct \
   --prompts /tmp/bd/prompts.jsonl --out /tmp/bd/run --num-prompts "${NUM_PROMPTS:-5000}" \
   --gen-batch-size "${GEN_BATCH:-1024}" --response-tokens 320 --max-length 768 --layers 3 --block-size 16 \
@@ -79,12 +83,11 @@ drafter.load_state_dict(state["drafter"])
 save_drafter(drafter, "/tmp/bd/run/drafter")
 print("exported checkpoint step", state["progress"]["step"])
 PY
-# At most 8 files come back from a call: the drafter (config + two 12 MB parts), the run's logs in one archive,
-# and with DATA_OUT=1 the regenerated responses in 12 MB pieces (`cat` them into .gpu/p4/data.txz to carry next time:
-# no regeneration).
+# At most 8 files (64 MiB) come back from a call: the drafter (config + two 12 MB parts), the run's logs in one
+# archive, and with DATA_OUT=1 the response cache.
 mkdir -p "$OUT/d"
 cp /tmp/bd/run/drafter/config.json "$OUT/d/" 2>/dev/null
 split -b 12M /tmp/bd/run/drafter/model.safetensors "$OUT/d/model.safetensors.part." 2>/dev/null
 tar czf "$OUT/train.tgz" -C /tmp/bd/run train_summary.json train_settings.json train_log.jsonl -C /tmp/bd train.err 2>/dev/null
-[ -z "${DATA_OUT:-}" ] || tar cf - -C /tmp/bd/run data | xz -T0 | split -b 12M - "$OUT/data.txz.part."
+data_out
 ls /tmp/bd/run
