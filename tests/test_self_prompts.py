@@ -91,6 +91,8 @@ def test_cli_needs_num_prompts_with_self(tmp_path: Path) -> None:
     exc = _invoke(["--target", str(tmp_path), "--out", str(tmp_path / "o"), "--prompts", "self", "--num-prompts", "4",
                    "--no-regenerate"])
     assert isinstance(exc, BlockdraftError) and "drop --no-regenerate" in str(exc)
+    exc = _invoke(["--target", str(tmp_path), "--out", str(tmp_path / "o"), "--prompts", "self", "--num-prompts", "0"])
+    assert isinstance(exc, BlockdraftError) and "--num-prompts 0 must be >= 1" in str(exc)
 
 
 def test_a_run_on_self_written_requests_trains_on_their_answers(tmp_path: Path) -> None:

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
@@ -20,28 +21,20 @@ from blockdraft.train.pipeline import run_training
 from blockdraft.train.settings import TrainSettings, TrainSummary
 
 
+def _numbers(text: str, flag: str, kind: Callable[[str], Any], example: str) -> list[Any]:
+    """`1,9,17` -> [1, 9, 17] (kind int), `0,0.7` -> [0.0, 0.7] (kind float); one line naming the flag otherwise."""
+    noun = "integers" if kind is int else "numbers"
+    try:
+        values = [kind(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise BlockdraftError(f"{flag} {text!r} must be comma-separated {noun} like {example}") from None
+    if not values:
+        raise BlockdraftError(f"{flag} is empty; give comma-separated {noun} like {example}")
+    return values
+
+
 def _int_list(text: Optional[str], flag: str) -> Optional[list[int]]:
-    """`1,9,17` -> [1, 9, 17]."""
-    if text is None:
-        return None
-    try:
-        values = [int(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise BlockdraftError(f"{flag} {text!r} must be comma-separated integers like 1,9,17") from None
-    if not values:
-        raise BlockdraftError(f"{flag} is empty; give comma-separated integers like 1,9,17")
-    return values
-
-
-def _float_list(text: str, flag: str) -> tuple[float, ...]:
-    """`0,0.7` -> (0.0, 0.7)."""
-    try:
-        values = tuple(float(x) for x in text.replace(" ", "").split(",") if x)
-    except ValueError:
-        raise BlockdraftError(f"{flag} {text!r} must be comma-separated numbers like 0,0.7") from None
-    if not values:
-        raise BlockdraftError(f"{flag} is empty; give comma-separated numbers like 0,0.7")
-    return values
+    return None if text is None else _numbers(text, flag, int, "1,9,17")
 
 
 def _fmt(value: Optional[float]) -> str:
@@ -119,7 +112,7 @@ def train_command(
         batch_size=batch_size, grad_accum=grad_accum, lr=lr, warmup_ratio=warmup_ratio, gamma=gamma,
         save_every=save_every, eval_every=eval_every, eval_prompts=eval_prompts, eval_tokens=eval_tokens,
         resume=resume, regenerate=regenerate, num_prompts=num_prompts, gen_batch_size=gen_batch_size,
-        gen_temperatures=_float_list(gen_temperatures, "--gen-temperatures"), precompute_features=precompute_features,
+        gen_temperatures=tuple(_numbers(gen_temperatures, "--gen-temperatures", float, "0,0.7")), precompute_features=precompute_features,
         init=init, attention=attention, compile=compile_layers, device=device, dtype=dtype, seed=seed, parallel=parallel,
     )
     summary = run_training(settings)

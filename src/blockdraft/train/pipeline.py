@@ -73,11 +73,12 @@ def _samples(settings: TrainSettings, target: Target, tokenizer: Any, prompts: l
         train = given[: len(given) - len(held)]
         return train, [TokenizedPrompt(s.id, s.ids[: s.start]) for s in held]
     folder = settings.out / "data"
+    eos = stop_tokens(tokenizer, getattr(target.model.generation_config, "eos_token_id", None), [])
     if prompts is None:
         if settings.prompts is None:
             raise BlockdraftError("--prompts is required: a .jsonl/.json/.txt file or a built-in set (sharegpt, humaneval, spec-bench)")
         if settings.prompts == SELF_SOURCE:
-            prompts = _self_prompts(settings, target, tokenizer, folder, ctx, console)
+            prompts = _self_prompts(settings, target, tokenizer, folder, eos, ctx, console)
         else:
             prompts = load_prompts(settings.prompts, tokenizer, settings.num_prompts)
     elif settings.num_prompts is not None:
@@ -87,7 +88,6 @@ def _samples(settings: TrainSettings, target: Target, tokenizer: Any, prompts: l
         raise BlockdraftError(f"prompt id {repeated!r} appears twice in --prompts; give every prompt a unique id")
     eval_count = min(settings.eval_prompts, len(prompts) - 1) if settings.eval_prompts else 0
     train_prompts, held = prompts[: len(prompts) - eval_count], prompts[len(prompts) - eval_count:]
-    eos = stop_tokens(tokenizer, getattr(target.model.generation_config, "eos_token_id", None), [])
     pad = getattr(tokenizer, "pad_token_id", None)
     pad = pad if pad is not None else (eos[0] if eos else 0)
     draws = [(t, settings.gen_temperatures[:k].count(t) + 1) for k, t in enumerate(settings.gen_temperatures)]
@@ -110,10 +110,9 @@ def _worker(ctx: DistContext, bar: Progress, task: TaskID) -> Worker:
     return Worker(ctx.rank, ctx.world, on_start=lambda n: bar.update(task, total=n), on_batch=lambda n: bar.advance(task, n))
 
 
-def _self_prompts(settings: TrainSettings, target: Target, tokenizer: Any, folder: Path, ctx: DistContext,
-                  console: Console) -> list[TokenizedPrompt]:
+def _self_prompts(settings: TrainSettings, target: Target, tokenizer: Any, folder: Path, eos: tuple[int, ...],
+                  ctx: DistContext, console: Console) -> list[TokenizedPrompt]:
     """--prompts self: the target writes --num-prompts requests (each rank its share), read back by every rank."""
-    eos = stop_tokens(tokenizer, getattr(target.model.generation_config, "eos_token_id", None), [])
     with Progress(console=console, disable=not ctx.is_main) as bar:
         task = bar.add_task("requests by the target", total=None)
         write_self_prompts(target, tokenizer, folder, settings.num_prompts, max_tokens=min(256, settings.max_length // 2),

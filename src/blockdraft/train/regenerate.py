@@ -13,7 +13,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import torch
 from transformers import GenerationConfig
@@ -43,17 +43,22 @@ def response_id(prompt_id: str, temperature: float, draw: int = 1) -> str:
     return f"{prompt_id}@T{temperature:g}" + (f"#{draw}" if draw > 1 else "")
 
 
-def read_cache(folder: Path) -> dict[str, Sample]:
-    """Every complete record in the cache files (a line cut by a kill is ignored)."""
-    done: dict[str, Sample] = {}
-    for file in sorted(folder.glob(CACHE_GLOB)):
+def read_records(folder: Path, pattern: str) -> list[dict[str, Any]]:
+    """Every complete JSON line of the folder's files matching `pattern`, file by file in name order (a line cut by a
+    kill is ignored: appending resumes after it, see `open_for_append`)."""
+    records = []
+    for file in sorted(folder.glob(pattern)):
         for line in file.read_text(encoding="utf-8").splitlines():
             try:
-                record = json.loads(line)
+                records.append(json.loads(line))
             except json.JSONDecodeError:
                 continue
-            done[record["id"]] = Sample(record["id"], record["input_ids"], record["loss_start"])
-    return done
+    return records
+
+
+def read_cache(folder: Path) -> dict[str, Sample]:
+    """Every complete record in the cache files, by id."""
+    return {r["id"]: Sample(r["id"], r["input_ids"], r["loss_start"]) for r in read_records(folder, CACHE_GLOB)}
 
 
 def open_for_append(file: Path) -> TextIO:

@@ -20,7 +20,7 @@ from blockdraft.errors import BlockdraftError
 from blockdraft.models.target import Target
 from blockdraft.prompting import encode_messages
 from blockdraft.train.data import TokenizedPrompt
-from blockdraft.train.regenerate import Worker, open_for_append
+from blockdraft.train.regenerate import Worker, open_for_append, read_records
 
 SELF_SOURCE = "self"
 CACHE_GLOB = "self-prompts-*.jsonl"
@@ -40,18 +40,6 @@ def user_turn_prefix(tokenizer: Any) -> list[int]:
     if _SENTINEL not in text:
         raise BlockdraftError("--prompts self: the target's chat template drops the user's text; pass a prompt file instead")
     return list(tokenizer(text[: text.index(_SENTINEL)], add_special_tokens=False)["input_ids"])
-
-
-def _read(folder: Path) -> list[dict[str, Any]]:
-    """Every complete record, in (rank, index) order (a line cut by a kill is ignored)."""
-    records = []
-    for file in sorted(folder.glob(CACHE_GLOB)):
-        for line in file.read_text(encoding="utf-8").splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return records
 
 
 def _finished_text(new_tokens: list[int], eos_ids: set[int], tokenizer: Any) -> str | None:
@@ -87,7 +75,7 @@ def write_self_prompts(
     folder.mkdir(parents=True, exist_ok=True)
     file = folder / f"self-prompts-{rank:03d}.jsonl"
     share = count // world + (rank < count % world)
-    have = sum(1 for r in _read(folder) if r["id"].startswith(f"self:{rank}:"))
+    have = len(read_records(folder, file.name))
     if worker.on_start:
         worker.on_start(max(0, share - have) * world)
     eos, written, tried = set(eos_ids), 0, 0
@@ -121,7 +109,7 @@ def load_self_prompts(folder: Path, tokenizer: Any) -> list[TokenizedPrompt]:
     """The written requests as user turns through the chat template (as every prompt is), repeats dropped."""
     seen: set[str] = set()
     prompts = []
-    for record in _read(folder):
+    for record in read_records(folder, CACHE_GLOB):
         text = record["messages"][0]["content"]
         if text not in seen:
             seen.add(text)

@@ -88,6 +88,8 @@ class TrainSettings:
             raise BlockdraftError(f"--attention {self.attention!r} must be auto, sdpa or flex")
         if self.parallel not in PARALLEL_MODES:
             raise BlockdraftError(f"--parallel {self.parallel!r} must be ddp or fsdp")
+        if self.num_prompts is not None and self.num_prompts < 1:
+            raise BlockdraftError(f"--num-prompts {self.num_prompts} must be >= 1 (or leave it out to use every prompt)")
         if self.prompts == SELF_SOURCE:
             if self.num_prompts is None:
                 raise BlockdraftError("--prompts self needs --num-prompts N: how many requests the target writes")
