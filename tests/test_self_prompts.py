@@ -60,19 +60,27 @@ def test_requests_continue_the_user_turn_opening_and_drop_cut_off_empty_and_repe
     assert [r["messages"][0]["content"] for r in records] == ["t3 t4", "t3 t4", "t8", "t1 t2"]  # [5 6 7] ran out
     prompts = load_prompts(str(tmp_path / "self-prompts-000.jsonl"), tok)  # the format --prompts reads
     assert prompts[2].ids == encode_messages([{"role": "user", "content": "t8"}], tok)
-    assert [p.id for p in load_self_prompts(tmp_path, tok)] == ["self:0:0", "self:0:2", "self:0:3"]  # repeat dropped
+    assert [p.id for p in load_self_prompts(tmp_path, tok)] == ["self:0:0:0", "self:0:0:2", "self:0:0:3"]  # repeat dropped
     assert load_self_prompts(tmp_path, tok)[1] == prompts[2]
 
 
 def test_a_rerun_continues_a_killed_rank_and_ranks_split_the_count(tmp_path: Path) -> None:
-    record = {"id": "self:1:0", "messages": [{"role": "user", "content": "t9"}]}
+    record = {"id": "self:0:1:0", "messages": [{"role": "user", "content": "t9"}]}
     (tmp_path / "self-prompts-001.jsonl").write_text(json.dumps(record) + "\n" + '{"id": "se')
     target = _ScriptedTarget([[7, EOS], [8, EOS], [9, EOS]])
     assert _write(target, tmp_path, 5, worker=Worker(1, 2)) == 1  # rank 1 owns 2 of 5 and had 1
     assert _write(target, tmp_path, 5, worker=Worker(1, 2)) == 0 and len(target.model.inputs) == 1
     assert _write(_ScriptedTarget([[i, EOS] for i in range(10, 18)]), tmp_path, 5, worker=Worker(0, 2), batch_size=8) == 3
     texts = [p.id for p in load_self_prompts(tmp_path, chat_tokenizer())]
-    assert texts == ["self:0:0", "self:0:1", "self:0:2", "self:1:0", "self:1:1"]
+    assert texts == ["self:0:0:0", "self:0:0:1", "self:0:0:2", "self:0:1:0", "self:0:1:1"]
+
+
+def test_requests_written_under_another_seed_keep_ids_of_their_own(tmp_path: Path) -> None:
+    """Sets merged from runs with different seeds: no id may name two requests (their cached answers would mix)."""
+    _write(_ScriptedTarget([[3, EOS], [4, EOS], [9, EOS]]), tmp_path / "a", 2)
+    _write(_ScriptedTarget([[5, EOS], [6, EOS], [9, EOS]]), tmp_path / "b", 2, seed=7)
+    ids = [p.id for folder in ("a", "b") for p in load_self_prompts(tmp_path / folder, chat_tokenizer())]
+    assert ids == ["self:0:0:0", "self:0:0:1", "self:7:0:0", "self:7:0:1"]
 
 
 def test_a_target_that_never_ends_a_turn_or_has_no_template_is_refused(tmp_path: Path) -> None:

@@ -11,7 +11,8 @@
 # COMPILE=1 adds --compile; LR and WARMUP set the peak learning rate and warmup share (a warm start may want less);
 # EVAL_PROMPTS (default 8) held-out prompts for tau before/after (0: none, all train);
 # GEN_TEMPS answers every prompt once per listed temperature (default 0: greedy only; 0,0.7 adds sampled answers);
-# SELF_PROMPTS=N adds N requests SmolLM2 writes itself (first call; NUM_PROMPTS must then cover both sets);
+# SELF_PROMPTS=N adds N requests SmolLM2 writes itself under seed SELF_SEED (default 0; first call; NUM_PROMPTS must
+# then cover every set);
 # DATA_OUT=1 also returns the response cache; TRAIN_TIMEOUT=0 prepares data and trains nothing.
 set -u
 source benchmarks/gpu/env.sh
@@ -36,17 +37,21 @@ if [ -z "${RESUME:-}" ]; then
   cat /tmp/bd/run/data/self-prompts-*.jsonl >> /tmp/bd/prompts.jsonl 2>/dev/null
   # SELF_PROMPTS=N: SmolLM2 first writes N more requests (`--prompts self`, answered at GEN_TEMPS in the same
   # invocation, then one throwaway step); they join the prompt file and their answers the run's cache.
+  # Sets written under different seeds carry different ids and file names, so they add up.
   if [ -n "${SELF_PROMPTS:-}" ]; then
-    if ls /tmp/bd/run/data/self-prompts-*.jsonl > /dev/null 2>&1; then echo "SELF_PROMPTS: the archive holds self-written requests already"; exit 1; fi
-    $TRAIN --target smollm2-135m-instruct --prompts self --num-prompts "$SELF_PROMPTS" --out /tmp/bd/self \
+    S=${SELF_SEED:-0}
+    if ls /tmp/bd/run/data/self-prompts-s$S-*.jsonl > /dev/null 2>&1; then
+      echo "SELF_PROMPTS: the archive holds the requests of seed $S already; set SELF_SEED to another seed"; exit 1
+    fi
+    $TRAIN --target smollm2-135m-instruct --prompts self --num-prompts "$SELF_PROMPTS" --out /tmp/bd/self$S --seed "$S" \
       --gen-batch-size "${GEN_BATCH:-1024}" --response-tokens 320 --max-length 768 --layers 3 --block-size 16 \
       --anchors-per-seq 16 --steps 1 --batch-size 2 --attention sdpa --save-every 0 --eval-every 0 --eval-prompts 0 \
       --gen-temperatures "${GEN_TEMPS:-0}" 2> /tmp/bd/self.err | grep "^samples" || { tail -c 1500 /tmp/bd/self.err; exit 1; }
     mkdir -p /tmp/bd/run/data
-    for f in /tmp/bd/self/data/responses-*.jsonl; do cp "$f" "/tmp/bd/run/data/responses-self-${f##*responses-}"; done
-    cp /tmp/bd/self/data/self-prompts-*.jsonl /tmp/bd/run/data/
-    cat /tmp/bd/self/data/self-prompts-*.jsonl >> /tmp/bd/prompts.jsonl
-    echo "self-written requests: $(cat /tmp/bd/self/data/self-prompts-*.jsonl | wc -l), after $(( $(date +%s) - T0 )) s"
+    for f in /tmp/bd/self$S/data/responses-*.jsonl; do cp "$f" "/tmp/bd/run/data/responses-self$S-${f##*responses-}"; done
+    for f in /tmp/bd/self$S/data/self-prompts-*.jsonl; do cp "$f" "/tmp/bd/run/data/self-prompts-s$S-${f##*self-prompts-}"; done
+    cat /tmp/bd/self$S/data/self-prompts-*.jsonl >> /tmp/bd/prompts.jsonl
+    echo "self-written requests: $(cat /tmp/bd/self$S/data/self-prompts-*.jsonl | wc -l), after $(( $(date +%s) - T0 )) s"
   fi
 fi
 # With DATA_OUT=1 the response cache comes back in 12 MB pieces (`cat` them into .gpu/p4/data.txz to carry next time:

@@ -4,7 +4,9 @@ An instruct model given its chat template up to the opening of a user turn conti
 from the requests it was tuned on (the Magpie method); its answers to them are then regenerated like any others, so
 prompts and answers both come from the target. Each rank writes its share once into the run's data folder: a resumed
 or relaunched run trains on the same requests, and a killed one continues where it stopped. The files hold one
-`{"id", "messages"}` record per request, the format `--prompts` reads, so they join any other prompt file by `cat`.
+`{"id", "messages"}` record per request, the format `--prompts` reads, so they join any other prompt file by `cat`;
+ids name the seed (`self:<seed>:<rank>:<n>`), so sets written under other seeds join without one answer's cache entry
+standing for another's request.
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ def write_self_prompts(
                 text = _finished_text(generated[row, len(prefix):].tolist(), eos, tokenizer)
                 if text is not None and have < share:
                     messages = [{"role": "user", "content": text}]
-                    out.write(json.dumps({"id": f"self:{rank}:{have}", "messages": messages}) + "\n")
+                    out.write(json.dumps({"id": f"self:{seed}:{rank}:{have}", "messages": messages}) + "\n")
                     have, written = have + 1, written + 1
                     if worker.on_batch:
                         worker.on_batch(world)
