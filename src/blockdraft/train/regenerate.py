@@ -1,8 +1,9 @@
 """Responses written by the target itself, cached on disk and resumable.
 
 A drafter learns to predict the target, so it trains on the target's own answers (the paper's recipe), not on
-someone else's. Generation is batched HF `generate` with left padding. Each rank appends finished samples to its own
-JSONL file after every batch; a rerun (after a kill, or with more ranks) skips every id already in any file.
+someone else's. Generation is batched HF `generate` with left padding (`batched_generation`). Each rank appends
+finished samples to its own JSONL file after every batch; a rerun (after a kill, or with more ranks) skips every id
+already in any file.
 A prompt may be answered at several temperatures (a greedy answer plus sampled ones: more distinct contexts from a
 small prompt set); the record id says which (`response_id`).
 """
@@ -19,6 +20,7 @@ import torch
 from transformers import GenerationConfig
 
 from blockdraft.models.target import Target
+from blockdraft.train.batched_generation import generate_batch
 from blockdraft.train.data import Sample, TokenizedPrompt
 
 CACHE_GLOB = "responses-*.jsonl"
@@ -134,7 +136,7 @@ def regenerate(
                 pad_token_id=pad_id,
             )
             torch.manual_seed(seed + first * world + rank)  # sampled responses: a distinct stream per batch
-            generated = target.model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+            generated = generate_batch(target.model, ids, mask, config)
             for row, prompt in enumerate(batch):
                 response = _response(generated[row, ids.shape[1]:].tolist(), eos)
                 record = {"id": response_id(prompt.id, temperature, draw), "input_ids": prompt.ids + response,

@@ -21,6 +21,7 @@ from transformers import GenerationConfig
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.target import Target
 from blockdraft.prompting import encode_messages
+from blockdraft.train.batched_generation import generate_batch
 from blockdraft.train.data import TokenizedPrompt
 from blockdraft.train.regenerate import Worker, open_for_append, read_records
 
@@ -93,7 +94,7 @@ def write_self_prompts(
             rows = min(batch_size, _TRIES_PER_PROMPT * share - tried)
             torch.manual_seed(seed + rank + world * (have * 7919 + tried))
             ids = torch.tensor([prefix] * rows, device=target.device)
-            generated = target.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
+            generated = generate_batch(target.model, ids, torch.ones_like(ids), config)
             tried += rows
             for row in range(rows):
                 text = _finished_text(generated[row, len(prefix):].tolist(), eos, tokenizer)
