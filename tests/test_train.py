@@ -220,3 +220,39 @@ def test_sigterm_saves_the_current_step_exports_and_resumes(target_dir: Path, tm
     with pytest.raises(_Crash):
         run_training(settings, on_step=crash)
     assert seen == [step + 1]
+
+
+def test_soft_labels_of_one_token_train_exactly_as_the_texts_tokens(target_dir: Path, tmp_path: Path) -> None:
+    """On greedy answers the target's top-1 at the position before each label is the label itself, so
+    --distill-topk 1 must follow the hard-label run step for step (a check that soft labels line up with slots);
+    a wider K trains on the distribution and still learns."""
+    data = prompts(0, 24)
+    hard = run_training(_settings(target_dir, tmp_path / "hard", save_every=0), data)
+    one = run_training(_settings(target_dir, tmp_path / "top1", save_every=0, distill_topk=1), data)
+    assert one.first_loss == pytest.approx(hard.first_loss, rel=1e-4)
+    assert one.last_loss == pytest.approx(hard.last_loss, rel=1e-3)
+    wide = run_training(_settings(target_dir, tmp_path / "top8", save_every=0, distill_topk=8), data)
+    assert wide.first_loss != pytest.approx(hard.first_loss, rel=1e-3) and wide.last_loss < wide.first_loss
+
+
+def test_distillation_needs_the_target_online(target_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(BlockdraftError, match="drop --precompute-features"):
+        run_training(_settings(target_dir, tmp_path / "o", distill_topk=4, precompute_features=True), prompts(0, 8))
+    with pytest.raises(BlockdraftError, match="--distill-topk -1 must be >= 0"):
+        run_training(_settings(target_dir, tmp_path / "o", distill_topk=-1), prompts(0, 8))
+
+
+def test_a_run_saved_before_an_option_existed_resumes_under_its_default(target_dir: Path, tmp_path: Path) -> None:
+    settings = _settings(target_dir, tmp_path / "old", steps=3, save_every=1)
+
+    def crash(step: int) -> None:
+        if step == 2:
+            raise _Crash
+    with pytest.raises(_Crash):
+        run_training(settings, prompts(0, 8), on_step=crash)
+    saved = json.loads((settings.out / "train_settings.json").read_text())
+    del saved["distill_topk"]  # as written before --distill-topk existed
+    (settings.out / "train_settings.json").write_text(json.dumps(saved))
+    with pytest.raises(BlockdraftError, match="--distill-topk 2 differs"):
+        run_training(replace(settings, resume=True, distill_topk=2), prompts(0, 8))
+    assert run_training(replace(settings, resume=True), prompts(0, 8)).steps == 3

@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 from test_train_masks import B, HIDDEN, LAYOUTS, TAPS, _drafter
 
 from blockdraft.train.masks import BlockLayout
-from blockdraft.train.objective import BlockObjective, block_targets, scored_loss, slot_weights, weighted_cross_entropy
+from blockdraft.train.objective import (
+    BlockObjective, block_targets, scored_loss, slot_weights, soft_scored_loss, weighted_cross_entropy,
+)
 
 
 @settings(max_examples=15, deadline=None)
@@ -28,7 +30,7 @@ def test_chunked_loss_and_gradients_equal_unchunked(rows: int, vocab: int, max_l
     def run(limit: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         head.zero_grad()
         hidden.grad = None
-        loss = weighted_cross_entropy(hidden, labels, weights, partial(scored_loss, head), vocab, max_logits=limit)
+        loss = weighted_cross_entropy(hidden, (labels,), weights, partial(scored_loss, head), vocab, max_logits=limit)
         loss.backward()
         return loss.detach(), hidden.grad.clone(), head.weight.grad.clone()
 
@@ -75,7 +77,7 @@ def test_compiled_chunk_loss_equals_eager_under_checkpointing_without_recompilin
         for unit in (scored_loss, compiled):
             head.zero_grad()
             hidden.grad = None
-            loss = weighted_cross_entropy(hidden, labels, weights, partial(unit, head), 30, max_logits=300)
+            loss = weighted_cross_entropy(hidden, (labels,), weights, partial(unit, head), 30, max_logits=300)
             loss.backward()
             results.append((loss.detach(), hidden.grad.clone(), head.weight.grad.clone()))
         for a, b in zip(*results):
@@ -111,3 +113,24 @@ def test_compiled_objective_loss_equals_eager_and_compiles_once() -> None:
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
         captures.append(counter.frame_count)
     assert captures[0] > 0 and len(set(captures)) == 1
+
+
+@settings(max_examples=15, deadline=None)
+@given(rows=st.integers(1, 30), k=st.integers(1, 5), max_logits=st.integers(1, 200), seed=st.integers(0, 99))
+def test_soft_label_loss_is_cross_entropy_against_the_distribution(rows: int, k: int, max_logits: int, seed: int) -> None:
+    """-sum p_i log q(i) over the K labelled tokens, chunked or not; with one token of probability 1 it is the hard
+    loss."""
+    g = torch.Generator().manual_seed(seed)
+    head = torch.nn.Linear(8, 20, bias=False).double()
+    hidden = torch.randn(rows, 8, generator=g, dtype=torch.double)
+    ids = torch.stack([torch.randperm(20, generator=g)[:k] for _ in range(rows)])
+    probs = torch.rand(rows, k, generator=g, dtype=torch.double).softmax(-1)
+    weights = torch.rand(rows, generator=g, dtype=torch.double)
+    loss = weighted_cross_entropy(hidden, (ids, probs), weights, partial(soft_scored_loss, head), 20, max_logits=max_logits)
+    log_q = torch.log_softmax(head(hidden), -1)
+    expected = (-(probs * log_q.gather(-1, ids)).sum(-1) * weights).sum() / weights.sum()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-9, atol=1e-9)
+    hard = weighted_cross_entropy(hidden, (ids[:, 0],), weights, partial(scored_loss, head), 20)
+    one_hot = weighted_cross_entropy(hidden, (ids[:, :1], torch.ones(rows, 1, dtype=torch.double)), weights,
+                                     partial(soft_scored_loss, head), 20)
+    torch.testing.assert_close(hard, one_hot, rtol=1e-12, atol=1e-12)

@@ -13,7 +13,7 @@ from transformers import PreTrainedTokenizerFast
 from blockdraft.train.batches import BatchPlan, draw_anchors
 from blockdraft.train.checkpoint import restore_rng_states
 from blockdraft.train.data import Sample, load_given_samples, load_prompts
-from blockdraft.train.objective import block_targets, default_gamma, slot_weights
+from blockdraft.train.objective import SoftLabels, block_targets, default_gamma, slot_weights
 from blockdraft.train.regenerate import read_cache, regenerate, response_id
 
 
@@ -71,6 +71,17 @@ def test_slot_k_predicts_the_token_k_after_the_anchor() -> None:
     assert t.labels[0, 1, :1].tolist() == [110]
     assert (t.weights[0, 1] > 0).tolist() == [True, False, False]  # position 11 is past the sequence (length 11)
     assert not t.weights[0, 2].any()
+
+
+def test_slot_k_takes_the_targets_soft_labels_from_the_position_before_its_token() -> None:
+    ids = torch.arange(100, 112).view(1, 12)
+    per_position = SoftLabels(torch.arange(12).view(1, 12, 1).repeat(1, 1, 2) * torch.tensor([1, -1]),
+                              torch.rand(1, 12, 2))
+    t = block_targets(ids, torch.tensor([12]), torch.tensor([[3, 8]]), torch.tensor([[True, True]]), 99,
+                      slot_weights(4), per_position)
+    assert t.soft.ids[0, :, :, 0].tolist() == [[3, 4, 5], [8, 9, 10]]  # slot k of anchor a: the prediction at a+k-1
+    assert t.soft.ids[0, 1, 2].tolist() == [10, -10] and t.soft.ids.shape == t.soft.probs.shape == (1, 2, 3, 2)
+    assert torch.equal(t.soft.probs[0, 0, 1], per_position.probs[0, 4])
 
 
 def test_anchors_stay_in_the_response_and_change_each_epoch() -> None:

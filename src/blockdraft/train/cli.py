@@ -89,6 +89,9 @@ def train_command(
         help="Temperatures of the target's responses, comma-separated: each prompt is answered once per value "
              "(0: greedy; 0,0.7 adds a sampled answer per prompt, 0,0.7,0.7 two: more text from the same prompts)."),
     precompute_features: bool = typer.Option(False, "--precompute-features", help="Write target taps to disk once (small targets)."),
+    distill_topk: int = typer.Option(
+        0, "--distill-topk", help="Train each slot on the target's top-K next-token probabilities (soft labels, "
+        "as EAGLE's trainers do) instead of the text's token: more of the target per sample. 0: the text's tokens."),
     init: str = typer.Option("target", "--init", help="target (copy the target's last layers where shapes match), random, or a drafter folder to continue "
                        "from (its shape and weights; a fresh optimizer)."),
     compile_layers: bool = typer.Option(
@@ -112,8 +115,9 @@ def train_command(
         batch_size=batch_size, grad_accum=grad_accum, lr=lr, warmup_ratio=warmup_ratio, gamma=gamma,
         save_every=save_every, eval_every=eval_every, eval_prompts=eval_prompts, eval_tokens=eval_tokens,
         resume=resume, regenerate=regenerate, num_prompts=num_prompts, gen_batch_size=gen_batch_size,
-        gen_temperatures=tuple(_numbers(gen_temperatures, "--gen-temperatures", float, "0,0.7")), precompute_features=precompute_features,
-        init=init, attention=attention, compile=compile_layers, device=device, dtype=dtype, seed=seed, parallel=parallel,
+        gen_temperatures=tuple(_numbers(gen_temperatures, "--gen-temperatures", float, "0,0.7")),
+        precompute_features=precompute_features, distill_topk=distill_topk, init=init, attention=attention,
+        compile=compile_layers, device=device, dtype=dtype, seed=seed, parallel=parallel,
     )
     summary = run_training(settings)
     if os.environ.get("RANK", "0") == "0":

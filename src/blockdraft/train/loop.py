@@ -94,12 +94,13 @@ def batch_loss(
     """The weighted block loss of one micro-batch: blocks and labels, their embeddings, then the (wrapped)
     `BlockObjective` under autocast. `model` may be the objective itself or its DDP/FSDP wrapper."""
     layout = BlockLayout(batch.anchors, cfg.block_size, batch.input_ids.shape[1])
+    features = taps(batch)
     targets = block_targets(batch.input_ids, batch.lengths, batch.anchors, batch.anchor_valid, cfg.mask_token_id,
-                            weights)
+                            weights, features.soft)
     with torch.no_grad():
         embeds = target.embed(targets.block_ids, cfg.input_embedding_scale)
     with autocast:
-        return model(taps(batch), embeds, layout, targets, target.lm_head)
+        return model(features.taps, embeds, layout, targets, target.lm_head)
 
 
 class StopRequest:

@@ -4,6 +4,9 @@ Each block is `[anchor token, MASK x (B-1)]` at positions anchor..anchor+B-1; sl
 anchor + k. Blocks see the projected target taps of positions before their anchor (KV injection, as at inference)
 and themselves, never each other (`masks.py`). Early slots matter most for acceptance (a miss at slot k voids all
 later slots), hence the weights exp(-(k-1)/gamma). Embeddings and logits use the target's frozen embedding and LM head.
+A slot's label is the text's token (the paper's recipe) or, with soft labels (`--distill-topk`), the target's own
+top-K next-token probabilities at the position before it: the whole distribution the target predicted there, not
+just the token it wrote, so each sample carries more of the target.
 """
 
 from __future__ import annotations
@@ -43,12 +46,23 @@ def slot_weights(block_size: int, gamma: float | None = None) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
+class SoftLabels:
+    """The target's top-K next-token ids and their probabilities (renormalised over the K), [b, T, K] per position
+    or [b, n, B-1, K] per slot."""
+
+    ids: torch.Tensor
+    probs: torch.Tensor
+
+
+@dataclass(frozen=True)
 class BlockTargets:
-    """Block token ids [b, n*B], labels [b, n, B-1] and per-slot loss weights [b, n, B-1] (0 = ignored)."""
+    """Block token ids [b, n*B], labels [b, n, B-1], per-slot loss weights [b, n, B-1] (0 = ignored) and, when
+    training on soft labels, those of each slot."""
 
     block_ids: torch.Tensor
     labels: torch.Tensor
     weights: torch.Tensor
+    soft: SoftLabels | None = None
 
 
 def block_targets(
@@ -58,8 +72,12 @@ def block_targets(
     anchor_valid: torch.Tensor,
     mask_token_id: int,
     weights: torch.Tensor,
+    soft: SoftLabels | None = None,
 ) -> BlockTargets:
-    """Blocks and labels for anchors [b, n] into right-padded sequences [b, T]; slots past a sequence's end get weight 0."""
+    """Blocks and labels for anchors [b, n] into right-padded sequences [b, T]; slots past a sequence's end get weight 0.
+
+    Per-position soft labels [b, T, K] become per-slot ones: slot k takes the target's prediction at anchor + k - 1.
+    """
     b, n = anchors.shape
     block_size = weights.numel() + 1
     offsets = torch.arange(1, block_size, device=anchors.device)
@@ -68,7 +86,11 @@ def block_targets(
     labels = input_ids.gather(1, positions.clamp(max=input_ids.shape[1] - 1).flatten(1)).view(b, n, block_size - 1)
     blocks = torch.full((b, n, block_size), mask_token_id, dtype=torch.long, device=anchors.device)
     blocks[..., 0] = input_ids.gather(1, anchors)
-    return BlockTargets(blocks.flatten(1), labels, weights.to(anchors.device) * inside)
+    slots = None
+    if soft is not None:
+        before = (positions - 1).clamp(max=input_ids.shape[1] - 1).flatten(1).unsqueeze(-1).expand(-1, -1, soft.ids.shape[-1])
+        slots = SoftLabels(*(t.gather(1, before).view(b, n, block_size - 1, -1) for t in (soft.ids, soft.probs)))
+    return BlockTargets(blocks.flatten(1), labels, weights.to(anchors.device) * inside, slots)
 
 
 def _flex_attention() -> Callable[..., torch.Tensor]:
@@ -123,11 +145,20 @@ def scored_loss(logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Te
     return (F.cross_entropy(z.float() if z.element_size() < 4 else z, labels, reduction="none") * weights).sum()
 
 
+def soft_scored_loss(logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, ids: torch.Tensor,
+                     probs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum(w * CE against soft labels) over rows: -sum_i p_i log q(i) over each row's K target tokens (`scored_loss`
+    with the one label spread over K; with K = 1 it is that loss)."""
+    z = logits(hidden)
+    log_q = F.log_softmax(z.float() if z.element_size() < 4 else z, dim=-1).gather(-1, ids)
+    return (-(probs * log_q).sum(-1) * weights).sum()
+
+
 def weighted_cross_entropy(
     hidden: torch.Tensor,
-    labels: torch.Tensor,
+    labels: tuple[torch.Tensor, ...],
     weights: torch.Tensor,
-    chunk_loss: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    chunk_loss: Callable[..., torch.Tensor],
     vocab_size: int,
     max_logits: int = 2**28,
 ) -> torch.Tensor:
@@ -135,14 +166,16 @@ def weighted_cross_entropy(
 
     A 151k-token vocabulary times tens of thousands of scored slots would not fit as one logits tensor; chunks of at
     most `max_logits` elements (1 GiB in fp32) bound the memory at the price of one more LM-head matmul.
-    `chunk_loss(hidden, labels, weights)` is `scored_loss` with the LM head bound, compiled or not.
+    `chunk_loss(hidden, *labels, weights)` is `scored_loss` (labels: the token ids) or `soft_scored_loss` (labels:
+    ids and probabilities) with the LM head bound, compiled or not.
     """
     rows = max(1, max_logits // vocab_size)
     if hidden.shape[0] <= rows:
-        total = chunk_loss(hidden, labels, weights)
+        total = chunk_loss(hidden, *labels, weights)
     else:
         total = sum(
-            checkpoint(chunk_loss, hidden[i : i + rows], labels[i : i + rows], weights[i : i + rows], use_reentrant=False)
+            checkpoint(chunk_loss, hidden[i : i + rows], *(t[i : i + rows] for t in labels), weights[i : i + rows],
+                       use_reentrant=False)
             for i in range(0, hidden.shape[0], rows)
         )
     return total / weights.sum().clamp_min(1e-6)
@@ -189,12 +222,13 @@ class BlockObjective(nn.Module):
         if compile_backend is None:
             self._flex = _flex_attention() if attention == "flex" else None
             self._stack = self._layers
-            self._scored = scored_loss
+            self._scored, self._soft_scored = scored_loss, soft_scored_loss
         else:  # one compiled region for the whole layer stack (rope, norms, casts and the MLP gate fuse), one for
             # the loss of a chunk of slots (the row count varies: dynamic)
             self._flex = flex_attention if attention == "flex" else None
             self._stack = torch.compile(self._layers, backend=compile_backend, dynamic=False)
             self._scored = torch.compile(scored_loss, backend=compile_backend, dynamic=True)
+            self._soft_scored = torch.compile(soft_scored_loss, backend=compile_backend, dynamic=True)
 
     def hidden(self, taps: torch.Tensor, block_embeds: torch.Tensor, layout: BlockLayout) -> torch.Tensor:
         """Final-normed drafter states [b, n*B, hidden] for every block slot."""
@@ -237,11 +271,15 @@ class BlockObjective(nn.Module):
         targets: BlockTargets,
         lm_head: nn.Module,
     ) -> torch.Tensor:
-        """Weighted mean cross-entropy over the batch's scored slots."""
+        """Weighted mean cross-entropy over the batch's scored slots (against soft labels when targets hold them)."""
         hidden = self.hidden(taps, block_embeds, layout)
         b, n, slots = targets.labels.shape
         hidden = hidden.view(b, n, slots + 1, -1)[:, :, 1:]
         keep = targets.weights > 0
         logits = partial(self.drafter.logits, lm_head=lm_head)
-        return weighted_cross_entropy(hidden[keep], targets.labels[keep], targets.weights[keep],
-                                      partial(self._scored, logits), self.drafter.cfg.vocab_size)
+        if targets.soft is None:
+            labels, unit = (targets.labels[keep],), self._scored
+        else:
+            labels, unit = (targets.soft.ids[keep], targets.soft.probs[keep]), self._soft_scored
+        return weighted_cross_entropy(hidden[keep], labels, targets.weights[keep], partial(unit, logits),
+                                      self.drafter.cfg.vocab_size)

@@ -50,7 +50,9 @@ def _check_resume(settings: TrainSettings) -> dict[str, Any] | None:
             )
         return None
     checkpoint = load_checkpoint(settings.out)
-    saved = json.loads((settings.out / SETTINGS_NAME).read_text())
+    # An option newer than the saved run counts as its default there.
+    saved = TrainSettings(target=settings.target, out=settings.out).to_json() | json.loads(
+        (settings.out / SETTINGS_NAME).read_text())
     now = settings.to_json()
     changed = [k for k in now if k not in RESUME_FREE and saved.get(k) != now[k]]
     if changed:
@@ -141,7 +143,7 @@ def _check_mask_unused(cfg: DraftConfig, samples: list[Sample]) -> None:
 def _tap_source(settings: TrainSettings, target: Target, cfg: DraftConfig, samples: list[Sample], ctx: DistContext,
                 console: Console) -> TapSource:
     if not settings.precompute_features:
-        return OnlineTaps(target, cfg.target_layer_ids)
+        return OnlineTaps(target, cfg.target_layer_ids, settings.distill_topk)
     folder = settings.out / "features"
     with Progress(console=console, disable=not ctx.is_main) as bar:
         task = bar.add_task("target taps to disk", total=len(samples))

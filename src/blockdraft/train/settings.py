@@ -56,6 +56,7 @@ class TrainSettings:
     gen_batch_size: int = 32
     gen_temperatures: tuple[float, ...] = (0.0,)
     precompute_features: bool = False
+    distill_topk: int = 0
     init: str = "target"
     attention: str = "auto"
     compile: bool = False
@@ -88,6 +89,10 @@ class TrainSettings:
             raise BlockdraftError(f"--attention {self.attention!r} must be auto, sdpa or flex")
         if self.parallel not in PARALLEL_MODES:
             raise BlockdraftError(f"--parallel {self.parallel!r} must be ddp or fsdp")
+        if self.distill_topk < 0:
+            raise BlockdraftError(f"--distill-topk {self.distill_topk} must be >= 0 (0: train on the text's tokens)")
+        if self.distill_topk and self.precompute_features:
+            raise BlockdraftError("--distill-topk needs the target's logits at every step; drop --precompute-features")
         if self.num_prompts is not None and self.num_prompts < 1:
             raise BlockdraftError(f"--num-prompts {self.num_prompts} must be >= 1 (or leave it out to use every prompt)")
         if self.prompts == SELF_SOURCE:
