@@ -15,11 +15,14 @@
 # then cover every set);
 # DISTILL=K trains on the target's top-K soft labels (--distill-topk K);
 # DATA_OUT=1 also returns the response cache; TRAIN_TIMEOUT=0 prepares data and trains nothing.
+# Two runs side by side (an A/B, one GPU each, after a call that prepared the data): PREPARED=1 skips the preparation,
+# RUN=/tmp/bd/<name> trains there on a copy of /tmp/bd/run/data, TAG=<prefix> names its files in $OUT.
 set -u
 source benchmarks/gpu/env.sh
 set +e
 T0=$(date +%s)
-if [ -z "${RESUME:-}" ]; then
+RUN=${RUN:-/tmp/bd/run} TAG=${TAG:-}
+if [ -z "${RESUME:-}${PREPARED:-}" ]; then
   bash benchmarks/gpu/assemble_gguf.sh || exit 1
   zcat "${PROMPTS_GZ:-/tmp/bd/sharegpt_turns.jsonl.gz}" > /tmp/bd/prompts.jsonl
   python3 -c "from blockdraft.assets import ensure_embedded_target as e; print(e())" 2>&1 | tail -1
@@ -31,7 +34,7 @@ fi
 # prompt file, so their cached answers are found again.
 if [ "${NPROC:-1}" -gt 1 ]; then TRAIN="torchrun --standalone --nproc_per_node $NPROC -m blockdraft.train.cli"
 else TRAIN="python3 -m blockdraft train"; fi
-if [ -z "${RESUME:-}" ]; then
+if [ -z "${RESUME:-}${PREPARED:-}" ]; then
   for a in .gpu/p*/data.t?z /tmp/bd/data.t?z; do
     [ -e "$a" ] && mkdir -p /tmp/bd/run && python3 -c "import sys, tarfile; tarfile.open(sys.argv[1]).extractall(sys.argv[2])" "$a" /tmp/bd/run && break
   done
@@ -59,41 +62,43 @@ fi
 # no regeneration). TRAIN_TIMEOUT=0 stops here: a call that only prepares data (conversion, SELF_PROMPTS).
 data_out() { [ -z "${DATA_OUT:-}" ] || tar cf - -C /tmp/bd/run data | xz -T0 | split -b 12M - "$OUT/data.txz.part."; }
 if [ "${TRAIN_TIMEOUT:-520}" = 0 ]; then data_out; ls /tmp/bd/run/data; exit 0; fi
+[ -d "$RUN/data" ] || { mkdir -p "$RUN" && cp -r /tmp/bd/run/data "$RUN/"; }
 timeout "${TRAIN_TIMEOUT:-520}" $TRAIN --target smollm2-135m-instruct \
-  --prompts /tmp/bd/prompts.jsonl --out /tmp/bd/run --num-prompts "${NUM_PROMPTS:-5000}" \
+  --prompts /tmp/bd/prompts.jsonl --out "$RUN" --num-prompts "${NUM_PROMPTS:-5000}" \
   --gen-batch-size "${GEN_BATCH:-1024}" --response-tokens 320 --max-length 768 --layers 3 --block-size 16 \
   --anchors-per-seq 256 --steps "${STEPS:-1800}" --batch-size "${BATCH:-8}" --attention "${ATTENTION:-auto}" \
   --save-every "${SAVE_EVERY:-500}" --eval-every 0 --eval-prompts "${EVAL_PROMPTS:-8}" --eval-tokens 128 ${RESUME:+--resume} ${INIT:+--init "$INIT"} \
   ${COMPILE:+--compile} ${DISTILL:+--distill-topk "$DISTILL"} --lr "${LR:-6e-4}" --warmup-ratio "${WARMUP:-0.04}" --gen-temperatures "${GEN_TEMPS:-0}" \
-  2> /tmp/bd/train.err
+  2> "$RUN/train.err"
 RC=$?
 echo "train rc $RC after $(( $(date +%s) - T0 )) s"
-grep -v "Loading\|Writing" /tmp/bd/train.err | tail -c 2500
-python3 - <<'PY'
-import json
-rows = [json.loads(l) for l in open("/tmp/bd/run/train_log.jsonl") if '"loss"' in l]
+grep -v "Loading\|Writing" "$RUN/train.err" | tail -c 2500
+RUN=$RUN python3 - <<'PY'
+import json, os
+rows = [json.loads(l) for l in open(os.path.join(os.environ["RUN"], "train_log.jsonl")) if '"loss"' in l]
 for lo in range(0, len(rows), max(1, len(rows) // 12)):
     part = rows[lo:lo + max(1, len(rows) // 12)]
     print(f"steps {part[0]['step']}-{part[-1]['step']}: loss {sum(r['loss'] for r in part) / len(part):.3f}"
           f"  {part[-1]['tokens_per_s'] / 1000:.1f}k tok/s")
 PY
 # A run stopped by TRAIN_TIMEOUT exports nothing: export its last checkpoint instead (bf16, z-lab format).
-[ "$RC" = 0 ] || python3 - <<'PY'
+[ "$RC" = 0 ] || RUN=$RUN python3 - <<'PY'
+import os
 import torch
 from blockdraft.config import parse_draft_config
 from blockdraft.models.drafter import DFlashDrafter
 from blockdraft.models.loading import save_drafter
-state = torch.load("/tmp/bd/run/checkpoint.pt", map_location="cpu", weights_only=False)
+state = torch.load(os.path.join(os.environ["RUN"], "checkpoint.pt"), map_location="cpu", weights_only=False)
 drafter = DFlashDrafter(parse_draft_config(state["draft_config"]))
 drafter.load_state_dict(state["drafter"])
-save_drafter(drafter, "/tmp/bd/run/drafter")
+save_drafter(drafter, os.path.join(os.environ["RUN"], "drafter"))
 print("exported checkpoint step", state["progress"]["step"])
 PY
 # At most 8 files (64 MiB) come back from a call: the drafter (config + two 12 MB parts), the run's logs in one
 # archive, and with DATA_OUT=1 the response cache.
-mkdir -p "$OUT/d"
-cp /tmp/bd/run/drafter/config.json "$OUT/d/" 2>/dev/null
-split -b 12M /tmp/bd/run/drafter/model.safetensors "$OUT/d/model.safetensors.part." 2>/dev/null
-tar czf "$OUT/train.tgz" -C /tmp/bd/run train_summary.json train_settings.json train_log.jsonl -C /tmp/bd train.err 2>/dev/null
+mkdir -p "$OUT/${TAG}d"
+cp "$RUN/drafter/config.json" "$OUT/${TAG}d/" 2>/dev/null
+split -b 12M "$RUN/drafter/model.safetensors" "$OUT/${TAG}d/model.safetensors.part." 2>/dev/null
+tar czf "$OUT/${TAG}train.tgz" -C "$RUN" train_summary.json train_settings.json train_log.jsonl train.err 2>/dev/null
 data_out
-ls /tmp/bd/run
+ls "$RUN"
