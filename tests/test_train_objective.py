@@ -117,7 +117,8 @@ def test_compiled_objective_loss_equals_eager_and_compiles_once() -> None:
 
 @settings(max_examples=15, deadline=None)
 @given(rows=st.integers(1, 30), k=st.integers(1, 5), max_logits=st.integers(1, 200), seed=st.integers(0, 99))
-def test_soft_label_loss_is_cross_entropy_against_the_distribution(rows: int, k: int, max_logits: int, seed: int) -> None:
+def test_soft_label_loss_is_cross_entropy_against_the_distribution(rows: int, k: int, max_logits: int,
+                                                                   seed: int) -> None:
     """-sum p_i log q(i) over the K labelled tokens, chunked or not; with one token of probability 1 it is the hard
     loss."""
     g = torch.Generator().manual_seed(seed)
@@ -126,7 +127,8 @@ def test_soft_label_loss_is_cross_entropy_against_the_distribution(rows: int, k:
     ids = torch.stack([torch.randperm(20, generator=g)[:k] for _ in range(rows)])
     probs = torch.rand(rows, k, generator=g, dtype=torch.double).softmax(-1)
     weights = torch.rand(rows, generator=g, dtype=torch.double)
-    loss = weighted_cross_entropy(hidden, (ids, probs), weights, partial(soft_scored_loss, head), 20, max_logits=max_logits)
+    loss = weighted_cross_entropy(hidden, (ids, probs), weights, partial(soft_scored_loss, head), 20,
+                                  max_logits=max_logits)
     log_q = torch.log_softmax(head(hidden), -1)
     expected = (-(probs * log_q.gather(-1, ids)).sum(-1) * weights).sum() / weights.sum()
     torch.testing.assert_close(loss, expected.detach(), rtol=1e-9, atol=1e-9)

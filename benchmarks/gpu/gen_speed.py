@@ -36,12 +36,14 @@ def padded_generate(model: LlamaForCausalLM, prompts: list[list[int]], new: int,
         mask = torch.zeros_like(ids)
         for r, p in enumerate(rows):
             ids[r, width - len(p):], mask[r, width - len(p):] = torch.tensor(p), 1
-        config = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=sample, temperature=0.7 if sample else None,
-                                  top_p=None, top_k=None, pad_token_id=0, eos_token_id=1)
+        config = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=sample,
+                                  temperature=0.7 if sample else None, top_p=None, top_k=None, pad_token_id=0,
+                                  eos_token_id=1)
         if grouped:
             out = generate_batch(model, ids.to(model.device), mask.to(model.device), config)
         else:
-            out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), generation_config=config)
+            out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                                 generation_config=config)
         made += (out.shape[1] - width) * len(rows)
     return made
 

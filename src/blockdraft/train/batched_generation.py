@@ -51,7 +51,7 @@ def grouped_decode_attention(
         mask = attention_mask[:, :, :, : key.shape[2]]
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     out = torch.matmul(scores.softmax(-1).to(value.dtype), value)
-    return out.view(b, 1, heads, dim), None
+    return out.view(b, 1, heads, value.shape[-1]), None  # V may be narrower than Q/K (MLA)
 
 
 AttentionInterface.register(IMPLEMENTATION, grouped_decode_attention)

@@ -51,7 +51,8 @@ def compute_features(target: Target, input_ids: torch.Tensor, lengths: torch.Ten
     return Features(taps, SoftLabels(ids, values.float().softmax(-1)))
 
 
-def compute_taps(target: Target, input_ids: torch.Tensor, lengths: torch.Tensor, tap_layers: tuple[int, ...]) -> torch.Tensor:
+def compute_taps(target: Target, input_ids: torch.Tensor, lengths: torch.Tensor,
+                 tap_layers: tuple[int, ...]) -> torch.Tensor:
     """The taps alone (see `compute_features`)."""
     return compute_features(target, input_ids, lengths, tap_layers).taps
 

@@ -88,7 +88,8 @@ def block_targets(
     blocks[..., 0] = input_ids.gather(1, anchors)
     slots = None
     if soft is not None:
-        before = (positions - 1).clamp(max=input_ids.shape[1] - 1).flatten(1).unsqueeze(-1).expand(-1, -1, soft.ids.shape[-1])
+        before = (positions - 1).clamp(max=input_ids.shape[1] - 1).flatten(1).unsqueeze(-1)
+        before = before.expand(-1, -1, soft.ids.shape[-1])
         slots = SoftLabels(*(t.gather(1, before).view(b, n, block_size - 1, -1) for t in (soft.ids, soft.probs)))
     return BlockTargets(blocks.flatten(1), labels, weights.to(anchors.device) * inside, slots)
 
