@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from transformers import (
     AttentionInterface, GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM,
 )
+from test_hybrid import FAMILIES, make_hybrid
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from blockdraft.train import batched_generation
@@ -92,3 +93,13 @@ def test_generation_writes_what_stock_generate_writes(family: str, lengths: list
     assert torch.equal(generate_batch(model, ids, mask, config), stock)
     assert steps.count(1) == 11 * 3  # every one-token step of every layer went through the grouped attention
     assert model.config._attn_implementation == "sdpa" and config.cache_implementation is None
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hybrid_targets_generate_as_stock_too(family: str) -> None:
+    """Linear-attention layers keep their own state; only the attention layers take the grouped step."""
+    model = make_hybrid(family)
+    ids, mask = torch.tensor([[0, 0, 5, 6, 7], [3, 4, 5, 6, 7]]), torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    config = GenerationConfig(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    stock = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+    assert torch.equal(generate_batch(model, ids, mask, config), stock)
