@@ -6,7 +6,9 @@ For the first prompts of a training run's response cache (`<run>/data/responses-
   prompt (on this device and dtype: text the drafter never saw);
 - live DFlash acceptance (tau, per position) while generating that text;
 - parity: the teacher-forced outcome at exactly the anchors where live steps began, step by step, against the live
-  acceptance (equal up to numerics when training and decoding compute the same thing).
+  acceptance (equal up to numerics when training and decoding compute the same thing);
+- the target's own confidence on the cached text: the mean probability of its top token and the mass of its top 32
+  at each response position (what `--distill-topk` labels carry beyond the text's token: the rest of that mass).
 A large gap between the two teacher-forced rows is memorisation; a parity below ~0.95 is a train/decode mismatch.
 Uniform anchors score above live tau even with perfect parity: live steps begin right after a rejection.
 
@@ -38,6 +40,7 @@ from blockdraft.train.objective import BlockObjective, block_targets, slot_weigh
 from blockdraft.train.regenerate import CACHE_GLOB, read_cache
 
 ANCHOR_CHUNK = 64  # anchors per drafter pass: bounds the dense attention masks of long responses
+SOFT_K = 32  # the top-k whose mass the confidence line reports
 
 
 @torch.no_grad()
@@ -61,6 +64,14 @@ def teacher_forced(target: Target, drafter: DFlashDrafter, ids: list[int], start
     return torch.cat(hits), torch.cat(scored)
 
 
+@torch.no_grad()
+def target_confidence(target: Target, ids: list[int], start: int) -> torch.Tensor:
+    """[response positions, 2]: the target's probability of its top token and the mass of its top SOFT_K there."""
+    logits = target.model(input_ids=torch.tensor([ids], device=target.device)).logits[0, start - 1 : -1]
+    top = logits.float().softmax(-1).topk(min(SOFT_K, logits.shape[-1]), dim=-1).values
+    return torch.stack([top[:, 0], top.sum(-1)], dim=-1)
+
+
 def _chain(hits: torch.Tensor) -> torch.Tensor:
     """Committed tokens per anchor if it began a step: consecutive hits from slot 1, plus the bonus."""
     return 1 + torch.cumprod(hits.int(), dim=1).sum(1)
@@ -80,8 +91,10 @@ def measure(target: Target, drafter: DFlashDrafter, samples: list[Sample], max_n
     cached: tuple[list, list] = ([], [])
     live: tuple[list, list] = ([], [])
     lengths: list[int] = []
+    confidence = []
     agree = steps = shared = 0
     for sample in samples:
+        confidence.append(target_confidence(target, sample.ids, sample.start))
         prompt = sample.ids[: sample.start]
         result = generate(target, prompt, proposer, max_new_tokens=max_new_tokens)
         text = sample.ids[sample.start:]
@@ -99,7 +112,9 @@ def measure(target: Target, drafter: DFlashDrafter, samples: list[Sample], max_n
     return {"samples": len(samples), "shared_prefix_tokens": shared / len(samples),
             "teacher_forced_cached": _summary(*cached), "teacher_forced_live": _summary(*live),
             "live": {"tau": sum(lengths) / len(lengths), "per_position": per_position},
-            "parity": agree / max(steps, 1), "parity_steps": steps}
+            "parity": agree / max(steps, 1), "parity_steps": steps,
+            "target_top1_prob": torch.cat(confidence)[:, 0].mean().item(),
+            f"target_top{SOFT_K}_mass": torch.cat(confidence)[:, 1].mean().item()}
 
 
 def _samples(data: Path, limit: int, min_response: int) -> list[Sample]:
@@ -134,6 +149,8 @@ def main() -> None:
         print(f"| {name} | {acc(row['slot_accuracy'])} | {row['chain_tau']:.2f} |")
     print(f"live decoding: tau {report['live']['tau']:.2f}, positions 1..4 {acc(report['live']['per_position'])}")
     print(f"parity at the live step anchors: {report['parity']:.3f} of {report['parity_steps']} steps")
+    print(f"the target on the cached text: its top token has probability {report['target_top1_prob']:.3f} on average, "
+          f"its top {SOFT_K} {report[f'target_top{SOFT_K}_mass']:.3f}")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2) + "\n")
 

@@ -27,3 +27,4 @@ def test_teacher_forced_blocks_match_live_steps(trained_pairs: dict[str, tuple[P
     assert report["shared_prefix_tokens"] == 48  # the cache was written by this target on this device: same text,
     assert report["teacher_forced_cached"] == report["teacher_forced_live"]  # so the same teacher-forced scores
     assert 1.5 < report["live"]["tau"] <= report["teacher_forced_live"]["chain_tau"] + 1
+    assert 0 < report["target_top1_prob"] <= report["target_top32_mass"] <= 1 + 1e-6
