@@ -14,6 +14,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from blockdraft.train import batched_generation
 from blockdraft.train.batched_generation import generate_batch, grouped_decode_attention
+from blockdraft.train.data import TokenizedPrompt
+from blockdraft.train.regenerate import left_pad
 
 
 class _Attn(torch.nn.Module):
@@ -57,13 +59,8 @@ def test_longer_queries_and_softcapping_take_the_stock_path(monkeypatch: pytest.
 
 
 def _left_padded(lengths: list[int], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(lengths)
-    ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, n in enumerate(lengths):
-        ids[row, width - n:] = torch.randint(3, vocab, (n,))
-        mask[row, width - n:] = 1
-    return ids, mask
+    prompts = [TokenizedPrompt(str(row), torch.randint(3, vocab, (n,)).tolist()) for row, n in enumerate(lengths)]
+    return left_pad(prompts, 0, torch.device("cpu"))
 
 
 def _spy(steps: list[int]):  # noqa: ANN202

@@ -19,6 +19,8 @@ import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from blockdraft.train.batched_generation import generate_batch
+from blockdraft.train.data import TokenizedPrompt
+from blockdraft.train.regenerate import left_pad
 
 SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                     num_key_value_heads=3, vocab_size=49152, rope_theta=100000.0, tie_word_embeddings=True,
@@ -29,22 +31,18 @@ def padded_generate(model: LlamaForCausalLM, prompts: list[list[int]], new: int,
                     grouped: bool = False) -> int:
     """The regenerate module's batching: length-sorted batches, left padding, one `generate` per batch."""
     made = 0
-    for first in range(0, len(prompts), batch):
-        rows = sorted(prompts, key=len)[first:first + batch]
-        width = max(map(len, rows))
-        ids = torch.zeros((len(rows), width), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for r, p in enumerate(rows):
-            ids[r, width - len(p):], mask[r, width - len(p):] = torch.tensor(p), 1
+    ordered = sorted((TokenizedPrompt(str(i), p) for i, p in enumerate(prompts)), key=lambda p: len(p.ids))
+    for first in range(0, len(ordered), batch):
+        ids, mask = left_pad(ordered[first:first + batch], 0, model.device)
+        width = ids.shape[1]
         config = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=sample,
                                   temperature=0.7 if sample else None, top_p=None, top_k=None, pad_token_id=0,
                                   eos_token_id=1)
         if grouped:
-            out = generate_batch(model, ids.to(model.device), mask.to(model.device), config)
+            out = generate_batch(model, ids, mask, config)
         else:
-            out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
-                                 generation_config=config)
-        made += (out.shape[1] - width) * len(rows)
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+        made += (out.shape[1] - width) * ids.shape[0]
     return made
 
 

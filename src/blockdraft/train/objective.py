@@ -138,20 +138,23 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
 
 
+def _float32(z: torch.Tensor) -> torch.Tensor:
+    """Logits at least float32 for the log-softmax (float64 stays, as tests use it)."""
+    return z.float() if z.element_size() < 4 else z
+
+
 def scored_loss(logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, labels: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:
     """sum(w * CE) over rows of slots: the LM head, its epilogue and a float32 log-softmax (the unit --compile fuses,
     so the float32 logits and their gradient are never written out whole)."""
-    z = logits(hidden)
-    return (F.cross_entropy(z.float() if z.element_size() < 4 else z, labels, reduction="none") * weights).sum()
+    return (F.cross_entropy(_float32(logits(hidden)), labels, reduction="none") * weights).sum()
 
 
 def soft_scored_loss(logits: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, ids: torch.Tensor,
                      probs: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """sum(w * CE against soft labels) over rows: -sum_i p_i log q(i) over each row's K target tokens (`scored_loss`
     with the one label spread over K; with K = 1 it is that loss)."""
-    z = logits(hidden)
-    log_q = F.log_softmax(z.float() if z.element_size() < 4 else z, dim=-1).gather(-1, ids)
+    log_q = F.log_softmax(_float32(logits(hidden)), dim=-1).gather(-1, ids)
     return (-(probs * log_q).sum(-1) * weights).sum()
 
 

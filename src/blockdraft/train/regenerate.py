@@ -72,7 +72,8 @@ def open_for_append(file: Path) -> TextIO:
     return file.open("a", encoding="utf-8")
 
 
-def _left_pad(prompts: list[TokenizedPrompt], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(prompts: list[TokenizedPrompt], pad_id: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts right-aligned in one batch (ids, attention mask), as batched `generate` takes them."""
     width = max(len(p.ids) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -125,7 +126,7 @@ def regenerate(
     with open_for_append(folder / f"responses-{rank:03d}.jsonl") as out:
         for first in range(0, len(pending), batch_size):
             batch = pending[first : first + batch_size]
-            ids, mask = _left_pad(batch, pad_id, target.device)
+            ids, mask = left_pad(batch, pad_id, target.device)
             config = GenerationConfig(
                 max_new_tokens=min(response_tokens, max_length - ids.shape[1]),
                 do_sample=temperature > 0,
