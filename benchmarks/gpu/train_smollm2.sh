@@ -16,7 +16,8 @@
 # DISTILL=K trains on the target's top-K soft labels (--distill-topk K);
 # DATA_OUT=1 also returns the response cache; TRAIN_TIMEOUT=0 prepares data and trains nothing.
 # Two runs side by side (an A/B, one GPU each, after a call that prepared the data): PREPARED=1 skips the preparation,
-# RUN=/tmp/bd/<name> trains there on a copy of /tmp/bd/run/data, TAG=<prefix> names its files in $OUT.
+# RUN=/tmp/bd/<name> trains there on a copy of /tmp/bd/run/data, TAG=<prefix> names its files in $OUT;
+# PROMPTS=file trains on those prompts' cached answers only (default /tmp/bd/prompts.jsonl: every prompt).
 set -u
 source benchmarks/gpu/env.sh
 set +e
@@ -64,7 +65,7 @@ data_out() { [ -z "${DATA_OUT:-}" ] || tar cf - -C /tmp/bd/run data | xz -T0 | s
 if [ "${TRAIN_TIMEOUT:-520}" = 0 ]; then data_out; ls /tmp/bd/run/data; exit 0; fi
 [ -d "$RUN/data" ] || { mkdir -p "$RUN" && cp -r /tmp/bd/run/data "$RUN/"; }
 timeout "${TRAIN_TIMEOUT:-520}" $TRAIN --target smollm2-135m-instruct \
-  --prompts /tmp/bd/prompts.jsonl --out "$RUN" --num-prompts "${NUM_PROMPTS:-5000}" \
+  --prompts "${PROMPTS:-/tmp/bd/prompts.jsonl}" --out "$RUN" --num-prompts "${NUM_PROMPTS:-5000}" \
   --gen-batch-size "${GEN_BATCH:-1024}" --response-tokens 320 --max-length 768 --layers 3 --block-size 16 \
   --anchors-per-seq 256 --steps "${STEPS:-1800}" --batch-size "${BATCH:-8}" --attention "${ATTENTION:-auto}" \
   --save-every "${SAVE_EVERY:-500}" --eval-every 0 --eval-prompts "${EVAL_PROMPTS:-8}" --eval-tokens 128 ${RESUME:+--resume} ${INIT:+--init "$INIT"} \
