@@ -110,5 +110,7 @@ def test_speedup_note_says_whether_tau_or_step_cost_is_short() -> None:
     assert "ddtree" not in note and "model card" in note and "--engine fast" in note
     on_fast = speedup_note([ar, slow, fast], "fast")
     assert "costs 4.00 AR steps" in on_fast and "--engine fast" not in on_fast and "fast engine is on" in on_fast
+    on_cpu = speedup_note([ar, slow, fast], "hf", "cpu")
+    assert "costs 4.00 AR steps" in on_cpu and "--draft-tokens" in on_cpu and "--engine fast" not in on_cpu
     assert speedup_note([ar, fast], "hf") is None
     assert speedup_note([slow, fast], "hf") is None  # no AR baseline

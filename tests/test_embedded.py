@@ -42,6 +42,6 @@ def test_demo_runs_and_writes_its_plot(converted: Path, tmp_path: Path) -> None:
         app, ["demo", "--target", str(converted), "--limit", "2", "--max-new-tokens", "12", "--plot", str(plot), "--device", "cpu"]
     )
     assert result.exit_code == 0, result.output
-    rows = [line for line in result.output.splitlines() if line.startswith(("│ dflash ", "│ ddtree@32 "))]
+    rows = [line for line in result.output.splitlines() if line.startswith(("│ dflash/3 ", "│ ddtree@4/3 "))]
     assert len(rows) == 2 and all("2/2" in row for row in rows), result.output
     assert plot.stat().st_size > 10_000

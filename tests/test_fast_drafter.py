@@ -61,10 +61,10 @@ class Lockstep:
         self.static.add_context(features)
         self.length += n
 
-    def draft(self, slots: int) -> None:
+    def draft(self, slots: int, visible: int | None = None) -> None:
         anchor = ids(1, self.length)[0]
-        expected = self.eager.slot_logits(anchor, self.length, slots)
-        got = self.static.slot_logits(anchor, self.length, slots)
+        expected = self.eager.slot_logits(anchor, self.length, slots, visible)
+        got = self.static.slot_logits(anchor, self.length, slots, visible)
         assert got.shape == expected.shape == (slots, expected.shape[-1])
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
@@ -75,6 +75,7 @@ class Lockstep:
         for accepted, slots in ((1, 5), (6, 5), (3, 2), (2, 1), (5, 5)):
             self.extend(accepted)
             self.draft(slots)
+            self.draft(min(slots, 2), slots)  # a draft capped below the block it sees (--draft-tokens)
         self.extend(250)
         self.draft(5)
         self.extend(4)

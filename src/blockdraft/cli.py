@@ -87,7 +87,7 @@ def encode_item(item: Any, tokenizer: Any, thinking: bool = False) -> list[int]:
 def _stop_ids(text: Optional[str]) -> list[int]:
     from blockdraft.prompting import parse_ids
 
-    return parse_ids(text) if text else []
+    return parse_ids(text, "--stop-token-ids") if text else []
 
 
 def _text_stream(tokenizer: Any) -> Any:
@@ -101,6 +101,11 @@ def _text_stream(tokenizer: Any) -> Any:
 TargetOpt = typer.Option("smollm2-135m-instruct", "--target", help="HF model folder, hub id, or the embedded name.")
 DeviceOpt = typer.Option(None, "--device", help="cpu or cuda (default: cuda when present).")
 DtypeOpt = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on GPU).")
+DraftTokensOpt = typer.Option(
+    None, "--draft-tokens",
+    help="Tokens drafted per step, 1..B-1 (vLLM's num_speculative_tokens; default B-1, the whole block). Fewer pay "
+    "where verifying is compute-bound (a CPU).",
+)
 EngineOpt = typer.Option(
     "auto", "--engine",
     help="hf (HF forward, any model), fast (static cache + CUDA graphs; Qwen3/Qwen2/Llama/Mistral) or auto "
@@ -114,6 +119,7 @@ def generate(
     drafter: Optional[str] = typer.Option(None, "--drafter", help="DFlash drafter folder (config.json + model.safetensors)."),
     method: str = typer.Option("dflash", "--method", help="ar, dflash or ddtree."),
     budget: Optional[int] = typer.Option(None, "--budget", help="DDTree node budget."),
+    draft_tokens: Optional[int] = DraftTokensOpt,
     temperature: float = typer.Option(0.0, "--temperature"),
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k"),
@@ -140,7 +146,7 @@ def generate(
     sampling = SamplingParams(temperature, top_p, top_k)
     items = _prompt_items(prompt, messages, prompt_ids, prompts, chat)
     loaded = Loaded(target, drafter, device, dtype, engine)
-    proposer = build_proposer(method, loaded.target, loaded.drafter, budget)
+    proposer = build_proposer(method, loaded.target, loaded.drafter, budget, draft_tokens)
     stops = loaded.stops(_stop_ids(stop_token_ids), ignore_eos)
     encoded = [encode_item(item, loaded.tokenizer, thinking) for item in items]
     json_lines = as_json or prompts is not None
@@ -168,17 +174,19 @@ def generate(
             )
 
 
-def _parse_methods(methods: str, budgets: Optional[str]) -> list[Any]:
+def _parse_methods(methods: str, budgets: Optional[str], draft_tokens: Optional[str] = None) -> list[Any]:
     from blockdraft.bench.runner import MethodSpec
     from blockdraft.prompting import parse_ids
 
+    depths: list[Optional[int]] = list(parse_ids(draft_tokens, "--draft-tokens")) if draft_tokens else [None]
     specs = []
     for name in [m.strip() for m in methods.split(",") if m.strip()]:
         if name == "ddtree":
-            for b in parse_ids(budgets) if budgets else [64]:
-                specs.append(MethodSpec("ddtree", b))
-        else:
+            specs += [MethodSpec("ddtree", b, d) for d in depths for b in (parse_ids(budgets, "--budget") if budgets else [64])]
+        elif name == "ar":
             specs.append(MethodSpec(name))
+        else:
+            specs += [MethodSpec(name, None, d) for d in depths]
     if not specs:
         raise BlockdraftError("--methods is empty; e.g. --methods ar,dflash")
     return specs
@@ -190,6 +198,9 @@ def bench(
     drafter: Optional[str] = typer.Option(None, "--drafter"),
     methods: str = typer.Option("ar,dflash", "--methods", help="Comma-separated: ar, dflash, ddtree."),
     budget: Optional[str] = typer.Option(None, "--budget", help="DDTree budgets to sweep, e.g. 16,32,64."),
+    draft_tokens: Optional[str] = typer.Option(
+        None, "--draft-tokens", help="Tokens drafted per step to sweep, e.g. 3,7,15 (default: the drafter's whole block)."
+    ),
     prompts: str = typer.Option("demo", "--prompts", help="JSONL file or built-in set (demo, spec-bench, humaneval, sharegpt, sharegpt-turns)."),
     limit: Optional[int] = typer.Option(None, "--limit", help="At most this many prompts."),
     per_category: Optional[int] = typer.Option(None, "--per-category", help="At most this many prompts per category."),
@@ -219,7 +230,7 @@ def bench(
     from blockdraft.decoding.sampling import SamplingParams
 
     sampling = SamplingParams(temperature, top_p, top_k)
-    specs = _parse_methods(methods, budget)
+    specs = _parse_methods(methods, budget, draft_tokens)
     items = load_prompt_set(prompts, limit=limit, per_category=per_category)
     loaded = Loaded(target, drafter, device, dtype, engine)
     encoded = [BenchPrompt(i.id, i.category, encode_item(i, loaded.tokenizer, thinking)) for i in items]
@@ -232,7 +243,7 @@ def bench(
         )
     out.print(summary_table(runs))
     out.print(category_table(runs))
-    for note in (exactness_note(runs, str(loaded.target.dtype).removeprefix("torch."), temperature), speedup_note(runs, loaded.target.engine)):
+    for note in (exactness_note(runs, str(loaded.target.dtype).removeprefix("torch."), temperature), speedup_note(runs, loaded.target.engine, loaded.target.device.type)):
         if note:
             err.print(f"note: {note}", soft_wrap=True)
     settings = {
@@ -271,13 +282,18 @@ def demo(
     prompts: str = typer.Option("demo", "--prompts", help="Built-in set or JSONL file."),
     limit: Optional[int] = typer.Option(None, "--limit", help="At most this many prompts."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens"),
-    budget: int = typer.Option(32, "--budget", help="DDTree node budget."),
+    budget: Optional[int] = typer.Option(None, "--budget", help="DDTree node budget (default: 32 on a GPU, 4 on a CPU)."),
+    draft_tokens: Optional[int] = typer.Option(
+        None, "--draft-tokens",
+        help="Tokens drafted per step, 1..B-1 (default: the whole block on a GPU, 3 on a CPU, where each verified "
+        "token costs compute).",
+    ),
     device: Optional[str] = DeviceOpt,
     dtype: Optional[str] = DtypeOpt,
     plot: Path = typer.Option(Path("blockdraft-demo.png"), "--plot", help="Where to write the acceptance plot."),
 ) -> None:
     """The embedded pair (SmolLM2-135M-Instruct + our DFlash drafter) on chat, code and math prompts."""
-    from blockdraft.bench.demo import EMBEDDED_DRAFTER, run_demo
+    from blockdraft.bench.demo import EMBEDDED_DRAFTER, demo_settings, run_demo
     from blockdraft.bench.prompts import load_prompt_set
     from blockdraft.bench.runner import BenchPrompt
 
@@ -288,9 +304,14 @@ def demo(
         raise BlockdraftError(f"--target {target} has no tokenizer; the demo needs text prompts")
     encoded = [BenchPrompt(i.id, i.category, encode_item(i, loaded.tokenizer)) for i in items]
     texts = [i.prompt or (i.messages[-1]["content"] if i.messages else "") for i in items]
+    chosen = demo_settings(loaded.target.device.type, loaded.drafter.cfg.block_size, budget, draft_tokens)
+    if chosen != (budget, draft_tokens):
+        err.print(f"drafting {chosen[1] or loaded.drafter.cfg.block_size - 1} tokens per step, DDTree trees of "
+                  f"{chosen[0]} nodes on this {loaded.target.device.type} (--draft-tokens, --budget change them)")
+    budget, draft_tokens = chosen
     run_demo(
         loaded.target, loaded.tokenizer, loaded.drafter, encoded, texts, loaded.stops([], False),
-        max_new_tokens, plot, out, budget,
+        max_new_tokens, plot, out, budget, draft_tokens,
     )
 
 

@@ -34,14 +34,14 @@ def encode_messages(messages: list[dict], tokenizer: Any, thinking: bool = False
     return list(ids)
 
 
-def parse_ids(text: str) -> list[int]:
-    """`1,2,3` -> [1, 2, 3]."""
+def parse_ids(text: str, option: str = "--prompt-ids") -> list[int]:
+    """`1,2,3` -> [1, 2, 3]; errors name `option`, the flag the list came from."""
     try:
         ids = [int(x) for x in text.replace(" ", "").split(",") if x]
     except ValueError:
-        raise BlockdraftError(f"--prompt-ids {text!r} must be comma-separated integers like 1,2,3") from None
+        raise BlockdraftError(f"{option} {text!r} must be comma-separated integers like 1,2,3") from None
     if not ids or min(ids) < 0:
-        raise BlockdraftError("--prompt-ids must hold at least one non-negative id")
+        raise BlockdraftError(f"{option} must hold at least one non-negative integer")
     return ids
 
 

@@ -57,12 +57,13 @@ def exactness_note(runs: list[MethodRun], dtype: str, temperature: float) -> str
             "decoding round differently, so near-tied logits can flip; rerun with --dtype float32 to check exactness")
 
 
-def speedup_note(runs: list[MethodRun], engine: str) -> str | None:
+def speedup_note(runs: list[MethodRun], engine: str, device: str = "cuda") -> str | None:
     """Why a speculative method is slower than AR, in the two numbers that decide it.
 
     A step commits tau tokens and costs (tau / speedup) AR steps (drafter pass + multi-row verify + overhead); the
     method only pays when the first exceeds the second. Saying both tells a user whether the drafter (tau) or the
-    engine (step cost) is the one to fix; the fast engine is only suggested to a run that is not on it already.
+    engine (step cost) is the one to fix; the fast engine is only suggested to a run that is not on it already, and
+    on a CPU, where every verified token costs compute, a shorter draft is.
     """
     base = _baseline(runs)
     if base is None or not base.stats.tokens_per_s:
@@ -79,7 +80,10 @@ def speedup_note(runs: list[MethodRun], engine: str) -> str | None:
     if not slow:
         return None
     advice = "Raise tau (a better-trained drafter: its model card says how it was trained)"
-    if engine == "fast":
+    if device == "cpu":
+        advice += (" or cut the step cost: on a CPU every verified token costs compute, so draft fewer tokens per "
+                   "step (--draft-tokens 2 or 3, a DDTree --budget of a few nodes)")
+    elif engine == "fast":
         advice += "; the fast engine is on, so the step cost is what a drafter pass and a multi-row verify cost here"
     else:
         advice += " or cut the step cost (--engine fast on a GPU)"
@@ -106,6 +110,9 @@ def to_json(runs: list[MethodRun], settings: dict) -> dict:
     for run in runs:
         s = run.stats
         entry = {
+            "method": run.spec.method,
+            "budget": run.spec.budget,
+            "draft_tokens": run.spec.draft_tokens,
             "stats": s.to_dict(),
             "by_category": {c: v.to_dict() for c, v in run.by_category().items()},
             "prompts": [
@@ -176,22 +183,25 @@ def plot_acceptance(runs: list[MethodRun], path: Path) -> Path:
 def plot_budget_sweep(runs: list[MethodRun], path: Path) -> Path:
     """tau and tokens/s against the DDTree budget, with the DFlash chain (and AR speed) as reference lines.
 
-    Shows where a bigger tree stops paying: tau keeps rising with the budget while the verify cost grows.
+    Shows where a bigger tree stops paying: tau keeps rising with the budget while the verify cost grows. One line
+    per draft length when `--draft-tokens` sweeps too.
     """
     trees = sorted((r for r in runs if r.spec.method == "ddtree" and r.spec.budget is not None), key=lambda r: r.spec.budget)
     if not trees:
         raise BlockdraftError("the budget-sweep plot needs ddtree results; run bench with --methods ddtree --budget 16,64")
-    budgets = [r.spec.budget for r in trees]
+    budgets = sorted({r.spec.budget for r in trees})
     fig, left, right = _two_panels()
-    left.plot(budgets, [r.stats.tau for r in trees], marker="o", label="ddtree")
-    right.plot(budgets, [r.stats.tokens_per_s for r in trees], marker="o", label="ddtree")
-    for ref, style in (("dflash", "--"), ("ar", ":")):
-        run = next((r for r in runs if r.spec.method == ref), None)
-        if run is None:
-            continue
-        if ref == "dflash":
-            left.axhline(run.stats.tau, linestyle=style, color="gray", label=f"dflash chain (tau {run.stats.tau:.2f})")
-        right.axhline(run.stats.tokens_per_s, linestyle=style, color="gray", label=f"{ref} ({run.stats.tokens_per_s:.1f} tok/s)")
+    for depth in dict.fromkeys(r.spec.draft_tokens for r in trees):
+        line = [r for r in trees if r.spec.draft_tokens == depth]
+        name = "ddtree" if depth is None else f"ddtree/{depth}"
+        left.plot([r.spec.budget for r in line], [r.stats.tau for r in line], marker="o", label=name)
+        right.plot([r.spec.budget for r in line], [r.stats.tokens_per_s for r in line], marker="o", label=name)
+    for run in (r for r in runs if r.spec.method in ("dflash", "ar")):
+        style = "--" if run.spec.method == "dflash" else ":"
+        if run.spec.method == "dflash":
+            left.axhline(run.stats.tau, linestyle=style, color="gray", label=f"{run.spec.label} chain (tau {run.stats.tau:.2f})")
+        right.axhline(run.stats.tokens_per_s, linestyle=style, color="gray",
+                      label=f"{run.spec.label} ({run.stats.tokens_per_s:.1f} tok/s)")
     left.set_ylabel("tau (tokens per verify step)")
     left.set_title("acceptance length vs tree budget")
     right.set_ylabel("tokens/s")

@@ -16,14 +16,17 @@ from blockdraft.models.target import Target
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """A method and its tree budget (DDTree only)."""
+    """A method, its tree budget (DDTree only) and its tokens drafted per step (None: the drafter's whole block)."""
 
     method: str
     budget: int | None = None
+    draft_tokens: int | None = None
 
     @property
     def label(self) -> str:
-        return f"{self.method}@{self.budget}" if self.budget is not None else self.method
+        """`dflash`, `ddtree@32`; `/N` when the draft is capped at N tokens (`dflash/4`, `ddtree@32/4`)."""
+        name = f"{self.method}@{self.budget}" if self.budget is not None else self.method
+        return f"{name}/{self.draft_tokens}" if self.draft_tokens is not None else name
 
 
 @dataclass
@@ -67,7 +70,7 @@ def warmed_proposers(
     max_new_tokens: int,
 ) -> dict[MethodSpec, Proposer | None]:
     """One proposer per method, each run once on a short generation so no method pays the first-call costs."""
-    proposers = {spec: build_proposer(spec.method, target, drafter, spec.budget) for spec in methods}
+    proposers = {spec: build_proposer(spec.method, target, drafter, spec.budget, spec.draft_tokens) for spec in methods}
     if prompts:
         for proposer in proposers.values():
             generate(target, prompts[0].ids, proposer, max_new_tokens=min(8, max_new_tokens), sampling=sampling)

@@ -95,10 +95,10 @@ class DDTreeProposer:
 
     name = "ddtree"
 
-    def __init__(self, drafter: DFlashDrafter, target: Target, budget: int) -> None:
+    def __init__(self, drafter: DFlashDrafter, target: Target, budget: int, draft_tokens: int | None = None) -> None:
         self.budget = check_budget(budget)
         target.check_tree_attention()
-        self.chain = DFlashProposer(drafter, target)
+        self.chain = DFlashProposer(drafter, target, draft_tokens=draft_tokens)
         self.tap_layers: tuple[int, ...] | None = self.chain.tap_layers
         self.build_s = 0.0
 
@@ -114,10 +114,10 @@ class DDTreeProposer:
         self, anchor: int, start: int, max_depth: int, sampling: SamplingParams, generator: torch.Generator | None
     ) -> Draft:
         """One drafter pass, then the best `budget` prefixes of at most `max_depth` tokens."""
-        slots = min(max_depth, self.chain.block_size - 1)
+        slots, visible = self.chain.block_rows(max_depth)
         if slots <= 0:
             return Draft.empty(self.chain.target.device)
-        logits = self.chain.slot_logits(anchor, start, slots)
+        logits = self.chain.slot_logits(anchor, start, slots, visible)
         if logits.device.type == "cuda":
             torch.cuda.synchronize(logits.device)  # the drafter pass is not tree-building time
         t0 = time.perf_counter()

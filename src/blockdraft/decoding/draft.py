@@ -14,6 +14,7 @@ import torch
 
 from blockdraft.decoding.host_to_device import long_tensor
 from blockdraft.decoding.sampling import SamplingParams, probabilities, sample
+from blockdraft.errors import BlockdraftError
 from blockdraft.models.drafter import DFlashDrafter, DrafterContextCache
 from blockdraft.models.fast_drafter import FastDrafter, fast_drafter_problem
 from blockdraft.models.fast_target import FastTarget
@@ -63,6 +64,19 @@ class Draft:
         return full[None, None]
 
 
+def check_draft_tokens(draft_tokens: int | None, block_size: int) -> int:
+    """Tokens drafted per step: at most the block's B-1 slots (vLLM's num_speculative_tokens), B-1 when unset."""
+    most = block_size - 1
+    if draft_tokens is None:
+        return most
+    if isinstance(draft_tokens, bool) or not isinstance(draft_tokens, int) or not 1 <= draft_tokens <= most:
+        raise BlockdraftError(
+            f"--draft-tokens {draft_tokens} must be between 1 and {most} (the drafter's block size {block_size} "
+            "minus the anchor); leave it out to draft the whole block"
+        )
+    return draft_tokens
+
+
 class Proposer(Protocol):
     """What the decode loop asks of a drafting method."""
 
@@ -86,17 +100,24 @@ class DFlashProposer:
     drafter pass does not stay launch-bound next to a fast verify; elsewhere, and with `static=False` (for
     subclasses that replace the eager context cache), the drafter module runs over a `DrafterContextCache`.
     Both give the same logits.
+
+    `draft_tokens` (default B-1) caps the slots drafted per step: where verifying is compute-bound (a CPU), the deep
+    slots' rare acceptances cost more than they commit. The drafter still sees the whole block (it was trained on
+    whole blocks: a block cut to the cap loses acceptance at every slot); only the first slots go through the head
+    and to the verifier. Near `max_new_tokens` the block itself is cut, as the reference does.
     """
 
     name = "dflash"
     build_s = 0.0
 
-    def __init__(self, drafter: DFlashDrafter, target: Target, static: bool = True) -> None:
+    def __init__(self, drafter: DFlashDrafter, target: Target, static: bool = True,
+                 draft_tokens: int | None = None) -> None:
         self.drafter = drafter
         self.target = target
         self.cfg = drafter.cfg
         self.tap_layers: tuple[int, ...] | None = self.cfg.target_layer_ids
         self.block_size = self.cfg.block_size
+        self.depth = check_draft_tokens(draft_tokens, self.block_size)
         self.cache = DrafterContextCache(drafter)
         self.fast: FastDrafter | None = None
         if static and isinstance(target, FastTarget) and fast_drafter_problem(drafter) is None:
@@ -116,25 +137,32 @@ class DFlashProposer:
             self.drafter.extend_context(self.cache, taps.to(self.target.dtype))
 
     @torch.inference_mode()
-    def slot_logits(self, anchor: int, start: int, slots: int) -> torch.Tensor:
-        """Draft logits [slots, V] for positions start+1 .. start+slots from one drafter pass."""
+    def slot_logits(self, anchor: int, start: int, slots: int, visible: int | None = None) -> torch.Tensor:
+        """Draft logits [slots, V] for positions start+1 .. start+slots from one drafter pass over the anchor and
+        `visible` (>= slots, default slots) mask rows."""
+        visible = slots if visible is None else visible
         if self.fast is not None:
-            return self.fast.slot_logits(anchor, start, slots, self.cfg.mask_token_id)
+            return self.fast.slot_logits(anchor, start, slots, self.cfg.mask_token_id, visible)
         device = self.target.device
-        block = torch.full((1, slots + 1), self.cfg.mask_token_id, dtype=torch.long, device=device)
+        block = torch.full((1, visible + 1), self.cfg.mask_token_id, dtype=torch.long, device=device)
         block[0, 0] = anchor
         embeds = self.target.embed(block, self.cfg.input_embedding_scale)
-        positions = torch.arange(start, start + slots + 1, device=device)
+        positions = torch.arange(start, start + visible + 1, device=device)
         hidden = self.drafter(embeds, positions, self.cache)
-        return self.drafter.logits(hidden[0, 1:], self.target.lm_head)
+        return self.drafter.logits(hidden[0, 1 : slots + 1], self.target.lm_head)
+
+    def block_rows(self, max_depth: int) -> tuple[int, int]:
+        """(slots drafted, mask rows the drafter sees) for a step that may add at most `max_depth` tokens."""
+        visible = min(max_depth, self.block_size - 1)
+        return min(visible, self.depth), visible
 
     def propose(
         self, anchor: int, start: int, max_depth: int, sampling: SamplingParams, generator: torch.Generator | None
     ) -> Draft:
-        slots = min(max_depth, self.block_size - 1)
+        slots, visible = self.block_rows(max_depth)
         if slots <= 0:
             return Draft.empty(self.target.device)
-        logits = self.slot_logits(anchor, start, slots)
+        logits = self.slot_logits(anchor, start, slots, visible)
         if sampling.greedy:
             return Draft.chain(logits.argmax(dim=-1))
         q = probabilities(logits, sampling)

@@ -11,8 +11,9 @@ from blockdraft.models.target import Target
 METHODS = ("ar", "dflash", "ddtree")
 
 
-def build_proposer(method: str, target: Target, drafter: DFlashDrafter | None, budget: int | None = None) -> Proposer | None:
-    """None for AR; a drafter is required for every other method."""
+def build_proposer(method: str, target: Target, drafter: DFlashDrafter | None, budget: int | None = None,
+                   draft_tokens: int | None = None) -> Proposer | None:
+    """None for AR; a drafter is required for every other method; `draft_tokens` None drafts the whole block."""
     if method == "ar":
         return None
     if method not in METHODS:
@@ -20,5 +21,5 @@ def build_proposer(method: str, target: Target, drafter: DFlashDrafter | None, b
     if drafter is None:
         raise BlockdraftError(f"--method {method} needs --drafter PATH")
     if method == "ddtree":
-        return DDTreeProposer(drafter, target, budget)
-    return DFlashProposer(drafter, target)
+        return DDTreeProposer(drafter, target, budget, draft_tokens)
+    return DFlashProposer(drafter, target, draft_tokens=draft_tokens)
