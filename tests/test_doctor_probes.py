@@ -259,3 +259,24 @@ def test_doctor_probe_rejects_bad_observed_numbers_before_loading(tmp_path: Path
             ["probe", "--target", str(tmp_path), "--drafter", str(tmp_path), "--observed-per-position", "a,b"],
             catch_exceptions=False,
         )
+
+
+def test_a_block_cut_by_num_speculative_tokens_is_probed_and_named(full_zoo: Zoo) -> None:
+    """vLLM below B-1 drafts from a block of k+1 rows; the probe measures that as a fault and the doctor names it."""
+    from blockdraft.models.loading import load_drafter, load_target
+
+    target, _ = load_target(str(full_zoo.target_dir), torch.device("cpu"), torch.float32)
+    drafter = load_drafter(full_zoo.drafter_dir, target)
+    prompts = [p.ids for p in trained.prompts(PROBE_SEED, PROMPTS)]
+    run = probes.run_probes(target, drafter, prompts, MAX_NEW_TOKENS, served_tokens=2)
+    cut = run.result.faults[probes.SHORT_BLOCK]
+    assert cut.tau <= 3 and cut.tau < run.result.reference.tau - 0.5 and max(cut.per_position[2:]) == 0
+    served = next(d for d in probes.fault_deployments(target, drafter, prompts, 2)[0] if d.name == probes.SHORT_BLOCK)
+    assert served.proposer.block_rows(40) == (2, 2)  # the cut block: 2 drafted slots, 2 mask rows
+    observed = probes.measure(served, full_zoo.traffic, MAX_NEW_TOKENS)
+    ranked = [h.name for h in rank_hypotheses(observed, run.result.reference, run.result.faults)]
+    assert ranked[0] == probes.SHORT_BLOCK
+    assert "whole block" in probes.fault_deployments(target, drafter, prompts, 7)[1][probes.SHORT_BLOCK]
+    for bad in (0, 8):
+        with pytest.raises(BlockdraftError, match=f"--num-speculative-tokens {bad} must be between 1 and 7"):
+            probes.fault_deployments(target, drafter, prompts, bad)

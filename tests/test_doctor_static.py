@@ -293,7 +293,7 @@ def test_rope_scaling_mismatch() -> None:
     ("vllm", "sglang", "field", "severity"),
     [
         (16, None, "num_speculative_tokens", "error"),
-        (7, None, "num_speculative_tokens", "info"),
+        (7, None, "num_speculative_tokens", "warning"),
         (None, 15, "speculative_num_draft_tokens", "warning"),
         (None, 17, "speculative_num_draft_tokens", "error"),
         (None, 8, "speculative_num_draft_tokens", "info"),

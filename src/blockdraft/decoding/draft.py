@@ -104,20 +104,23 @@ class DFlashProposer:
     `draft_tokens` (default B-1) caps the slots drafted per step: where verifying is compute-bound (a CPU), the deep
     slots' rare acceptances cost more than they commit. The drafter still sees the whole block (it was trained on
     whole blocks: a block cut to the cap loses acceptance at every slot); only the first slots go through the head
-    and to the verifier. Near `max_new_tokens` the block itself is cut, as the reference does.
+    and to the verifier. `whole_block=False` cuts the block to the cap instead, as vLLM does when
+    num_speculative_tokens < B-1 (the doctor's probe measures what that costs). Near `max_new_tokens` the block
+    itself is cut, as the reference does.
     """
 
     name = "dflash"
     build_s = 0.0
 
     def __init__(self, drafter: DFlashDrafter, target: Target, static: bool = True,
-                 draft_tokens: int | None = None) -> None:
+                 draft_tokens: int | None = None, whole_block: bool = True) -> None:
         self.drafter = drafter
         self.target = target
         self.cfg = drafter.cfg
         self.tap_layers: tuple[int, ...] | None = self.cfg.target_layer_ids
         self.block_size = self.cfg.block_size
         self.depth = check_draft_tokens(draft_tokens, self.block_size)
+        self.whole_block = whole_block
         self.cache = DrafterContextCache(drafter)
         self.fast: FastDrafter | None = None
         if static and isinstance(target, FastTarget) and fast_drafter_problem(drafter) is None:
@@ -153,7 +156,7 @@ class DFlashProposer:
 
     def block_rows(self, max_depth: int) -> tuple[int, int]:
         """(slots drafted, mask rows the drafter sees) for a step that may add at most `max_depth` tokens."""
-        visible = min(max_depth, self.block_size - 1)
+        visible = min(max_depth, self.block_size - 1 if self.whole_block else self.depth)
         return min(visible, self.depth), visible
 
     def propose(

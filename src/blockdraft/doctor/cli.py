@@ -168,6 +168,11 @@ def probe_command(
     observed_per_position: Annotated[
         str | None, typer.Option(help="Your deployment's per-position rates, e.g. 0.14,0,0.")
     ] = None,
+    num_speculative_tokens: Annotated[
+        int | None,
+        typer.Option(help="vLLM num_speculative_tokens you serve with, when below B-1: vLLM then cuts the drafter's "
+                     "block, and the probe measures what that costs."),
+    ] = None,
     json_out: JsonOpt = False,
     html: HtmlOpt = None,
 ) -> None:
@@ -186,7 +191,7 @@ def probe_command(
     encoded = [encode_item(item, loaded.tokenizer) for item in items]
     run = run_probes(
         loaded.target, loaded.drafter, encoded, max_new_tokens, loaded.stops([], False),
-        on_measure=lambda name: typer.echo(f"probing: {name}", err=True),
+        on_measure=lambda name: typer.echo(f"probing: {name}", err=True), served_tokens=num_speculative_tokens,
     )
     run.result.save(out)
     typer.echo(f"wrote {out} (pass it as --reference to doctor server/log/numbers)", err=True)

@@ -69,7 +69,8 @@ _CAUSES = {
     "/ context evicted",
     "small": "taps off by one (layer input read instead of layer output)",
     "partial": "thinking-mode mismatch, temperature > 0 with greedy drafts, prompts unlike the training data, "
-    "context longer than trained, or block-size unit confusion (vLLM B-1 vs SGLang B)",
+    "context longer than trained, block-size unit confusion (vLLM B-1 vs SGLang B), or num_speculative_tokens "
+    "below B-1 (vLLM then cuts the drafter's block)",
 }
 
 

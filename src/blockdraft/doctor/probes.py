@@ -37,6 +37,7 @@ WRONG_MASK = "wrong mask token"
 HEAD_NOT_SHARED = "LM head not shared"
 WRONG_ROPE_THETA = "wrong RoPE theta"
 GUESSED_TAPS = "taps guessed from a wrong formula"
+SHORT_BLOCK = "num_speculative_tokens below B-1 (block cut)"
 
 # Mask ids of published drafters: Qwen3 and Qwen3.5/3.6. Swapping one for the other is the classic mistake.
 QWEN_MASK_IDS = (151669, 248070)
@@ -282,10 +283,26 @@ def healthy_deployment(target: Target, drafter: DFlashDrafter) -> Deployment:
     return Deployment(HEALTHY, "the drafter's own config", target, DFlashProposer(drafter, target))
 
 
+def _short_block(target: Target, drafter: DFlashDrafter, served: int) -> Deployment | str:
+    """vLLM with num_speculative_tokens k < B-1 builds a block of k+1 rows: the drafter, trained on B rows, sees
+    fewer masks and accepts less at every slot, not only past k."""
+    most = drafter.cfg.block_size - 1
+    if served == most:
+        return f"num_speculative_tokens {served} = B-1 serves the whole block"
+    if not 1 <= served < most:
+        raise BlockdraftError(f"--num-speculative-tokens {served} must be between 1 and {most} (B-1 for this "
+                              "drafter; `blockdraft doctor static` explains a larger value)")
+    detail = f"vLLM num_speculative_tokens {served}: a block of {served + 1} rows instead of {most + 1}"
+    return Deployment(SHORT_BLOCK, detail, target, DFlashProposer(drafter, target, draft_tokens=served, whole_block=False))
+
+
 def fault_deployments(
-    target: Target, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]]
+    target: Target, drafter: DFlashDrafter, prompts: Sequence[Sequence[int]], served_tokens: int | None = None
 ) -> tuple[list[Deployment], dict[str, str]]:
-    """Every known fault that applies to this pair, and the reason each other one was skipped."""
+    """Every known fault that applies to this pair, and the reason each other one was skipped.
+
+    `served_tokens`, the num_speculative_tokens a user serves with below B-1, adds that cut block as a fault.
+    """
     built: dict[str, Deployment | str] = {
         TAPS_LAYER_INPUT: _shifted_taps(target, drafter, -1, TAPS_LAYER_INPUT),
         TAPS_NEXT_LAYER: _shifted_taps(target, drafter, +1, TAPS_NEXT_LAYER),
@@ -296,6 +313,8 @@ def fault_deployments(
         WRONG_ROPE_THETA: _wrong_rope(target, drafter),
         GUESSED_TAPS: _guessed_taps(target, drafter),
     }
+    if served_tokens is not None:
+        built[SHORT_BLOCK] = _short_block(target, drafter, served_tokens)
     deployments = [d for d in built.values() if isinstance(d, Deployment)]
     skipped = {name: why for name, why in built.items() if isinstance(why, str)}
     return deployments, skipped
@@ -327,9 +346,10 @@ def run_probes(
     max_new_tokens: int,
     stop_token_ids: tuple[int, ...] = (),
     on_measure: Callable[[str], None] | None = None,
+    served_tokens: int | None = None,
 ) -> ProbeRun:
     """The healthy reference and every applicable fault's fingerprint on the same prompts."""
-    faults, skipped = fault_deployments(target, drafter, prompts)
+    faults, skipped = fault_deployments(target, drafter, prompts, served_tokens)
     fingerprints: dict[str, Fingerprint] = {}
     for deployment in [healthy_deployment(target, drafter), *faults]:
         if on_measure is not None:

@@ -296,11 +296,16 @@ def _check_units(draft: DraftConfig, vllm_tokens: int | None, sglang_tokens: int
         too_many = vllm_tokens > block - 1
         trap = " (that is the block size, SGLang's unit)" if vllm_tokens == block else ""
         findings.append(Finding(
-            "error" if too_many else "info", "num_speculative_tokens",
-            f"vLLM num_speculative_tokens={vllm_tokens}{trap}; this drafter proposes block_size - 1 = {block - 1}",
+            "error" if too_many else "warning", "num_speculative_tokens",
+            f"vLLM num_speculative_tokens={vllm_tokens}{trap}; this drafter proposes block_size - 1 = {block - 1}"
+            + ("" if too_many else f", and vLLM then builds a block of {vllm_tokens + 1} rows, not the {block} the "
+               "drafter was trained on"),
             "slots the drafter was never trained on: tau 2-3 instead of 5-6"
-            if too_many else f"tau is capped at {vllm_tokens + 1} instead of {block}",
-            f"pass num_speculative_tokens {block - 1} in --speculative-config",
+            if too_many else f"tau is capped at {vllm_tokens + 1} instead of {block}, and every slot accepts less in "
+            "the shorter block (embedded pair, 3 tokens: tau 1.69, where the same 3 slots drafted from the whole "
+            "block reach 1.94)",
+            f"pass num_speculative_tokens {block - 1} in --speculative-config; to see what {vllm_tokens} costs this "
+            f"pair: blockdraft doctor probe --num-speculative-tokens {vllm_tokens}",
         ))
     if sglang_tokens is not None and sglang_tokens != block:
         severity: Severity = "error" if sglang_tokens > block else "warning" if sglang_tokens == block - 1 else "info"
