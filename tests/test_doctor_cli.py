@@ -84,6 +84,17 @@ def test_static_finds_errors_and_exits_1(folders: tuple[Path, Path]) -> None:
     assert "'the'" in result.stdout  # with the tokenizer, mask id 3 is the ordinary word "the"
 
 
+def test_static_resolves_the_embedded_target_by_name(folders: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--target smollm2-135m-instruct` means the embedded target's local folder, as for generate and bench."""
+    import blockdraft.assets
+
+    drafter, target = folders
+    monkeypatch.setattr(blockdraft.assets, "ensure_embedded_target", lambda progress=True: target)
+    result = runner.invoke(doctor_app, ["static", "--drafter", str(drafter), "--target", "smollm2-135m-instruct", "--json"])
+    assert result.exit_code == 0, result.output
+    assert [f["field"] for f in json.loads(result.stdout)["findings"]] == ["chat_template"]
+
+
 def test_static_needs_a_local_target(folders: tuple[Path, Path]) -> None:
     drafter, _ = folders
     result = runner.invoke(doctor_app, ["static", "--drafter", str(drafter), "--target", "Qwen/Qwen3-8B"])

@@ -1,6 +1,7 @@
 """Read what static checks need from a local target: config.json, and the tokenizer and chat template if present.
 
-No weights and no network: the doctor must run on a laptop next to a config downloaded with `hf download`.
+No weights and no network: the doctor must run on a laptop next to a config downloaded with `hf download`. The
+embedded target's name resolves to its local folder (converted once from the installed package), as elsewhere.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from blockdraft.assets import resolve_target_path
 from blockdraft.errors import BlockdraftError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -39,8 +41,8 @@ def read_json(file: Path, what: str) -> dict[str, Any]:
 
 
 def load_target_config(target: str) -> dict[str, Any] | None:
-    """config.json of a local target folder or file; None for anything else (e.g. a hub id)."""
-    path = Path(target)
+    """config.json of a local target folder or file (or the embedded target's); None for anything else (a hub id)."""
+    path = resolve_target_path(target)
     if path.is_dir():
         return read_json(path / "config.json", "--target")
     if path.is_file():
@@ -56,7 +58,7 @@ def load_target_files(target: str) -> TargetFiles:
             f"--target {target} is not a local folder or config.json (the doctor works offline); fetch it with "
             f"`hf download {target} config.json tokenizer.json tokenizer_config.json --local-dir DIR`"
         )
-    folder = Path(target)
+    folder = resolve_target_path(target)
     if not folder.is_dir():
         return TargetFiles(config, None, None)
     tokenizer = None
