@@ -125,14 +125,22 @@ def test_bad_caps_are_one_line_exit_2(tiny_dirs: tuple[Path, Path], tmp_path: Pa
 
 
 def test_a_capped_draft_is_the_head_of_the_whole_block_draft(pair: tuple) -> None:
-    """The drafter sees the whole block whatever the cap: a cap of N proposes the uncapped draft's first N tokens."""
+    """The drafter sees the whole block whatever the cap: a cap of N gives the uncapped pass's first N slots, which
+    a block cut to N rows (vLLM below B-1, `whole_block=False`) does not."""
     target, drafter = pair
-    whole, capped = DFlashProposer(drafter, target), DFlashProposer(drafter, target, draft_tokens=3)
-    for proposer in (whole, capped):
+    most = drafter.cfg.block_size - 1
+    whole = DFlashProposer(drafter, target)
+    capped = DFlashProposer(drafter, target, draft_tokens=3)
+    cut = DFlashProposer(drafter, target, draft_tokens=3, whole_block=False)
+    for proposer in (whole, capped, cut):
         generate(target, [48, 5, 7, 9, 11, 13], proposer, max_new_tokens=6)
-    full = whole.propose(15, 11, 40, SamplingParams(), None).tokens
+    assert whole.block_rows(40) == (most, most) and capped.block_rows(40) == (3, most) and cut.block_rows(40) == (3, 3)
+    assert capped.block_rows(2) == cut.block_rows(2) == (2, 2)  # near max_new_tokens every block is cut
+    full = whole.slot_logits(15, 11, *whole.block_rows(40))
+    torch.testing.assert_close(capped.slot_logits(15, 11, *capped.block_rows(40)), full[:3])
+    assert not torch.allclose(cut.slot_logits(15, 11, *cut.block_rows(40)), full[:3], atol=1e-3)
     head = capped.propose(15, 11, 40, SamplingParams(), None).tokens
-    assert len(full) == drafter.cfg.block_size - 1 and head.tolist() == full[:3].tolist()
+    assert head.tolist() == full[:3].argmax(-1).tolist()
 
 
 def test_demo_drafts_less_on_a_cpu_unless_told() -> None:
