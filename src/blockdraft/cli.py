@@ -179,10 +179,12 @@ def _parse_methods(methods: str, budgets: Optional[str], draft_tokens: Optional[
     from blockdraft.prompting import parse_ids
 
     depths: list[Optional[int]] = list(parse_ids(draft_tokens, "--draft-tokens")) if draft_tokens else [None]
+    names = [m.strip() for m in methods.split(",") if m.strip()]
+    tree_budgets = parse_ids(budgets, "--budget") if budgets and "ddtree" in names else [64]
     specs = []
-    for name in [m.strip() for m in methods.split(",") if m.strip()]:
+    for name in names:
         if name == "ddtree":
-            specs += [MethodSpec("ddtree", b, d) for d in depths for b in (parse_ids(budgets, "--budget") if budgets else [64])]
+            specs += [MethodSpec("ddtree", b, d) for d in depths for b in tree_budgets]
         elif name == "ar":
             specs.append(MethodSpec(name))
         else:

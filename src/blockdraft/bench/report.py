@@ -196,12 +196,13 @@ def plot_budget_sweep(runs: list[MethodRun], path: Path) -> Path:
         name = "ddtree" if depth is None else f"ddtree/{depth}"
         left.plot([r.spec.budget for r in line], [r.stats.tau for r in line], marker="o", label=name)
         right.plot([r.spec.budget for r in line], [r.stats.tokens_per_s for r in line], marker="o", label=name)
-    for run in (r for r in runs if r.spec.method in ("dflash", "ar")):
-        style = "--" if run.spec.method == "dflash" else ":"
+    for run in runs:
+        label, s = run.spec.label, run.stats
         if run.spec.method == "dflash":
-            left.axhline(run.stats.tau, linestyle=style, color="gray", label=f"{run.spec.label} chain (tau {run.stats.tau:.2f})")
-        right.axhline(run.stats.tokens_per_s, linestyle=style, color="gray",
-                      label=f"{run.spec.label} ({run.stats.tokens_per_s:.1f} tok/s)")
+            left.axhline(s.tau, linestyle="--", color="gray", label=f"{label} chain (tau {s.tau:.2f})")
+            right.axhline(s.tokens_per_s, linestyle="--", color="gray", label=f"{label} ({s.tokens_per_s:.1f} tok/s)")
+        elif run.spec.method == "ar":
+            right.axhline(s.tokens_per_s, linestyle=":", color="gray", label=f"{label} ({s.tokens_per_s:.1f} tok/s)")
     left.set_ylabel("tau (tokens per verify step)")
     left.set_title("acceptance length vs tree budget")
     right.set_ylabel("tokens/s")

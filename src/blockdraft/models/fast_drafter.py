@@ -223,9 +223,9 @@ class FastDrafter:
         return _ExtendGraph(graph=graph, taps=taps)
 
     @torch.inference_mode()
-    def slot_logits(self, anchor: int, start: int, slots: int, mask_token_id: int, visible: int | None = None) -> torch.Tensor:
+    def slot_logits(self, anchor: int, start: int, slots: int, mask_token_id: int, visible: int) -> torch.Tensor:
         """Draft logits [slots, V] for positions start+1 .. start+slots from one pass of all B block rows, the rows
-        past `visible` (default `slots`) hidden from the others (the eager pass leaves them out)."""
+        past `visible` (>= slots) hidden from the others (the eager pass leaves them out)."""
         rows = self.block_size
         self._room(max(start, self.length) + rows)
         cap = round_up(self.length + rows)
@@ -245,7 +245,7 @@ class FastDrafter:
         ids.fill_(mask_token_id)
         ids[0, 0] = anchor
         torch.add(self.slot_ids[:rows], start, out=positions)
-        valid.fill_((slots if visible is None else visible) + 1)
+        valid.fill_(visible + 1)
         if entry is None:
             return self._draft_run(ids, positions, valid, cap)[:slots]
         entry.graph.replay()
