@@ -87,14 +87,16 @@ def test_exactness_note_names_the_cause_and_the_check() -> None:
     assert "please report" in exactness_note([ar, off], "float32", 0.0)
 
 
-def _timed(label: str, tokens: int, seconds: float, lengths: list[int]) -> MethodRun:
+def _timed(label: str, tokens: int, seconds: float, lengths: list[int], stages: tuple[float, float, float] = (0, 0, 0)
+           ) -> MethodRun:
     from blockdraft.bench.runner import PromptRun
     from blockdraft.decoding.generate import GenerationResult
     from blockdraft.metrics import SpecStats
 
     method, _, budget = label.partition("@")
+    draft_s, build_s, verify_s = stages
     stats = SpecStats(method=label, num_prompts=1, generated_tokens=tokens, acceptance_lengths=lengths,
-                      decode_s=seconds)
+                      decode_s=seconds, draft_s=draft_s + build_s, tree_build_s=build_s, verify_s=verify_s)
     return MethodRun(MethodSpec(method, int(budget) if budget else None),
                      [PromptRun("p0", "chat", GenerationResult(list(range(tokens)), lengths, stats, None))])
 
@@ -107,10 +109,23 @@ def test_speedup_note_says_whether_tau_or_step_cost_is_short() -> None:
     fast = _timed("ddtree@32", 100, 0.5, [4] * 25)
     note = speedup_note([ar, slow, fast], "hf")
     assert "dflash 0.50x" in note and "commits 2.00 tokens" in note and "costs 4.00 AR steps" in note
-    assert "ddtree" not in note and "model card" in note and "--engine fast" in note
+    assert "ddtree" not in note.split("Fastest")[0] and "model card" in note and "--engine fast" in note
     on_fast = speedup_note([ar, slow, fast], "fast")
     assert "costs 4.00 AR steps" in on_fast and "--engine fast" not in on_fast and "fast engine is on" in on_fast
     on_cpu = speedup_note([ar, slow, fast], "hf", "cpu")
     assert "costs 4.00 AR steps" in on_cpu and "--draft-tokens" in on_cpu and "--engine fast" not in on_cpu
+    assert "Fastest here: ddtree@32 (2.00x AR)" in note and "bfloat16" not in on_fast
+    assert "bfloat16" in speedup_note([ar, slow], "fast", "cuda", "float32")
     assert speedup_note([ar, fast], "hf") is None
     assert speedup_note([slow, fast], "hf") is None  # no AR baseline
+
+
+def test_speedup_note_says_where_a_slow_step_goes() -> None:
+    from blockdraft.bench.report import speedup_note
+
+    ar = _timed("ar", 100, 0.2, [1] * 100)  # 2 ms a step
+    big = _timed("ddtree@512", 100, 0.35, [4] * 25, stages=(0.0125, 0.05, 0.275))  # 14 ms a step over 25 steps
+    note = speedup_note([ar, big], "fast", "cuda", "float32")
+    assert "ddtree@512 0.57x" in note and "costs 7.00 AR steps" in note
+    assert "ms a step: drafter 0.50, tree 2.00, verify 11.00, rest 0.50" in note and "an AR step 2.00 ms" in note
+    assert "Fastest here" not in note

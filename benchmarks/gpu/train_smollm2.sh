@@ -13,7 +13,8 @@
 # GEN_TEMPS answers every prompt once per listed temperature (default 0: greedy only; 0,0.7 adds sampled answers);
 # SELF_PROMPTS=N adds N requests SmolLM2 writes itself under seed SELF_SEED (default 0; first call; NUM_PROMPTS must
 # then cover every set);
-# DISTILL=K trains on the target's top-K soft labels (--distill-topk K);
+# DISTILL=K trains on the target's top-K soft labels (--distill-topk K); GAMMA sets the slot-weight decay (--gamma),
+# SEED the sample order (--seed);
 # DATA_OUT=1 also returns the response cache; TRAIN_TIMEOUT=0 prepares data and trains nothing.
 # Two runs side by side (an A/B, one GPU each, after a call that prepared the data): PREPARED=1 skips the preparation,
 # RUN=/tmp/bd/<name> trains there on a copy of /tmp/bd/run/data, TAG=<prefix> names its files in $OUT;
@@ -69,7 +70,7 @@ timeout "${TRAIN_TIMEOUT:-520}" $TRAIN --target smollm2-135m-instruct \
   --gen-batch-size "${GEN_BATCH:-1024}" --response-tokens 320 --max-length 768 --layers 3 --block-size 16 \
   --anchors-per-seq 256 --steps "${STEPS:-1800}" --batch-size "${BATCH:-8}" --attention "${ATTENTION:-auto}" \
   --save-every "${SAVE_EVERY:-500}" --eval-every 0 --eval-prompts "${EVAL_PROMPTS:-8}" --eval-tokens 128 ${RESUME:+--resume} ${INIT:+--init "$INIT"} \
-  ${COMPILE:+--compile} ${DISTILL:+--distill-topk "$DISTILL"} --lr "${LR:-6e-4}" --warmup-ratio "${WARMUP:-0.04}" --gen-temperatures "${GEN_TEMPS:-0}" \
+  ${COMPILE:+--compile} ${DISTILL:+--distill-topk "$DISTILL"} ${GAMMA:+--gamma "$GAMMA"} ${SEED:+--seed "$SEED"} --lr "${LR:-6e-4}" --warmup-ratio "${WARMUP:-0.04}" --gen-temperatures "${GEN_TEMPS:-0}" \
   2> "$RUN/train.err"
 RC=$?
 echo "train rc $RC after $(( $(date +%s) - T0 )) s"

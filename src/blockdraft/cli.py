@@ -245,7 +245,9 @@ def bench(
         )
     out.print(summary_table(runs))
     out.print(category_table(runs))
-    for note in (exactness_note(runs, str(loaded.target.dtype).removeprefix("torch."), temperature), speedup_note(runs, loaded.target.engine, loaded.target.device.type)):
+    dtype_name = str(loaded.target.dtype).removeprefix("torch.")
+    for note in (exactness_note(runs, dtype_name, temperature),
+                 speedup_note(runs, loaded.target.engine, loaded.target.device.type, dtype_name)):
         if note:
             err.print(f"note: {note}", soft_wrap=True)
     settings = {

@@ -97,7 +97,7 @@ def run_demo(
     console.print(summary_table(ordered, title="blockdraft demo (T=0, same prompts, one process)"))
     console.print(category_table(ordered))
     console.print(f"plot: {plot_acceptance(ordered, plot)}")
-    note = speedup_note(ordered, target.engine, target.device.type)
+    note = speedup_note(ordered, target.engine, target.device.type, str(target.dtype).removeprefix("torch."))
     if note:
         console.print(f"[dim]note: {note}[/dim]", soft_wrap=True)
     return ordered

@@ -57,18 +57,30 @@ def exactness_note(runs: list[MethodRun], dtype: str, temperature: float) -> str
             "decoding round differently, so near-tied logits can flip; rerun with --dtype float32 to check exactness")
 
 
-def speedup_note(runs: list[MethodRun], engine: str, device: str = "cuda") -> str | None:
-    """Why a speculative method is slower than AR, in the two numbers that decide it.
+def _step_ms(stats: Any) -> str:
+    """Where one step's time goes, in ms: the drafter pass, the tree build (DDTree), the verify, the rest."""
+    n = max(stats.steps, 1)
+    parts = [("drafter", stats.draft_s - stats.tree_build_s)]
+    if stats.tree_build_s:
+        parts.append(("tree", stats.tree_build_s))
+    parts += [("verify", stats.verify_s), ("rest", stats.other_s)]
+    return ", ".join(f"{name} {1000 * seconds / n:.2f}" for name, seconds in parts)
 
-    A step commits tau tokens and costs (tau / speedup) AR steps (drafter pass + multi-row verify + overhead); the
-    method only pays when the first exceeds the second. Saying both tells a user whether the drafter (tau) or the
-    engine (step cost) is the one to fix; the fast engine is only suggested to a run that is not on it already, and
-    on a CPU, where every verified token costs compute, a shorter draft is.
+
+def speedup_note(runs: list[MethodRun], engine: str, device: str = "cuda", dtype: str | None = None) -> str | None:
+    """Why a speculative method is slower than AR, in the two numbers that decide it and where its step time goes.
+
+    A step commits tau tokens and costs (tau / speedup) AR steps (drafter pass + tree build + multi-row verify +
+    overhead); the method only pays when the first exceeds the second. Saying both tells a user whether the drafter
+    (tau) or the engine (step cost) is the one to fix, and the per-stage milliseconds say which part of the step.
+    When another method of the same run beats AR, the note names the fastest, the setting to deploy. The fast
+    engine is only suggested to a run that is not on it already; on a CPU, where every verified token costs
+    compute, a shorter draft is; on a GPU in float32 (no tensor cores for the matmuls), bfloat16 is.
     """
     base = _baseline(runs)
     if base is None or not base.stats.tokens_per_s:
         return None
-    slow = []
+    slow, fastest = [], None
     for run in runs:
         s = run.stats
         if run is base or not s.tokens_per_s or not s.tau:
@@ -76,18 +88,27 @@ def speedup_note(runs: list[MethodRun], engine: str, device: str = "cuda") -> st
         speedup = s.tokens_per_s / base.stats.tokens_per_s
         if speedup < 1:
             slow.append(f"{run.spec.label} {speedup:.2f}x (a step commits {s.tau:.2f} tokens but costs "
-                        f"{s.tau / speedup:.2f} AR steps)")
+                        f"{s.tau / speedup:.2f} AR steps; ms a step: {_step_ms(s)})")
+        elif fastest is None or speedup > fastest[1]:
+            fastest = (run.spec.label, speedup)
     if not slow:
         return None
-    advice = "Raise tau (a better-trained drafter: its model card says how it was trained)"
+    ar_ms = 1000 * base.stats.decode_s / max(base.stats.steps, 1)
+    note = f"slower than AR here: {'; '.join(slow)}; an AR step {ar_ms:.2f} ms."
+    if fastest:
+        note += f" Fastest here: {fastest[0]} ({fastest[1]:.2f}x AR)."
+    advice = " Raise tau (a better-trained drafter: its model card says how it was trained)"
     if device == "cpu":
         advice += (" or cut the step cost: on a CPU every verified token costs compute, so draft fewer tokens per "
                    "step (--draft-tokens 2 or 3, a DDTree --budget of a few nodes)")
     elif engine == "fast":
         advice += "; the fast engine is on, so the step cost is what a drafter pass and a multi-row verify cost here"
+        if dtype == "float32":
+            advice += (", in float32, where matmuls run without tensor cores: --dtype bfloat16 (what a server runs) "
+                       "makes a many-row verify cheaper")
     else:
         advice += " or cut the step cost (--engine fast on a GPU)"
-    return "slower than AR here: " + "; ".join(slow) + ". " + advice
+    return note + advice
 
 
 def category_table(runs: list[MethodRun]) -> Table:
