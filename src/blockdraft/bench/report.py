@@ -9,6 +9,7 @@ from rich.table import Table
 
 from blockdraft.bench.runner import MethodRun, identical_to
 from blockdraft.errors import BlockdraftError
+from blockdraft.metrics import SpecStats
 
 
 def _baseline(runs: list[MethodRun]) -> MethodRun | None:
@@ -57,7 +58,7 @@ def exactness_note(runs: list[MethodRun], dtype: str, temperature: float) -> str
             "decoding round differently, so near-tied logits can flip; rerun with --dtype float32 to check exactness")
 
 
-def _step_ms(stats: Any) -> str:
+def _step_ms(stats: SpecStats) -> str:
     """Where one step's time goes, in ms: the drafter pass, the tree build (DDTree), the verify, the rest."""
     n = max(stats.steps, 1)
     parts = [("drafter", stats.draft_s - stats.tree_build_s)]
