@@ -253,7 +253,7 @@ def bench(
     settings = {
         "target": target, "drafter": drafter, "prompts": prompts, "num_prompts": len(encoded),
         "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
-        "device": str(loaded.target.device), "dtype": str(loaded.target.dtype).removeprefix("torch."),
+        "device": str(loaded.target.device), "dtype": dtype_name,
         "engine": loaded.target.engine,
     }
     if json_out:
