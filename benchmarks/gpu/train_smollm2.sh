@@ -52,7 +52,7 @@ if [ -z "${RESUME:-}${PREPARED:-}" ]; then
     $TRAIN --target smollm2-135m-instruct --prompts self --num-prompts "$SELF_PROMPTS" --out /tmp/bd/self$S --seed "$S" \
       --gen-batch-size "${GEN_BATCH:-1024}" --response-tokens 320 --max-length 768 --layers 3 --block-size 16 \
       --anchors-per-seq 16 --steps 1 --batch-size 2 --attention sdpa --save-every 0 --eval-every 0 --eval-prompts 0 \
-      --gen-temperatures "${GEN_TEMPS:-0}" 2> /tmp/bd/self.err | grep "^samples" || { tail -c 1500 /tmp/bd/self.err; exit 1; }
+      --gen-temperatures "${GEN_TEMPS:-0}" 2> /tmp/bd/self$S.err | grep "^samples" || { tail -c 1500 /tmp/bd/self$S.err; exit 1; }
     mkdir -p /tmp/bd/run/data
     for f in /tmp/bd/self$S/data/responses-*.jsonl; do cp "$f" "/tmp/bd/run/data/responses-self$S-${f##*responses-}"; done
     for f in /tmp/bd/self$S/data/self-prompts-*.jsonl; do cp "$f" "/tmp/bd/run/data/self-prompts-s$S-${f##*self-prompts-}"; done
