@@ -2,23 +2,25 @@
 # it with setsid once the GGUF is assembled and the target converted (it outlives the call); collect /tmp/bd/out at
 # the end. Earlier response caches go into /tmp/bd/run before the training starts: extracted by the starting call, or
 # carried by later calls that then `touch /tmp/bd/cache.ready` (CACHE_WAIT=1 makes the chain wait for that file).
-#  1. New requests SmolLM2 writes itself, answered greedily and at T=0.7, one seed per GPU (SELF_SEEDS, default
-#     "17 19"); with SWEEP_BUDGETS set, GPU 0 instead sweeps the shipped drafter's DDTree budgets on Spec-Bench and
-#     HumanEval and only the first seed is written.
-#  2. An A/B from the shipped drafter, one GPU each, same steps and sample order (--seed 2), on the cached answers of
-#     the requests of TRAIN_SEEDS (default 13 and SELF_SEEDS): ARM_A and ARM_B are the arms' extra settings for
-#     train_smollm2.sh (default gamma 3 on greedy and sampled answers, against gamma 3 on the greedy answers only).
+#  1. New requests SmolLM2 writes itself, answered at NEW_TEMPS (default 0: greedy only, which trained as well as
+#     greedy + T=0.7 in session 10 at half the generation time), one seed per GPU (SELF_SEEDS, default "25 27"); with
+#     SWEEP_BUDGETS set, GPU 0 instead sweeps the shipped drafter's DDTree budgets on Spec-Bench and HumanEval and only
+#     the first seed is written.
+#  2. An A/B from the shipped drafter, one GPU each, same steps and sample order (--seed 2), on the cached greedy
+#     answers of the requests of TRAIN_SEEDS (default 13, 21, 23 and SELF_SEEDS): ARM_A and ARM_B are the arms' extra
+#     settings for train_smollm2.sh (default gamma 3 against gamma 2).
 #  3. Both arms benched (DFlash, DDTree@32), one GPU each. /tmp/bd/chain.done marks the end; logs are /tmp/bd/*.log.
-# Session 9 ran it as SWEEP_BUDGETS=32,64,128,256,512 SELF_SEEDS=13 TRAIN_SEEDS="7 11 13" CACHE_WAIT=1 ARM_A=GAMMA=7
-# ARM_B=GAMMA=3 (then named gamma_ab.sh).
+# Session 9 ran it as SWEEP_BUDGETS=32,64,128,256,512 SELF_SEEDS=13 TRAIN_SEEDS="7 11 13" CACHE_WAIT=1 NEW_TEMPS=0,0.7
+# ARM_A="GAMMA=7 GEN_TEMPS=0,0.7" ARM_B="GAMMA=3 GEN_TEMPS=0,0.7" (then named gamma_ab.sh); session 10 as
+# SELF_SEEDS="17 19" TRAIN_SEEDS="13 17 19" NEW_TEMPS=0,0.7 ARM_A="GAMMA=3 GEN_TEMPS=0,0.7" ARM_B=GAMMA=3.
 set -u
 source benchmarks/gpu/env.sh
 OUTDIR=/tmp/bd/out
 mkdir -p $OUTDIR
 SHIPPED=src/blockdraft/drafters/smollm2-135m-instruct-dflash
-read -r -a SEEDS <<< "${SELF_SEEDS:-17 19}"
+read -r -a SEEDS <<< "${SELF_SEEDS:-25 27}"
 generate() {
-  CUDA_VISIBLE_DEVICES=$1 OUT=$OUTDIR GEN_BATCH=2048 SELF_PROMPTS=${SELF_PROMPTS:-16000} SELF_SEED=$2 GEN_TEMPS=0,0.7 \
+  CUDA_VISIBLE_DEVICES=$1 OUT=$OUTDIR GEN_BATCH=2048 SELF_PROMPTS=${SELF_PROMPTS:-16000} SELF_SEED=$2 GEN_TEMPS=${NEW_TEMPS:-0} \
     NUM_PROMPTS=200000 TRAIN_TIMEOUT=0 bash benchmarks/gpu/train_smollm2.sh > /tmp/bd/gen$2.log 2>&1
 }
 if [ -n "${SWEEP_BUDGETS:-}" ]; then
@@ -32,13 +34,13 @@ fi
 wait
 echo "generation done: $(date)" >> /tmp/bd/chain.log
 [ -n "${CACHE_WAIT:-}" ] && while [ ! -e /tmp/bd/cache.ready ]; do sleep 5; done
-for s in ${TRAIN_SEEDS:-13 ${SEEDS[*]}}; do cat /tmp/bd/run/data/self-prompts-s$s-*.jsonl; done > /tmp/bd/new.jsonl
+for s in ${TRAIN_SEEDS:-13 21 23 ${SEEDS[*]}}; do cat /tmp/bd/run/data/self-prompts-s$s-*.jsonl; done > /tmp/bd/new.jsonl
 echo "training prompts: $(wc -l < /tmp/bd/new.jsonl)" >> /tmp/bd/chain.log
-C="PREPARED=1 COMPILE=1 PROMPTS=/tmp/bd/new.jsonl LR=3e-4 WARMUP=0.01 GEN_TEMPS=0,0.7 NUM_PROMPTS=200000 \
+C="PREPARED=1 COMPILE=1 PROMPTS=/tmp/bd/new.jsonl LR=3e-4 WARMUP=0.01 GEN_TEMPS=0 NUM_PROMPTS=200000 \
   STEPS=${STEPS:-2200} BATCH=16 SAVE_EVERY=200 EVAL_PROMPTS=0 TRAIN_TIMEOUT=480 SEED=2 INIT=$SHIPPED OUT=$OUTDIR"
 env $C ${ARM_A:-GAMMA=3} CUDA_VISIBLE_DEVICES=0 RUN=/tmp/bd/runA TAG=A bash benchmarks/gpu/train_smollm2.sh \
   > /tmp/bd/A.log 2>&1 &
-env $C ${ARM_B:-GAMMA=3 GEN_TEMPS=0} CUDA_VISIBLE_DEVICES=1 RUN=/tmp/bd/runB TAG=B bash benchmarks/gpu/train_smollm2.sh \
+env $C ${ARM_B:-GAMMA=2} CUDA_VISIBLE_DEVICES=1 RUN=/tmp/bd/runB TAG=B bash benchmarks/gpu/train_smollm2.sh \
   > /tmp/bd/B.log 2>&1
 wait
 echo "training done: $(date)" >> /tmp/bd/chain.log
