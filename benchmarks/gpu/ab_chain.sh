@@ -38,16 +38,19 @@ for s in ${TRAIN_SEEDS:-13 21 23 ${SEEDS[*]}}; do cat /tmp/bd/run/data/self-prom
 echo "training prompts: $(wc -l < /tmp/bd/new.jsonl)" >> /tmp/bd/chain.log
 C="PREPARED=1 COMPILE=1 PROMPTS=/tmp/bd/new.jsonl LR=3e-4 WARMUP=0.01 GEN_TEMPS=0 NUM_PROMPTS=200000 \
   STEPS=${STEPS:-2200} BATCH=16 SAVE_EVERY=200 EVAL_PROMPTS=0 TRAIN_TIMEOUT=480 SEED=2 INIT=$SHIPPED OUT=$OUTDIR"
-env $C ${ARM_A:-GAMMA=3} CUDA_VISIBLE_DEVICES=0 RUN=/tmp/bd/runA TAG=A bash benchmarks/gpu/train_smollm2.sh \
-  > /tmp/bd/A.log 2>&1 &
-env $C ${ARM_B:-GAMMA=2} CUDA_VISIBLE_DEVICES=1 RUN=/tmp/bd/runB TAG=B bash benchmarks/gpu/train_smollm2.sh \
-  > /tmp/bd/B.log 2>&1
+train_arm() {  # GPU, arm tag, the arm's settings
+  env $C $3 CUDA_VISIBLE_DEVICES=$1 RUN=/tmp/bd/run$2 TAG=$2 bash benchmarks/gpu/train_smollm2.sh > /tmp/bd/$2.log 2>&1
+}
+bench_arm() {  # GPU, arm tag
+  CUDA_VISIBLE_DEVICES=$1 SINGLE=1 OUT=$OUTDIR DRAFTER=/tmp/bd/run$2/drafter TAG=$2 bash benchmarks/gpu/bench_tau.sh \
+    > /tmp/bd/$2bench.log 2>&1
+}
+train_arm 0 A "${ARM_A:-GAMMA=3}" &
+train_arm 1 B "${ARM_B:-GAMMA=2}"
 wait
 echo "training done: $(date)" >> /tmp/bd/chain.log
-(CUDA_VISIBLE_DEVICES=0 SINGLE=1 OUT=$OUTDIR DRAFTER=/tmp/bd/runA/drafter TAG=A bash benchmarks/gpu/bench_tau.sh \
-  > /tmp/bd/Abench.log 2>&1) &
-CUDA_VISIBLE_DEVICES=1 SINGLE=1 OUT=$OUTDIR DRAFTER=/tmp/bd/runB/drafter TAG=B bash benchmarks/gpu/bench_tau.sh \
-  > /tmp/bd/Bbench.log 2>&1
+bench_arm 0 A &
+bench_arm 1 B
 wait
 echo "benches done: $(date)" >> /tmp/bd/chain.log
 touch /tmp/bd/chain.done
