@@ -8,8 +8,10 @@
 #     the first seed is written.
 #  2. An A/B from the shipped drafter, one GPU each, same steps and sample order (--seed 2), on the cached greedy
 #     answers of the requests of TRAIN_SEEDS (default 13, 21, 23 and SELF_SEEDS): ARM_A and ARM_B are the arms' extra
-#     settings for train_smollm2.sh (default gamma 3 against gamma 2).
+#     settings for train_smollm2.sh (default gamma 3 against gamma 2); ARM_TIMEOUT (default 480 s) caps each.
 #  3. Both arms benched (DFlash, DDTree@32), one GPU each. /tmp/bd/chain.done marks the end; logs are /tmp/bd/*.log.
+# ARM_B=none trains ARM_A alone under DDP on both GPUs (twice the samples in the same time: a data-scale run, no A/B)
+# and benches it at BUDGETS (default 32) with Spec-Bench and HumanEval on one GPU each.
 # Session 9 ran it as SWEEP_BUDGETS=32,64,128,256,512 SELF_SEEDS=13 TRAIN_SEEDS="7 11 13" CACHE_WAIT=1 NEW_TEMPS=0,0.7
 # ARM_A="GAMMA=7 GEN_TEMPS=0,0.7" ARM_B="GAMMA=3 GEN_TEMPS=0,0.7" (then named gamma_ab.sh); session 10 as
 # SELF_SEEDS="17 19" TRAIN_SEEDS="13 17 19" NEW_TEMPS=0,0.7 ARM_A="GAMMA=3 GEN_TEMPS=0,0.7" ARM_B=GAMMA=3.
@@ -37,7 +39,7 @@ echo "generation done: $(date)" >> /tmp/bd/chain.log
 for s in ${TRAIN_SEEDS:-13 21 23 ${SEEDS[*]}}; do cat /tmp/bd/run/data/self-prompts-s$s-*.jsonl; done > /tmp/bd/new.jsonl
 echo "training prompts: $(wc -l < /tmp/bd/new.jsonl)" >> /tmp/bd/chain.log
 C="PREPARED=1 COMPILE=1 PROMPTS=/tmp/bd/new.jsonl LR=3e-4 WARMUP=0.01 GEN_TEMPS=0 NUM_PROMPTS=200000 \
-  STEPS=${STEPS:-2200} BATCH=16 SAVE_EVERY=200 EVAL_PROMPTS=0 TRAIN_TIMEOUT=480 SEED=2 INIT=$SHIPPED OUT=$OUTDIR"
+  STEPS=${STEPS:-2200} BATCH=16 SAVE_EVERY=200 EVAL_PROMPTS=0 TRAIN_TIMEOUT=${ARM_TIMEOUT:-480} SEED=2 INIT=$SHIPPED OUT=$OUTDIR"
 train_arm() {  # GPU, arm tag, the arm's settings
   env $C $3 CUDA_VISIBLE_DEVICES=$1 RUN=/tmp/bd/run$2 TAG=$2 bash benchmarks/gpu/train_smollm2.sh > /tmp/bd/$2.log 2>&1
 }
@@ -45,12 +47,18 @@ bench_arm() {  # GPU, arm tag
   CUDA_VISIBLE_DEVICES=$1 SINGLE=1 OUT=$OUTDIR DRAFTER=/tmp/bd/run$2/drafter TAG=$2 bash benchmarks/gpu/bench_tau.sh \
     > /tmp/bd/$2bench.log 2>&1
 }
-train_arm 0 A "${ARM_A:-GAMMA=3}" &
-train_arm 1 B "${ARM_B:-GAMMA=2}"
-wait
-echo "training done: $(date)" >> /tmp/bd/chain.log
-bench_arm 0 A &
-bench_arm 1 B
-wait
+if [ "${ARM_B:-}" = none ]; then  # one arm on both GPUs: DDP training, then Spec-Bench and HumanEval side by side
+  train_arm 0,1 A "NPROC=2 ${ARM_A:-GAMMA=3}"
+  echo "training done: $(date)" >> /tmp/bd/chain.log
+  OUT=$OUTDIR DRAFTER=/tmp/bd/runA/drafter TAG=A BUDGETS=${BUDGETS:-32} bash benchmarks/gpu/bench_tau.sh > /tmp/bd/Abench.log 2>&1
+else
+  train_arm 0 A "${ARM_A:-GAMMA=3}" &
+  train_arm 1 B "${ARM_B:-GAMMA=2}"
+  wait
+  echo "training done: $(date)" >> /tmp/bd/chain.log
+  bench_arm 0 A &
+  bench_arm 1 B
+  wait
+fi
 echo "benches done: $(date)" >> /tmp/bd/chain.log
 touch /tmp/bd/chain.done
