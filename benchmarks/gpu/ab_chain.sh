@@ -24,14 +24,14 @@ set -u
 source benchmarks/gpu/env.sh
 OUTDIR=/tmp/bd/out
 mkdir -p $OUTDIR
-SHIPPED=${FROM:-src/blockdraft/drafters/smollm2-135m-instruct-dflash}
+START=${FROM:-src/blockdraft/drafters/smollm2-135m-instruct-dflash}
 read -r -a SEEDS <<< "${SELF_SEEDS:-29 31}"
 generate() {
   CUDA_VISIBLE_DEVICES=$1 OUT=$OUTDIR GEN_BATCH=2048 SELF_PROMPTS=${SELF_PROMPTS:-28000} SELF_SEED=$2 GEN_TEMPS=${NEW_TEMPS:-0} \
     NUM_PROMPTS=200000 TRAIN_TIMEOUT=0 bash benchmarks/gpu/train_smollm2.sh > /tmp/bd/gen$2.log 2>&1
 }
 if [ -n "${SWEEP_BUDGETS:-}" ]; then
-  (CUDA_VISIBLE_DEVICES=0 SINGLE=1 OUT=$OUTDIR TAG=sweep BUDGETS=$SWEEP_BUDGETS DRAFTER=$SHIPPED \
+  (CUDA_VISIBLE_DEVICES=0 SINGLE=1 OUT=$OUTDIR TAG=sweep BUDGETS=$SWEEP_BUDGETS DRAFTER=$START \
     bash benchmarks/gpu/bench_tau.sh > /tmp/bd/sweep.log 2>&1) &
   generate 1 "${SEEDS[0]}"
 else
@@ -44,7 +44,7 @@ echo "generation done: $(date)" >> /tmp/bd/chain.log
 for s in ${TRAIN_SEEDS:-${SEEDS[*]}}; do cat /tmp/bd/run/data/self-prompts-s$s-*.jsonl; done > /tmp/bd/new.jsonl
 echo "training prompts: $(wc -l < /tmp/bd/new.jsonl)" >> /tmp/bd/chain.log
 C="PREPARED=1 COMPILE=1 PROMPTS=/tmp/bd/new.jsonl LR=3e-4 WARMUP=0.01 GEN_TEMPS=0 NUM_PROMPTS=200000 \
-  STEPS=${STEPS:-2200} BATCH=16 SAVE_EVERY=200 EVAL_PROMPTS=0 TRAIN_TIMEOUT=${ARM_TIMEOUT:-540} SEED=2 INIT=$SHIPPED OUT=$OUTDIR"
+  STEPS=${STEPS:-2200} BATCH=16 SAVE_EVERY=200 EVAL_PROMPTS=0 TRAIN_TIMEOUT=${ARM_TIMEOUT:-540} SEED=2 INIT=$START OUT=$OUTDIR"
 train_arm() {  # GPU, arm tag, the arm's settings
   env $C $3 CUDA_VISIBLE_DEVICES=$1 RUN=/tmp/bd/run$2 TAG=$2 bash benchmarks/gpu/train_smollm2.sh > /tmp/bd/$2.log 2>&1
 }
