@@ -25,6 +25,7 @@ source benchmarks/gpu/env.sh
 OUTDIR=/tmp/bd/out
 mkdir -p $OUTDIR
 START=${FROM:-src/blockdraft/drafters/smollm2-135m-instruct-dflash}
+BUDGETS=${BUDGETS:-32,256}
 read -r -a SEEDS <<< "${SELF_SEEDS:-29 31}"
 generate() {
   CUDA_VISIBLE_DEVICES=$1 OUT=$OUTDIR GEN_BATCH=2048 SELF_PROMPTS=${SELF_PROMPTS:-28000} SELF_SEED=$2 GEN_TEMPS=${NEW_TEMPS:-0} \
@@ -49,20 +50,20 @@ train_arm() {  # GPU, arm tag, the arm's settings
   env $C $3 CUDA_VISIBLE_DEVICES=$1 RUN=/tmp/bd/run$2 TAG=$2 bash benchmarks/gpu/train_smollm2.sh > /tmp/bd/$2.log 2>&1
 }
 bench_arm() {  # GPU, arm tag
-  CUDA_VISIBLE_DEVICES=$1 SINGLE=1 OUT=$OUTDIR DRAFTER=/tmp/bd/run$2/drafter TAG=$2 BUDGETS=${BUDGETS:-32,256} \
+  CUDA_VISIBLE_DEVICES=$1 SINGLE=1 OUT=$OUTDIR DRAFTER=/tmp/bd/run$2/drafter TAG=$2 BUDGETS=$BUDGETS \
     bash benchmarks/gpu/bench_tau.sh > /tmp/bd/$2bench.log 2>&1
 }
 if [ -z "${ARM_B:-}" ]; then  # one run on both GPUs: DDP training, then Spec-Bench and HumanEval side by side
   train_arm 0,1 A "NPROC=2 ${ARM_A:-GAMMA=3}"
   echo "training done: $(date)" >> /tmp/bd/chain.log
-  [ "${BUDGETS:-}" = none ] || OUT=$OUTDIR DRAFTER=/tmp/bd/runA/drafter TAG=A BUDGETS=${BUDGETS:-32,256} \
+  [ "$BUDGETS" = none ] || OUT=$OUTDIR DRAFTER=/tmp/bd/runA/drafter TAG=A BUDGETS=$BUDGETS \
     bash benchmarks/gpu/bench_tau.sh > /tmp/bd/Abench.log 2>&1
 else
   train_arm 0 A "${ARM_A:-GAMMA=3}" &
   train_arm 1 B "$ARM_B"
   wait
   echo "training done: $(date)" >> /tmp/bd/chain.log
-  if [ "${BUDGETS:-}" != none ]; then bench_arm 0 A & bench_arm 1 B; wait; fi
+  if [ "$BUDGETS" != none ]; then bench_arm 0 A & bench_arm 1 B; wait; fi
 fi
 echo "benches done: $(date)" >> /tmp/bd/chain.log
 touch /tmp/bd/chain.done
