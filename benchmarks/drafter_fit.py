@@ -27,12 +27,12 @@ from typing import Any
 import torch
 
 from blockdraft.assets import EMBEDDED_TARGET_NAME, resolve_target_path
-from blockdraft.bench.demo import EMBEDDED_DRAFTER
 from blockdraft.decoding.draft import DFlashProposer
 from blockdraft.decoding.generate import generate
 from blockdraft.models.drafter import DFlashDrafter
 from blockdraft.models.loading import load_drafter, load_target, resolve_dtype
 from blockdraft.models.target import Target
+from blockdraft.pair import EMBEDDED_DRAFTER
 from blockdraft.train.data import Sample
 from blockdraft.train.features import compute_taps
 from blockdraft.train.masks import BlockLayout

@@ -105,3 +105,14 @@ def test_drafter_for_another_target(tiny_dirs: tuple[Path, Path], tmp_path: Path
     (bad / "config.json").write_text(json.dumps(edited))
     res = run_cli("generate", "--target", str(target), "--drafter", str(bad), "--prompt-ids", "1")
     assert res.returncode == 2 and "target_layer_ids" in res.stderr
+
+
+def test_embedded_target_defaults_to_the_shipped_drafter(tiny_dirs: tuple[Path, Path]) -> None:
+    from blockdraft.pair import EMBEDDED_DRAFTER, default_drafter
+
+    target, drafter = tiny_dirs
+    assert default_drafter("smollm2-135m-instruct", None) == str(EMBEDDED_DRAFTER)
+    assert default_drafter("SmolLM2-135M-Instruct", str(drafter)) == str(drafter)
+    assert default_drafter(str(target), None) is None
+    res = run_cli("generate", "--target", str(target), "--prompt-ids", "1,2", "--max-new-tokens", "4")
+    assert res.returncode == 2 and "--method dflash needs --drafter PATH" in res.stderr

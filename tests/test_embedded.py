@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from blockdraft.bench.demo import EMBEDDED_DRAFTER
 from blockdraft.bench.prompts import load_prompt_set
-from blockdraft.cli import app, encode_item
+from blockdraft.cli import app
 from blockdraft.decoding.generate import generate
 from blockdraft.decoding.methods import build_proposer
 from blockdraft.models.loading import load_drafter, load_target, resolve_device, resolve_dtype
+from blockdraft.pair import EMBEDDED_DRAFTER, encode_item
 
 pytestmark = pytest.mark.slow
 

@@ -14,39 +14,11 @@ import typer
 from rich.console import Console
 
 from blockdraft.errors import BlockdraftError
+from blockdraft.pair import EMBEDDED_DRAFTER, Loaded, default_drafter, encode_item
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Block-diffusion speculative decoding: exact, fast, diagnosable.")
 err = Console(stderr=True)
 out = Console()
-
-
-class Loaded:
-    """A target (with tokenizer and stop ids) and an optional drafter, loaded once per command."""
-
-    def __init__(
-        self, target: str, drafter: Optional[str], device: Optional[str], dtype: Optional[str], engine: str = "hf"
-    ) -> None:
-        from transformers.utils import logging as hf_logging
-
-        from blockdraft.config import load_draft_config
-        from blockdraft.models.loading import load_drafter, load_target, resolve_device, resolve_dtype
-
-        hf_logging.disable_progress_bar()
-        if drafter:
-            load_draft_config(drafter)  # a bad drafter fails before minutes of target loading
-        dev = resolve_device(device)
-        self.target, self.tokenizer = load_target(target, dev, resolve_dtype(dtype, dev), engine)
-        self.drafter = load_drafter(drafter, self.target) if drafter else None
-        generation = getattr(self.target.model, "generation_config", None)
-        self.generation_eos = getattr(generation, "eos_token_id", None)
-
-    def stops(self, extra: list[int], ignore_eos: bool) -> tuple[int, ...]:
-        from blockdraft.prompting import stop_tokens
-
-        return tuple(extra) if ignore_eos else stop_tokens(self.tokenizer, self.generation_eos, extra)
-
-    def decode(self, ids: list[int]) -> Optional[str]:
-        return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def _prompt_items(
@@ -72,16 +44,6 @@ def _prompt_items(
     if chat:
         return [PromptItem(id="0", category="cli", messages=[{"role": "user", "content": prompt}])]
     return [PromptItem(id="0", category="cli", prompt=prompt)]
-
-
-def encode_item(item: Any, tokenizer: Any, thinking: bool = False) -> list[int]:
-    from blockdraft.prompting import encode_messages, encode_text
-
-    if item.prompt_ids is not None:
-        return list(item.prompt_ids)
-    if item.messages is not None:
-        return encode_messages(item.messages, tokenizer, thinking)
-    return encode_text(item.prompt, tokenizer)
 
 
 def _stop_ids(text: Optional[str]) -> list[int]:
@@ -145,7 +107,7 @@ def generate(
 
     sampling = SamplingParams(temperature, top_p, top_k)
     items = _prompt_items(prompt, messages, prompt_ids, prompts, chat)
-    loaded = Loaded(target, drafter, device, dtype, engine)
+    loaded = Loaded(target, drafter if method == "ar" else default_drafter(target, drafter), device, dtype, engine)
     proposer = build_proposer(method, loaded.target, loaded.drafter, budget, draft_tokens)
     stops = loaded.stops(_stop_ids(stop_token_ids), ignore_eos)
     encoded = [encode_item(item, loaded.tokenizer, thinking) for item in items]
@@ -234,7 +196,8 @@ def bench(
     sampling = SamplingParams(temperature, top_p, top_k)
     specs = _parse_methods(methods, budget, draft_tokens)
     items = load_prompt_set(prompts, limit=limit, per_category=per_category)
-    loaded = Loaded(target, drafter, device, dtype, engine)
+    needs_drafter = any(spec.method != "ar" for spec in specs)
+    loaded = Loaded(target, default_drafter(target, drafter) if needs_drafter else drafter, device, dtype, engine)
     encoded = [BenchPrompt(i.id, i.category, encode_item(i, loaded.tokenizer, thinking)) for i in items]
     stops = loaded.stops([], ignore_eos)
     with Progress(console=err, transient=True) as progress:
@@ -297,7 +260,7 @@ def demo(
     plot: Path = typer.Option(Path("blockdraft-demo.png"), "--plot", help="Where to write the acceptance plot."),
 ) -> None:
     """The embedded pair (SmolLM2-135M-Instruct + our DFlash drafter) on chat, code and math prompts."""
-    from blockdraft.bench.demo import EMBEDDED_DRAFTER, demo_settings, run_demo
+    from blockdraft.bench.demo import demo_settings, run_demo
     from blockdraft.bench.prompts import load_prompt_set
     from blockdraft.bench.runner import BenchPrompt
 

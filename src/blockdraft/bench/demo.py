@@ -23,7 +23,6 @@ from blockdraft.models.drafter import DFlashDrafter
 from blockdraft.models.target import Target
 from blockdraft.prompting import IncrementalDecoder
 
-EMBEDDED_DRAFTER = Path(__file__).resolve().parents[1] / "drafters" / "smollm2-135m-instruct-dflash"
 _STYLES = ("bold cyan", "bold magenta")
 
 

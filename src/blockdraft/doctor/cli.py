@@ -178,7 +178,7 @@ def probe_command(
 ) -> None:
     """Measure the drafter's healthy acceptance and its acceptance under each known deployment fault (T = 0)."""
     from blockdraft.bench.prompts import load_prompt_set
-    from blockdraft.cli import Loaded, encode_item
+    from blockdraft.pair import Loaded, encode_item
     from blockdraft.doctor.probes import run_probes
 
     observed = None

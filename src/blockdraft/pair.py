@@ -1,0 +1,61 @@
+"""Loading glue shared by every front end: names -> (target, tokenizer, drafter), and prompt items -> token ids.
+
+It sits below cli, doctor, bench and serve so none of them imports another to load a model. The embedded pair is
+the default pair everywhere: the embedded target with no --drafter gets the drafter that ships with blockdraft.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+EMBEDDED_DRAFTER = Path(__file__).resolve().parent / "drafters" / "smollm2-135m-instruct-dflash"
+
+
+def default_drafter(target: str, drafter: Optional[str]) -> Optional[str]:
+    """The drafter the user named; for the embedded target with none named, the shipped one."""
+    from blockdraft.assets import EMBEDDED_TARGET_NAME
+
+    if drafter is None and target.lower() == EMBEDDED_TARGET_NAME:
+        return str(EMBEDDED_DRAFTER)
+    return drafter
+
+
+class Loaded:
+    """A target (with tokenizer and stop ids) and an optional drafter, loaded once per command."""
+
+    def __init__(
+        self, target: str, drafter: Optional[str], device: Optional[str], dtype: Optional[str], engine: str = "hf"
+    ) -> None:
+        from transformers.utils import logging as hf_logging
+
+        from blockdraft.config import load_draft_config
+        from blockdraft.models.loading import load_drafter, load_target, resolve_device, resolve_dtype
+
+        hf_logging.disable_progress_bar()
+        if drafter:
+            load_draft_config(drafter)  # a bad drafter fails before minutes of target loading
+        dev = resolve_device(device)
+        self.target, self.tokenizer = load_target(target, dev, resolve_dtype(dtype, dev), engine)
+        self.drafter = load_drafter(drafter, self.target) if drafter else None
+        generation = getattr(self.target.model, "generation_config", None)
+        self.generation_eos = getattr(generation, "eos_token_id", None)
+
+    def stops(self, extra: list[int], ignore_eos: bool) -> tuple[int, ...]:
+        from blockdraft.prompting import stop_tokens
+
+        return tuple(extra) if ignore_eos else stop_tokens(self.tokenizer, self.generation_eos, extra)
+
+    def decode(self, ids: list[int]) -> Optional[str]:
+        return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def encode_item(item: Any, tokenizer: Any, thinking: bool = False) -> list[int]:
+    """A PromptItem (ids, chat messages or text) -> prompt token ids."""
+    from blockdraft.prompting import encode_messages, encode_text
+
+    if item.prompt_ids is not None:
+        return list(item.prompt_ids)
+    if item.messages is not None:
+        return encode_messages(item.messages, tokenizer, thinking)
+    return encode_text(item.prompt, tokenizer)
