@@ -70,11 +70,15 @@ def test_causal_flags() -> None:
     assert cfg.layer_window(0) == 2048
 
 
-def test_use_sliding_window_false_disables_the_window() -> None:
+def test_sliding_layers_without_a_window_are_refused() -> None:
     r = raw("qwen36_27b_dflash")
     r["use_sliding_window"] = False
-    cfg = parse_draft_config(r)
-    assert cfg.layer_window(0) is None and cfg.layer_is_causal(0)
+    with pytest.raises(BlockdraftError, match=r"layers \[0, 1, 2, 3\] are sliding_attention but use_sliding_window is false"):
+        parse_draft_config(r)
+    r = raw("qwen36_27b_dflash")
+    del r["sliding_window"]
+    with pytest.raises(BlockdraftError, match="no sliding_window is set"):
+        parse_draft_config(r)
 
 
 def test_optional_scales() -> None:

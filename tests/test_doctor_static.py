@@ -258,15 +258,25 @@ def test_explicit_unusual_taps_stand_and_default_rule_is_reported() -> None:
 
 
 @pytest.mark.parametrize("changes", [{"use_sliding_window": False}, {"sliding_window": None}])
-def test_sliding_layers_without_a_window(changes: dict) -> None:
-    findings = check_pair(drafter(QWEN36_DRAFTER, **changes), QWEN36_27B)
-    (window,) = by_field(findings, "use_sliding_window")
-    assert window.severity == "warning" and "no window" in window.message and "2048" in window.fix
+def test_sliding_layers_without_a_window_are_refused(changes: dict) -> None:
+    with pytest.raises(BlockdraftError, match="sliding_attention but .* so they have no window .* trained window"):
+        drafter(QWEN36_DRAFTER, **changes)
 
 
-def test_window_without_sliding_layers() -> None:
-    findings = check_pair(drafter(QWEN3_4B_DRAFTER, use_sliding_window=True, sliding_window=4096), QWEN3_4B)
-    assert severities(findings, "layer_types") == ["info"]
+@pytest.mark.parametrize("layer_types", [None, ["full_attention"] * 5])
+def test_sliding_layers_lost_from_the_config_are_a_warning_with_their_cost(layer_types: list | None) -> None:
+    findings = check_pair(drafter(QWEN36_DRAFTER, layer_types=layer_types), QWEN36_27B)
+    (lost,) = by_field(findings, "layer_types")
+    assert lost.severity == "warning" and "every layer runs full attention" in lost.message
+    assert "4.43 -> 1.13" in lost.cost and "restore layer_types" in lost.fix
+    assert ("is absent" if layer_types is None else "lists no sliding layer") in lost.message
+
+
+def test_taps_shifted_down_by_one_are_flagged_like_the_upward_shift() -> None:
+    findings = check_pair(drafter(QWEN36_DRAFTER, target_layer_ids=[0, 15, 30, 45, 60]), QWEN36_27B)
+    (taps,) = by_field(findings, "dflash_config.target_layer_ids")
+    assert taps.severity == "warning" and "layer inputs instead of outputs (-1)" in taps.message
+    assert "[1, 16, 31, 46, 61]" in taps.message
 
 
 def test_rope_theta_mismatch_across_config_styles() -> None:
@@ -312,6 +322,29 @@ def test_thinking_mode_hint() -> None:
     (hint,) = findings
     assert (hint.field, hint.severity) == ("chat_template", "info") and "enable_thinking" in hint.fix
     assert check_pair(drafter(QWEN3_4B_DRAFTER), QWEN3_4B, chat_template="{{ messages }}") == []
+
+
+def test_linear_attention_taps_are_computed_for_a_flat_config_without_layer_types() -> None:
+    import json
+    from pathlib import Path
+
+    target = json.loads((Path(__file__).parent / "fixtures" / "targets" / "qwen3_next_80b_a3b_instruct.json").read_text())
+    assert "layer_types" not in target and target["full_attention_interval"] == 4
+    findings = check_pair(drafter(QWEN36_DRAFTER, target_layer_ids=[1, 3, 7, 11, 46], num_target_layers=48), target)
+    (hybrid,) = by_field(findings, "model_type")
+    assert "taps [1, 46] are linear-attention layers" in hybrid.message and "may" not in hybrid.message
+
+
+def test_published_hybrid_target_with_text_config() -> None:
+    import json
+    from pathlib import Path
+
+    target = json.loads((Path(__file__).parent / "fixtures" / "targets" / "qwen36_27b.json").read_text())
+    published = json.loads((Path(__file__).parent / "fixtures" / "configs" / "qwen36_27b_dflash.json").read_text())
+    findings = check_pair(parse_draft_config(published), target)
+    assert not [f for f in findings if f.severity == "error"]
+    (hybrid,) = by_field(findings, "model_type")
+    assert "taps [1, 16, 46, 61] are linear-attention layers" in hybrid.message
 
 
 def test_hybrid_detection() -> None:

@@ -95,3 +95,26 @@ def test_trained_pair_parity(trained_pairs: dict, kind: str) -> None:
     assert same == len(prompts)
     assert tau > 2.0
     print(f"parity {kind}: {same}/{len(prompts)} runs identical, tau {tau:.2f}")
+
+
+# Attention variants the authors' dflash 0.1.0 defines too (it reads top-level `is_causal`, `layer_types` and the
+# window transformers leaves in `sliding_window`): same ids and acceptance lengths as the reference.
+REFERENCE_VARIANTS = {
+    "sliding_bidirectional": dict(
+        layer_types=["sliding_attention", "full_attention"], use_sliding_window=True, sliding_window=5, is_causal=False
+    ),
+    "all_sliding_causal": dict(layer_types=["sliding_attention"] * 2, use_sliding_window=True, sliding_window=4),
+    "full_causal": dict(layer_types=["full_attention"] * 2, is_causal=True),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(REFERENCE_VARIANTS))
+def test_attention_variants_parity(variant: str) -> None:
+    from blockdraft.config import parse_draft_config
+
+    raw = drafter_raw_config("all_full")
+    raw.update(REFERENCE_VARIANTS[variant])
+    drafter = DFlashDrafter(parse_draft_config(raw))
+    drafter.load_state_dict(make_drafter("all_full").state_dict())
+    same, _ = compare(make_target_model("qwen3"), drafter.eval(), random_prompts(4, 3), 40)
+    assert same == 4

@@ -44,7 +44,12 @@ def sglang_num_draft_tokens(block_size: int) -> int:
 
 @dataclass(frozen=True)
 class DraftConfig:
-    """A DFlash drafter's shape and semantics, whatever config.json variant it came from."""
+    """A DFlash drafter's shape and semantics, whatever config.json variant it came from.
+
+    `layer_types` is what each layer runs (after `dflash_config.use_swa`), `layer_causal` whether it is causal
+    inside the block, `sliding_window` the window of its sliding layers (None: unbounded). The rules follow vLLM
+    0.33's qwen3_dflash.py and the authors' dflash 0.1.0 model.py, which agree (DESIGN.md, "Drafter attention").
+    """
 
     hidden_size: int
     num_hidden_layers: int
@@ -62,25 +67,32 @@ class DraftConfig:
     num_target_layers: int | None
     taps_from_default_rule: bool
     layer_types: tuple[str, ...]
+    declared_layer_types: tuple[str, ...]
+    layer_causal: tuple[bool, ...]
     sliding_window: int | None
     use_sliding_window: bool
     is_causal: bool | None
     input_embedding_scale: float
     output_multiplier: float
     final_logit_softcapping: float | None
-    raw: dict[str, Any] = field(compare=False, repr=False)
+    partial_rotary_factor: float = 1.0
+    value_scale: float | None = None
+    attention_sinks: bool = False
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def layer_is_causal(self, layer: int) -> bool:
-        """Reference rule: `is_causal` when set, else causal exactly for sliding layers."""
-        if self.is_causal is not None:
-            return self.is_causal
-        return self.layer_types[layer] == "sliding_attention"
+        """Causal inside the block: the explicit override when set, else exactly the declared sliding layers."""
+        return self.layer_causal[layer]
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of a layer, or None for unbounded attention."""
         if self.layer_types[layer] != "sliding_attention":
             return None
         return self.sliding_window
+
+    def field_name(self, name: str) -> str:
+        """Where this config holds `name` (`dflash_config.<name>` or top level), so messages name the right field."""
+        return _located(self.raw, name)[1]
 
     def to_dict(self) -> dict[str, Any]:
         """The z-lab config.json for this drafter (the raw fields, with our resolved values written back)."""
@@ -93,7 +105,7 @@ class DraftConfig:
         out["block_size"] = self.block_size
         if self.num_target_layers is not None:
             out["num_target_layers"] = self.num_target_layers
-        out["layer_types"] = list(self.layer_types)
+        out["layer_types"] = list(self.declared_layer_types)
         out.setdefault("architectures", ["DFlashDraftModel"])
         out.setdefault("model_type", "qwen3")
         return out
@@ -122,10 +134,17 @@ class DraftConfig:
 
 def _get(raw: dict[str, Any], name: str, default: Any = None) -> Any:
     """`dflash_config.<name>` wins over the top-level field, as in the reference."""
+    return _located(raw, name, default)[0]
+
+
+def _located(raw: dict[str, Any], name: str, default: Any = None) -> tuple[Any, str]:
+    """A field's value and where it was read (`dflash_config.<name>` or `<name>`), so errors name the right one."""
     dflash = raw.get("dflash_config") or {}
     if name in dflash and dflash[name] is not None:
-        return dflash[name]
-    return raw.get(name, default)
+        return dflash[name], f"dflash_config.{name}"
+    if name in raw and raw[name] is not None:
+        return raw[name], name
+    return default, f"dflash_config.{name}" if "dflash_config" in raw else name
 
 
 def _require_int(raw: dict[str, Any], name: str, source: str, minimum: int = 1) -> int:
@@ -152,21 +171,200 @@ def is_drafter_config(raw: dict[str, Any]) -> bool:
     return "dflash_config" in raw or any("DFlash" in str(a) for a in archs)
 
 
-def parse_draft_config(raw: dict[str, Any], source: str = "config.json") -> DraftConfig:
-    """Validate a drafter config dict; every problem is reported with the field name and the fix."""
-    if not isinstance(raw, dict):
-        raise BlockdraftError(f"{source}: expected a JSON object")
-    if not is_drafter_config(raw):
+def is_speculators_config(raw: dict[str, Any]) -> bool:
+    """vllm-project/speculators writes its own layout: the decoder geometry nested in `transformer_layer_config`."""
+    return "speculators_model_type" in raw or "transformer_layer_config" in raw
+
+
+def from_speculators(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """A speculators-format DFlash config -> the z-lab layout, with vLLM 0.33's mapping (speculators/algos.py):
+    taps are `aux_hidden_state_layer_ids` - 1 (layer inputs -> layer outputs), and every layer is causal exactly
+    when `sliding_window_non_causal` is false (its default, true, makes every layer bidirectional)."""
+    kind = raw.get("speculators_model_type")
+    layers = raw.get("transformer_layer_config")
+    if kind != "dflash":
+        variant = "a DFlash-2 drafter (candidate selector / convolutions)" if kind == "dflash2" else f"a {kind!r} speculator"
         raise BlockdraftError(
-            f"{source} is not a DFlash drafter config (no `dflash_config` and no DFlash architecture); "
-            "pass the drafter folder as --drafter and the base model as --target"
+            f"{source} is a speculators-format config (`speculators_model_type`={kind!r}): {variant}, not a DFlash "
+            "(v1) drafter; blockdraft runs speculators_model_type \"dflash\" only"
         )
+    if not isinstance(layers, dict):
+        raise BlockdraftError(
+            f"{source} is a speculators-format DFlash config without a `transformer_layer_config` object; "
+            "re-export it with vllm-project/speculators or convert it to the z-lab layout (dflash_config)"
+        )
+    aux = raw.get("aux_hidden_state_layer_ids")
+    if not isinstance(aux, list) or not aux or not all(isinstance(i, int) and i >= 1 for i in aux):
+        raise BlockdraftError(
+            f"{source}: speculators field `aux_hidden_state_layer_ids`={aux!r} must list target layer indices >= 1 "
+            "(layer inputs; blockdraft reads layer outputs id - 1)"
+        )
+    if raw.get("sample_from_anchor"):
+        raise BlockdraftError(
+            f"{source}: `sample_from_anchor` true drafts from the anchor slot too, which DFlash (v1) does not; "
+            "use a drafter trained with sample_from_anchor false"
+        )
+    converted = copy.deepcopy(layers)
+    converted["architectures"] = ["DFlashDraftModel"]
+    for name in ("draft_vocab_size", "target_hidden_size", "block_size"):
+        if raw.get(name) is not None:
+            converted[name] = raw[name]
+    converted["dflash_config"] = {
+        "mask_token_id": raw.get("mask_token_id"),
+        "target_layer_ids": [i - 1 for i in aux],
+        "causal": not raw.get("sliding_window_non_causal", True),
+    }
+    return converted
+
+
+# Fields published configs carry that no public reference gives DFlash semantics for (or that this engine does not
+# run): refused by name instead of silently dropped. Each entry: field -> (value that is harmless, why, fix).
+_REFUSED_FIELDS: dict[str, tuple[Any, str, str]] = {
+    "is_neox_style": (True, "interleaved (GPT-J style) RoPE on the drafter's own heads",
+                      "use a drafter distilled with neox-style RoPE"),
+    "use_aux_hidden_state": (True, "a drafter that reads only the last target layer, without the fc over taps",
+                             "use a DFlash drafter that reads target_layer_ids"),
+    "has_own_lm_head": (False, "a drafter with its own LM head (DFlash shares the target's)",
+                        "use a drafter that shares the target's head"),
+    "mrope_section": (None, "multimodal (M-RoPE) positions", "use a drafter with 1-D RoPE"),
+}
+
+
+def _check_refused(raw: dict[str, Any], hidden: int, head_dim: int, vocab: int | None, source: str) -> None:
+    """Refuse, by name, fields that would change what the drafter computes in ways blockdraft does not implement."""
     for name in _UNSUPPORTED_VARIANT_FIELDS:
         if _get(raw, name) is not None:
             raise BlockdraftError(
                 f"{source}: field `{name}` marks a DFlash-2 drafter (candidate selector / convolutions), "
                 "which blockdraft does not run yet; use a DFlash (v1) drafter"
             )
+    if any("DFlash2" in str(a) for a in raw.get("architectures") or []):
+        raise BlockdraftError(
+            f"{source}: architecture {raw['architectures']} is a DFlash-2 drafter, which blockdraft does not run yet; "
+            "use a DFlash (v1) drafter"
+        )
+    for name, (harmless, what, fix) in _REFUSED_FIELDS.items():
+        value = _get(raw, name)
+        if value is not None and value != harmless:
+            raise BlockdraftError(f"{source}: field `{name}`={value!r} asks for {what}, which blockdraft does not run; {fix}")
+    v_head_dim = _get(raw, "v_head_dim")
+    if v_head_dim is not None and v_head_dim != head_dim:
+        raise BlockdraftError(
+            f"{source}: field `v_head_dim`={v_head_dim} differs from head_dim={head_dim} (a MiMo DFlash variant); no "
+            "public DFlash reference (vLLM 0.33, dflash 0.1.0) defines such drafters and blockdraft does not run them"
+        )
+    target_hidden = _get(raw, "target_hidden_size")
+    if target_hidden is not None and target_hidden != hidden:
+        raise BlockdraftError(
+            f"{source}: field `target_hidden_size`={target_hidden} differs from hidden_size={hidden}; blockdraft runs "
+            "drafters as wide as their target (the block is embedded with the target's own embedding)"
+        )
+    draft_vocab = _get(raw, "draft_vocab_size")
+    if draft_vocab is not None and vocab is not None and draft_vocab != vocab:
+        raise BlockdraftError(
+            f"{source}: field `draft_vocab_size`={draft_vocab} is a reduced draft vocabulary (d2t mapping) of the "
+            f"{vocab}-token target vocabulary, which blockdraft does not run; use a full-vocabulary drafter"
+        )
+
+
+def _declared_layer_types(raw: dict[str, Any], layers: int, window: int | None, source: str) -> list[str]:
+    """`layer_types` as given, or as transformers' Qwen3Config derives it when absent (sliding from
+    `max_window_layers` on, when use_sliding_window and a window are set), which is what both references read."""
+    layer_types = raw.get("layer_types")
+    if layer_types is None:
+        first_sliding = raw.get("max_window_layers", 28)
+        return [
+            "sliding_attention" if window is not None and i >= first_sliding else "full_attention" for i in range(layers)
+        ]
+    if not isinstance(layer_types, list) or len(layer_types) != layers:
+        count = len(layer_types) if isinstance(layer_types, list) else layer_types
+        raise BlockdraftError(
+            f"{source}: `layer_types` has {count} entries but `num_hidden_layers`={layers}; give one per layer"
+        )
+    bad = [t for t in layer_types if t not in LAYER_TYPES]
+    if bad:
+        raise BlockdraftError(f"{source}: `layer_types` entry {bad[0]!r} is not one of {LAYER_TYPES}")
+    return list(layer_types)
+
+
+def _causal_override(raw: dict[str, Any], source: str) -> bool | None:
+    """The explicit causality override: top-level `is_causal`, `dflash_config.is_causal` or `dflash_config.causal`;
+    two that disagree are an error, since engines read different ones."""
+    dflash = raw.get("dflash_config") or {}
+    given = {
+        name: value
+        for name, value in (
+            ("is_causal", raw.get("is_causal")),
+            ("dflash_config.is_causal", dflash.get("is_causal")),
+            ("dflash_config.causal", dflash.get("causal")),
+        )
+        if value is not None
+    }
+    for name, value in given.items():
+        if not isinstance(value, bool):
+            raise BlockdraftError(f"{source}: `{name}`={value!r} must be true or false")
+    if len(set(given.values())) > 1:
+        listed = ", ".join(f"`{k}`={str(v).lower()}" for k, v in given.items())
+        raise BlockdraftError(f"{source}: {listed} disagree; keep one (engines read different ones)")
+    return next(iter(given.values()), None)
+
+
+def _attention(raw: dict[str, Any], layers: int, source: str) -> tuple[list[str], list[str], list[bool], int | None]:
+    """(layer kinds run, layer kinds declared, causal per layer, window) by vLLM 0.33's `_resolve_layer_attention`
+    rule, which the authors' dflash 0.1.0 shares where it has the field: `use_swa` slides every layer of a drafter
+    that declares no sliding layer; the window is `dflash_config.swa_window_size`, else `sliding_window` when
+    `use_sliding_window` is true; causal = the override, else the declared layer type is sliding."""
+    use_sw = bool(raw.get("use_sliding_window", False))
+    window = raw.get("sliding_window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise BlockdraftError(f"{source}: `sliding_window`={window!r} must be a positive integer")
+    dflash = raw.get("dflash_config") or {}
+    swa_window = dflash.get("swa_window_size")
+    if swa_window is not None and (isinstance(swa_window, bool) or not isinstance(swa_window, int) or swa_window < 1):
+        raise BlockdraftError(f"{source}: `dflash_config.swa_window_size`={swa_window!r} must be a positive integer")
+    effective_window = swa_window if swa_window is not None else (window if use_sw else None)
+    declared = _declared_layer_types(raw, layers, window if use_sw else None, source)
+    use_swa = dflash.get("use_swa", False)
+    if not isinstance(use_swa, bool):
+        raise BlockdraftError(f"{source}: `dflash_config.use_swa`={use_swa!r} must be true or false")
+    kinds = ["sliding_attention"] * layers if use_swa and "sliding_attention" not in declared else declared
+    sliding = [i for i, t in enumerate(kinds) if t == "sliding_attention"]
+    if sliding and effective_window is None:
+        why = "`dflash_config.use_swa` is true" if use_swa else f"layers {sliding} are sliding_attention"
+        unset = "use_sliding_window is false" if window is not None else "no sliding_window is set"
+        raise BlockdraftError(
+            f"{source}: {why} but {unset}, so they have no window (vLLM refuses such a drafter and the authors' "
+            "reference crashes on it); set use_sliding_window: true and sliding_window (or "
+            "dflash_config.swa_window_size) to the trained window, or declare the layers full_attention"
+        )
+    override = _causal_override(raw, source)
+    causal = [override if override is not None else t == "sliding_attention" for t in declared]
+    return kinds, declared, causal, effective_window
+
+
+def _partial_rotary_factor(raw: dict[str, Any], source: str) -> float:
+    """The share of each head RoPE rotates (vLLM reads it from rope_parameters, older configs at top level)."""
+    params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+    value = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    factor = _optional_float(value, "partial_rotary_factor", source)
+    if factor is None:
+        return 1.0
+    if not 0.0 < factor <= 1.0:
+        raise BlockdraftError(f"{source}: `partial_rotary_factor`={factor} must be in (0, 1]")
+    return factor
+
+
+def parse_draft_config(raw: dict[str, Any], source: str = "config.json") -> DraftConfig:
+    """Validate a drafter config dict; every problem is reported with the field name and the fix."""
+    if not isinstance(raw, dict):
+        raise BlockdraftError(f"{source}: expected a JSON object")
+    if is_speculators_config(raw):
+        raw = from_speculators(raw, source)
+    if not is_drafter_config(raw):
+        raise BlockdraftError(
+            f"{source} is not a DFlash drafter config (no `dflash_config` and no DFlash architecture); "
+            "pass the drafter folder as --drafter and the base model as --target"
+        )
     hidden = _require_int(raw, "hidden_size", source)
     layers = _require_int(raw, "num_hidden_layers", source)
     heads = _require_int(raw, "num_attention_heads", source)
@@ -177,26 +375,32 @@ def parse_draft_config(raw: dict[str, Any], source: str = "config.json") -> Draf
         )
     head_dim = raw.get("head_dim") or hidden // heads
     intermediate = _require_int(raw, "intermediate_size", source)
+    vocab = raw.get("vocab_size")
+    _check_refused(raw, hidden, head_dim, vocab, source)
 
-    block_size = _get(raw, "block_size", DEFAULT_BLOCK_SIZE)
+    block_size, block_field = _located(raw, "block_size", DEFAULT_BLOCK_SIZE)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:
-        raise BlockdraftError(f"{source}: `block_size`={block_size!r} must be an integer >= 2 (published: 16)")
+        raise BlockdraftError(f"{source}: `{block_field}`={block_size!r} must be an integer >= 2 (published: 16)")
 
-    mask = _get(raw, "mask_token_id")
+    mask, mask_field = _located(raw, "mask_token_id")
+    if mask is None and "mask_token_id" in {**raw, **(raw.get("dflash_config") or {})}:
+        raise BlockdraftError(
+            f"{source}: `{mask_field}` is null, as in a training template (the trainer fills it in); use the trained "
+            "drafter's exported config.json, or set it to the id the drafter was trained with"
+        )
     if isinstance(mask, bool) or not isinstance(mask, int) or mask < 0:
         raise BlockdraftError(
-            f"{source}: `dflash_config.mask_token_id` is missing or invalid ({mask!r}); set it to the id the drafter "
+            f"{source}: `{mask_field}` is missing or invalid ({mask!r}); set it to the id the drafter "
             "was trained with (Qwen3 drafters: 151669, Qwen3.5/3.6 drafters: 248070)"
         )
-    vocab = raw.get("vocab_size")
     if vocab is not None and mask >= vocab:
         raise BlockdraftError(
-            f"{source}: `dflash_config.mask_token_id`={mask} is outside the drafter's vocab_size={vocab}; "
+            f"{source}: `{mask_field}`={mask} is outside the drafter's vocab_size={vocab}; "
             "use the mask id the drafter was trained with"
         )
 
     num_target_layers = _get(raw, "num_target_layers")
-    taps = _get(raw, "target_layer_ids")
+    taps, taps_field = _located(raw, "target_layer_ids")
     from_rule = taps is None
     if from_rule:
         if not isinstance(num_target_layers, int):
@@ -206,38 +410,22 @@ def parse_draft_config(raw: dict[str, Any], source: str = "config.json") -> Draf
             )
         taps = default_target_layer_ids(num_target_layers, layers)
     if not isinstance(taps, list) or not taps or not all(isinstance(t, int) and t >= 0 for t in taps):
-        raise BlockdraftError(
-            f"{source}: `dflash_config.target_layer_ids`={taps!r} must be a non-empty list of layer indices >= 0"
-        )
+        raise BlockdraftError(f"{source}: `{taps_field}`={taps!r} must be a non-empty list of layer indices >= 0")
     if isinstance(num_target_layers, int) and max(taps) >= num_target_layers:
         raise BlockdraftError(
-            f"{source}: `target_layer_ids` {taps} reach past `num_target_layers`={num_target_layers}; "
+            f"{source}: `{taps_field}` {taps} reach past `num_target_layers`={num_target_layers}; "
             "taps are 0-based decoder layers of the target"
         )
 
-    layer_types = raw.get("layer_types") or ["full_attention"] * layers
-    if len(layer_types) != layers:
-        raise BlockdraftError(
-            f"{source}: `layer_types` has {len(layer_types)} entries but `num_hidden_layers`={layers}; give one per layer"
-        )
-    bad = [t for t in layer_types if t not in LAYER_TYPES]
-    if bad:
-        raise BlockdraftError(f"{source}: `layer_types` entry {bad[0]!r} is not one of {LAYER_TYPES}")
-    use_sw = bool(raw.get("use_sliding_window", False))
-    window = raw.get("sliding_window")
-    if window is not None and (not isinstance(window, int) or window < 1):
-        raise BlockdraftError(f"{source}: `sliding_window`={window!r} must be a positive integer")
-    effective_window = window if use_sw else None
-
-    is_causal = raw.get("is_causal")
-    if is_causal is None:
-        is_causal = (raw.get("dflash_config") or {}).get("causal")
-    if is_causal is not None and not isinstance(is_causal, bool):
-        raise BlockdraftError(f"{source}: `is_causal`={is_causal!r} must be true or false")
-
+    kinds, declared, causal, window = _attention(raw, layers, source)
     scale = _optional_float(_get(raw, "input_embedding_scale", 1.0), "input_embedding_scale", source)
     mult = _optional_float(_get(raw, "output_multiplier", 1.0), "output_multiplier", source)
+    logit_scale = _optional_float(_get(raw, "logit_scale", 1.0), "logit_scale", source)
     softcap = _optional_float(_get(raw, "final_logit_softcapping"), "final_logit_softcapping", source)
+    value_scale = _optional_float(_get(raw, "attention_value_scale"), "attention_value_scale", source)
+    sinks = _get(raw, "attention_sink_bias", raw.get("add_swa_attention_sink_bias", False))
+    if not isinstance(sinks, bool):
+        raise BlockdraftError(f"{source}: `attention_sink_bias`={sinks!r} must be true or false")
 
     return DraftConfig(
         hidden_size=hidden,
@@ -255,13 +443,18 @@ def parse_draft_config(raw: dict[str, Any], source: str = "config.json") -> Draf
         target_layer_ids=tuple(taps),
         num_target_layers=num_target_layers if isinstance(num_target_layers, int) else None,
         taps_from_default_rule=from_rule,
-        layer_types=tuple(layer_types),
-        sliding_window=effective_window,
-        use_sliding_window=use_sw,
-        is_causal=is_causal,
+        layer_types=tuple(kinds),
+        declared_layer_types=tuple(declared),
+        layer_causal=tuple(causal),
+        sliding_window=window,
+        use_sliding_window=bool(raw.get("use_sliding_window", False)),
+        is_causal=_causal_override(raw, source),
         input_embedding_scale=1.0 if scale is None else scale,
-        output_multiplier=1.0 if mult is None else mult,
+        output_multiplier=(1.0 if mult is None else mult) * (1.0 if logit_scale is None else logit_scale),
         final_logit_softcapping=softcap if softcap and softcap > 0 else None,
+        partial_rotary_factor=_partial_rotary_factor(raw, source),
+        value_scale=value_scale,
+        attention_sinks=sinks,
         raw=copy.deepcopy(raw),
     )
 

@@ -153,6 +153,7 @@ def _known_wrong_taps(num_layers: int, k: int) -> dict[str, list[int]]:
         "spacing (N-2)/(k-1), truncated": [int(1 + i * step) for i in range(k)],
         "spacing ceil((N-2)/(k-1)), clamped to N-1": [min(1 + i * ceil_step, num_layers - 1) for i in range(k)],
         "HF hidden_states index (layer input, +1)": [t + 1 for t in default],
+        "layer inputs instead of outputs (-1)": [t - 1 for t in default] if default[0] >= 1 else default,
     }
     return {name: taps for name, taps in guesses.items() if taps != default}
 
@@ -206,26 +207,25 @@ def _check_taps(draft: DraftConfig, target: dict[str, Any]) -> list[Finding]:
     return findings
 
 
+# Measured by `doctor probe` on a trained pair with a causal sliding layer and a full layer (benchmarks/RESULTS.md,
+# 2026-11-29): the healthy drafter's tau and the tau with its sliding layers run as full attention.
+SWA_AS_FULL_COST = "tau 4.43 -> 1.13 in blockdraft's probe of a trained sliding+full pair; vLLM PR #50169: 33% -> 2.3%"
+
+
 def _check_sliding(draft: DraftConfig) -> list[Finding]:
     findings = []
     sliding = [i for i, t in enumerate(draft.layer_types) if t == "sliding_attention"]
     full = [i for i, t in enumerate(draft.layer_types) if t == "full_attention"]
-    raw_window = draft.raw.get("sliding_window")
-    if sliding and (not draft.use_sliding_window or raw_window is None):
-        reason = "use_sliding_window is false" if not draft.use_sliding_window else "sliding_window is unset"
+    if draft.use_sliding_window and draft.raw.get("sliding_window") is not None and not sliding:
+        how = "`layer_types` is absent" if draft.raw.get("layer_types") is None else "`layer_types` lists no sliding layer"
         findings.append(Finding(
-            "warning", "use_sliding_window",
-            f"layers {sliding} are sliding_attention but {reason}: the reference then runs them causal "
-            "with no window",
-            "if the drafter was trained windowed: fine on short prompts, acceptance falls past the window",
-            "set use_sliding_window: true and sliding_window to the trained window (2048 for Qwen3.6-27B-DFlash)",
-        ))
-    if draft.use_sliding_window and not sliding:
-        findings.append(Finding(
-            "info", "layer_types",
-            "use_sliding_window is true but no layer is sliding_attention; every layer runs full attention",
-            "none if the drafter was trained that way",
-            "list the sliding layers in layer_types if the drafter has any",
+            "warning", "layer_types",
+            f"use_sliding_window is true with sliding_window {draft.raw['sliding_window']}, but {how}: every layer "
+            "runs full attention (the windowed layers of the trained drafter, if any, were lost from the config)",
+            f"if the drafter was trained with sliding layers, running them as full attention collapses acceptance "
+            f"({SWA_AS_FULL_COST})",
+            "restore layer_types from the published config (Qwen3.6-27B-DFlash: 4 sliding_attention + 1 "
+            "full_attention); if the drafter really has no sliding layer, set use_sliding_window: false",
         ))
     if sliding:
         mixed = "VLLM_USE_V2_MODEL_RUNNER=1 (sliding and full layers mixed), " if full else ""
@@ -333,14 +333,22 @@ def _check_thinking(chat_template: str | None) -> list[Finding]:
     )]
 
 
+def target_layer_types(target: dict[str, Any]) -> list[str]:
+    """A hybrid target's layer types: as listed, or as transformers derives them from `full_attention_interval`
+    when the config has none (Qwen3.5 / Qwen3-Next: every interval-th layer is full attention, default 4)."""
+    listed = target.get("layer_types")
+    if isinstance(listed, list):
+        return listed
+    interval = target.get("full_attention_interval", 4)
+    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(target["num_hidden_layers"])]
+
+
 def _check_hybrid(draft: DraftConfig, target_config: dict[str, Any], target: dict[str, Any]) -> list[Finding]:
     if not is_hybrid_target(target_config):
         return []
-    layer_types = target.get("layer_types") or []
+    layer_types = target_layer_types(target)
     linear_taps = [t for t in draft.target_layer_ids if t < len(layer_types) and layer_types[t] == "linear_attention"]
-    where = (
-        f"taps {linear_taps} are linear-attention layers" if linear_taps else "taps may fall on linear-attention layers"
-    )
+    where = f"taps {linear_taps} are linear-attention layers" if linear_taps else "every tap is a full-attention layer"
     return [Finding(
         "info", "model_type",
         f"hybrid target (linear attention interleaved with full attention); {where}",

@@ -21,8 +21,40 @@ from blockdraft.config import DraftConfig
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [b, heads, t, d] by per-position cos/sin of shape [b, t, d]."""
+    """Rotate [b, heads, t, d] by per-position cos/sin of shape [b, t, r]: neox style over the first r dims, the
+    rest passed through (a partial rotary factor, as vLLM's rotary embedding applies it)."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
     return x * cos.unsqueeze(1) + rotate_half(x) * sin.unsqueeze(1)
+
+
+def rotary_embedding(cfg: DraftConfig, hf_config: object) -> Qwen3RotaryEmbedding:
+    """The drafter's RoPE over `partial_rotary_factor` of each head. transformers' scaled rope types honour the
+    factor themselves; its default type rotates the whole head, so its frequencies are rebuilt over the rotated part."""
+    rotary = Qwen3RotaryEmbedding(hf_config)
+    rot = int(cfg.head_dim * cfg.partial_rotary_factor)
+    if rotary.inv_freq.shape[0] * 2 != rot:
+        base = hf_config.rope_parameters["rope_theta"]
+        inv_freq = 1.0 / (base ** (torch.arange(0, rot, 2, dtype=torch.float) / rot))
+        rotary.inv_freq = nn.Buffer(inv_freq, persistent=False)
+        rotary.original_inv_freq = nn.Buffer(inv_freq.clone(), persistent=False)
+    return rotary
+
+
+def sink_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float, sinks: torch.Tensor
+) -> torch.Tensor:
+    """Attention whose softmax denominator also holds exp(sink) per head (vLLM's attention sinks, as gpt-oss): the
+    sink takes probability mass and contributes no value. q [b, h, q, d], k/v [b, kv_h, k, d], mask bool or None."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = (q @ k.transpose(-1, -2)).float() * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return probs.to(v.dtype) @ v
 
 
 def visibility_mask(
@@ -65,6 +97,8 @@ class DrafterAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+        self.value_scale = cfg.value_scale
+        self.attention_sink_bias = nn.Parameter(torch.zeros(self.num_heads)) if cfg.attention_sinks else None
 
     def key_values(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -73,6 +107,8 @@ class DrafterAttention(nn.Module):
         b, t, _ = x.shape
         k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if self.value_scale is not None:
+            v = v * self.value_scale
         return apply_rope(k, cos, sin), v
 
     def forward(
@@ -91,9 +127,12 @@ class DrafterAttention(nn.Module):
         block_k, block_v = self.key_values(x, cos, sin)
         k = torch.cat([context_k, block_k], dim=2)
         v = torch.cat([context_v, block_v], dim=2)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=self.num_heads != self.num_kv_heads
-        )
+        if self.attention_sink_bias is not None:
+            out = sink_attention(q, k, v, mask, self.scaling, self.attention_sink_bias)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=self.num_heads != self.num_kv_heads
+            )
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -163,7 +202,7 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.rotary_emb = Qwen3RotaryEmbedding(hf_config)
+        self.rotary_emb = rotary_embedding(cfg, hf_config)
 
     def rope(self, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for positions [b, t] (or [t]) in the dtype of `like`."""

@@ -35,8 +35,15 @@ T = TypeVar("T")
 
 def fast_drafter_problem(drafter: DFlashDrafter) -> str | None:
     """Why the static drafter path cannot run this drafter (one phrase), or None when it can."""
-    if drafter.cfg.hidden_act not in ACTIVATIONS:
-        return f"hidden_act {drafter.cfg.hidden_act!r}"
+    cfg = drafter.cfg
+    if cfg.hidden_act not in ACTIVATIONS:
+        return f"hidden_act {cfg.hidden_act!r}"
+    if cfg.partial_rotary_factor != 1.0:
+        return f"partial_rotary_factor {cfg.partial_rotary_factor:g}"
+    if cfg.value_scale is not None:
+        return f"attention_value_scale {cfg.value_scale:g}"
+    if cfg.attention_sinks:
+        return "attention sinks"
     rope = drafter.rotary_emb.rope_type
     if rope in LENGTH_DEPENDENT_ROPE:
         return f"rope_type {rope!r} (its frequencies depend on the sequence length)"

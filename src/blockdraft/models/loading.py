@@ -7,6 +7,7 @@ mask id, taps) is refused here with the field at fault and the fix.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from blockdraft.models.target import Target
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ENGINES = ("auto", "hf", "fast")
+MASK_EMBEDDING_FILE = "mask_embedding.pt"
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -112,13 +114,13 @@ def check_pair(cfg: DraftConfig, target: Target, source: str) -> None:
         )
     if cfg.mask_token_id >= target.vocab_size:
         raise BlockdraftError(
-            f"{source}: dflash_config.mask_token_id={cfg.mask_token_id} is outside the target vocabulary "
+            f"{source}: {cfg.field_name('mask_token_id')}={cfg.mask_token_id} is outside the target vocabulary "
             f"({target.vocab_size}); use the mask id the drafter was trained with"
         )
     bad = [t for t in cfg.target_layer_ids if t >= target.num_layers]
     if bad:
         raise BlockdraftError(
-            f"{source}: dflash_config.target_layer_ids {list(cfg.target_layer_ids)} include {bad}, but the target "
+            f"{source}: {cfg.field_name('target_layer_ids')} {list(cfg.target_layer_ids)} include {bad}, but the target "
             f"has {target.num_layers} layers (0..{target.num_layers - 1}); use the drafter trained for this target"
         )
     if cfg.num_target_layers is not None and cfg.num_target_layers != target.num_layers:
@@ -142,9 +144,39 @@ def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
     raise BlockdraftError(f"--drafter {folder}: no model.safetensors (or sharded index) found; pass a drafter folder")
 
 
+# Published checkpoints that name a tensor differently (vLLM 0.33's DFlashQwen3Model.hf_to_vllm_mapper): a
+# single-layer "midlayer", and Muse-Glimmer's aux-hidden-state encoder.
+_RENAMES = (
+    (re.compile(r"^midlayer\."), "layers.0."),
+    (re.compile(r"^encoder\.output_norm_enc\."), "hidden_norm."),
+    (re.compile(r"^encoder\.fc\."), "fc."),
+)
+# Tensors a drafter checkpoint may carry that DFlash does not use: copies of the target's embedding and head.
+_IGNORED = re.compile(r"^(embed_tokens|lm_head)\.")
+
+
+def _published_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Weights under our (the z-lab) names."""
+    renamed = {}
+    for key, value in weights.items():
+        for pattern, replacement in _RENAMES:
+            key = pattern.sub(replacement, key)
+        renamed[key] = value
+    return renamed
+
+
 def load_drafter_weights(drafter: DFlashDrafter, weights: dict[str, torch.Tensor], source: str) -> None:
-    """Strict on what matters: every parameter must be present with its shape; buffers are rebuilt."""
+    """Strict on what matters: every parameter must be present with its shape, and no tensor may be left unused
+    (an unknown tensor is a part of the drafter this engine would silently not run); buffers are rebuilt."""
     own = drafter.state_dict()
+    weights = _published_names(weights)
+    unknown = sorted(k for k in weights if k not in own and not _IGNORED.match(k))
+    if unknown:
+        raise BlockdraftError(
+            f"{source}: the checkpoint has tensors this DFlash drafter does not use ({unknown[:3]}, {len(unknown)} in "
+            "all): a variant blockdraft does not run (e.g. DFlash-2 convolutions or selector), or a config that "
+            "does not match the weights"
+        )
     missing = [k for k in own if k not in weights and "rotary_emb" not in k]
     if missing:
         raise BlockdraftError(f"{source}: weights missing for {missing[:3]} ({len(missing)} in all); the checkpoint is incomplete")
@@ -162,6 +194,11 @@ def load_drafter(path: str | Path, target: Target | None = None) -> DFlashDrafte
     if not folder.exists():
         raise BlockdraftError(f"--drafter {folder} does not exist; pass a folder with config.json and model.safetensors")
     cfg = load_draft_config(folder)
+    if (folder / MASK_EMBEDDING_FILE).exists():
+        raise BlockdraftError(
+            f"--drafter {folder}: {MASK_EMBEDDING_FILE} (a separately trained mask embedding, read by vLLM) is not "
+            "supported by blockdraft yet; its mask slots would use the target's embedding row instead"
+        )
     if target is not None:
         check_pair(cfg, target, str(folder))
     drafter = DFlashDrafter(cfg)

@@ -24,6 +24,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
+from blockdraft.errors import BlockdraftError
 from blockdraft.models.drafter import DFlashDrafter, DrafterLayer, apply_rope
 from blockdraft.train.masks import BlockLayout, layer_masks
 
@@ -221,6 +222,11 @@ class BlockObjective(nn.Module):
         self, drafter: DFlashDrafter, attention: str = "sdpa", compile_backend: str | Callable[..., Any] | None = None
     ) -> None:
         super().__init__()
+        if drafter.cfg.attention_sinks:
+            raise BlockdraftError(
+                "the drafter has attention sinks (attention_sink_bias), which blockdraft runs but does not train; "
+                "train a drafter without them"
+            )
         self.drafter = drafter
         self.attention = attention
         if compile_backend is None:
