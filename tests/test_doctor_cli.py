@@ -35,6 +35,7 @@ DRAFTER: dict[str, Any] = {
     "num_target_layers": 6,
     "dflash_config": {"mask_token_id": 5, "target_layer_ids": [1, 3]},
 }
+ENGINES = Path(__file__).parent / "fixtures" / "engines"
 TARGET = {"model_type": "qwen3", "hidden_size": 32, "num_hidden_layers": 6, "vocab_size": 16, "rope_theta": 1000000}
 runner = CliRunner()
 
@@ -123,6 +124,22 @@ def test_log_file_and_argument_errors(tmp_path: Path) -> None:
         assert isinstance(runner.invoke(doctor_app, args).exception, BlockdraftError)
     both = runner.invoke(doctor_app, ["log", "--line", BROKEN_LINE, "--reference", str(log), "--reference-tau", "2"])
     assert "not both" in str(both.exception)
+
+
+def test_log_file_of_two_dp_engines() -> None:
+    """vLLM 0.33.0's own log of two DP engines: every SpecDecoding line counts, and the report says so."""
+    result = runner.invoke(doctor_app, ["log", "--file", str(ENGINES / "vllm_0.33.0_dflash_dp2.log"), "--json"])
+    assert result.exit_code == 0, result.output
+    observed = json.loads(result.stdout)["fingerprints"]["observed"]
+    assert observed["tau"] == pytest.approx(6.45, abs=0.005)  # 1 + 1090 accepted / 200 drafts
+    assert observed["num_drafts"] is None
+    assert "4 vLLM SpecDecoding lines combined" in observed["source"]
+    result = runner.invoke(doctor_app, ["log", "--file", str(ENGINES / "vllm_0.33.0_mtp.log"), "--json",
+                                        "--reference-tau", "2.9"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["fingerprints"]["observed"]["block_size"] == 4  # MTP with 3 proposals reads like any drafter
+    assert data["verdict"] is not None
 
 
 def test_numbers_command() -> None:

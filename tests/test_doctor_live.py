@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,7 @@ from blockdraft.doctor.live import base_url, measure_server
 from blockdraft.errors import BlockdraftError
 
 QWEN = "Qwen/Qwen3-8B"
+ENGINES = Path(__file__).parent / "fixtures" / "engines"
 
 
 def vllm_text(drafts: int, draft_tokens: int, per_position: list[int], engine: str = "0") -> str:
@@ -137,9 +139,32 @@ def test_sglang_metrics(server: tuple[str, Recorded]) -> None:
 
 def test_sglang_server_info_when_metrics_are_off(server: tuple[str, Recorded]) -> None:
     url, recorded = server
-    info = {"version": "0.5.2", "internal_states": [{"avg_spec_accept_length": 5.5, "last_gen_throughput": 180.2}]}
+    info = {"version": "0.5.23", "internal_states": [{"avg_spec_accept_length": 5.5, "last_gen_throughput": 180.2}]}
     recorded.routes["/server_info"] = [(200, json.dumps(info))]
-    assert measure_server(url, interval=5.0).tau == 5.5
+    fp = measure_server(url, interval=5.0)
+    assert fp.tau == 5.5
+    assert "average since start" in fp.source
+
+
+def test_real_sglang_metrics_with_an_idle_rank(server: tuple[str, Recorded]) -> None:
+    """SGLang 0.5.23's collector text (3 DP ranks, rank 1 idle at 0.0): the idle rank is not averaged in."""
+    url, recorded = server
+    recorded.routes["/metrics"] = [(200, (ENGINES / "sglang_0.5.23_dflash_dp3_metrics.txt").read_text())]
+    fp = measure_server(url, interval=5.0)
+    assert fp.tau == pytest.approx(5.75)
+    assert "1 idle rank(s) at 0.0 ignored" in fp.source
+    assert recorded.hits["/metrics"] == 1
+
+
+def test_real_vllm_metrics_of_two_dp_engines(server: tuple[str, Recorded]) -> None:
+    """vLLM 0.33.0's PrometheusStatLogger text, engines 0 and 1, scraped before and after one interval."""
+    url, recorded = server
+    recorded.routes["/metrics"] = [
+        (200, (ENGINES / f"vllm_0.33.0_dflash_dp2_metrics_{when}.txt").read_text()) for when in ("before", "after")
+    ]
+    fp = measure_server(url, interval=0.01)
+    assert (fp.tau, fp.num_drafts, fp.block_size) == (pytest.approx(6.9), 100, 16)
+    assert "2 engines summed" in fp.source
 
 
 def test_not_an_inference_server(server: tuple[str, Recorded]) -> None:

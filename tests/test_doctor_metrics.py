@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from blockdraft.doctor.fingerprint import Fingerprint, ProbeResult, parse_number_list, rate_from_tau
@@ -121,19 +123,21 @@ def test_garbage_exposition_says_what_was_expected(garbage: str) -> None:
         parse_vllm_metrics(garbage)
 
 
-SGLANG = """\
+SGLANG_LABELS = 'engine_type="unified",model_name="Qwen/Qwen3-8B",moe_ep_rank="0",pp_rank="0",tp_rank="0"'
+SGLANG = f"""\
 # HELP sglang:num_running_reqs The number of running requests.
 # TYPE sglang:num_running_reqs gauge
-sglang:num_running_reqs{engine_type="unified",model_name="Qwen/Qwen3-8B",tp_rank="0"} 4.0
-# HELP sglang:spec_accept_length The average acceptance length of speculative decoding.
+sglang:num_running_reqs{{dp_rank="0",{SGLANG_LABELS}}} 4.0
+# HELP sglang:spec_accept_length Mean acceptance length of speculative decoding.
 # TYPE sglang:spec_accept_length gauge
-sglang:spec_accept_length{engine_type="unified",model_name="Qwen/Qwen3-8B",tp_rank="0"} 5.5
-sglang:spec_accept_length{engine_type="unified",model_name="Qwen/Qwen3-8B",tp_rank="1"} 5.7
-# HELP sglang:spec_accept_rate The average acceptance rate of speculative decoding.
+sglang:spec_accept_length{{dp_rank="0",{SGLANG_LABELS}}} 5.5
+sglang:spec_accept_length{{dp_rank="1",{SGLANG_LABELS}}} 5.7
+# HELP sglang:spec_accept_rate Speculative acceptance rate (`accepted drafts / proposed drafts` in batch).
 # TYPE sglang:spec_accept_rate gauge
-sglang:spec_accept_rate{engine_type="unified",model_name="Qwen/Qwen3-8B",tp_rank="0"} 0.3
-sglang:spec_accept_rate{engine_type="unified",model_name="Qwen/Qwen3-8B",tp_rank="1"} 0.32
+sglang:spec_accept_rate{{dp_rank="0",{SGLANG_LABELS}}} 0.3
+sglang:spec_accept_rate{{dp_rank="1",{SGLANG_LABELS}}} 0.32
 """
+ENGINES = Path(__file__).parent / "fixtures" / "engines"
 
 
 def test_detect_engine() -> None:
@@ -147,11 +151,42 @@ def test_sglang_gauges() -> None:
     assert fp.tau == pytest.approx(5.6)
     assert fp.acceptance_rate == pytest.approx(0.31)
     assert fp.per_position == []
+    assert "mean of 2 ranks that decoded" in fp.source and "ignored" not in fp.source
 
 
-def test_sglang_idle_accept_length_zero() -> None:
+def test_sglang_idle_rank_is_not_averaged_in() -> None:
+    idle = SGLANG.replace("} 5.7", "} 0.0").replace("} 0.32", "} 0.0")
+    fp = parse_sglang_metrics(idle)
+    assert (fp.tau, fp.acceptance_rate) == (5.5, 0.3)
+    assert "mean of 1 rank that decoded, 1 idle rank(s) at 0.0 ignored" in fp.source
+
+
+def test_sglang_all_ranks_idle() -> None:
     with pytest.raises(BlockdraftError, match="no speculative traffic"):
         parse_sglang_metrics(SGLANG.replace("5.5", "0.0").replace("5.7", "0.0"))
+
+
+def test_sglang_real_collector_output_three_dp_ranks_one_idle() -> None:
+    """SGLang 0.5.23's SchedulerMetricsCollector, one process per DP rank, collected as its /metrics does.
+
+    Ranks (accepted tokens, verify forwards, correct drafts), 16 draft tokens: (1100, 200, 900) -> 5.5 and
+    900 / (200 * 15) = 0.3; rank 1 idle (0.0); (600, 100, 500) -> 6.0 and 500 / 1500."""
+    text = (ENGINES / "sglang_0.5.23_dflash_dp3_metrics.txt").read_text()
+    samples = [s for s in parse_samples(text, "m") if s.name == "sglang:spec_accept_length"]
+    assert {frozenset(s.labels) for s in samples} == {
+        frozenset({"model_name", "engine_type", "tp_rank", "pp_rank", "moe_ep_rank", "dp_rank"})}
+    fp = parse_sglang_metrics(text)
+    assert fp.tau == pytest.approx((5.5 + 6.0) / 2)
+    assert fp.acceptance_rate == pytest.approx((0.3 + 500 / 1500) / 2)
+    assert "mean of 2 ranks that decoded, 1 idle rank(s) at 0.0 ignored" in fp.source
+
+
+def test_sglang_real_mtp_output_reads_the_same_gauges() -> None:
+    """NEXTN (MTP) on SGLang publishes the same gauges: (640 tokens, 200 forwards, 440 correct), 4 draft tokens."""
+    fp = parse_sglang_metrics((ENGINES / "sglang_0.5.23_mtp_dp2_metrics.txt").read_text())
+    assert fp.tau == pytest.approx(3.2)
+    assert fp.acceptance_rate == pytest.approx(440 / (200 * 3))
+    assert "1 idle" in fp.source
 
 
 @pytest.mark.parametrize(
@@ -163,7 +198,19 @@ def test_sglang_idle_accept_length_zero() -> None:
     ],
 )
 def test_server_info_top_level_or_internal_states(info: dict) -> None:
-    assert parse_server_info(info).tau == pytest.approx(4.0)
+    fp = parse_server_info(info)
+    assert fp.tau == pytest.approx(4.0)
+    assert "average since start" in fp.source
+
+
+def test_server_info_rank_without_decoding() -> None:
+    """0.5.23 answers internal_states per DP rank; a rank that has not decoded has no avg_spec_accept_length."""
+    info = {"internal_states": [{"avg_spec_accept_length": 5.0, "last_gen_throughput": 9.0},
+                                {"last_gen_throughput": 0.0}], "version": "0.5.23"}
+    fp = parse_server_info(info)
+    assert fp.tau == 5.0
+    assert "average since start" in fp.source
+    assert "mean of 1 rank that decoded, 1 DP rank(s) without it ignored" in fp.source
 
 
 def test_server_info_without_acceptance() -> None:
@@ -181,26 +228,103 @@ REAL_BROKEN_LINE = (
 def test_real_broken_log_line() -> None:
     fp = parse_spec_decoding_log(REAL_BROKEN_LINE)
     assert fp.tau == pytest.approx(1.14)
-    assert fp.acceptance_rate == pytest.approx(0.017, abs=5e-4)
+    assert fp.acceptance_rate == pytest.approx(106 / 6096)
     assert fp.per_position[0] == pytest.approx(0.139)
     assert fp.per_position == [0.139, 0.0]  # elided positions are not invented
     assert fp.block_size is None
-    assert fp.num_drafts == round(106 / 0.14)
+    # vLLM prints no draft count; tau has 2 decimals and drafts may be shorter than K: nothing exact to recover
+    assert fp.num_drafts is None
 
 
-def test_full_log_line_gives_block_size_and_exact_drafts() -> None:
+def test_full_log_line_gives_block_size_but_not_drafts() -> None:
     rates = ", ".join(["0.139"] + ["0.000"] * 7)
-    line = REAL_BROKEN_LINE.replace("0.139, 0.000, ...", rates)
-    fp = parse_spec_decoding_log(line)
+    fp = parse_spec_decoding_log(REAL_BROKEN_LINE.replace("0.139, 0.000, ...", rates))
     assert fp.block_size == 9
-    assert fp.num_drafts == 6096 // 8
     assert len(fp.per_position) == 8
+    assert fp.num_drafts is None  # 6096 / 8 would assume every draft was full length (vLLM shortens them)
 
 
-def test_log_file_uses_last_line() -> None:
-    healthy = REAL_BROKEN_LINE.replace("Mean acceptance length: 1.14", "Mean acceptance length: 6.02")
-    log = "\n".join(["INFO starting", REAL_BROKEN_LINE, "INFO 200 OK", healthy, "INFO done"])
-    assert parse_spec_decoding_log(log).tau == pytest.approx(6.02)
+def spec_line(tau: str, accepted: int, drafted: int, rates: list[str]) -> str:
+    return (f"SpecDecoding metrics: Mean acceptance length: {tau}, Accepted throughput: 1.00 tokens/s, Drafted "
+            f"throughput: 2.00 tokens/s, Accepted: {accepted} tokens, Drafted: {drafted} tokens, Per-position "
+            f"acceptance rate: {', '.join(rates)}, Avg Draft acceptance rate: {100 * accepted / drafted:.1f}%")
+
+
+def test_log_lines_of_two_engines_combine_as_counts() -> None:
+    """Engine 0: 100 drafts, 300 accepted of 400 (tau 4.00); engine 1: 300 drafts, 30 of 900 (tau 1.10).
+    Drafts weigh in: tau = 1 + 330 / 400 = 1.825, not (4.00 + 1.10) / 2."""
+    healthy = spec_line("4.00", 300, 400, ["1.000", "1.000", "1.000", "0.000"])
+    broken = spec_line("1.10", 30, 900, ["0.100", "0.000", "0.000", "0.000"])
+    log = "\n".join(["INFO Engine 000: Avg prompt throughput: 1.0 tokens/s", healthy,
+                     "INFO Engine 001: Avg prompt throughput: 1.0 tokens/s", broken, "INFO done"])
+    fp = parse_spec_decoding_log(log, "vllm.log")
+    assert fp.tau == pytest.approx(1.825)
+    assert fp.acceptance_rate == pytest.approx(330 / 1300)
+    assert fp.per_position == pytest.approx([(100 + 30) / 400, 0.25, 0.25, 0.0])
+    assert fp.num_drafts is None and fp.block_size == 5
+    assert "2 vLLM SpecDecoding lines combined" in fp.source and "cannot be told apart" in fp.source
+
+
+def test_log_line_at_tau_one_keeps_its_weight() -> None:
+    """A line printing 1.00 (nothing accepted) still counts its drafts: at least Drafted / K of them."""
+    healthy = spec_line("3.00", 200, 400, ["1.000", "1.000", "0.000", "0.000"])
+    idle = spec_line("1.00", 0, 400, ["0.000"] * 4)
+    fp = parse_spec_decoding_log(healthy + "\n" + idle)
+    assert fp.tau == pytest.approx(1 + 200 / (100 + 100))
+
+
+def test_log_lines_that_cannot_be_combined() -> None:
+    full = spec_line("2.00", 10, 30, ["0.500", "0.300", "0.200"])
+    with pytest.raises(BlockdraftError, match="pass one line with --line"):
+        parse_spec_decoding_log(full + "\n" + REAL_BROKEN_LINE)
+    wider = spec_line("2.00", 10, 40, ["0.500", "0.300", "0.200", "0.000"])
+    with pytest.raises(BlockdraftError, match="mixes deployments"):
+        parse_spec_decoding_log(full + "\n" + wider)
+
+
+def test_real_vllm_log_two_dp_engines() -> None:
+    """vLLM 0.33.0's own loggers (StatLoggerManager, DP engines 0 and 1, two intervals; K = 15).
+
+    Drafts per (interval, engine), as (draft tokens, accepted): I1 e0 40x(15,6) 10x(15,0) 5x(7,7) 5x(3,1);
+    I1 e1 20x(15,9) 20x(15,2); I2 e0 50x(15,5) 10x(10,10); I2 e1 30x(15,8) 10x(4,0). In all: 200 drafts,
+    2740 draft tokens, 1090 accepted -> tau 6.45, rate 1090 / 2740 (2740 / 15 would say 182.7 drafts)."""
+    text = (ENGINES / "vllm_0.33.0_dflash_dp2.log").read_text()
+    assert text.count("SpecDecoding metrics:") == 4 and "Engine 001:" in text
+    fp = parse_spec_decoding_log(text, "vllm.log")
+    assert fp.acceptance_rate == pytest.approx(1090 / 2740)
+    assert fp.tau == pytest.approx(6.45, abs=0.005)
+    assert fp.block_size == 16 and fp.num_drafts is None
+    assert "4 vLLM SpecDecoding lines combined" in fp.source
+
+
+def test_real_vllm_log_mtp() -> None:
+    """MTP (K = 3) logs the same line: 110 drafts, 320 draft tokens, 210 accepted -> tau 2.909."""
+    fp = parse_spec_decoding_log((ENGINES / "vllm_0.33.0_mtp.log").read_text())
+    assert fp.acceptance_rate == pytest.approx(210 / 320)
+    assert fp.tau == pytest.approx(1 + 210 / 110, abs=0.005)
+    assert fp.block_size == 4
+
+
+def test_real_vllm_metrics_window_two_dp_engines() -> None:
+    """The second interval (see the log test): 100 drafts, 1340 draft tokens, 590 accepted, per position
+    [90]*5 + [40]*3 + [10]*2 + [0]*5, summed over engines 0 and 1."""
+    before = (ENGINES / "vllm_0.33.0_dflash_dp2_metrics_before.txt").read_text()
+    after = (ENGINES / "vllm_0.33.0_dflash_dp2_metrics_after.txt").read_text()
+    assert "vllm:spec_decode_num_drafts_created" in after  # the twins a substring match would sum in
+    fp = vllm_window(before, after, None, "window")
+    assert fp.tau == pytest.approx(6.9)
+    assert fp.acceptance_rate == pytest.approx(590 / 1340)
+    assert fp.per_position == pytest.approx([c / 100 for c in [90] * 5 + [40] * 3 + [10] * 2 + [0] * 5])
+    assert fp.num_drafts == 100 and fp.block_size == 16
+    assert "2 engines summed" in fp.source
+
+
+def test_real_vllm_metrics_mtp() -> None:
+    before = (ENGINES / "vllm_0.33.0_mtp_metrics_before.txt").read_text()
+    after = (ENGINES / "vllm_0.33.0_mtp_metrics_after.txt").read_text()
+    fp = vllm_window(before, after, None, "window")  # 40x(3,2) 10x(3,0): 50 drafts, 150 tokens, 80 accepted
+    assert (fp.tau, fp.num_drafts, fp.block_size) == (pytest.approx(2.6), 50, 4)
+    assert fp.per_position == pytest.approx([0.8, 0.8, 0.0])
 
 
 @pytest.mark.parametrize(

@@ -126,10 +126,11 @@ def test_healthy_qwen36_pair_has_no_errors_or_warnings() -> None:
     assert {f.severity for f in findings} == {"info"}
     assert {f.field for f in findings} == {"layer_types", "partial_rotary_factor", "model_type"}
     sliding = by_field(findings, "layer_types")[0]
-    assert "VLLM_USE_V2_MODEL_RUNNER=1" in sliding.fix and "flash_attn" in sliding.fix
+    assert "V2 model runner" in sliding.fix and "no global --attention-backend" in sliding.fix
     hybrid = by_field(findings, "model_type")[0]
     assert "[1, 16, 46, 61]" in hybrid.message  # layer 31 is a full-attention layer
-    assert "--mamba-scheduler-strategy extra_buffer" in hybrid.fix
+    assert "--mamba-radix-cache-strategy defaults to auto" in hybrid.fix
+    assert "--mamba-scheduler-strategy extra_buffer" not in hybrid.fix
 
 
 def test_every_finding_names_its_cost_and_fix() -> None:

@@ -55,7 +55,7 @@ def test_training_lowers_loss_and_raises_tau(trained_run: tuple[TrainSettings, o
     written = json.loads((settings.out / "train_summary.json").read_text())
     assert written["tau_after"] == summary.tau_after
     assert "num_speculative_tokens\": 7" in summary.launch["vllm"]
-    assert summary.launch["sglang"].endswith("--speculative-num-draft-tokens 8")
+    assert "--speculative-num-draft-tokens 8" in summary.launch["sglang"]
 
 
 def test_export_matches_dflash_reference(trained_run: tuple[TrainSettings, object], monkeypatch: pytest.MonkeyPatch) -> None:

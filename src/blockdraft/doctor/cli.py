@@ -13,7 +13,15 @@ import typer
 
 from blockdraft.config import load_draft_config
 from blockdraft.doctor.fingerprint import Fingerprint, ProbeResult, parse_number_list
-from blockdraft.doctor.launch import sglang_command, vllm_command, write_python_launcher
+from blockdraft.doctor.launch import (
+    DEFAULT_MTP_STEPS,
+    LaunchPlan,
+    sglang_command,
+    sglang_mtp_command,
+    vllm_command,
+    vllm_mtp_command,
+    write_python_launcher,
+)
 from blockdraft.doctor.live import measure_server
 from blockdraft.doctor.log_line import parse_spec_decoding_log
 from blockdraft.doctor.report import DoctorReport, print_report, to_json, write_html
@@ -107,13 +115,16 @@ def server_command(
 @doctor_app.command("log")
 def log_command(
     line: Annotated[str | None, typer.Option(help="One `SpecDecoding metrics:` line from vLLM's log.")] = None,
-    file: Annotated[Path | None, typer.Option(help="A vLLM log file; its last SpecDecoding line is used.")] = None,
+    file: Annotated[
+        Path | None,
+        typer.Option(help="A vLLM log file; all its SpecDecoding lines are combined (counts added)."),
+    ] = None,
     reference: ReferenceOpt = None,
     reference_tau: ReferenceTauOpt = None,
     json_out: JsonOpt = False,
     html: HtmlOpt = None,
 ) -> None:
-    """Read acceptance from vLLM's SpecDecoding log line."""
+    """Read acceptance from vLLM's SpecDecoding log lines (every engine logs its own, untagged)."""
     if (line is None) == (file is None):
         raise BlockdraftError("give exactly one of --line TEXT or --file LOG")
     if file is not None:
@@ -202,20 +213,54 @@ def probe_command(
     _emit(report, json_out, html)
 
 
+def _launch_plan(
+    engine: Literal["vllm", "sglang"],
+    method: Literal["dflash", "mtp"],
+    drafter: Path | None,
+    target: str,
+    mtp_steps: int | None,
+    port: dict[str, int],
+) -> LaunchPlan:
+    """The plan for one engine and method; flags that do not belong to the method are errors, not ignored."""
+    target_config = load_target_config(target)
+    if method == "mtp":
+        if drafter is not None:
+            raise BlockdraftError("--method mtp drafts with the target's own MTP layers; drop --drafter")
+        steps = DEFAULT_MTP_STEPS if mtp_steps is None else mtp_steps
+        build_mtp = vllm_mtp_command if engine == "vllm" else sglang_mtp_command
+        return build_mtp(target, target_config, steps, **port)
+    if drafter is None:
+        raise BlockdraftError("--method dflash needs --drafter (the drafter folder), or use --method mtp")
+    if mtp_steps is not None:
+        raise BlockdraftError("--mtp-steps applies to --method mtp only; a DFlash drafter's block size sets its steps")
+    draft = load_draft_config(drafter)
+    if engine == "vllm":
+        return vllm_command(str(drafter), target, draft, **port)
+    return sglang_command(str(drafter), target, draft, target_config, **port)
+
+
 def launch_command(
-    engine: Annotated[Literal["vllm", "sglang"], typer.Argument(help="Serving engine.")],
-    drafter: Annotated[Path, typer.Option(help="Local drafter folder (its config gives block size and layers).")],
+    engine: Annotated[Literal["vllm", "sglang"], typer.Argument(help="Serving engine (vLLM 0.33, SGLang 0.5.23).")],
     target: Annotated[str, typer.Option(help="Target hub id or local folder (a folder lets us detect hybrids).")],
+    drafter: Annotated[
+        Path | None, typer.Option(help="Local drafter folder (its config gives block size and layers); dflash only.")
+    ] = None,
+    method: Annotated[
+        Literal["dflash", "mtp"],
+        typer.Option(help="dflash: a DFlash drafter; mtp: the target's own MTP layers (Qwen3.5/3.6, Qwen3-Next)."),
+    ] = "dflash",
+    mtp_steps: Annotated[
+        int | None,
+        typer.Option(help=f"MTP proposals per step (default {DEFAULT_MTP_STEPS}); vLLM num_speculative_tokens, "
+                     "SGLang --speculative-num-steps."),
+    ] = None,
     port: Annotated[int | None, typer.Option(help="Server port (default: vLLM 8000, SGLang 30000).")] = None,
     write_launcher: Annotated[
         Path | None, typer.Option(help="Also write a Python launcher script (no shell quoting) here.")
     ] = None,
 ) -> None:
-    """Print the server command for a DFlash drafter, with the right units and flags."""
-    draft = load_draft_config(drafter)
-    target_config = load_target_config(target)
-    build = vllm_command if engine == "vllm" else sglang_command
-    plan = build(str(drafter), target, draft, target_config, **({} if port is None else {"port": port}))
+    """Print the server command for a DFlash drafter or the target's MTP layers, with the right units and flags."""
+    plan = _launch_plan(engine, method, drafter, target, mtp_steps, {} if port is None else {"port": port})
     for note in plan.notes:
         typer.echo(f"# note: {note}")
     typer.echo(plan.shell())

@@ -2,7 +2,8 @@
 
 vLLM's counters are cumulative since start-up, which would mix warm-up and old traffic into the answer, so
 vLLM is scraped twice and only the window between the scrapes counts. SGLang's gauges are already recent
-averages, so one reading (from /metrics, else /server_info) is the answer.
+averages (one per rank), so one reading of /metrics is the answer; without --enable-metrics SGLang serves no
+/metrics and /server_info's average since start is the fallback (its Fingerprint source says so).
 """
 
 from __future__ import annotations

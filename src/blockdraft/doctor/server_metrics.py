@@ -1,8 +1,11 @@
 """Read speculative-decoding acceptance out of what vLLM and SGLang servers expose.
 
-vLLM exports cumulative counters on /metrics, so acceptance over a window is the difference of two scrapes.
-SGLang exports gauges (already averaged) on /metrics and `avg_spec_accept_length` in /server_info. Metric names
-are matched exactly (each vLLM counter has a `_created` twin that a substring match would sum in).
+vLLM exports cumulative counters on /metrics (one series per engine, label `engine`), so acceptance over a
+window is the difference of two scrapes, summed over engines. SGLang exports gauges on /metrics, one series per
+scheduler rank, each already averaged over that rank's last decode-log interval, and `avg_spec_accept_length` per
+DP rank in /server_info, averaged since start. Speculative methods share these metrics: MTP is read exactly as
+DFlash is. Metric names are matched exactly (each vLLM counter has a `_created` twin that a substring match would
+sum in).
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ class VllmCounters:
     draft_tokens: float
     accepted: float
     accepted_per_position: tuple[float, ...]
+    engines: int = 1
 
     def since(self, earlier: VllmCounters, source: str) -> VllmCounters:
         """Counts accumulated between an earlier scrape and this one."""
@@ -84,6 +88,7 @@ class VllmCounters:
             draft_tokens=self.draft_tokens - earlier.draft_tokens,
             accepted=self.accepted - earlier.accepted,
             accepted_per_position=tuple(now - before for now, before in per_position),
+            engines=self.engines,
         )
 
     def fingerprint(self, source: str) -> Fingerprint:
@@ -92,8 +97,9 @@ class VllmCounters:
             raise BlockdraftError(
                 f"{source}: no speculative drafts were counted; send requests while measuring or lengthen --interval"
             )
+        summed = f" ({self.engines} engines summed)" if self.engines > 1 else ""
         return Fingerprint.from_counts(
-            self.drafts, self.draft_tokens, self.accepted, list(self.accepted_per_position), source
+            self.drafts, self.draft_tokens, self.accepted, list(self.accepted_per_position), source + summed
         )
 
 
@@ -118,11 +124,13 @@ def parse_vllm_metrics(text: str, model_name: str | None = None, source: str = "
                 f"{source}: {VLLM_ACCEPTED_PER_POS} sample has no integer `position` label ({s.labels})"
             ) from None
     width = max(per_position) + 1 if per_position else 0
+    engines = {s.labels.get("engine") for s in _select(samples, VLLM_DRAFTS, model_name, source)}
     return VllmCounters(
         drafts=total(VLLM_DRAFTS),
         draft_tokens=total(VLLM_DRAFT_TOKENS),
         accepted=total(VLLM_ACCEPTED),
         accepted_per_position=tuple(per_position.get(i, 0.0) for i in range(width)),
+        engines=max(len(engines), 1),
     )
 
 
@@ -133,50 +141,89 @@ def vllm_window(before: str, after: str, model_name: str | None, source: str) ->
     return later.since(earlier, source).fingerprint(source)
 
 
-def _mean(samples: list[Sample]) -> float | None:
-    """Gauges repeat per rank; their mean is the server's value."""
-    return sum(s.value for s in samples) / len(samples) if samples else None
+def _rank(sample: Sample) -> tuple[tuple[str, str], ...]:
+    """One SGLang scheduler rank's series: its labels (model_name, engine_type, tp_rank, pp_rank, moe_ep_rank,
+    dp_rank when DP is on, and any --extra-metric-labels)."""
+    return tuple(sorted(sample.labels.items()))
 
 
-def _sglang_tau(tau: float, source: str) -> float:
-    if tau < 1.0:
-        raise BlockdraftError(
-            f"{source}: SGLang reports an acceptance length of {tau} (< 1): no speculative traffic yet, or the "
-            "server runs without --speculative-algorithm; send requests and measure again"
-        )
-    return tau
+def _ranks_phrase(counted: int, idle: int, what: str) -> str:
+    phrase = f"mean of {counted} rank{'s' if counted != 1 else ''} that decoded"
+    if idle:
+        phrase += f", {idle} {what} ignored"
+    return phrase
+
+
+def _no_traffic(source: str, name: str, idle: int) -> BlockdraftError:
+    return BlockdraftError(
+        f"{source}: no rank reports a decoded acceptance length ({idle} {name} series at 0.0): no speculative traffic "
+        "yet, or the server runs without --speculative-algorithm; send requests and measure again"
+    )
 
 
 def parse_sglang_metrics(text: str, model_name: str | None = None, source: str = "/metrics") -> Fingerprint:
-    """SGLang's acceptance gauges out of one /metrics scrape."""
+    """SGLang's acceptance gauges out of one /metrics scrape, averaged over the ranks that have decoded.
+
+    Each scheduler rank publishes its own series, each over its own last decode-log interval; a rank that has
+    not decoded (idle, prefill only) publishes 0.0, which would drag a plain mean down, so it is left out.
+    The mean over ranks is unweighted: SGLang does not publish how many verify steps each rank's value covers.
+    """
     samples = parse_samples(text, source)
-    tau = _mean(_select(samples, SGLANG_ACCEPT_LENGTH, model_name, source))
-    if tau is None:
+    lengths = _select(samples, SGLANG_ACCEPT_LENGTH, model_name, source)
+    if not lengths:
         raise BlockdraftError(
             f"{source} has no {SGLANG_ACCEPT_LENGTH}; start SGLang with --enable-metrics and --speculative-algorithm"
         )
-    rate = _mean(_select(samples, SGLANG_ACCEPT_RATE, model_name, source))
-    return Fingerprint(_sglang_tau(tau, source), rate, [], None, None, source)
+    decoded = {_rank(s): s.value for s in lengths if s.value >= 1.0}
+    idle = len(lengths) - len(decoded)
+    if not decoded:
+        raise _no_traffic(source, SGLANG_ACCEPT_LENGTH, idle)
+    rates = [s.value for s in _select(samples, SGLANG_ACCEPT_RATE, model_name, source) if _rank(s) in decoded]
+    return Fingerprint(
+        tau=sum(decoded.values()) / len(decoded),
+        acceptance_rate=sum(rates) / len(rates) if rates else None,
+        per_position=[],
+        num_drafts=None,
+        block_size=None,
+        source=f"{source}: {SGLANG_ACCEPT_LENGTH}, {_ranks_phrase(len(decoded), idle, 'idle rank(s) at 0.0')}",
+    )
 
 
 def parse_server_info(info: Any, source: str = "/server_info") -> Fingerprint:
-    """SGLang's `avg_spec_accept_length`, top level or under `internal_states` (a dict, or one per DP rank)."""
+    """SGLang's `avg_spec_accept_length`: an average since the server started, per DP rank in `internal_states`.
+
+    0.5.x answers `internal_states` as a list with one entry per DP rank; a rank that has not decoded has no
+    `avg_spec_accept_length`. Older releases put the field at the top level or `internal_states` as one dict.
+    """
     if not isinstance(info, dict):
         raise BlockdraftError(f"{source}: expected a JSON object from SGLang's /server_info")
-    values: list[float] = []
     if isinstance(info.get(SERVER_INFO_FIELD), (int, float)):
-        values = [info[SERVER_INFO_FIELD]]
+        states: list[Any] = [info]
     else:
-        states = info.get("internal_states")
-        states = [states] if isinstance(states, dict) else states if isinstance(states, list) else []
-        values = [
-            s[SERVER_INFO_FIELD]
-            for s in states
-            if isinstance(s, dict) and isinstance(s.get(SERVER_INFO_FIELD), (int, float))
-        ]
+        raw = info.get("internal_states")
+        states = [raw] if isinstance(raw, dict) else raw if isinstance(raw, list) else []
+    values = [
+        s[SERVER_INFO_FIELD]
+        for s in states
+        if isinstance(s, dict) and isinstance(s.get(SERVER_INFO_FIELD), (int, float))
+    ]
     if not values:
         raise BlockdraftError(
             f"{source} has no {SERVER_INFO_FIELD} (top level or under internal_states); the server is not running "
-            "speculative decoding, or this is not SGLang"
+            "speculative decoding, has not decoded yet, or is not SGLang"
         )
-    return Fingerprint(_sglang_tau(sum(values) / len(values), source), None, [], None, None, source)
+    decoded = [v for v in values if v >= 1.0]
+    idle = len(states) - len(decoded)
+    if not decoded:
+        raise _no_traffic(source, SERVER_INFO_FIELD, idle)
+    return Fingerprint(
+        tau=sum(decoded) / len(decoded),
+        acceptance_rate=None,
+        per_position=[],
+        num_drafts=None,
+        block_size=None,
+        source=(
+            f"{source}: {SERVER_INFO_FIELD}, average since start (not a recent window), "
+            f"{_ranks_phrase(len(decoded), idle, 'DP rank(s) without it')}"
+        ),
+    )

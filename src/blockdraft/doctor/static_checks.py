@@ -228,14 +228,16 @@ def _check_sliding(draft: DraftConfig) -> list[Finding]:
             "full_attention); if the drafter really has no sliding layer, set use_sliding_window: false",
         ))
     if sliding:
-        mixed = "VLLM_USE_V2_MODEL_RUNNER=1 (sliding and full layers mixed), " if full else ""
+        mixed = ("its V2 model runner (the default; older releases need VLLM_USE_V2_MODEL_RUNNER=1) runs sliding and "
+                 "full layers mixed, and " if full else "")
         findings.append(Finding(
             "info", "layer_types",
             f"drafter has {len(sliding)} sliding and {len(full)} full layers; engines must run both kinds as trained",
             "sliding layers run as full attention, or pre-written context evicted by a sliding-window KV "
             "allocator: 33% -> 2.3% acceptance (vLLM PR #50169)",
-            f"vLLM: {mixed}--attention-backend flash_attn (non-causal), and a release whose allocator never "
-            "evicts the drafter's context; `blockdraft launch vllm` sets these flags",
+            f"vLLM 0.33: {mixed}it picks a non-causal-capable backend for the drafter itself (no global "
+            "--attention-backend: it would force the target's too); use a release whose allocator never evicts the "
+            "drafter's context; `blockdraft launch vllm` writes the command",
         ))
     return findings
 
@@ -354,8 +356,10 @@ def _check_hybrid(draft: DraftConfig, target_config: dict[str, Any], target: dic
         f"hybrid target (linear attention interleaved with full attention); {where}",
         f"an engine that captures hidden states only from full-attention layers feeds zero features: {COLLAPSE}; "
         "linear-attention state of rejected drafts must be rolled back",
-        "SGLang: --mamba-scheduler-strategy extra_buffer (`blockdraft launch sglang` adds it); use an engine "
-        "release that captures hidden states from linear-attention layers too",
+        "SGLang 0.5.23: no mamba flag is needed: --mamba-radix-cache-strategy defaults to auto, which resolves to "
+        "extra_buffer for Qwen3.5/3.6 and Qwen3-Next while overlap scheduling is on (the old "
+        "--mamba-scheduler-strategy is rejected); use an engine release that captures hidden states from "
+        "linear-attention layers too",
     )]
 
 

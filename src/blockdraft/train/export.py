@@ -6,11 +6,10 @@ The folder is written by `save_drafter` (the published weight names and config f
 
 from __future__ import annotations
 
-import json
-import shlex
 from pathlib import Path
 
-from blockdraft.config import sglang_num_draft_tokens, vllm_num_speculative_tokens
+from blockdraft.config import DraftConfig
+from blockdraft.doctor.launch import sglang_command, vllm_command
 from blockdraft.models.drafter import DFlashDrafter
 from blockdraft.models.loading import load_drafter, save_drafter
 from blockdraft.models.target import Target
@@ -23,14 +22,10 @@ def export_drafter(drafter: DFlashDrafter, folder: Path, target: Target) -> Path
     return folder
 
 
-def launch_commands(target_name: str, drafter_dir: Path, block_size: int, mixed_layers: bool) -> dict[str, str]:
-    """vLLM counts proposals (B-1), SGLang counts the whole block (B): the commands carry the right numbers."""
-    spec = json.dumps({"method": "dflash", "model": str(drafter_dir), "num_speculative_tokens": vllm_num_speculative_tokens(block_size)})
-    env = "VLLM_USE_V2_MODEL_RUNNER=1 " if mixed_layers else ""
-    vllm = f"{env}vllm serve {shlex.quote(target_name)} --speculative-config {shlex.quote(spec)} --attention-backend flash_attn"
-    sglang = (
-        f"python -m sglang.launch_server --model-path {shlex.quote(target_name)} --speculative-algorithm DFLASH "
-        f"--speculative-draft-model-path {shlex.quote(str(drafter_dir))} "
-        f"--speculative-num-draft-tokens {sglang_num_draft_tokens(block_size)}"
-    )
-    return {"vllm": vllm, "sglang": sglang}
+def launch_commands(target_name: str, drafter_dir: Path, draft: DraftConfig) -> dict[str, str]:
+    """The `blockdraft launch` commands for the exported drafter (vLLM counts B-1 proposals, SGLang the block B):
+    one source of engine flags, checked against the engines' own parsers by benchmarks/engine_conformance.py."""
+    return {
+        "vllm": vllm_command(str(drafter_dir), target_name, draft).shell(),
+        "sglang": sglang_command(str(drafter_dir), target_name, draft, None).shell(),
+    }

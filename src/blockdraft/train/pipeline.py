@@ -232,13 +232,11 @@ def _finish(settings: TrainSettings, drafter: DFlashDrafter, target: Target, res
             ctx: DistContext) -> TrainSummary:
     """Rank 0 exports the drafter and writes the summary; every rank returns it."""
     folder = settings.out / "drafter"
-    cfg = drafter.cfg
-    mixed = len(set(cfg.layer_types)) > 1
     summary = TrainSummary(
         samples=samples, steps=result.steps, tokens=result.tokens, tokens_per_s=result.tokens_per_s,
         first_loss=result.first_loss, last_loss=result.last_loss, tau_before=result.tau_before,
         tau_after=result.tau_after, drafter_dir=str(folder),
-        launch=launch_commands(settings.target, folder, cfg.block_size, mixed), stopped_early=result.stopped_early,
+        launch=launch_commands(settings.target, folder, drafter.cfg), stopped_early=result.stopped_early,
     )
     full = full_drafter(drafter, ctx)
     if ctx.is_main:
