@@ -144,10 +144,10 @@ def test_a_capped_draft_is_the_head_of_the_whole_block_draft(pair: tuple) -> Non
 
 
 def test_demo_drafts_less_on_a_cpu_unless_told() -> None:
-    from blockdraft.bench.demo import demo_settings
+    from blockdraft.decoding.methods import device_settings
 
-    assert demo_settings("cpu", 16, None, None) == (4, 3)
-    assert demo_settings("cuda", 16, None, None) == (32, None)
-    assert demo_settings("cpu", 16, 32, 15) == (32, 15)
-    assert demo_settings("cuda", 16, 8, 5) == (8, 5)
-    assert demo_settings("cpu", 3, None, None) == (4, 2)  # never past a small drafter's block
+    assert device_settings("cpu", 16, None, None) == (4, 3)
+    assert device_settings("cuda", 16, None, None) == (32, None)
+    assert device_settings("cpu", 16, 32, 15) == (32, 15)
+    assert device_settings("cuda", 16, 8, 5) == (8, 5)
+    assert device_settings("cpu", 3, None, None) == (4, 2)  # never past a small drafter's block

@@ -235,7 +235,7 @@ def _register_subcommands() -> None:
     from blockdraft.train.cli import train_command
 
     app.add_typer(doctor_app, name="doctor", help="Find out whether low acceptance is the drafter's fault or the deployment's.")
-    app.command("launch", help="Print (and optionally write) a correct vLLM / SGLang launch for a drafter.")(launch_command)
+    app.command("launch", help="Print (and optionally write) a correct vLLM / SGLang launch for a DFlash drafter or the target's MTP layers.")(launch_command)
     app.command("train", help="Train a DFlash drafter for a target on its own responses; export for vLLM/SGLang.")(train_command)
 
 
@@ -260,7 +260,8 @@ def demo(
     plot: Path = typer.Option(Path("blockdraft-demo.png"), "--plot", help="Where to write the acceptance plot."),
 ) -> None:
     """The embedded pair (SmolLM2-135M-Instruct + our DFlash drafter) on chat, code and math prompts."""
-    from blockdraft.bench.demo import demo_settings, run_demo
+    from blockdraft.bench.demo import run_demo
+    from blockdraft.decoding.methods import device_settings
     from blockdraft.bench.prompts import load_prompt_set
     from blockdraft.bench.runner import BenchPrompt
 
@@ -271,7 +272,7 @@ def demo(
         raise BlockdraftError(f"--target {target} has no tokenizer; the demo needs text prompts")
     encoded = [BenchPrompt(i.id, i.category, encode_item(i, loaded.tokenizer)) for i in items]
     texts = [i.prompt or (i.messages[-1]["content"] if i.messages else "") for i in items]
-    chosen = demo_settings(loaded.target.device.type, loaded.drafter.cfg.block_size, budget, draft_tokens)
+    chosen = device_settings(loaded.target.device.type, loaded.drafter.cfg.block_size, budget, draft_tokens)
     if chosen != (budget, draft_tokens):
         err.print(f"drafting {chosen[1] or loaded.drafter.cfg.block_size - 1} tokens per step, DDTree trees of "
                   f"{chosen[0]} nodes on this {loaded.target.device.type} (--draft-tokens, --budget change them)")
@@ -280,6 +281,40 @@ def demo(
         loaded.target, loaded.tokenizer, loaded.drafter, encoded, texts, loaded.stops([], False),
         max_new_tokens, plot, out, budget, draft_tokens,
     )
+
+
+@app.command()
+def serve(
+    target: str = TargetOpt,
+    drafter: Optional[str] = typer.Option(None, "--drafter", help="Default: the shipped drafter for the embedded target."),
+    method: str = typer.Option("ddtree", "--method", help="ar, dflash or ddtree."),
+    budget: Optional[int] = typer.Option(None, "--budget", help="DDTree nodes per step (default: 32 on a GPU, 4 on a CPU)."),
+    draft_tokens: Optional[int] = typer.Option(
+        None, "--draft-tokens", help="Tokens drafted per step, 1..B-1 (default: the whole block on a GPU, 3 on a CPU)."
+    ),
+    host: str = typer.Option("127.0.0.1", "--host"),
+    port: int = typer.Option(8000, "--port", help="0 picks a free port (printed on start-up)."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help="Require `Authorization: Bearer KEY` on /v1."),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="Default: the --target value."),
+    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Prompt + output limit (default: the target's)."),
+    max_queue: int = typer.Option(256, "--max-queue", help="Requests that may wait while one decodes; more get a 429."),
+    device: Optional[str] = DeviceOpt,
+    dtype: Optional[str] = DtypeOpt,
+    engine: str = EngineOpt,
+    self_check: bool = typer.Option(True, "--self-check/--no-self-check", help="Refuse to start when acceptance has collapsed."),
+    expect: Optional[Path] = typer.Option(None, "--expect", help="A `doctor probe` JSON the self-check judges against."),
+    drain_timeout: float = typer.Option(30.0, "--drain-timeout", help="Seconds SIGTERM keeps decoding queued requests."),
+) -> None:
+    """An OpenAI-compatible server (chat, completions, models, /health, /metrics in vLLM's names) for AR, DFlash, DDTree."""
+    from blockdraft.serve.server import BlockdraftServer, ServeSettings
+
+    if max_queue < 0:
+        raise BlockdraftError(f"--max-queue {max_queue} must be >= 0")
+    settings = ServeSettings(
+        target, drafter, method, budget, draft_tokens, host, port, api_key, served_model_name, max_model_len,
+        max_queue, device, dtype, engine, self_check, expect, drain_timeout,
+    )
+    BlockdraftServer(settings, lambda line: err.print(line, markup=False, highlight=False, soft_wrap=True)).run()
 
 
 def main() -> None:

@@ -37,22 +37,6 @@ def _coloured_stream(tokenizer: Any, console: Console) -> Callable[[list[int]], 
     return on_commit
 
 
-# On a CPU a verify step is bound by compute, which grows with every drafted token (bench on the embedded pair,
-# benchmarks/RESULTS.md: 3 drafted tokens run 1.1-1.2x AR where the whole block of 15 runs 0.6-0.8x; a 4-node
-# tree likewise); on a GPU the verify reads the weights once for all rows, so the whole block and a 32-node tree.
-CPU_DRAFT_TOKENS, CPU_BUDGET, GPU_BUDGET = 3, 4, 32
-
-
-def demo_settings(device: str, block_size: int, budget: int | None, draft_tokens: int | None) -> tuple[int, int | None]:
-    """(DDTree budget, drafted tokens per step) for the demo on this device; what the user gave wins."""
-    cpu = device == "cpu"
-    if budget is None:
-        budget = CPU_BUDGET if cpu else GPU_BUDGET
-    if draft_tokens is None and cpu:
-        draft_tokens = min(CPU_DRAFT_TOKENS, block_size - 1)
-    return budget, draft_tokens
-
-
 def demo_methods(budget: int, draft_tokens: int | None = None) -> list[MethodSpec]:
     """AR, DFlash, and DDTree where this build has it."""
     specs = [MethodSpec("ar"), MethodSpec("dflash", None, draft_tokens)]

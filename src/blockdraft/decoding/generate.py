@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -25,12 +25,21 @@ from blockdraft.models.target import Target
 
 @dataclass
 class GenerationResult:
-    """Generated ids (prompt excluded), tokens committed per verify step, and the run's stats."""
+    """Generated ids (prompt excluded), tokens committed per verify step, and the run's stats.
+
+    `draft_lengths[i]` is the number of tokens verify step i checked (0 for AR); `ended_early` is True when the
+    `on_commit` hook ended the run.
+    """
 
     token_ids: list[int]
     acceptance_lengths: list[int]
     stats: SpecStats
     stopped_on: int | None
+    draft_lengths: list[int] = field(default_factory=list)
+    ended_early: bool = False
+
+
+OnCommit = Callable[[list[int]], bool | None]
 
 
 class _Clock:
@@ -76,6 +85,17 @@ class _StageTimer:
         return sum(end - start for start, end in spans)
 
 
+def check_prompt_ids(target: Target, prompt_ids: list[int]) -> None:
+    """Refuse token ids the target has no embedding row for (an IndexError deep in the forward otherwise)."""
+    vocab = target.embedding_weight.shape[0]
+    bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise BlockdraftError(
+            f"prompt token id {bad} is outside the target's vocabulary of {vocab} ids (0..{vocab - 1}); "
+            "pass ids the target's tokenizer produces"
+        )
+
+
 def check_context(target: Target, prompt_len: int, max_new_tokens: int) -> None:
     """Refuse work that cannot fit in the target's context window, before any compute."""
     if prompt_len < 1:
@@ -99,10 +119,15 @@ def generate(
     sampling: SamplingParams = SamplingParams(),
     stop_token_ids: tuple[int, ...] = (),
     seed: int = 0,
-    on_commit: Callable[[list[int]], None] | None = None,
+    on_commit: OnCommit | None = None,
 ) -> GenerationResult:
-    """Generate up to `max_new_tokens` tokens; losslessly equal in distribution to the target alone."""
+    """Generate up to `max_new_tokens` tokens; losslessly equal in distribution to the target alone.
+
+    `on_commit` sees every committed chunk (the prefill's token, then each verify step's); returning True ends the
+    run after that chunk (a stop string, a client gone), with the stats of the steps that ran.
+    """
     check_context(target, len(prompt_ids), max_new_tokens)
+    check_prompt_ids(target, prompt_ids)
     device = target.device
     generator = torch.Generator(device=device).manual_seed(seed)
     clock = _Clock(device)
@@ -124,12 +149,12 @@ def generate(
         proposer.add_context(out.taps)
     tokens = [first]
     stats.ttft_s = clock.now() - t0
-    if on_commit:
-        on_commit([first])
+    ended_early = bool(on_commit and on_commit([first]))
     stopped_on = first if first in stops else None
+    draft_lengths: list[int] = []
 
     t_decode = clock.now()
-    while len(tokens) < max_new_tokens and stopped_on is None:
+    while len(tokens) < max_new_tokens and stopped_on is None and not ended_early:
         start = len(prompt_ids) + len(tokens) - 1
         anchor = tokens[-1]
         depth_left = max_new_tokens - len(tokens)
@@ -139,6 +164,7 @@ def generate(
         t_verify = stages.mark()
         stages.add("draft", t_draft, t_verify)
         stats.drafted_tokens += len(draft)
+        draft_lengths.append(len(draft))
 
         ids = torch.cat([long_tensor([anchor], device), draft.tokens]).unsqueeze(0)
         mask = None if draft.is_chain else draft.tree_mask(len(cache), device)
@@ -165,13 +191,13 @@ def generate(
             proposer.add_context(out.taps[:, rows])
         tokens.extend(committed)
         stats.acceptance_lengths.append(produced)
-        if on_commit:
-            on_commit(committed)
+        ended_early = bool(on_commit and on_commit(committed))
 
     stats.decode_s = clock.now() - t_decode
     stats.draft_s, stats.verify_s = stages.seconds("draft"), stages.seconds("verify")
     stats.tree_build_s = proposer.build_s if proposer else 0.0
     stats.generated_tokens = len(tokens)
     return GenerationResult(
-        token_ids=tokens, acceptance_lengths=list(stats.acceptance_lengths), stats=stats, stopped_on=stopped_on
+        token_ids=tokens, acceptance_lengths=list(stats.acceptance_lengths), stats=stats, stopped_on=stopped_on,
+        draft_lengths=draft_lengths, ended_early=ended_early,
     )

@@ -10,6 +10,24 @@ from blockdraft.models.target import Target
 
 METHODS = ("ar", "dflash", "ddtree")
 
+# On a CPU a verify step is bound by compute, which grows with every drafted token (bench on the embedded pair,
+# benchmarks/RESULTS.md: 3 drafted tokens run 1.1-1.2x AR where the whole block of 15 runs 0.6-0.8x; a 4-node
+# tree likewise); on a GPU the verify reads the weights once for all rows, so the whole block and a 32-node tree.
+CPU_DRAFT_TOKENS, CPU_BUDGET, GPU_BUDGET = 3, 4, 32
+
+
+def device_settings(device: str, block_size: int, budget: int | None, draft_tokens: int | None) -> tuple[int, int | None]:
+    """(DDTree budget, drafted tokens per step) fastest on this device type; what the user gave wins.
+
+    `blockdraft demo` and `blockdraft serve` both start from these.
+    """
+    cpu = device == "cpu"
+    if budget is None:
+        budget = CPU_BUDGET if cpu else GPU_BUDGET
+    if draft_tokens is None and cpu:
+        draft_tokens = min(CPU_DRAFT_TOKENS, block_size - 1)
+    return budget, draft_tokens
+
 
 def build_proposer(method: str, target: Target, drafter: DFlashDrafter | None, budget: int | None = None,
                    draft_tokens: int | None = None) -> Proposer | None:

@@ -6,10 +6,12 @@ exits 1 when it finds an error, so it can gate CI.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
+from rich.console import Console
 
 from blockdraft.config import load_draft_config
 from blockdraft.doctor.fingerprint import Fingerprint, ProbeResult, parse_number_list
@@ -24,16 +26,26 @@ from blockdraft.doctor.launch import (
 )
 from blockdraft.doctor.live import measure_server
 from blockdraft.doctor.log_line import parse_spec_decoding_log
+from blockdraft.doctor.lossless import DEFAULT_TIE_TOLERANCE
 from blockdraft.doctor.report import DoctorReport, print_report, to_json, write_html
 from blockdraft.doctor.static_checks import Finding, check_pair
 from blockdraft.doctor.target_files import load_target_config, load_target_files
+from blockdraft.doctor.reuse import ReuseVerdict
 from blockdraft.errors import BlockdraftError
+
+if TYPE_CHECKING:
+    from blockdraft.pair import Loaded
 
 doctor_app = typer.Typer(
     help="Find out whether low acceptance is the drafter's fault or the deployment's.", no_args_is_help=True
 )
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the report as JSON instead of tables.")]
+NumSpecTokensOpt = Annotated[
+    int | None,
+    typer.Option(help="vLLM num_speculative_tokens you serve with, when below B-1: vLLM then cuts the drafter's "
+                 "block, and the probe measures what that costs."),
+]
 HtmlOpt = Annotated[Path | None, typer.Option("--html", help="Also write a self-contained HTML report here.")]
 ReferenceOpt = Annotated[
     Path | None,
@@ -179,18 +191,19 @@ def probe_command(
     observed_per_position: Annotated[
         str | None, typer.Option(help="Your deployment's per-position rates, e.g. 0.14,0,0.")
     ] = None,
-    num_speculative_tokens: Annotated[
-        int | None,
-        typer.Option(help="vLLM num_speculative_tokens you serve with, when below B-1: vLLM then cuts the drafter's "
-                     "block, and the probe measures what that costs."),
+    num_speculative_tokens: NumSpecTokensOpt = None,
+    base_target: Annotated[
+        str | None,
+        typer.Option(help="The base model the drafter was trained for, when --target is a fine-tune of it: the drafter "
+                     "is measured on both, and the report says reuse or retrain."),
     ] = None,
     json_out: JsonOpt = False,
     html: HtmlOpt = None,
 ) -> None:
     """Measure the drafter's healthy acceptance and its acceptance under each known deployment fault (T = 0)."""
     from blockdraft.bench.prompts import load_prompt_set
+    from blockdraft.doctor.probes import healthy_deployment, measure, run_probes
     from blockdraft.pair import Loaded, encode_item
-    from blockdraft.doctor.probes import run_probes
 
     observed = None
     if observed_tau is not None or observed_per_position is not None:
@@ -206,10 +219,134 @@ def probe_command(
     )
     run.result.save(out)
     typer.echo(f"wrote {out} (pass it as --reference to doctor server/log/numbers)", err=True)
-    skipped = [Finding("info", name, f"not probed: {why}", "", "") for name, why in run.skipped.items()]
+    findings = [Finding("info", name, f"not probed: {why}", "", "") for name, why in run.skipped.items()]
+    if base_target is not None:
+        typer.echo(f"probing: the drafter on its base model {base_target}", err=True)
+        base = Loaded(base_target, str(drafter), device, dtype)
+        base_prompts = [encode_item(item, base.tokenizer) for item in items]
+        on_base = measure(healthy_deployment(base.target, base.drafter), base_prompts, max_new_tokens,
+                          base.stops([], False))
+        findings.insert(0, reuse_finding(ReuseVerdict(run.result.reference, on_base, target, str(drafter))))
     report = DoctorReport(
-        f"doctor probe: {drafter} on {target}", skipped, observed, run.result.reference, run.result.faults
+        f"doctor probe: {drafter} on {target}", findings, observed, run.result.reference, run.result.faults
     )
+    _emit(report, json_out, html)
+
+
+def reuse_finding(decision: ReuseVerdict) -> Finding:
+    """The reuse-or-retrain answer as a report finding (a warning when retraining pays)."""
+    reuse = decision.decision == "reuse"
+    return Finding(
+        "info" if reuse else "warning", "drafter reuse", decision.summary,
+        f"{1 - decision.retention:.0%} of the base pair's speculative gain lost on the fine-tune",
+        "keep serving this drafter" if reuse else decision.train_command,
+    )
+
+
+TargetOpt = Annotated[str, typer.Option(help="Target folder (or the embedded name) the server should be serving.")]
+PromptsOpt = Annotated[
+    str, typer.Option(help="Built-in set (demo, humaneval, sharegpt, spec-bench) or a JSONL/JSON prompts file.")
+]
+LimitOpt = Annotated[int | None, typer.Option(help="At most this many prompts.")]
+ModelOpt = Annotated[str | None, typer.Option(help="The served model name (default: the first in /v1/models).")]
+ApiKeyOpt = Annotated[str | None, typer.Option(help="Bearer token, if the server was started with an API key.")]
+DeviceOpt = Annotated[str | None, typer.Option(help="Where our reference runs: cpu or cuda (default: cuda when present).")]
+DtypeOpt = Annotated[str | None, typer.Option(help="Our reference's dtype (default float32 on CPU, bfloat16 on GPU).")]
+
+
+def _replay_prompts(loaded: Loaded, prompts: str, limit: int | None) -> list[list[int]]:
+    """The prompt set as token ids under the target's own tokenizer and chat template (the server gets the ids)."""
+    from blockdraft.bench.prompts import load_prompt_set
+    from blockdraft.pair import encode_item
+
+    return [encode_item(item, loaded.tokenizer) for item in load_prompt_set(prompts, limit=limit)]
+
+
+@doctor_app.command("lossless")
+def lossless_command(
+    url: Annotated[str, typer.Option(help="The server's base URL, e.g. http://localhost:8000.")],
+    target: TargetOpt,
+    prompts: PromptsOpt = "demo",
+    limit: LimitOpt = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Greedy tokens per prompt (EOS ignored on both sides).")] = 64,
+    model: ModelOpt = None,
+    api_key: ApiKeyOpt = None,
+    tie_tolerance: Annotated[
+        float, typer.Option(help="Largest logit gap still read as a numerics near-tie, not a fault.")
+    ] = DEFAULT_TIE_TOLERANCE,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Replay prompts at T=0 through a live server; compare with the target's own greedy ids; exits 1 on a fault."""
+    from blockdraft.doctor.lossless import check_lossless, print_lossless
+    from blockdraft.doctor.replay import connect
+    from blockdraft.pair import Loaded
+
+    endpoint = connect(url, model, api_key)
+    loaded = Loaded(target, None, device, dtype)
+    report = check_lossless(loaded.target, endpoint, _replay_prompts(loaded, prompts, limit), max_new_tokens,
+                            tie_tolerance)
+    if json_out:
+        typer.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        print_lossless(report, Console(), loaded.decode if loaded.tokenizer is not None else None)
+    if report.faulty:
+        raise typer.Exit(1)
+
+
+@doctor_app.command("compare")
+def compare_command(
+    url: Annotated[str, typer.Option(help="The server's base URL, e.g. http://localhost:8000.")],
+    drafter: Annotated[Path, typer.Option(help="The drafter folder the server is meant to run.")],
+    target: TargetOpt,
+    prompts: PromptsOpt = "demo",
+    limit: LimitOpt = None,
+    max_new_tokens: Annotated[int, typer.Option(help="Greedy tokens per prompt (EOS ignored on both sides).")] = 64,
+    model: ModelOpt = None,
+    api_key: ApiKeyOpt = None,
+    num_speculative_tokens: NumSpecTokensOpt = None,
+    device: DeviceOpt = None,
+    dtype: DtypeOpt = None,
+    json_out: JsonOpt = False,
+    html: HtmlOpt = None,
+) -> None:
+    """Replay prompts through a live server and our engine: acceptance side by side, and the field at fault."""
+    from blockdraft.doctor.compare import explaining_field, replay_acceptance, served_width
+    from blockdraft.doctor.probes import FAULT_FIELDS, run_probes
+    from blockdraft.doctor.replay import connect
+    from blockdraft.pair import Loaded
+
+    endpoint = connect(url, model, api_key)
+    loaded = Loaded(target, str(drafter), device, dtype)
+    assert loaded.drafter is not None
+    encoded = _replay_prompts(loaded, prompts, limit)
+    typer.echo(f"replaying {len(encoded)} prompts through {endpoint.url} ({endpoint.model})", err=True)
+    observed = replay_acceptance(endpoint, encoded, max_new_tokens, model)
+    whole = loaded.drafter.cfg.block_size - 1
+    served = served_width(observed, whole, num_speculative_tokens)
+    run = run_probes(loaded.target, loaded.drafter, encoded, max_new_tokens,
+                     on_measure=lambda name: typer.echo(f"probing: {name}", err=True), served_tokens=served)
+    reference, faults = run.result.reference, run.result.faults
+    findings = [Finding("info", name, f"not probed: {why}", "", "") for name, why in run.skipped.items()]
+    if served is not None and served < whole:
+        findings.append(Finding(
+            "warning", "num_speculative_tokens",
+            f"the server drafts {served} tokens per step; the drafter's block proposes {whole}",
+            "tau is capped at the drafted depth, and an engine that cuts the block (vLLM) accepts less at every slot",
+            f"serve num_speculative_tokens {whole} (vLLM) / --speculative-num-draft-tokens {whole + 1} (SGLang)",
+        ))
+    field = explaining_field(observed, reference, faults)
+    if field is not None:
+        fault = next(name for name, text in FAULT_FIELDS.items() if text == field)
+        findings.insert(0, Finding(
+            "warning", field.split(" ")[0],
+            f"the server's acceptance matches the fingerprint of '{fault}': {field}",
+            f"observed tau {observed.tau:.2f} vs {reference.tau:.2f} for this drafter run as its config says",
+            "fix that setting in the deployment, then run doctor compare again",
+        ))
+    report = DoctorReport(f"doctor compare: {endpoint.url} vs blockdraft on {target}", findings, observed,
+                          reference, faults)
     _emit(report, json_out, html)
 
 

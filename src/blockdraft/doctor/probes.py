@@ -39,6 +39,22 @@ WRONG_ROPE_THETA = "wrong RoPE theta"
 GUESSED_TAPS = "taps guessed from a wrong formula"
 SHORT_BLOCK = "num_speculative_tokens below B-1 (block cut)"
 
+# The config field (or engine setting) each fault misreads: what `doctor compare` names when a live server's
+# acceptance matches that fault's fingerprint.
+FAULT_FIELDS = {
+    TAPS_LAYER_INPUT: "dflash_config.target_layer_ids read as layer inputs (taps - 1): use an engine release that "
+    "taps layer outputs (vLLM PR #40727)",
+    TAPS_NEXT_LAYER: "dflash_config.target_layer_ids read one layer too deep (taps + 1)",
+    SWA_AS_FULL: "layer_types / use_sliding_window: the drafter's sliding layers run as full attention",
+    CONTEXT_EVICTED: "sliding_window applied to the drafter's context cache: the engine's KV allocator evicts "
+    "context the full layers need (vLLM PR #50169)",
+    WRONG_MASK: "dflash_config.mask_token_id: the engine fills the block with another token",
+    HEAD_NOT_SHARED: "the LM head: the drafter's logits do not come from the target's head",
+    WRONG_ROPE_THETA: "rope_theta / rope_parameters of the drafter",
+    GUESSED_TAPS: "dflash_config.target_layer_ids guessed from a wrong formula instead of the drafter's config",
+    SHORT_BLOCK: "num_speculative_tokens below block_size - 1 (the engine cuts the drafter's block)",
+}
+
 # Mask ids of published drafters: Qwen3 and Qwen3.5/3.6. Swapping one for the other is the classic mistake.
 QWEN_MASK_IDS = (151669, 248070)
 ROPE_THETA_FACTOR = 10.0

@@ -1,0 +1,297 @@
+"""Issue 21's load benchmark: `blockdraft serve` under bounded load on 127.0.0.1, against the same methods
+in-process on the same prompts.
+
+For each method: first the method runs in this process (the pair loaded here, one warm-up, then every prompt
+sequentially at T=0: generated tokens over wall time); then `python -m blockdraft serve` starts as its own process
+with the same method and sizes, and for each concurrency level `--requests` streamed chat requests (T=0,
+`stream_options.include_usage`) run through a pool of that many clients. Reported per level: requests/s, output
+tokens/s (usage.completion_tokens over wall time), TTFT and inter-token latency p50/p99 (ITL = gaps between streamed
+chunks: one chunk per verify step, which may carry several tokens, as vLLM's benchmark counts them), errors. The
+closing table gives server tokens/s at concurrency 1 over in-process tokens/s (goal >= 0.95). Everything is bounded:
+levels, request counts and `--time-cap` (no new request after it; the run stops by itself).
+
+    python benchmarks/serve_load.py --methods ar,dflash,ddtree --concurrency 1,4 --requests 12 --max-tokens 64 \
+        --device cpu --threads 1 --json-out serve_load.json
+    python benchmarks/serve_load.py --device cuda --dtype bfloat16 --concurrency 1,4,16 --requests 64 --max-tokens 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+from rich.console import Console
+from rich.table import Table
+
+HOST = "127.0.0.1"
+console = Console(stderr=True)
+out = Console(width=150)
+
+
+@dataclass
+class RequestRecord:
+    ok: bool
+    tokens: int = 0
+    ttft: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
+class LevelResult:
+    method: str
+    concurrency: int
+    requests: int
+    wall_s: float
+    requests_per_s: float
+    output_tokens_per_s: float
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    itl_p50_ms: float | None
+    itl_p99_ms: float | None
+    errors: int
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile in milliseconds (None with no values)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    return 1000 * ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
+
+
+def method_flags(method: str, budget: int | None, draft_tokens: int | None) -> list[str]:
+    flags = ["--method", method]
+    if method == "ddtree" and budget is not None:
+        flags += ["--budget", str(budget)]
+    if method != "ar" and draft_tokens is not None:
+        flags += ["--draft-tokens", str(draft_tokens)]
+    return flags
+
+
+def in_process(args: argparse.Namespace, method: str, prompts: list[list[dict]]) -> tuple[float, int, int | None, int | None]:
+    """(tokens/s, tokens, budget, draft tokens) of the method in this process over the requests concurrency 1 sends
+    (`--requests` prompts, cycled), one after another, T=0."""
+    import torch
+
+    from blockdraft.decoding.generate import generate
+    from blockdraft.decoding.methods import build_proposer, device_settings
+    from blockdraft.pair import Loaded, default_drafter
+    from blockdraft.prompting import encode_messages
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    drafter = None if method == "ar" else default_drafter(args.target, args.drafter)
+    loaded = Loaded(args.target, drafter, args.device, args.dtype, args.engine)
+    budget = draft_tokens = None
+    if loaded.drafter is not None:
+        budget, draft_tokens = device_settings(loaded.target.device.type, loaded.drafter.cfg.block_size,
+                                               args.budget, args.draft_tokens)
+    proposer = build_proposer(method, loaded.target, loaded.drafter, budget if method == "ddtree" else None,
+                              draft_tokens)
+    stops = loaded.stops([], False)
+    encoded = [encode_messages(messages, loaded.tokenizer) for messages in prompts]
+    generate(loaded.target, encoded[0], proposer, 8)  # warm-up, as the server does before serving
+    tokens, start = 0, time.perf_counter()
+    for index in range(args.requests):
+        ids = encoded[index % len(encoded)]
+        tokens += len(generate(loaded.target, ids, proposer, args.max_tokens, stop_token_ids=stops).token_ids)
+    elapsed = time.perf_counter() - start
+    del loaded, proposer
+    return tokens / elapsed, tokens, budget, draft_tokens
+
+
+class Server:
+    """`python -m blockdraft serve` on 127.0.0.1, a free port; stopped with SIGTERM."""
+
+    def __init__(self, args: argparse.Namespace, method: str, budget: int | None, draft_tokens: int | None) -> None:
+        command = [sys.executable, "-m", "blockdraft", "serve", "--target", args.target, "--host", HOST, "--port", "0",
+                   "--no-self-check", "--max-queue", str(max(args.concurrency_levels) + 1),
+                   *method_flags(method, budget, draft_tokens)]
+        for flag, value in (("--drafter", args.drafter), ("--device", args.device), ("--dtype", args.dtype),
+                            ("--engine", args.engine)):
+            if value is not None:
+                command += [flag, value]
+        env = {**os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {})}
+        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        self.url: str | None = None
+        self.lines: list[str] = []
+        ready = threading.Event()
+
+        def read() -> None:
+            assert self.proc.stderr is not None
+            for line in self.proc.stderr:
+                self.lines.append(line)
+                if match := re.search(r"at (http://\S+)/v1 ", line):
+                    self.url = match.group(1)
+                    ready.set()
+            ready.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        ready.wait(timeout=600)
+        if self.url is None:
+            raise SystemExit("the server did not start:\n" + "".join(self.lines))
+        while True:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(timeout=120)
+
+
+def one_request(client: httpx.Client, url: str, model: str, messages: list[dict], max_tokens: int) -> RequestRecord:
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    record = RequestRecord(ok=False)
+    last: float | None = None
+    try:
+        with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                record.error = f"HTTP {response.status_code}"
+                return record
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                now = time.perf_counter()
+                if chunk.get("usage"):
+                    record.tokens = chunk["usage"]["completion_tokens"]
+                elif chunk.get("error"):
+                    record.error = chunk["error"]["message"]
+                    return record
+                elif chunk["choices"] and chunk["choices"][0]["delta"].get("content"):
+                    if record.ttft is None:
+                        record.ttft = now - start
+                    elif last is not None:
+                        record.gaps.append(now - last)
+                    last = now
+        record.ok = True
+    except httpx.HTTPError as exc:
+        record.error = f"{type(exc).__name__}: {exc}"
+    return record
+
+
+def load_level(url: str, model: str, method: str, concurrency: int, requests: int, prompts: list[list[dict]],
+               max_tokens: int, deadline: float) -> LevelResult:
+    records: list[RequestRecord] = []
+    lock = threading.Lock()
+    counter = iter(range(requests))
+
+    def client_loop() -> None:
+        with httpx.Client(timeout=600) as client:
+            while time.monotonic() < deadline:
+                with lock:
+                    index = next(counter, None)
+                if index is None:
+                    return
+                record = one_request(client, url, model, prompts[index % len(prompts)], max_tokens)
+                with lock:
+                    records.append(record)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        for _ in range(concurrency):
+            pool.submit(client_loop)
+    wall = time.perf_counter() - start
+    done = [r for r in records if r.ok]
+    ttfts = [r.ttft for r in done if r.ttft is not None]
+    gaps = [g for r in done for g in r.gaps]
+    return LevelResult(
+        method=method, concurrency=concurrency, requests=len(records), wall_s=wall,
+        requests_per_s=len(done) / wall, output_tokens_per_s=sum(r.tokens for r in done) / wall,
+        ttft_p50_ms=percentile(ttfts, 50), ttft_p99_ms=percentile(ttfts, 99), itl_p50_ms=percentile(gaps, 50),
+        itl_p99_ms=percentile(gaps, 99), errors=len(records) - len(done),
+    )
+
+
+def fmt(value: float | None, spec: str = ".0f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--drafter", default=None, help="Default: the shipped drafter for the embedded target.")
+    parser.add_argument("--methods", default="ar,dflash,ddtree")
+    parser.add_argument("--budget", type=int, default=None, help="DDTree nodes (default: the server's per device).")
+    parser.add_argument("--draft-tokens", type=int, default=None, help="Drafted tokens (default: the server's).")
+    parser.add_argument("--concurrency", default="1,4", help="Concurrency levels, e.g. 1,4,16.")
+    parser.add_argument("--requests", type=int, default=12, help="Requests per level.")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--prompts", default="demo", help="A built-in prompt set or JSONL file (chat prompts).")
+    parser.add_argument("--time-cap", type=float, default=600, help="Seconds per method; no new request after it.")
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--engine", default="auto")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads, here and in the server.")
+    parser.add_argument("--json-out", type=Path, default=None)
+    args = parser.parse_args()
+    args.concurrency_levels = [int(c) for c in args.concurrency.split(",")]
+
+    from blockdraft.bench.prompts import load_prompt_set
+
+    items = load_prompt_set(args.prompts)
+    prompts = [item.messages or [{"role": "user", "content": item.prompt}] for item in items]
+    levels: list[LevelResult] = []
+    ratios: list[dict[str, Any]] = []
+    for method in [m.strip() for m in args.methods.split(",") if m.strip()]:
+        console.print(f"# {method}: in-process, {args.requests} requests over {len(prompts)} prompts ...")
+        local_tps, local_tokens, budget, draft_tokens = in_process(args, method, prompts)
+        console.print(f"# {method}: in-process {local_tps:.1f} tok/s ({local_tokens} tokens); starting the server ...")
+        server = Server(args, method, budget, draft_tokens)
+        assert server.url is not None
+        deadline = time.monotonic() + args.time_cap
+        try:
+            for concurrency in args.concurrency_levels:
+                result = load_level(server.url, args.target, method, concurrency, args.requests, prompts, args.max_tokens, deadline)
+                levels.append(result)
+                console.print(f"# {method} c={concurrency}: {result.output_tokens_per_s:.1f} tok/s, "
+                              f"{result.errors} errors")
+        finally:
+            server.stop()
+        first = next((r for r in levels if r.method == method and r.concurrency == 1), None)
+        ratios.append(dict(method=method, in_process_tokens_per_s=local_tps,
+                           server_c1_tokens_per_s=first.output_tokens_per_s if first else None,
+                           ratio=first.output_tokens_per_s / local_tps if first else None))
+
+    table = Table(title=f"blockdraft serve under load ({args.target}, {args.max_tokens} max tokens, T=0)")
+    for column in ("method", "conc", "requests", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
+                   "ITL p99 ms", "errors"):
+        table.add_column(column, justify="right")
+    for r in levels:
+        table.add_row(r.method, str(r.concurrency), str(r.requests), fmt(r.requests_per_s, ".2f"),
+                      fmt(r.output_tokens_per_s, ".1f"), fmt(r.ttft_p50_ms), fmt(r.ttft_p99_ms), fmt(r.itl_p50_ms),
+                      fmt(r.itl_p99_ms), str(r.errors))
+    out.print(table)
+    summary = Table(title="server at concurrency 1 vs in-process (same method, prompts and settings; goal >= 0.95)")
+    for column in ("method", "in-process tok/s", "server c=1 tok/s", "ratio"):
+        summary.add_column(column, justify="right")
+    for r in ratios:
+        summary.add_row(r["method"], fmt(r["in_process_tokens_per_s"], ".1f"), fmt(r["server_c1_tokens_per_s"], ".1f"),
+                        fmt(r["ratio"], ".3f"))
+    out.print(summary)
+    if args.json_out:
+        args.json_out.write_text(json.dumps({"settings": {k: v for k, v in vars(args).items() if k != "json_out"},
+                                             "levels": [asdict(r) for r in levels], "ratios": ratios}, indent=1,
+                                            default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""The FastAPI app: OpenAI's endpoints, /health and /metrics. The event loop only validates, queues and streams;
+decoding happens on the worker's thread, whose events come back through `loop.call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from blockdraft.serve.errors import ApiError, error_body
+from blockdraft.serve.jobs import Event, Failed, Finished, Job, Progress
+from blockdraft.serve.metrics import ServeMetrics
+from blockdraft.serve.prepare import Prepared, ServedModel, chat_prompt, completion_prompt, prepare
+from blockdraft.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, parse_request
+from blockdraft.serve.render import DONE, Rendering, sse
+from blockdraft.serve.worker import Worker
+
+GUARDED_PREFIX = "/v1"  # as vLLM: /health and /metrics stay open with --api-key
+
+
+@dataclass(frozen=True)
+class ServerState:
+    """Everything a request handler needs."""
+
+    served: ServedModel
+    worker: Worker
+    metrics: ServeMetrics
+    method: str
+    num_spec_tokens: int | None
+    api_key: str | None
+
+
+class BearerAuth:
+    """Pure ASGI middleware (streams and disconnects pass through untouched): /v1 needs `Authorization: Bearer KEY`."""
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app = app
+        self.key = key.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(GUARDED_PREFIX) and scope.get("method") != "OPTIONS":
+            headers = dict(scope["headers"])
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(token, self.key):
+                message = "missing or wrong API key; send `Authorization: Bearer KEY` with the server's --api-key"
+                await JSONResponse(error_body(401, message), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        where = f" at line {exc.lineno} column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else ""
+        raise ApiError(400, f"the request body is not valid JSON ({getattr(exc, 'msg', exc)}{where})") from None
+
+
+async def _watch_disconnect(request: Request, job: Job) -> None:
+    """A non-streamed request whose client leaves frees the worker at the next commit."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    job.cancelled.set()
+
+
+async def _events(job: Job, events: asyncio.Queue[Event], rendering: Rendering, include_usage: bool) -> AsyncIterator[str]:
+    """SSE lines for one job, ending with [DONE] whatever happens; leaving early (the client went away) cancels
+    the job."""
+    done = False
+    try:
+        for line in rendering.opening():
+            yield line
+        while not done:
+            event = await events.get()
+            if isinstance(event, Progress):
+                chunk = rendering.chunk(event.text, event.token_ids)
+                if chunk:
+                    yield chunk
+                continue
+            done = True
+            if isinstance(event, Finished):
+                yield rendering.closing(event.output)
+                if include_usage:
+                    yield rendering.usage_chunk(event.output)
+            else:
+                yield sse(event.error.body())
+    except Exception as exc:  # a bug while rendering still ends the stream with an error and [DONE]
+        yield sse(error_body(500, f"internal error ({type(exc).__name__}: {exc})"))
+    finally:
+        if not done:
+            job.cancelled.set()
+    yield DONE
+
+
+async def _run(request: Request, state: ServerState, prepared: Prepared, rendering: Rendering, stream: bool,
+               include_usage: bool) -> Response:
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue[Event] = asyncio.Queue()
+
+    def emit(event: Event) -> None:
+        try:
+            loop.call_soon_threadsafe(events.put_nowait, event)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+    job = Job(prepared.prompt_ids, prepared.max_tokens, prepared.sampling, prepared.seed, prepared.rules, emit)
+    state.worker.submit(job)
+    if stream:
+        return StreamingResponse(_events(job, events, rendering, include_usage), media_type="text/event-stream")
+    watcher = asyncio.create_task(_watch_disconnect(request, job))
+    try:
+        while not isinstance(event := await events.get(), (Finished, Failed)):
+            pass
+    finally:
+        watcher.cancel()
+    if isinstance(event, Failed):
+        return event.error.response()
+    return JSONResponse(rendering.response(event.output).model_dump())
+
+
+def build_app(state: ServerState) -> ASGIApp:
+    """The ASGI app for one served model."""
+    app = FastAPI(title="blockdraft serve", docs_url=None, redoc_url=None, openapi_url=None)
+    served = state.served
+
+    @app.exception_handler(ApiError)
+    async def api_error(_: Request, exc: ApiError) -> Response:
+        return exc.response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_: Request, exc: HTTPException) -> Response:
+        return JSONResponse(error_body(exc.status_code, str(exc.detail)), status_code=exc.status_code,
+                            headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def server_error(_: Request, exc: Exception) -> Response:
+        return JSONResponse(error_body(500, f"internal error ({type(exc).__name__}: {exc})"), status_code=500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, content_type = state.metrics.exposition()
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        card = ModelCard(id=served.name, root=served.root, max_model_len=served.max_model_len)
+        return JSONResponse(ModelList(data=[card]).model_dump())
+
+    def rendering(kind: str, ids: list[int], return_ids: bool | None) -> Rendering:
+        return Rendering(kind, served.name, ids, state.method, state.num_spec_tokens, bool(return_ids))
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        req = parse_request(await _json_body(request), ChatCompletionRequest, "chat")
+        served.check_model(req.model)
+        ids = chat_prompt(req, served)
+        requested, param = req.max_output
+        prepared = prepare(req, ids, served, requested, param, "messages")
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await _run(request, state, prepared, rendering("chat", ids, req.return_token_ids), bool(req.stream),
+                          include_usage)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = parse_request(await _json_body(request), CompletionRequest, "completion")
+        served.check_model(req.model)
+        ids = completion_prompt(req, served)
+        prepared = prepare(req, ids, served, req.max_tokens, "max_tokens", "prompt")
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        return await _run(request, state, prepared, rendering("completion", ids, req.return_token_ids),
+                          bool(req.stream), include_usage)
+
+    return BearerAuth(app, state.api_key) if state.api_key else app

@@ -1,0 +1,75 @@
+"""What travels between the HTTP side and the decoding thread: a job (one request's decode) and its events.
+
+The event loop builds a Job and reads its events; the worker thread decodes it and emits events through
+`Job.emit`, which the event loop makes thread-safe. Nothing here touches HTTP or the model.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from blockdraft.decoding.generate import GenerationResult
+from blockdraft.decoding.sampling import SamplingParams
+from blockdraft.serve.errors import ApiError
+from blockdraft.serve.output import StopRules
+
+
+@dataclass
+class Timing:
+    """Monotonic times: arrival (queued), start of decoding (scheduled), and each commit (the first = first token)."""
+
+    arrival: float
+    scheduled: float | None = None
+    commits: list[float] = field(default_factory=list)
+    finished: float | None = None
+
+
+@dataclass
+class Progress:
+    """One commit: the text now safe to show and the ids it kept."""
+
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class JobOutput:
+    """A finished decode: kept ids (what usage counts), the full text, why it finished, and the loop's result."""
+
+    token_ids: list[int]
+    text: str
+    rest: str  # the end of `text` not yet sent as Progress
+    finish_reason: str
+    stop_reason: int | str | None
+    result: GenerationResult
+    timing: Timing
+
+
+@dataclass
+class Finished:
+    output: JobOutput
+
+
+@dataclass
+class Failed:
+    error: ApiError
+
+
+Event = Progress | Finished | Failed
+
+
+@dataclass
+class Job:
+    """One request's decode: prompt ids, limits, sampling and stops; `emit` delivers its events to the request."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    seed: int
+    rules: StopRules
+    emit: Callable[[Event], None]
+    timing: Timing = field(default_factory=lambda: Timing(time.monotonic()))
+    cancelled: threading.Event = field(default_factory=threading.Event)

@@ -1,0 +1,142 @@
+"""A validated request -> the job the decoder runs: prompt ids, output limit, sampling, stops. Everything a client
+can get wrong that needs the model (its vocabulary, context length, chat template) is a 400 naming the field here,
+before the request takes a place in the queue.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from blockdraft.decoding.generate import check_prompt_ids
+from blockdraft.decoding.sampling import SamplingParams
+from blockdraft.errors import BlockdraftError
+from blockdraft.models.target import Target
+from blockdraft.prompting import encode_messages, encode_text
+from blockdraft.serve.errors import ApiError
+from blockdraft.serve.output import StopRules
+from blockdraft.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
+
+# OpenAI's defaults when neither the request nor the target's generation_config sets one (vLLM's order).
+OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What requests are checked against: the served name, the target (and where it came from), its tokenizer,
+    limits and sampling defaults."""
+
+    name: str
+    root: str
+    target: Target
+    tokenizer: Any
+    max_model_len: int
+    eos_ids: tuple[int, ...]
+    sampling_defaults: dict[str, float]
+
+    def check_model(self, requested: str | None) -> None:
+        """A request for another model is a 404, as in vLLM (a missing `model` means this one)."""
+        if requested is not None and requested != self.name:
+            raise ApiError(404, f"The model `{requested}` does not exist. Valid aliases: {self.name}.", "model")
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request ready to queue."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    seed: int
+    rules: StopRules
+
+
+def generation_defaults(model: Any) -> dict[str, float]:
+    """temperature / top_p / top_k the target's generation_config.json sets explicitly (vLLM's
+    `--generation-config auto`), which win over OpenAI's defaults."""
+    config = getattr(model, "generation_config", None)
+    if config is None:
+        return {}
+    diff = config.to_diff_dict()
+    return {k: diff[k] for k in OPENAI_DEFAULTS if isinstance(diff.get(k), (int, float))}
+
+
+def chat_prompt(req: ChatCompletionRequest, served: ServedModel) -> list[int]:
+    """Messages through the target's chat template, exactly as `blockdraft generate --messages` does."""
+    thinking = req.chat_template_kwargs.enable_thinking if req.chat_template_kwargs else False
+    try:
+        return encode_messages([m.as_template_message() for m in req.messages], served.tokenizer, thinking)
+    except BlockdraftError as exc:
+        raise ApiError(400, str(exc), "messages") from None
+
+
+def completion_prompt(req: CompletionRequest, served: ServedModel) -> list[int]:
+    """Text through the tokenizer as `generate --prompt` does, or token ids as given (checked against the vocab)."""
+    prompt = req.single_prompt()
+    if isinstance(prompt, str):
+        try:
+            ids = encode_text(prompt, served.tokenizer)
+        except BlockdraftError as exc:
+            raise ApiError(400, str(exc), "prompt") from None
+    else:
+        ids = list(prompt)
+    try:
+        check_prompt_ids(served.target, ids)
+    except BlockdraftError as exc:
+        raise ApiError(400, str(exc), "prompt") from None
+    return ids
+
+
+def _sampling(req: SamplingRequest, served: ServedModel) -> SamplingParams:
+    def pick(name: str) -> Any:
+        value = getattr(req, name)
+        return value if value is not None else served.sampling_defaults.get(name, OPENAI_DEFAULTS[name])
+
+    return SamplingParams(float(pick("temperature")), float(pick("top_p")), max(int(pick("top_k")), 0))
+
+
+def _rules(req: SamplingRequest, served: ServedModel) -> StopRules:
+    strings = tuple(req.stop_strings)
+    if any(not s for s in strings):
+        raise ApiError(400, "`stop` holds an empty string; every stop string needs at least one character", "stop")
+    if strings and served.tokenizer is None:
+        raise ApiError(400, "`stop` strings need a tokenizer and this target has none; use `stop_token_ids`", "stop")
+    user_ids = list(req.stop_token_ids or [])
+    vocab = served.target.embedding_weight.shape[0]
+    bad = next((t for t in user_ids if t >= vocab), None)
+    if bad is not None:
+        raise ApiError(
+            400, f"`stop_token_ids` holds {bad}, outside the target's vocabulary of {vocab} ids (0..{vocab - 1})",
+            "stop_token_ids",
+        )
+    eos = () if req.ignore_eos else served.eos_ids
+    return StopRules(frozenset(user_ids) | frozenset(eos), frozenset(user_ids) - frozenset(served.eos_ids), strings)
+
+
+def prepare(
+    req: SamplingRequest, prompt_ids: list[int], served: ServedModel, requested: int | None, param: str, prompt_param: str
+) -> Prepared:
+    """Check the prompt and output against --max-model-len and build the job's settings (the model name is
+    checked first, by the caller, so an unknown model is a 404 whatever else is wrong).
+
+    `requested` is the client's output limit from `param` (None: what is left of the context, vLLM's chat default).
+    """
+    if req.stream_options is not None and not req.stream:
+        raise ApiError(400, "`stream_options` is only allowed with `stream`: true", "stream_options")
+    if not prompt_ids:
+        raise ApiError(400, f"`{prompt_param}` encodes to no tokens; give at least one", prompt_param)
+    room = served.max_model_len - len(prompt_ids)
+    if room < 1:
+        raise ApiError(
+            400, f"the prompt has {len(prompt_ids)} tokens and this server's --max-model-len is "
+            f"{served.max_model_len}, which leaves no room for output; shorten `{prompt_param}`", prompt_param,
+        )
+    max_tokens = room if requested is None else requested
+    if max_tokens > room:
+        raise ApiError(
+            400, f"`{param}`={max_tokens} plus the prompt's {len(prompt_ids)} tokens exceeds --max-model-len "
+            f"{served.max_model_len}; ask for at most {room}", param,
+        )
+    seed = req.seed if req.seed is not None else secrets.randbits(63)
+    return Prepared(prompt_ids, max_tokens, _sampling(req, served), seed, _rules(req, served))

@@ -1,0 +1,332 @@
+"""OpenAI's request and response bodies, field for field as vLLM 0.33 writes them, for what blockdraft serves.
+
+A request body is read in two passes. `check_parameters` sorts every top-level key: implemented (validated by the
+models below), harmless (metadata a stock OpenAI client may send that cannot change the output; dropped), known
+but not implemented (accepted only at its neutral value, else a 400 naming it), or unknown (a 400 naming it).
+Then pydantic validates types and ranges strictly (no "0.5" for a number); any failure is a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from blockdraft.serve.errors import ApiError
+
+# Sent by OpenAI clients, never able to change the tokens generated: accepted and ignored.
+HARMLESS = frozenset({
+    "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+    "prompt_cache_retention", "prompt_cache_options", "parallel_tool_calls",
+})
+
+# Parameters of OpenAI's or vLLM's API that blockdraft does not implement, with the values that mean "off"
+# (null is always accepted). Any other value is a 400 naming the parameter: never silently ignored.
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "n": (1,), "best_of": (1,), "logprobs": (False,), "top_logprobs": (0,), "logit_bias": ({},),
+    "frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,), "min_p": (0,),
+    "length_penalty": (1,), "min_tokens": (0,), "echo": (False,), "suffix": (), "tools": ([],),
+    "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"),
+    "response_format": ({"type": "text"},), "reasoning_effort": (), "verbosity": (), "modalities": (["text"],),
+    "audio": (), "prediction": (), "web_search_options": (), "moderation": (), "use_beam_search": (False,),
+    "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
+    "spaces_between_special_tokens": (True,), "bad_words": ([],), "allowed_token_ids": (),
+    "truncate_prompt_tokens": (), "prompt_logprobs": (), "structured_outputs": (), "priority": (0,),
+    "add_generation_prompt": (True,), "continue_final_message": (False,), "documents": (), "chat_template": (),
+    "logprob_token_ids": (), "thinking_token_budget": (), "cache_salt": (), "prompt_embeds": (),
+}
+# add_special_tokens defaults differ per endpoint (vLLM: chat False, completions True).
+_ENDPOINT_NEUTRAL = {"chat": {"add_special_tokens": (False,)}, "completion": {"add_special_tokens": (True,)}}
+
+_INTERNAL_LOC = re.compile(r"[\[\](){}]|^(str|int|float|bool|list|dict|none|function-\w+|union|json-or-python)$")
+
+
+def _same(value: Any, neutral: Any) -> bool:
+    """Equal and of the same kind: False is not the neutral 0, nor 1 the neutral True."""
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return type(value) is type(neutral) and value == neutral
+    return value == neutral
+
+
+def check_parameters(body: Any, endpoint: Literal["chat", "completion"], implemented: set[str]) -> dict[str, Any]:
+    """The body with harmless and neutral keys removed; anything unknown or not implemented is a 400 naming it."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    neutral = {**NEUTRAL, **_ENDPOINT_NEUTRAL[endpoint]}
+    kept: dict[str, Any] = {}
+    for key, value in body.items():
+        if key in implemented:
+            kept[key] = value
+        elif key in neutral:
+            if value is not None and not any(_same(value, n) for n in neutral[key]):
+                shown = " or ".join(repr(n) for n in neutral[key]) or "null"
+                raise ApiError(
+                    400, f"`{key}`={value!r} is not supported by blockdraft serve; leave it out (or send {shown})", key
+                )
+        elif key not in HARMLESS:
+            raise ApiError(400, f"unknown parameter `{key}`; blockdraft serve does not accept it", key)
+    return kept
+
+
+def _param(loc: tuple[Any, ...]) -> str:
+    """A pydantic error location as a dotted field path, without union-branch markers: messages.0.content."""
+    parts = [str(p) for p in loc if not (isinstance(p, str) and _INTERNAL_LOC.search(p))]
+    return ".".join(parts) or ".".join(str(p) for p in loc)
+
+
+def validate(model: type[BaseModel], body: dict[str, Any]) -> Any:
+    """Strict validation; the first error becomes a 400 naming its field."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        param = _param(tuple(first["loc"]))
+        raise ApiError(400, f"`{param}`: {first['msg']}", param) from None
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = False
+
+
+class SamplingRequest(_Strict):
+    """What both endpoints take: sampling, stops, streaming (vLLM extensions: top_k, stop_token_ids, ignore_eos,
+    return_token_ids)."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    ignore_eos: bool = False
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    return_token_ids: bool | None = False
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessageIn(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def as_template_message(self) -> dict[str, str]:
+        """Text parts joined by newlines, as vLLM's "string" content format does."""
+        text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        message = {"role": self.role, "content": text}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatTemplateKwargs(_Strict):
+    enable_thinking: bool = False
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    chat_template_kwargs: ChatTemplateKwargs | None = None
+
+    @property
+    def max_output(self) -> tuple[int | None, str]:
+        """(requested output tokens, the parameter that set them): max_completion_tokens wins, as in vLLM."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | list[Annotated[int, Field(ge=0)]] | list[str] | list[list[Annotated[int, Field(ge=0)]]]
+    max_tokens: int | None = Field(16, ge=1)
+
+    def single_prompt(self) -> str | list[int]:
+        """One prompt per request: a batch of prompts (n > 1 in disguise) is a 400."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ApiError(400, f"`prompt` holds {len(prompt)} prompts; send one prompt per request", "prompt")
+            return prompt[0]  # type: ignore[return-value]
+        if isinstance(prompt, list) and not prompt:
+            raise ApiError(400, "`prompt` is empty; give text or at least one token id", "prompt")
+        return prompt  # type: ignore[return-value]
+
+
+def parse_request(body: Any, model: type[SamplingRequest], endpoint: Literal["chat", "completion"]) -> Any:
+    """JSON body -> a validated request, or a 400 naming the parameter at fault."""
+    return validate(model, check_parameters(body, endpoint, set(model.model_fields)))
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class _Out(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class UsageInfo(_Out):
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+    completion_tokens: int | None = 0
+    prompt_tokens_details: None = None
+
+
+class SpeculativeDecodingMetrics(_Out):
+    """vLLM's per-request acceptance (generate/base/protocol.py, `detailed` level) plus blockdraft's tau and
+    acceptance lengths (tokens committed per verify step, bonus included)."""
+
+    mean_acceptance_length: float
+    draft_acceptance_rate: float
+    acceptance_histogram: list[int]
+    num_spec_steps: int
+    num_accepted_draft_tokens: int
+    num_draft_tokens: int
+    num_spec_tokens: int
+    per_step_accepted: list[int] | None = None
+    per_step_drafted: list[int] | None = None
+    method: str
+    tau: float
+    acceptance_lengths: list[int]
+
+
+class PerRequestMetrics(_Out):
+    time_to_first_token_ms: float | None = None
+    generation_time_ms: float | None = None
+    queue_time_ms: float | None = None
+    mean_itl_ms: float | None = None
+    tokens_per_second: float | None = None
+    speculative_decoding: SpeculativeDecodingMetrics | None = None
+
+
+class ChatMessageOut(_Out):
+    role: str = "assistant"
+    content: str | None = None
+    refusal: str | None = None
+
+
+class DeltaMessage(_Out):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChoice(_Out):
+    index: int = 0
+    message: ChatMessageOut
+    logprobs: None = None
+    finish_reason: str | None = "stop"
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionResponse(_Out):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    system_fingerprint: str | None = None
+    usage: UsageInfo
+    prompt_token_ids: list[int] | None = None
+    metrics: PerRequestMetrics | None = None
+
+
+class ChatStreamChoice(_Out):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+
+
+class ChatCompletionStreamResponse(_Out):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+    metrics: PerRequestMetrics | None = None
+
+
+class CompletionChoice(_Out):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+
+
+class CompletionResponse(_Out):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    system_fingerprint: str | None = None
+    usage: UsageInfo
+    metrics: PerRequestMetrics | None = None
+
+
+class CompletionStreamResponse(_Out):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    metrics: PerRequestMetrics | None = None
+
+
+class ModelPermission(_Out):
+    id: str = Field(default_factory=lambda: _id("modelperm"))
+    object: str = "model_permission"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = False
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: str | None = None
+    is_blocking: bool = False
+
+
+class ModelCard(_Out):
+    id: str
+    object: str = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "blockdraft"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
+
+
+class ModelList(_Out):
+    object: str = "list"
+    data: list[ModelCard]

@@ -1,0 +1,161 @@
+"""A finished or progressing job -> OpenAI's response bodies and SSE chunks, as vLLM's serving code shapes them
+(entrypoints/openai/{chat_completion,completion}/serving.py): a chat stream opens with the assistant role, every
+commit with new text is one chunk, the last chunk carries finish_reason and stop_reason, and with
+stream_options.include_usage a final chunk with no choices carries usage and the per-request metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel
+
+from blockdraft.serve.jobs import JobOutput
+from blockdraft.serve.protocol import (
+    ChatChoice,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatMessageOut,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionResponse,
+    CompletionStreamResponse,
+    DeltaMessage,
+    PerRequestMetrics,
+    SpeculativeDecodingMetrics,
+    UsageInfo,
+)
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse(chunk: BaseModel | dict) -> str:
+    """One server-sent event; chunks drop the fields never set, as vLLM's do."""
+    data = chunk.model_dump_json(exclude_unset=True) if isinstance(chunk, BaseModel) else json.dumps(chunk)
+    return f"data: {data}\n\n"
+
+
+def speculative_metrics(output: JobOutput, method: str, num_spec_tokens: int) -> SpeculativeDecodingMetrics:
+    """vLLM's RequestSpecDecodeMetrics.to_dict over the steps that drafted, plus tau over every verify step."""
+    result = output.result
+    steps = [(d, a - 1) for d, a in zip(result.draft_lengths, result.acceptance_lengths) if d > 0]
+    histogram = [0] * (num_spec_tokens + 1)
+    for _, accepted in steps:
+        histogram[min(accepted, num_spec_tokens)] += 1
+    accepted_total = sum(a for _, a in steps)
+    drafted_total = sum(d for d, _ in steps)
+    return SpeculativeDecodingMetrics(
+        mean_acceptance_length=1.0 + accepted_total / len(steps) if steps else 1.0,
+        draft_acceptance_rate=accepted_total / drafted_total if drafted_total else 0.0,
+        acceptance_histogram=histogram,
+        num_spec_steps=len(steps),
+        num_accepted_draft_tokens=accepted_total,
+        num_draft_tokens=drafted_total,
+        num_spec_tokens=num_spec_tokens,
+        per_step_accepted=[a for _, a in steps],
+        per_step_drafted=[d for d, _ in steps],
+        method=method,
+        tau=result.stats.tau,
+        acceptance_lengths=list(result.acceptance_lengths),
+    )
+
+
+def request_metrics(output: JobOutput, method: str, num_spec_tokens: int | None) -> PerRequestMetrics:
+    """vLLM's PerRequestMetrics (generate/base/serving.py build_per_request_timing_metrics), in milliseconds."""
+    t = output.timing
+    n = len(output.token_ids)
+    metrics = PerRequestMetrics(
+        speculative_decoding=speculative_metrics(output, method, num_spec_tokens) if num_spec_tokens else None
+    )
+    if t.scheduled is not None:
+        metrics.queue_time_ms = (t.scheduled - t.arrival) * 1000
+    if t.commits and t.scheduled is not None:
+        first, last = t.commits[0], t.commits[-1]
+        metrics.time_to_first_token_ms = (first - t.scheduled) * 1000
+        metrics.generation_time_ms = (last - first) * 1000
+        if n > 1:
+            metrics.mean_itl_ms = (last - first) / (n - 1) * 1000
+        if last > t.scheduled:
+            metrics.tokens_per_second = n / (last - t.scheduled)
+    return metrics
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
+
+
+@dataclass
+class Rendering:
+    """What every body of one response shares: its id and time, the served name, the prompt, the method."""
+
+    kind: str  # "chat" or "completion"
+    model: str
+    prompt_ids: list[int]
+    method: str
+    num_spec_tokens: int | None
+    return_token_ids: bool
+    id: str = field(init=False)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.id = f"{'chatcmpl' if self.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+
+    def response(self, output: JobOutput) -> BaseModel:
+        """The whole (non-streamed) response."""
+        ids = output.token_ids if self.return_token_ids else None
+        common = dict(id=self.id, created=self.created, model=self.model,
+                      usage=usage(len(self.prompt_ids), len(output.token_ids)),
+                      metrics=request_metrics(output, self.method, self.num_spec_tokens))
+        if self.kind == "chat":
+            choice = ChatChoice(message=ChatMessageOut(content=output.text), finish_reason=output.finish_reason,
+                                stop_reason=output.stop_reason, token_ids=ids)
+            prompt_ids = self.prompt_ids if self.return_token_ids else None
+            return ChatCompletionResponse(choices=[choice], prompt_token_ids=prompt_ids, **common)
+        choice = CompletionChoice(text=output.text, finish_reason=output.finish_reason, stop_reason=output.stop_reason,
+                                  token_ids=ids, prompt_token_ids=self.prompt_ids if self.return_token_ids else None)
+        return CompletionResponse(choices=[choice], **common)
+
+    def opening(self) -> list[str]:
+        """A chat stream opens with the assistant role and empty content; a completion stream with nothing."""
+        if self.kind != "chat":
+            return []
+        choice = ChatStreamChoice(index=0, delta=DeltaMessage(role="assistant", content=""), logprobs=None,
+                                  finish_reason=None)
+        prompt_ids = {"prompt_token_ids": self.prompt_ids} if self.return_token_ids else {}
+        return [sse(ChatCompletionStreamResponse(id=self.id, object="chat.completion.chunk", created=self.created,
+                                                 model=self.model, choices=[choice], **prompt_ids))]
+
+    def chunk(self, text: str, token_ids: list[int]) -> str | None:
+        """One commit's chunk; None when it adds no text (and ids are not asked for)."""
+        if not text and not self.return_token_ids:
+            return None
+        fields = {"token_ids": token_ids} if self.return_token_ids else {}
+        return self._chunk(DeltaMessage(content=text), text, fields)
+
+    def closing(self, output: JobOutput) -> str:
+        """The last chunk with choices: the text held back until the end, finish_reason and stop_reason."""
+        fields = {"finish_reason": output.finish_reason, "stop_reason": output.stop_reason}
+        if self.return_token_ids:
+            fields["token_ids"] = []
+        return self._chunk(DeltaMessage(content=output.rest) if output.rest else DeltaMessage(), output.rest, fields)
+
+    def _chunk(self, delta: DeltaMessage, text: str, fields: dict) -> str:
+        fields = {"index": 0, "logprobs": None, "finish_reason": None, **fields}
+        if self.kind == "chat":
+            return sse(ChatCompletionStreamResponse(id=self.id, object="chat.completion.chunk", created=self.created,
+                                                    model=self.model, choices=[ChatStreamChoice(delta=delta, **fields)]))
+        return sse(CompletionStreamResponse(id=self.id, object="text_completion", created=self.created,
+                                            model=self.model, choices=[CompletionChoice(text=text, **fields)]))
+
+    def usage_chunk(self, output: JobOutput) -> str:
+        """stream_options.include_usage: a last chunk with no choices, usage and the per-request metrics."""
+        body = dict(id=self.id, created=self.created, model=self.model, choices=[],
+                    usage=usage(len(self.prompt_ids), len(output.token_ids)),
+                    metrics=request_metrics(output, self.method, self.num_spec_tokens))
+        model = ChatCompletionStreamResponse if self.kind == "chat" else CompletionStreamResponse
+        chunk = model(object="chat.completion.chunk" if self.kind == "chat" else "text_completion", **body)
+        return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"

@@ -1,0 +1,327 @@
+"""`blockdraft serve` through the real `openai` client and raw HTTP: a real uvicorn server on 127.0.0.1 (a free
+port) on a thread of this process, serving the tiny fixture pair with a character-level tokenizer."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from serve_support import running, settings, text_pair_dirs
+from typer.testing import CliRunner
+
+from blockdraft.cli import app
+
+MODEL = "tiny"
+CHAT = [{"role": "user", "content": "Hello there, how are you?"}]
+LONG = 480  # tokens: seconds of decoding on the tiny pair, so a request is still running when the test acts
+
+
+@pytest.fixture(scope="module")
+def text_pair(tiny_dirs: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return text_pair_dirs(tiny_dirs, tmp_path_factory.mktemp("serve"))
+
+
+@pytest.fixture(scope="module")
+def server(text_pair: tuple[Path, Path]):
+    with running(settings(*text_pair, served_model_name=MODEL)) as server:
+        yield server
+
+
+@pytest.fixture
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def cli_generate(text_pair: tuple[Path, Path], *args: str) -> dict:
+    """`blockdraft generate --json` with the server's CPU defaults (DDTree, 4 nodes, 3 drafted tokens)."""
+    target, drafter = text_pair
+    result = CliRunner().invoke(app, ["generate", "--target", str(target), "--drafter", str(drafter), "--method",
+                                      "ddtree", "--budget", "4", "--draft-tokens", "3", "--device", "cpu", "--json",
+                                      *args])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def metric_values(url: str) -> dict[tuple, float]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("engine", "model_name")))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def finished(url: str, reason: str) -> float:
+    return metric_values(url)[("vllm:request_success_total", (("finished_reason", reason),))]
+
+
+def test_models_health_and_metrics(server, client: openai.OpenAI) -> None:
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL] and models[0].max_model_len == 512
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    names = {name for name, _ in metric_values(server.url)}
+    assert {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:spec_decode_num_drafts_total",
+            "vllm:spec_decode_num_accepted_tokens_per_pos_total", "vllm:time_to_first_token_seconds_bucket",
+            "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket"} <= names
+
+
+def test_chat_at_t0_is_blockdraft_generate(client: openai.OpenAI, text_pair: tuple[Path, Path]) -> None:
+    reference = cli_generate(text_pair, "--messages", json.dumps(CHAT), "--max-new-tokens", "40")
+    response = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=40, temperature=0,
+                                              extra_body={"return_token_ids": True})
+    choice = response.choices[0]
+    assert choice.token_ids == reference["token_ids"] and choice.message.content == reference["text"]
+    assert choice.message.role == "assistant" and choice.finish_reason in ("length", "stop")
+    assert response.usage.completion_tokens == len(reference["token_ids"])
+    assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
+    spec = response.metrics["speculative_decoding"]
+    assert spec["acceptance_lengths"] == reference["acceptance_lengths"]
+    assert spec["tau"] == pytest.approx(reference["metrics"]["tau"]) and spec["num_spec_tokens"] == 3
+
+
+def test_completions_text_and_ids_at_t0_are_blockdraft_generate(client: openai.OpenAI, text_pair) -> None:
+    reference = cli_generate(text_pair, "--prompt", "Once upon a time", "--max-new-tokens", "30")
+    text = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=30, temperature=0)
+    assert text.choices[0].text == reference["text"] and text.usage.completion_tokens == len(reference["token_ids"])
+    by_ids = cli_generate(text_pair, "--prompt-ids", "5,6,7,8", "--max-new-tokens", "30")
+    ids = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=30, temperature=0,
+                                    extra_body={"return_token_ids": True})
+    assert ids.choices[0].token_ids == by_ids["token_ids"] and ids.usage.prompt_tokens == 4
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completion"])
+def test_stream_equals_the_whole_response_and_ends_with_usage(client: openai.OpenAI, endpoint: str) -> None:
+    if endpoint == "chat":
+        call = lambda **kw: client.chat.completions.create(model=MODEL, messages=CHAT, **kw)  # noqa: E731
+        piece = lambda c: c.choices[0].delta.content or ""  # noqa: E731
+        whole = lambda r: r.choices[0].message.content  # noqa: E731
+    else:
+        call = lambda **kw: client.completions.create(model=MODEL, prompt="Hi!", **kw)  # noqa: E731
+        piece = lambda c: c.choices[0].text  # noqa: E731
+        whole = lambda r: r.choices[0].text  # noqa: E731
+    full = call(max_tokens=50, temperature=0)
+    chunks = list(call(max_tokens=50, temperature=0, stream=True, stream_options={"include_usage": True}))
+    with_choices = [c for c in chunks if c.choices]
+    assert "".join(piece(c) for c in with_choices) == whole(full)
+    assert with_choices[-1].choices[0].finish_reason == full.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in with_choices[:-1])
+    if endpoint == "chat":
+        assert with_choices[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].metrics["speculative_decoding"]["tau"] == full.metrics["speculative_decoding"]["tau"]
+    plain = list(call(max_tokens=5, temperature=0, stream=True))
+    assert all(c.usage is None for c in plain)
+
+
+def test_stop_string_spanning_tokens(client: openai.OpenAI) -> None:
+    ids = client.completions.create(model=MODEL, prompt="Tell me", max_tokens=60, temperature=0,
+                                    extra_body={"return_token_ids": True}).choices[0]
+    text = ids.text
+    start = next(i for i in range(4, len(text) - 2) if text[i] != text[i + 1] and text.find(text[i:i + 2]) == i)
+    stop = text[start:start + 2]  # two characters = two tokens of this tokenizer
+    reply = client.completions.create(model=MODEL, prompt="Tell me", max_tokens=60, temperature=0, stop=[stop],
+                                      extra_body={"return_token_ids": True})
+    choice = reply.choices[0]
+    assert choice.text == text[:start] and choice.finish_reason == "stop" and choice.stop_reason == stop
+    assert choice.token_ids == ids.token_ids[:len(choice.token_ids)]
+    assert reply.usage.completion_tokens == len(choice.token_ids)  # up to the token that completed the stop
+    pieces = [c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt="Tell me", max_tokens=60, temperature=0, stop=stop, stream=True)]
+    assert "".join(pieces) == text[:start] and all(stop[0] not in p[-1:] for p in pieces[:-1] if p)
+
+
+def test_stop_token_ids_end_the_output(client: openai.OpenAI) -> None:
+    ids = client.completions.create(model=MODEL, prompt=[9, 10], max_tokens=30, temperature=0,
+                                    extra_body={"return_token_ids": True}).choices[0].token_ids
+    stop = next(t for t in ids[4:] if t != 1)  # 1 is EOS, which stops without a stop_reason
+    cut = ids[:ids.index(stop) + 1]
+    reply = client.completions.create(model=MODEL, prompt=[9, 10], max_tokens=30, temperature=0,
+                                      extra_body={"return_token_ids": True, "stop_token_ids": [stop]})
+    choice = reply.choices[0]
+    assert choice.token_ids == cut and choice.finish_reason == "stop" and choice.stop_reason == stop
+    assert reply.usage.completion_tokens == len(cut)
+
+
+def test_seed_reproduces_samples_at_t_above_0(client: openai.OpenAI, text_pair) -> None:
+    def sample(seed: int) -> list[int]:
+        return client.completions.create(model=MODEL, prompt=[3, 4, 5], max_tokens=30, temperature=1.0, seed=seed,
+                                         extra_body={"return_token_ids": True}).choices[0].token_ids
+
+    first, again, other = sample(7), sample(7), sample(8)
+    assert first == again and first != other
+    cli = cli_generate(text_pair, "--prompt-ids", "3,4,5", "--max-new-tokens", "30", "--temperature", "1.0",
+                       "--seed", "7")
+    assert cli["token_ids"] == first
+
+
+def post(url: str, path: str, body: object, timeout: float = 30) -> httpx.Response:
+    content = body if isinstance(body, str) else json.dumps(body)
+    return httpx.post(f"{url}{path}", content=content, headers={"Content-Type": "application/json"}, timeout=timeout)
+
+
+BAD = [
+    ("/v1/completions", "{not json", 400, None),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 600}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 600}, 400, "max_completion_tokens"),
+    ("/v1/completions", {"prompt": "x" * 600}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [1, 2, 9999]}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "hi", "stop_token_ids": [9999]}, 400, "stop_token_ids"),
+    ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
+     "tools"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/chat/completions", {"messages": CHAT, "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ("/v1/chat/completions", {"messages": CHAT, "surprise": 1}, 400, "surprise"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": CHAT, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ("/v1/chat/completions", {"model": "gpt-9", "messages": CHAT}, 404, "model"),
+    ("/v1/completions", {"prompt": "hi", "stop": ""}, 400, "stop"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, param", BAD)
+def test_bad_requests_get_openais_error_object(server, path: str, body: object, status: int, param) -> None:
+    response = post(server.url, path, body)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["code"] == status
+    assert error["param"] == param and error["type"] == {400: "BadRequestError", 404: "NotFoundError"}[status]
+    if param:
+        assert param.split(".")[0] in error["message"]
+
+
+def test_errors_through_the_openai_client_and_unknown_routes(server, client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=CHAT, n=3)
+    assert info.value.status_code == 400 and "`n`" in info.value.message
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="x")
+    missing = httpx.get(f"{server.url}/v1/nothing")
+    assert missing.status_code == 404 and missing.json()["error"]["type"] == "NotFoundError"
+
+
+def test_harmless_and_neutral_fields_are_accepted(server) -> None:
+    body = {"messages": CHAT, "max_tokens": 2, "user": "u1", "metadata": {"a": "b"}, "store": False, "n": 1,
+            "logprobs": False, "presence_penalty": 0, "tool_choice": "none", "service_tier": "auto", "seed": 3}
+    assert post(server.url, "/v1/chat/completions", body).status_code == 200
+
+
+def test_api_key(text_pair) -> None:
+    with running(settings(*text_pair, api_key="s3cret")) as server:
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        assert httpx.get(f"{server.url}/metrics").status_code == 200
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic s3cret"}):
+            response = httpx.get(f"{server.url}/v1/models", headers=headers)
+            assert response.status_code == 401 and response.json()["error"]["type"] == "AuthenticationError"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
+        good = openai.OpenAI(base_url=f"{server.url}/v1", api_key="s3cret", max_retries=0)
+        assert good.completions.create(model=str(text_pair[0]), prompt="a", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_sixteen_concurrent_clients_match_sequential_answers(server, client: openai.OpenAI) -> None:
+    prompts = [[(7 * i + j) % 90 + 2 for j in range(5)] for i in range(48)]
+
+    def ask(prompt: list[int]) -> tuple[list[int], int]:
+        reply = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                          extra_body={"return_token_ids": True})
+        return reply.choices[0].token_ids, reply.usage.completion_tokens
+
+    sequential = [ask(p) for p in prompts[:16]]
+    before = finished(server.url, "length") + finished(server.url, "stop")
+    with ThreadPoolExecutor(16) as pool:
+        concurrent = list(pool.map(ask, prompts))
+    assert concurrent[:16] == sequential
+    assert all(count == len(ids) for ids, count in concurrent)
+    assert finished(server.url, "length") + finished(server.url, "stop") == before + len(prompts)
+
+
+def test_busy_server_answers_health_refuses_past_its_queue_and_frees_a_gone_clients_slot(text_pair) -> None:
+    with running(settings(*text_pair, max_queue=0)) as server:
+        long = {"prompt": [5, 6, 7], "max_tokens": LONG, "temperature": 0, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=long, timeout=30) as stream:
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data: ")  # decoding has started
+            t0 = time.monotonic()
+            assert httpx.get(f"{server.url}/health", timeout=5).status_code == 200
+            gauges = metric_values(server.url)
+            assert time.monotonic() - t0 < 2 and gauges[("vllm:num_requests_running", ())] == 1
+            refused = post(server.url, "/v1/completions", {"prompt": [1], "max_tokens": 2})
+            assert refused.status_code == 429 and int(refused.headers["Retry-After"]) >= 1
+            assert refused.json()["error"]["type"] == "RateLimitError"
+        # the client left mid-stream: the worker drops the request at its next step and takes the next one
+        deadline = time.monotonic() + 5
+        while (accepted := post(server.url, "/v1/completions", {"prompt": [1], "max_tokens": 2})).status_code == 429:
+            assert time.monotonic() < deadline, "the slot of a disconnected client was not freed"
+            time.sleep(0.05)
+        assert accepted.status_code == 200 and finished(server.url, "abort") == 1
+        assert metric_values(server.url)[("vllm:generation_tokens_total", ())] < LONG
+        with pytest.raises(httpx.ReadTimeout):  # a non-streamed request whose client gives up is dropped too
+            post(server.url, "/v1/completions", {"prompt": [5, 6], "max_tokens": LONG, "ignore_eos": True}, timeout=0.5)
+        deadline = time.monotonic() + 5
+        while finished(server.url, "abort") < 2:
+            assert time.monotonic() < deadline, "a non-streamed request whose client left kept decoding"
+            time.sleep(0.05)
+
+
+def test_doctor_server_reads_our_metrics(trained_pairs: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
+    from blockdraft.doctor.fingerprint import ProbeResult
+    from blockdraft.doctor.probes import healthy_deployment, measure
+    from blockdraft.pair import Loaded
+
+    target, drafter = trained_pairs["full"]
+    prompts = [[(s + i) % 48 for i in range(12)] for s in (1, 9, 20, 33)]
+    loaded = Loaded(str(target), str(drafter), "cpu", None)
+    assert loaded.drafter is not None
+    reference = measure(healthy_deployment(loaded.target, loaded.drafter), prompts, 32)
+    probe = tmp_path / "probe.json"
+    ProbeResult(reference).save(probe)
+    block = loaded.drafter.cfg.block_size
+    with running(settings(target, drafter, method="dflash", draft_tokens=block - 1)) as server:
+        report: dict = {}
+
+        def doctor() -> None:
+            result = CliRunner().invoke(app, ["doctor", "server", "--url", server.url, "--interval", "4",
+                                              "--reference", str(probe), "--json"])
+            report.update(json.loads(result.stdout), exit_code=result.exit_code)
+
+        thread = threading.Thread(target=doctor)
+        thread.start()
+        time.sleep(1.0)  # after the doctor's first scrape
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        lengths: list[int] = []
+        for prompt in prompts:
+            reply = client.completions.create(model=str(target), prompt=prompt, max_tokens=32, temperature=0)
+            lengths += reply.metrics["speculative_decoding"]["acceptance_lengths"]
+        thread.join(timeout=60)
+    assert report["exit_code"] == 0
+    observed = report["fingerprints"]["observed"]
+    assert observed["tau"] == pytest.approx(sum(lengths) / len(lengths)) == pytest.approx(reference.tau)
+    assert observed["num_drafts"] == len(lengths) and observed["block_size"] == block
+    assert report["verdict"].startswith("the drafter is the limit")
+
+
+def test_a_busy_port_or_a_missing_drafter_is_one_sentence_before_loading(text_pair) -> None:
+    from blockdraft.errors import BlockdraftError
+    from blockdraft.serve.server import BlockdraftServer
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(BlockdraftError, match=f"--port {port} cannot be bound"):
+            BlockdraftServer(settings(*text_pair, port=port), print)
+    with pytest.raises(BlockdraftError, match="--method ddtree needs --drafter PATH"):
+        BlockdraftServer(settings(text_pair[0], None), print)

@@ -1,0 +1,322 @@
+"""The server's parts without a server: request checking, stop rules, per-request and Prometheus metrics, the
+self-check's judgement, and the decode loop's early-end hook and vocabulary check."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import VOCAB, make_drafter, make_target_model
+from prometheus_client.parser import text_string_to_metric_families
+from serve_support import add_char_tokenizer
+
+from blockdraft.decoding.generate import generate
+from blockdraft.decoding.methods import build_proposer
+from blockdraft.decoding.sampling import SamplingParams
+from blockdraft.doctor.fingerprint import Fingerprint, ProbeResult
+from blockdraft.errors import BlockdraftError
+from blockdraft.models.target import Target
+from blockdraft.serve.errors import ApiError
+from blockdraft.serve.jobs import JobOutput, Timing
+from blockdraft.serve.metrics import ServeMetrics, token_buckets
+from blockdraft.serve.output import OutputText, StopRules, held_back
+from blockdraft.serve.prepare import ServedModel, generation_defaults, prepare
+from blockdraft.serve.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from blockdraft.serve.render import speculative_metrics
+from blockdraft.serve.self_check import at_depth, judge
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory: pytest.TempPathFactory):
+    from transformers import AutoTokenizer
+
+    folder = tmp_path_factory.mktemp("chars")
+    add_char_tokenizer(folder)
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def ids_of(tokenizer, text: str) -> list[int]:
+    return tokenizer(text)["input_ids"]
+
+
+# Request checking
+
+
+def refusal(body: dict, model=CompletionRequest, endpoint="completion") -> ApiError:
+    with pytest.raises(ApiError) as info:
+        parse_request(body, model, endpoint)
+    assert info.value.status == 400
+    return info.value
+
+
+@pytest.mark.parametrize(
+    "extra, param",
+    [({"n": 2}, "n"), ({"logprobs": 1}, "logprobs"), ({"best_of": 3}, "best_of"), ({"echo": True}, "echo"),
+     ({"suffix": "x"}, "suffix"), ({"presence_penalty": 0.5}, "presence_penalty"), ({"logit_bias": {"5": 1}}, "logit_bias"),
+     ({"response_format": {"type": "json_object"}}, "response_format"), ({"frobnicate": 1}, "frobnicate"),
+     ({"temperature": "0.5"}, "temperature"), ({"temperature": -0.1}, "temperature"), ({"top_p": 0}, "top_p"),
+     ({"top_p": 1.01}, "top_p"), ({"max_tokens": 0}, "max_tokens"), ({"seed": 1.5}, "seed"),
+     ({"stream": "yes"}, "stream"), ({"stop": [1]}, "stop"), ({"stop_token_ids": [-1]}, "stop_token_ids.0"),
+     ({"stream_options": {"include_obfuscation": True}}, "stream_options.include_obfuscation")],
+)
+def test_unsupported_unknown_and_invalid_parameters_are_named(extra: dict, param: str) -> None:
+    error = refusal({"prompt": "hi", **extra})
+    assert error.param == param and param.split(".")[0] in error.message
+
+
+def test_neutral_values_and_harmless_fields_pass() -> None:
+    body = {"prompt": [1, 2], "n": 1, "logprobs": None, "presence_penalty": 0, "frequency_penalty": 0.0, "echo": False,
+            "user": "u", "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "temperature": 0}
+    req = parse_request(body, CompletionRequest, "completion")
+    assert req.temperature == 0.0 and req.single_prompt() == [1, 2]
+    chat = parse_request({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text",
+                          "text": "b"}]}], "tool_choice": "none", "logprobs": False, "top_logprobs": 0,
+                          "parallel_tool_calls": True, "add_special_tokens": False}, ChatCompletionRequest, "chat")
+    assert chat.messages[0].as_template_message() == {"role": "user", "content": "a\nb"}
+    assert refusal({"messages": [{"role": "user", "content": "a"}], "add_special_tokens": True}, ChatCompletionRequest,
+                   "chat").param == "add_special_tokens"
+
+
+def test_chat_messages_are_checked() -> None:
+    assert refusal({"messages": []}, ChatCompletionRequest, "chat").param == "messages"
+    tool = {"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}
+    assert refusal(tool, ChatCompletionRequest, "chat").param.startswith("messages.0")
+    assert refusal({"messages": "hi"}, ChatCompletionRequest, "chat").param == "messages"
+
+
+def test_one_prompt_per_request() -> None:
+    assert parse_request({"prompt": ["only"]}, CompletionRequest, "completion").single_prompt() == "only"
+    with pytest.raises(ApiError, match="2 prompts"):
+        parse_request({"prompt": [[1], [2]]}, CompletionRequest, "completion").single_prompt()
+
+
+def test_body_must_be_an_object() -> None:
+    assert refusal([1, 2]).param is None
+
+
+# Stop rules and streamed text
+
+
+def push_each(output: OutputText, ids: list[int], chunk: int) -> list[str]:
+    pieces = []
+    for i in range(0, len(ids), chunk):
+        if output.finished:
+            break
+        pieces.append(output.push(ids[i:i + chunk])[0])
+    return pieces
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5])
+def test_stop_string_across_tokens_and_commits(tokenizer, chunk: int) -> None:
+    ids = ids_of(tokenizer, "abcdEND tail")
+    output = OutputText(tokenizer, StopRules(strings=("xyz", "END")))
+    pieces = push_each(output, ids, chunk)
+    pieces.append(output.finish("length"))
+    assert "".join(pieces) == output.text == "abcd"
+    assert (output.finish_reason, output.stop_reason) == ("stop", "END")
+    assert output.token_ids == ids[:7]  # up to and including the token that completed the stop
+
+
+def test_streamed_text_never_shows_a_stop_prefix_that_is_later_cut(tokenizer) -> None:
+    output = OutputText(tokenizer, StopRules(strings=("<end>",)))
+    seen = [output.push(ids_of(tokenizer, c))[0] for c in "ab<en"]
+    assert "".join(seen) == "ab"  # "<en" may still become "<end>"
+    assert output.push(ids_of(tokenizer, "x"))[0] == "<enx"  # it did not
+    assert output.push(ids_of(tokenizer, "<end>"))[0] == ""
+    assert output.text == "ab<enx" and output.stop_reason == "<end>"
+
+
+def test_earliest_completing_stop_string_wins(tokenizer) -> None:
+    output = OutputText(tokenizer, StopRules(strings=("cdef", "de")))
+    output.push(ids_of(tokenizer, "abcdefg"))
+    assert output.stop_reason == "de" and output.text == "abc"
+
+
+def test_stop_tokens_end_output_and_report_only_user_ids(tokenizer) -> None:
+    eos, user = tokenizer.eos_token_id, ids_of(tokenizer, "q")[0]
+    rules = StopRules(frozenset({eos, user}), frozenset({user}))
+    for stop, reason in ((user, user), (eos, None)):
+        output = OutputText(tokenizer, rules)
+        text, kept = output.push([*ids_of(tokenizer, "hi"), stop, *ids_of(tokenizer, "zz")])
+        assert kept == [*ids_of(tokenizer, "hi"), stop] and output.stop_reason == reason
+        assert text + output.finish("length") == "hi"
+
+
+def test_length_finish_decodes_every_kept_id_once(tokenizer) -> None:
+    output = OutputText(tokenizer, StopRules())
+    push_each(output, ids_of(tokenizer, "hello world"), 3)
+    assert output.finish("length") == "" and output.text == "hello world" and output.finish_reason == "length"
+
+
+def test_held_back_is_the_longest_suffix_that_starts_a_stop() -> None:
+    assert held_back("abc<e", ("<end>", "c<")) == 2
+    assert held_back("abc", ("<end>",)) == 0
+    assert held_back("x<end", ("<end>",)) == 4
+
+
+def test_no_tokenizer_means_ids_only() -> None:
+    output = OutputText(None, StopRules(frozenset({7})))
+    assert output.push([3, 7, 9]) == ("", [3, 7])
+    assert output.finish("length") == "" and output.finish_reason == "stop" and output.stop_reason is None
+
+
+# The decode loop's hook and vocabulary check
+
+
+@pytest.fixture(scope="module")
+def tiny_pair() -> tuple[Target, object]:
+    target = Target(make_target_model("qwen3"))
+    return target, make_drafter("all_full")
+
+
+def test_on_commit_returning_true_ends_the_run_with_exact_stats(tiny_pair) -> None:
+    target, drafter = tiny_pair
+    proposer = build_proposer("dflash", target, drafter, None, 3)
+    full = generate(target, [1, 2, 3], proposer, 40)
+    seen: list[list[int]] = []
+
+    def stop_after_two(tokens: list[int]) -> bool:
+        seen.append(tokens)
+        return len(seen) == 3
+
+    cut = generate(target, [1, 2, 3], proposer, 40, on_commit=stop_after_two)
+    assert cut.ended_early and not full.ended_early
+    assert cut.token_ids == [t for chunk in seen for t in chunk] == full.token_ids[:len(cut.token_ids)]
+    assert cut.acceptance_lengths == full.acceptance_lengths[:2] and cut.stats.generated_tokens == len(cut.token_ids)
+    assert cut.draft_lengths == full.draft_lengths[:2] and all(d == 3 for d in cut.draft_lengths)
+    assert sum(cut.acceptance_lengths) == len(cut.token_ids) - 1
+
+
+def test_out_of_vocabulary_prompt_ids_are_refused(tiny_pair) -> None:
+    target, _ = tiny_pair
+    with pytest.raises(BlockdraftError, match=f"id {VOCAB + 5} is outside the target's vocabulary of {VOCAB} ids"):
+        generate(target, [1, VOCAB + 5], None, 4)
+
+
+# Metrics
+
+
+def run_output(acceptance: list[int], drafts: list[int], kept: int) -> JobOutput:
+    from blockdraft.decoding.generate import GenerationResult
+    from blockdraft.metrics import SpecStats
+
+    stats = SpecStats(method="ddtree", acceptance_lengths=acceptance)
+    tokens = list(range(1 + sum(acceptance)))
+    result = GenerationResult(tokens, acceptance, stats, None, drafts)
+    timing = Timing(arrival=0.0, scheduled=0.5, commits=[1.0 + i for i in range(len(acceptance) + 1)],
+                    finished=1.0 + len(acceptance))
+    return JobOutput(tokens[:kept], "", "", "stop", None, result, timing)
+
+
+def samples(metrics: ServeMetrics) -> dict[tuple, float]:
+    text = metrics.exposition()[0].decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_prometheus_counts_follow_vllm() -> None:
+    metrics = ServeMetrics("m", 512, 3)
+    metrics.finished(run_output([1, 4, 3, 2], [4, 4, 4, 0], kept=9), prompt_tokens=5, max_tokens=20)
+    got = samples(metrics)
+    labels = (("engine", "0"), ("model_name", "m"))
+    assert got[("vllm:spec_decode_num_drafts_total", labels)] == 3  # the step with no draft is not a draft
+    assert got[("vllm:spec_decode_num_draft_tokens_total", labels)] == 12
+    assert got[("vllm:spec_decode_num_accepted_tokens_total", labels)] == 0 + 3 + 2
+    per_pos = [got[("vllm:spec_decode_num_accepted_tokens_per_pos_total", (*labels, ("position", str(i))))]
+               for i in range(3)]
+    assert per_pos == [2, 2, 1]
+    assert got[("vllm:request_success_total", (("engine", "0"), ("finished_reason", "stop"), ("model_name", "m")))] == 1
+    assert got[("vllm:generation_tokens_total", labels)] == 11 and got[("vllm:prompt_tokens_total", labels)] == 5
+    assert got[("vllm:inter_token_latency_seconds_count", labels)] == 4
+    assert got[("vllm:time_to_first_token_seconds_sum", labels)] == 1.0
+    assert ("vllm:spec_decode_num_drafts_total", labels) not in samples(ServeMetrics("m", 512, None))
+
+
+def test_request_token_buckets_are_vllms_1_2_5_series() -> None:
+    assert token_buckets(512) == [1, 2, 5, 10, 20, 50, 100, 200, 500]
+
+
+def test_per_request_speculative_metrics_follow_vllms_schema() -> None:
+    spec = speculative_metrics(run_output([1, 4, 3, 2], [4, 4, 4, 0], kept=9), "ddtree", 3)
+    assert spec.acceptance_histogram == [1, 0, 1, 1] and spec.num_spec_steps == 3
+    assert spec.per_step_accepted == [0, 3, 2] and spec.per_step_drafted == [4, 4, 4]
+    assert spec.mean_acceptance_length == pytest.approx(1 + 5 / 3) and spec.draft_acceptance_rate == pytest.approx(5 / 12)
+    assert spec.tau == pytest.approx(10 / 4) and spec.acceptance_lengths == [1, 4, 3, 2]
+
+
+# The self-check's judgement
+
+
+def fingerprint(lengths: list[int], block: int) -> Fingerprint:
+    return Fingerprint.from_acceptance_lengths(lengths, block, "test")
+
+
+def test_judge_against_a_probe_at_the_served_depth() -> None:
+    reference = fingerprint([8, 6, 5, 7, 3], 8)
+    probe = ProbeResult(reference, {"wrong mask token": fingerprint([1, 1, 2, 1, 1], 8)})
+    healthy = fingerprint([4, 4, 3, 4, 2], 4)  # drafting 3 tokens: capped at 4
+    assert "expected" in judge(healthy, probe, 3, "probe.json").summary
+    with pytest.raises(BlockdraftError, match="deployment fault, most likely wrong mask token"):
+        judge(fingerprint([1, 1, 2, 1, 1], 4), probe, 3, "probe.json")
+    assert at_depth(reference, 3).tau == pytest.approx(1 + sum(reference.per_position[:3]))
+
+
+def test_judge_without_figures_refuses_only_a_collapse() -> None:
+    assert "floor" in judge(fingerprint([2, 1, 1, 3], 4), None, 3, "the floor").summary
+    with pytest.raises(BlockdraftError, match="broken deployment shows; typical causes: wrong or zero features"):
+        judge(fingerprint([1] * 40, 4), None, 3, "the floor")
+
+
+# From a request to a job
+
+
+def served_model(target: Target, tokenizer=None, defaults: dict | None = None) -> ServedModel:
+    return ServedModel("m", "root", target, tokenizer, 64, (1,), defaults or {})
+
+
+def test_output_limit_defaults_and_sampling_defaults(tiny_pair) -> None:
+    target, _ = tiny_pair
+    chat = parse_request({"messages": [{"role": "user", "content": "x"}]}, ChatCompletionRequest, "chat")
+    requested, param = chat.max_output
+    prepared = prepare(chat, [5] * 10, served_model(target, defaults={"temperature": 0.3}), requested, param,
+                       "messages")
+    assert prepared.max_tokens == 64 - 10  # vLLM's chat default: what the context leaves
+    assert prepared.sampling == SamplingParams(0.3, 1.0, 0) and prepared.rules.token_ids == frozenset({1})
+    completion = parse_request({"prompt": [5], "temperature": 0, "top_k": -1, "ignore_eos": True,
+                                "stop_token_ids": [7, 1]}, CompletionRequest, "completion")
+    prepared = prepare(completion, [5], served_model(target), completion.max_tokens, "max_tokens", "prompt")
+    assert prepared.max_tokens == 16 and prepared.sampling == SamplingParams(0.0, 1.0, 0)
+    assert prepared.rules.token_ids == frozenset({7, 1}) and prepared.rules.reported_ids == frozenset({7})
+    with pytest.raises(ApiError, match="`max_tokens`=60 plus the prompt's 10 tokens exceeds --max-model-len 64"):
+        prepare(completion, [5] * 10, served_model(target), 60, "max_tokens", "prompt")
+
+
+def test_generation_config_sampling_values_win_over_openais_defaults() -> None:
+    from transformers import GenerationConfig
+
+    class Model:
+        generation_config = GenerationConfig(temperature=0.6, top_p=0.9, max_new_tokens=12)
+
+    assert generation_defaults(Model()) == {"temperature": 0.6, "top_p": 0.9}
+
+
+def families(text: str) -> dict[str, tuple[str, str, set[tuple[str, tuple[str, ...]]], set[str]]]:
+    """vllm: metric families -> (type, help, {(sample name, label names)}, histogram bounds)."""
+    out = {}
+    for family in text_string_to_metric_families(text):
+        if family.name.startswith("vllm:"):
+            shapes = {(s.name, tuple(sorted(k for k in s.labels if k not in ("le", "position")))) for s in family.samples}
+            bounds = {s.labels["le"] for s in family.samples if "le" in s.labels}
+            out[family.name] = (family.type, family.documentation, shapes, bounds)
+    return out
+
+
+def test_every_metric_we_export_is_vllms_own() -> None:
+    """Same names, types, help, labels and buckets as vLLM 0.33's PrometheusStatLogger wrote them (the recorded
+    exposition of benchmarks/engine_conformance.py, a DFlash deployment with max_model_len in 2000..4999)."""
+    from pathlib import Path
+
+    fixture = Path(__file__).parent / "fixtures" / "engines" / "vllm_0.33.0_dflash_dp2_metrics_after.txt"
+    vllm = families(fixture.read_text())
+    ours = families(ServeMetrics("Qwen/Qwen3.6-27B", 2048, 15).exposition()[0].decode())
+    assert len(ours) >= 20
+    for name, family in ours.items():
+        assert family == vllm[name], name
