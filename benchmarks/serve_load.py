@@ -121,7 +121,7 @@ class Server:
                    "--no-self-check", "--max-queue", str(max(args.concurrency_levels) + 1),
                    *method_flags(method, budget, draft_tokens)]
         for flag, value in (("--drafter", args.drafter), ("--device", args.device), ("--dtype", args.dtype),
-                            ("--engine", args.engine)):
+                            ("--engine", args.engine), ("--stream-interval-ms", args.stream_interval_ms)):
             if value is not None:
                 command += [flag, value]
         env = {**os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {})}
@@ -241,6 +241,7 @@ def main() -> None:
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--engine", default="auto")
     parser.add_argument("--threads", type=int, default=None, help="torch threads, here and in the server.")
+    parser.add_argument("--stream-interval-ms", default=None, help="The server's stream interval (default: its own).")
     parser.add_argument("--json-out", type=Path, default=None)
     args = parser.parse_args()
     args.concurrency_levels = [int(c) for c in args.concurrency.split(",")]

@@ -320,3 +320,39 @@ def test_every_metric_we_export_is_vllms_own() -> None:
     assert len(ours) >= 20
     for name, family in ours.items():
         assert family == vllm[name], name
+
+
+def test_event_relay_wakes_for_the_first_and_final_events_and_batches_the_rest() -> None:
+    import asyncio
+    import threading
+
+    from blockdraft.serve.jobs import Failed, Progress
+    from blockdraft.serve.relay import EventRelay
+
+    async def relay_batches(interval: float) -> list[list[str]]:
+        loop = asyncio.get_running_loop()
+        wakes: list[object] = []
+
+        class CountingLoop:
+            def call_soon_threadsafe(self, callback: object) -> None:
+                wakes.append(callback)
+                loop.call_soon_threadsafe(callback)
+
+        relay = EventRelay(CountingLoop(), interval)  # type: ignore[arg-type]
+
+        def produce() -> None:
+            for i in range(5):
+                relay.emit(Progress(str(i), [i]))
+            relay.emit(Failed(ApiError(500, "end")))
+
+        thread = threading.Thread(target=produce)
+        thread.start()
+        batches = [[e.text if isinstance(e, Progress) else "end" for e in batch] async for batch in relay.batches()]
+        thread.join()
+        assert len(wakes) == (6 if interval == 0 else 2)
+        return batches
+
+    slow = asyncio.run(relay_batches(3600.0))
+    assert [t for batch in slow for t in batch] == ["0", "1", "2", "3", "4", "end"] and slow[-1][-1] == "end"
+    every = asyncio.run(relay_batches(0.0))
+    assert [t for batch in every for t in batch] == ["0", "1", "2", "3", "4", "end"]

@@ -304,6 +304,10 @@ def serve(
     self_check: bool = typer.Option(True, "--self-check/--no-self-check", help="Refuse to start when acceptance has collapsed."),
     expect: Optional[Path] = typer.Option(None, "--expect", help="A `doctor probe` JSON the self-check judges against."),
     drain_timeout: float = typer.Option(30.0, "--drain-timeout", help="Seconds SIGTERM keeps decoding queued requests."),
+    stream_interval_ms: float = typer.Option(
+        20.0, "--stream-interval-ms",
+        help="Streamed text is sent at most this often (the commits in between form one chunk); 0: every commit.",
+    ),
 ) -> None:
     """An OpenAI-compatible server (chat, completions, models, /health, /metrics in vLLM's names) for AR, DFlash, DDTree."""
     from blockdraft.serve.server import BlockdraftServer, ServeSettings
@@ -312,7 +316,7 @@ def serve(
         raise BlockdraftError(f"--max-queue {max_queue} must be >= 0")
     settings = ServeSettings(
         target, drafter, method, budget, draft_tokens, host, port, api_key, served_model_name, max_model_len,
-        max_queue, device, dtype, engine, self_check, expect, drain_timeout,
+        max_queue, device, dtype, engine, self_check, expect, drain_timeout, stream_interval_ms,
     )
     BlockdraftServer(settings, lambda line: err.print(line, markup=False, highlight=False, soft_wrap=True)).run()
 

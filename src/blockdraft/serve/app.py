@@ -17,10 +17,11 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from blockdraft.serve.errors import ApiError, error_body
-from blockdraft.serve.jobs import Event, Failed, Finished, Job, Progress
+from blockdraft.serve.jobs import Failed, Finished, Job, Progress
 from blockdraft.serve.metrics import ServeMetrics
 from blockdraft.serve.prepare import Prepared, ServedModel, chat_prompt, completion_prompt, prepare
 from blockdraft.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, parse_request
+from blockdraft.serve.relay import EventRelay
 from blockdraft.serve.render import DONE, Rendering, sse
 from blockdraft.serve.worker import Worker
 
@@ -37,6 +38,7 @@ class ServerState:
     method: str
     num_spec_tokens: int | None
     api_key: str | None
+    stream_interval: float
 
 
 class BearerAuth:
@@ -73,27 +75,28 @@ async def _watch_disconnect(request: Request, job: Job) -> None:
     job.cancelled.set()
 
 
-async def _events(job: Job, events: asyncio.Queue[Event], rendering: Rendering, include_usage: bool) -> AsyncIterator[str]:
-    """SSE lines for one job, ending with [DONE] whatever happens; leaving early (the client went away) cancels
-    the job."""
+async def _events(job: Job, relay: EventRelay, rendering: Rendering, include_usage: bool) -> AsyncIterator[str]:
+    """SSE lines for one job (the commits a batch collected become one chunk), ending with [DONE] whatever happens;
+    leaving early (the client went away) cancels the job."""
     done = False
     try:
         for line in rendering.opening():
             yield line
-        while not done:
-            event = await events.get()
-            if isinstance(event, Progress):
-                chunk = rendering.chunk(event.text, event.token_ids)
+        async for batch in relay.batches():
+            progress = [event for event in batch if isinstance(event, Progress)]
+            if progress:
+                chunk = rendering.chunk("".join(p.text for p in progress), [t for p in progress for t in p.token_ids])
                 if chunk:
                     yield chunk
-                continue
-            done = True
-            if isinstance(event, Finished):
-                yield rendering.closing(event.output)
+            final = batch[-1]
+            if isinstance(final, Finished):
+                done = True
+                yield rendering.closing(final.output)
                 if include_usage:
-                    yield rendering.usage_chunk(event.output)
-            else:
-                yield sse(event.error.body())
+                    yield rendering.usage_chunk(final.output)
+            elif isinstance(final, Failed):
+                done = True
+                yield sse(final.error.body())
     except Exception as exc:  # a bug while rendering still ends the stream with an error and [DONE]
         yield sse(error_body(500, f"internal error ({type(exc).__name__}: {exc})"))
     finally:
@@ -104,28 +107,21 @@ async def _events(job: Job, events: asyncio.Queue[Event], rendering: Rendering, 
 
 async def _run(request: Request, state: ServerState, prepared: Prepared, rendering: Rendering, stream: bool,
                include_usage: bool) -> Response:
-    loop = asyncio.get_running_loop()
-    events: asyncio.Queue[Event] = asyncio.Queue()
-
-    def emit(event: Event) -> None:
-        try:
-            loop.call_soon_threadsafe(events.put_nowait, event)
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
-
-    job = Job(prepared.prompt_ids, prepared.max_tokens, prepared.sampling, prepared.seed, prepared.rules, emit)
+    relay = EventRelay(asyncio.get_running_loop(), state.stream_interval)
+    job = Job(prepared.prompt_ids, prepared.max_tokens, prepared.sampling, prepared.seed, prepared.rules, relay.emit)
     state.worker.submit(job)
     if stream:
-        return StreamingResponse(_events(job, events, rendering, include_usage), media_type="text/event-stream")
+        return StreamingResponse(_events(job, relay, rendering, include_usage), media_type="text/event-stream")
     watcher = asyncio.create_task(_watch_disconnect(request, job))
     try:
-        while not isinstance(event := await events.get(), (Finished, Failed)):
-            pass
+        async for batch in relay.batches():
+            final = batch[-1]
     finally:
         watcher.cancel()
-    if isinstance(event, Failed):
-        return event.error.response()
-    return JSONResponse(rendering.response(event.output).model_dump())
+    if isinstance(final, Failed):
+        return final.error.response()
+    assert isinstance(final, Finished)
+    return JSONResponse(rendering.response(final.output).model_dump())
 
 
 def build_app(state: ServerState) -> ASGIApp:

@@ -53,6 +53,7 @@ class ServeSettings:
     self_check: bool = True
     expect: Path | None = None
     drain_timeout: float = 30.0
+    stream_interval_ms: float = 20.0
 
 
 class _DrainingServer(uvicorn.Server):
@@ -133,7 +134,10 @@ class BlockdraftServer:
         self.worker.start(warmup_ids=prompts[0])
         host, port = self.socket.getsockname()[:2]
         self.url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
-        state = ServerState(served, self.worker, self.metrics, method, depth, settings.api_key)
+        if settings.stream_interval_ms < 0:
+            raise BlockdraftError(f"--stream-interval-ms {settings.stream_interval_ms:g} must be >= 0 (0: every commit)")
+        state = ServerState(served, self.worker, self.metrics, method, depth, settings.api_key,
+                            settings.stream_interval_ms / 1000)
         config = uvicorn.Config(
             build_app(state), lifespan="off", log_level="info",
             timeout_graceful_shutdown=int(settings.drain_timeout + _FORCE_MARGIN_S),
