@@ -1,14 +1,15 @@
 """Issue 21's load benchmark: `blockdraft serve` under bounded load on 127.0.0.1, against the same methods
 in-process on the same prompts.
 
-For each method: first the method runs in this process (the pair loaded here, one warm-up, then every prompt
-sequentially at T=0: generated tokens over wall time); then `python -m blockdraft serve` starts as its own process
-with the same method and sizes, and for each concurrency level `--requests` streamed chat requests (T=0,
-`stream_options.include_usage`) run through a pool of that many clients. Reported per level: requests/s, output
-tokens/s (usage.completion_tokens over wall time), TTFT and inter-token latency p50/p99 (ITL = gaps between streamed
-chunks: one chunk per verify step, which may carry several tokens, as vLLM's benchmark counts them), errors. The
-closing table gives server tokens/s at concurrency 1 over in-process tokens/s (goal >= 0.95). Everything is bounded:
-levels, request counts and `--time-cap` (no new request after it; the run stops by itself).
+For each method: the pair is loaded in this process and `python -m blockdraft serve` starts as its own process with
+the same method and sizes. First, at concurrency 1, each request runs in-process and then through the server,
+alternately (paired: drift of the machine hits both sides alike; the same prompt at T=0 must give the same token
+count on both); the closing table gives server tokens/s over in-process tokens/s (goal >= 0.95). Then for each
+concurrency level `--requests` streamed chat requests (T=0, `stream_options.include_usage`) run through a pool of
+that many clients. Reported per level: requests/s, output tokens/s (usage.completion_tokens over wall time), TTFT
+and inter-chunk latency p50/p99 (the gap between streamed chunks: one per stream interval, which carries every
+token committed since), errors. Everything is bounded: levels, request counts and `--time-cap` (no new request after
+it; the run stops by itself).
 
     python benchmarks/serve_load.py --methods ar,dflash,ddtree --concurrency 1,4 --requests 12 --max-tokens 64 \
         --device cpu --threads 1 --json-out serve_load.json
@@ -81,36 +82,59 @@ def method_flags(method: str, budget: int | None, draft_tokens: int | None) -> l
     return flags
 
 
-def in_process(args: argparse.Namespace, method: str, prompts: list[list[dict]]) -> tuple[float, int, int | None, int | None]:
-    """(tokens/s, tokens, budget, draft tokens) of the method in this process over the requests concurrency 1 sends
-    (`--requests` prompts, cycled), one after another, T=0."""
-    import torch
+class InProcess:
+    """The method in this process, on the same pair and settings as the server: one request at a time, T=0."""
 
-    from blockdraft.decoding.generate import generate
-    from blockdraft.decoding.methods import build_proposer, device_settings
-    from blockdraft.pair import Loaded, default_drafter
-    from blockdraft.prompting import encode_messages
+    def __init__(self, args: argparse.Namespace, method: str) -> None:
+        import torch
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    drafter = None if method == "ar" else default_drafter(args.target, args.drafter)
-    loaded = Loaded(args.target, drafter, args.device, args.dtype, args.engine)
-    budget = draft_tokens = None
-    if loaded.drafter is not None:
-        budget, draft_tokens = device_settings(loaded.target.device.type, loaded.drafter.cfg.block_size,
-                                               args.budget, args.draft_tokens)
-    proposer = build_proposer(method, loaded.target, loaded.drafter, budget if method == "ddtree" else None,
-                              draft_tokens)
-    stops = loaded.stops([], False)
-    encoded = [encode_messages(messages, loaded.tokenizer) for messages in prompts]
-    generate(loaded.target, encoded[0], proposer, 8)  # warm-up, as the server does before serving
-    tokens, start = 0, time.perf_counter()
-    for index in range(args.requests):
-        ids = encoded[index % len(encoded)]
-        tokens += len(generate(loaded.target, ids, proposer, args.max_tokens, stop_token_ids=stops).token_ids)
-    elapsed = time.perf_counter() - start
-    del loaded, proposer
-    return tokens / elapsed, tokens, budget, draft_tokens
+        from blockdraft.decoding.methods import build_proposer, device_settings
+        from blockdraft.pair import Loaded, default_drafter
+
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        drafter = None if method == "ar" else default_drafter(args.target, args.drafter)
+        self.loaded = Loaded(args.target, drafter, args.device, args.dtype, args.engine)
+        self.budget = self.draft_tokens = None
+        if self.loaded.drafter is not None:
+            self.budget, self.draft_tokens = device_settings(
+                self.loaded.target.device.type, self.loaded.drafter.cfg.block_size, args.budget, args.draft_tokens)
+        self.proposer = build_proposer(method, self.loaded.target, self.loaded.drafter,
+                                       self.budget if method == "ddtree" else None, self.draft_tokens)
+        self.stops = self.loaded.stops([], False)
+        self.max_tokens = args.max_tokens
+
+    def run(self, messages: list[dict], max_tokens: int | None = None) -> tuple[int, float]:
+        """(generated tokens, seconds) for one chat request, prompt encoding included as the server does it."""
+        from blockdraft.decoding.generate import generate
+        from blockdraft.prompting import encode_messages
+
+        start = time.perf_counter()
+        ids = encode_messages(messages, self.loaded.tokenizer)
+        tokens = len(generate(self.loaded.target, ids, self.proposer, max_tokens or self.max_tokens,
+                              stop_token_ids=self.stops).token_ids)
+        return tokens, time.perf_counter() - start
+
+
+def paired(local: InProcess, url: str, model: str, requests: int, prompts: list[list[dict]],
+           max_tokens: int) -> dict[str, Any]:
+    """Concurrency 1, each request run in-process and then through the server, alternately, so drift of the
+    machine (clocks, other load) hits both sides alike; the ratio is of the two sides' tokens per second."""
+    local_tokens = local_s = server_tokens = server_s = 0.0
+    same = 0
+    with httpx.Client(timeout=600) as client:
+        for index in range(requests):
+            messages = prompts[index % len(prompts)]
+            tokens, seconds = local.run(messages)
+            local_tokens, local_s = local_tokens + tokens, local_s + seconds
+            start = time.perf_counter()
+            record = one_request(client, url, model, messages, max_tokens)
+            server_s += time.perf_counter() - start
+            server_tokens += record.tokens
+            same += record.ok and record.tokens == tokens
+    local_tps, server_tps = local_tokens / local_s, server_tokens / server_s
+    return dict(in_process_tokens_per_s=local_tps, server_c1_tokens_per_s=server_tps, ratio=server_tps / local_tps,
+                requests=requests, same_token_counts=same)
 
 
 class Server:
@@ -253,24 +277,27 @@ def main() -> None:
     levels: list[LevelResult] = []
     ratios: list[dict[str, Any]] = []
     for method in [m.strip() for m in args.methods.split(",") if m.strip()]:
-        console.print(f"# {method}: in-process, {args.requests} requests over {len(prompts)} prompts ...")
-        local_tps, local_tokens, budget, draft_tokens = in_process(args, method, prompts)
-        console.print(f"# {method}: in-process {local_tps:.1f} tok/s ({local_tokens} tokens); starting the server ...")
-        server = Server(args, method, budget, draft_tokens)
+        console.print(f"# {method}: loading in-process ...")
+        local = InProcess(args, method)
+        local.run(prompts[0], 8)  # warm-up, as the server does before serving
+        console.print(f"# {method}: starting the server ...")
+        server = Server(args, method, local.budget, local.draft_tokens)
         assert server.url is not None
         deadline = time.monotonic() + args.time_cap
         try:
+            pair = paired(local, server.url, args.target, args.requests, prompts, args.max_tokens)
+            ratios.append(dict(method=method, **pair))
+            console.print(f"# {method} paired c=1: in-process {pair['in_process_tokens_per_s']:.1f} tok/s, server "
+                          f"{pair['server_c1_tokens_per_s']:.1f} tok/s, ratio {pair['ratio']:.3f}")
             for concurrency in args.concurrency_levels:
-                result = load_level(server.url, args.target, method, concurrency, args.requests, prompts, args.max_tokens, deadline)
+                result = load_level(server.url, args.target, method, concurrency, args.requests, prompts,
+                                    args.max_tokens, deadline)
                 levels.append(result)
                 console.print(f"# {method} c={concurrency}: {result.output_tokens_per_s:.1f} tok/s, "
                               f"{result.errors} errors")
         finally:
             server.stop()
-        first = next((r for r in levels if r.method == method and r.concurrency == 1), None)
-        ratios.append(dict(method=method, in_process_tokens_per_s=local_tps,
-                           server_c1_tokens_per_s=first.output_tokens_per_s if first else None,
-                           ratio=first.output_tokens_per_s / local_tps if first else None))
+            del local
 
     table = Table(title=f"blockdraft serve under load ({args.target}, {args.max_tokens} max tokens, T=0)")
     for column in ("method", "conc", "requests", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
@@ -281,11 +308,12 @@ def main() -> None:
                       fmt(r.output_tokens_per_s, ".1f"), fmt(r.ttft_p50_ms), fmt(r.ttft_p99_ms), fmt(r.itl_p50_ms),
                       fmt(r.itl_p99_ms), str(r.errors))
     out.print(table)
-    summary = Table(title="server at concurrency 1 vs in-process (same method, prompts and settings; goal >= 0.95)")
-    for column in ("method", "in-process tok/s", "server c=1 tok/s", "ratio"):
+    summary = Table(title="server at concurrency 1 vs in-process, paired request by request (goal >= 0.95)")
+    for column in ("method", "requests", "same token counts", "in-process tok/s", "server c=1 tok/s", "ratio"):
         summary.add_column(column, justify="right")
     for r in ratios:
-        summary.add_row(r["method"], fmt(r["in_process_tokens_per_s"], ".1f"), fmt(r["server_c1_tokens_per_s"], ".1f"),
+        summary.add_row(r["method"], str(r["requests"]), str(r["same_token_counts"]),
+                        fmt(r["in_process_tokens_per_s"], ".1f"), fmt(r["server_c1_tokens_per_s"], ".1f"),
                         fmt(r["ratio"], ".3f"))
     out.print(summary)
     if args.json_out:

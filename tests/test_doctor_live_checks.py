@@ -126,3 +126,22 @@ def test_compare_reads_a_shorter_draft_from_the_servers_counters(trained_pairs: 
     (width,) = [f for f in report["findings"] if "drafts 3 tokens per step" in f["message"]]
     assert width["field"] == "num_speculative_tokens" and "num_speculative_tokens 7" in width["fix"]
     assert "num_speculative_tokens below B-1 (block cut)" in report["fingerprints"]
+
+
+def test_a_served_fine_tune_is_a_healthy_deployment_whose_drafter_needs_retraining(
+    trained_pairs: dict, tmp_path: Path
+) -> None:
+    """The reuse-or-retrain check with a live deployment: the server runs a fine-tune with its base model's drafter
+    exactly as configured (compare blames the drafter, not the deployment), and the probe says retrain."""
+    from test_doctor_reuse import fine_tune
+
+    base, drafter = trained_pairs["full"]
+    tuned = fine_tune(base, tmp_path / "tuned", 0.5)
+    prompts = prompt_file(tmp_path)
+    with serving(tuned, drafter) as server:
+        report = compare(server.url, tuned, drafter, prompts)
+    assert report["verdict"].startswith("the drafter") and "deployment fault" not in report["verdict"]
+    code, probe = doctor("probe", "--target", str(tuned), "--drafter", str(drafter), "--base-target", str(base),
+                         "--prompts", str(prompts), "--out", str(tmp_path / "probe.json"))
+    (reuse,) = [f for f in probe["findings"] if f["field"] == "drafter reuse"]
+    assert code == 0 and reuse["message"].startswith("retrain")

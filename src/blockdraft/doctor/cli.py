@@ -243,6 +243,8 @@ def reuse_finding(decision: ReuseVerdict) -> Finding:
     )
 
 
+UrlOpt = Annotated[str, typer.Option(help="The server's base URL, e.g. http://localhost:8000.")]
+ReplayTokensOpt = Annotated[int, typer.Option(help="Greedy tokens per prompt (EOS ignored on both sides).")]
 TargetOpt = Annotated[str, typer.Option(help="Target folder (or the embedded name) the server should be serving.")]
 PromptsOpt = Annotated[
     str, typer.Option(help="Built-in set (demo, humaneval, sharegpt, spec-bench) or a JSONL/JSON prompts file.")
@@ -264,11 +266,11 @@ def _replay_prompts(loaded: Loaded, prompts: str, limit: int | None) -> list[lis
 
 @doctor_app.command("lossless")
 def lossless_command(
-    url: Annotated[str, typer.Option(help="The server's base URL, e.g. http://localhost:8000.")],
+    url: UrlOpt,
     target: TargetOpt,
     prompts: PromptsOpt = "demo",
     limit: LimitOpt = None,
-    max_new_tokens: Annotated[int, typer.Option(help="Greedy tokens per prompt (EOS ignored on both sides).")] = 64,
+    max_new_tokens: ReplayTokensOpt = 64,
     model: ModelOpt = None,
     api_key: ApiKeyOpt = None,
     tie_tolerance: Annotated[
@@ -297,12 +299,12 @@ def lossless_command(
 
 @doctor_app.command("compare")
 def compare_command(
-    url: Annotated[str, typer.Option(help="The server's base URL, e.g. http://localhost:8000.")],
+    url: UrlOpt,
     drafter: Annotated[Path, typer.Option(help="The drafter folder the server is meant to run.")],
     target: TargetOpt,
     prompts: PromptsOpt = "demo",
     limit: LimitOpt = None,
-    max_new_tokens: Annotated[int, typer.Option(help="Greedy tokens per prompt (EOS ignored on both sides).")] = 64,
+    max_new_tokens: ReplayTokensOpt = 64,
     model: ModelOpt = None,
     api_key: ApiKeyOpt = None,
     num_speculative_tokens: NumSpecTokensOpt = None,
