@@ -34,6 +34,7 @@ from blockdraft.doctor.reuse import ReuseVerdict
 from blockdraft.errors import BlockdraftError
 
 if TYPE_CHECKING:
+    from blockdraft.doctor.probes import ProbeRun
     from blockdraft.pair import Loaded
 
 doctor_app = typer.Typer(
@@ -201,29 +202,25 @@ def probe_command(
     html: HtmlOpt = None,
 ) -> None:
     """Measure the drafter's healthy acceptance and its acceptance under each known deployment fault (T = 0)."""
-    from blockdraft.bench.prompts import load_prompt_set
     from blockdraft.doctor.probes import healthy_deployment, measure, run_probes
-    from blockdraft.pair import Loaded, encode_item
+    from blockdraft.pair import Loaded
 
     observed = None
     if observed_tau is not None or observed_per_position is not None:
         rates = parse_number_list(observed_per_position, "--observed-per-position") if observed_per_position else None
         observed = Fingerprint.from_numbers(observed_tau, rates, source="--observed-tau/--observed-per-position")
-    items = load_prompt_set(prompts, limit=limit)
     loaded = Loaded(target, str(drafter), device, dtype)
     assert loaded.drafter is not None
-    encoded = [encode_item(item, loaded.tokenizer) for item in items]
-    run = run_probes(
-        loaded.target, loaded.drafter, encoded, max_new_tokens, loaded.stops([], False),
-        on_measure=lambda name: typer.echo(f"probing: {name}", err=True), served_tokens=num_speculative_tokens,
-    )
+    encoded = _encoded_prompts(loaded, prompts, limit)
+    run = run_probes(loaded.target, loaded.drafter, encoded, max_new_tokens, loaded.stops([], False),
+                     on_measure=_say_probing, served_tokens=num_speculative_tokens)
     run.result.save(out)
     typer.echo(f"wrote {out} (pass it as --reference to doctor server/log/numbers)", err=True)
-    findings = [Finding("info", name, f"not probed: {why}", "", "") for name, why in run.skipped.items()]
+    findings = _not_probed(run)
     if base_target is not None:
         typer.echo(f"probing: the drafter on its base model {base_target}", err=True)
         base = Loaded(base_target, str(drafter), device, dtype)
-        base_prompts = [encode_item(item, base.tokenizer) for item in items]
+        base_prompts = _encoded_prompts(base, prompts, limit)
         on_base = measure(healthy_deployment(base.target, base.drafter), base_prompts, max_new_tokens,
                           base.stops([], False))
         findings.insert(0, reuse_finding(ReuseVerdict(run.result.reference, on_base, target, str(drafter))))
@@ -231,6 +228,15 @@ def probe_command(
         f"doctor probe: {drafter} on {target}", findings, observed, run.result.reference, run.result.faults
     )
     _emit(report, json_out, html)
+
+
+def _say_probing(name: str) -> None:
+    typer.echo(f"probing: {name}", err=True)
+
+
+def _not_probed(run: ProbeRun) -> list[Finding]:
+    """The faults a probe left out, and why, as report findings."""
+    return [Finding("info", name, f"not probed: {why}", "", "") for name, why in run.skipped.items()]
 
 
 def reuse_finding(decision: ReuseVerdict) -> Finding:
@@ -256,8 +262,8 @@ DeviceOpt = Annotated[str | None, typer.Option(help="Where our reference runs: c
 DtypeOpt = Annotated[str | None, typer.Option(help="Our reference's dtype (default float32 on CPU, bfloat16 on GPU).")]
 
 
-def _replay_prompts(loaded: Loaded, prompts: str, limit: int | None) -> list[list[int]]:
-    """The prompt set as token ids under the target's own tokenizer and chat template (the server gets the ids)."""
+def _encoded_prompts(loaded: Loaded, prompts: str, limit: int | None) -> list[list[int]]:
+    """The prompt set as token ids under the target's own tokenizer and chat template (a server gets the ids)."""
     from blockdraft.bench.prompts import load_prompt_set
     from blockdraft.pair import encode_item
 
@@ -287,7 +293,7 @@ def lossless_command(
 
     endpoint = connect(url, model, api_key)
     loaded = Loaded(target, None, device, dtype)
-    report = check_lossless(loaded.target, endpoint, _replay_prompts(loaded, prompts, limit), max_new_tokens,
+    report = check_lossless(loaded.target, endpoint, _encoded_prompts(loaded, prompts, limit), max_new_tokens,
                             tie_tolerance)
     if json_out:
         typer.echo(json.dumps(report.to_dict(), indent=2))
@@ -314,7 +320,7 @@ def compare_command(
     html: HtmlOpt = None,
 ) -> None:
     """Replay prompts through a live server and our engine: acceptance side by side, and the field at fault."""
-    from blockdraft.doctor.compare import explaining_field, replay_acceptance, served_width
+    from blockdraft.doctor.compare import closest_fault, replay_acceptance, served_width
     from blockdraft.doctor.probes import FAULT_FIELDS, run_probes
     from blockdraft.doctor.replay import connect
     from blockdraft.pair import Loaded
@@ -322,15 +328,15 @@ def compare_command(
     endpoint = connect(url, model, api_key)
     loaded = Loaded(target, str(drafter), device, dtype)
     assert loaded.drafter is not None
-    encoded = _replay_prompts(loaded, prompts, limit)
+    encoded = _encoded_prompts(loaded, prompts, limit)
     typer.echo(f"replaying {len(encoded)} prompts through {endpoint.url} ({endpoint.model})", err=True)
     observed = replay_acceptance(endpoint, encoded, max_new_tokens, model)
     whole = loaded.drafter.cfg.block_size - 1
     served = served_width(observed, whole, num_speculative_tokens)
-    run = run_probes(loaded.target, loaded.drafter, encoded, max_new_tokens,
-                     on_measure=lambda name: typer.echo(f"probing: {name}", err=True), served_tokens=served)
+    run = run_probes(loaded.target, loaded.drafter, encoded, max_new_tokens, on_measure=_say_probing,
+                     served_tokens=served)
     reference, faults = run.result.reference, run.result.faults
-    findings = [Finding("info", name, f"not probed: {why}", "", "") for name, why in run.skipped.items()]
+    findings = _not_probed(run)
     if served is not None and served < whole:
         findings.append(Finding(
             "warning", "num_speculative_tokens",
@@ -338,9 +344,9 @@ def compare_command(
             "tau is capped at the drafted depth, and an engine that cuts the block (vLLM) accepts less at every slot",
             f"serve num_speculative_tokens {whole} (vLLM) / --speculative-num-draft-tokens {whole + 1} (SGLang)",
         ))
-    field = explaining_field(observed, reference, faults)
-    if field is not None:
-        fault = next(name for name, text in FAULT_FIELDS.items() if text == field)
+    fault = closest_fault(observed, reference, faults)
+    if fault is not None:
+        field = FAULT_FIELDS.get(fault, fault)
         findings.insert(0, Finding(
             "warning", field.split(" ")[0],
             f"the server's acceptance matches the fingerprint of '{fault}': {field}",

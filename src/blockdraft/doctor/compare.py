@@ -14,7 +14,6 @@ from collections.abc import Callable
 from blockdraft.doctor.diagnose import HEALTHY, rank_hypotheses
 from blockdraft.doctor.fingerprint import Fingerprint
 from blockdraft.doctor.live import fetch
-from blockdraft.doctor.probes import FAULT_FIELDS
 from blockdraft.doctor.replay import Endpoint, complete_ids
 from blockdraft.doctor.server_metrics import detect_engine, parse_samples, parse_sglang_metrics, vllm_window
 from blockdraft.errors import BlockdraftError
@@ -60,9 +59,7 @@ def served_width(observed: Fingerprint, whole: int, given: int | None) -> int | 
     return width if 0 < width < whole else None
 
 
-def explaining_field(observed: Fingerprint, reference: Fingerprint, faults: dict[str, Fingerprint]) -> str | None:
-    """The config field behind the fault closest to the observation; None when the healthy reference is closest."""
+def closest_fault(observed: Fingerprint, reference: Fingerprint, faults: dict[str, Fingerprint]) -> str | None:
+    """The name of the fault closest to the observation; None when the healthy reference is closest."""
     best = rank_hypotheses(observed, reference, faults)[0]
-    if best.name == HEALTHY:
-        return None
-    return FAULT_FIELDS.get(best.name, best.name)
+    return None if best.name == HEALTHY else best.name
