@@ -309,7 +309,9 @@ def _causal_override(raw: dict[str, Any], source: str) -> bool | None:
     return next(iter(given.values()), None)
 
 
-def _attention(raw: dict[str, Any], layers: int, source: str) -> tuple[list[str], list[str], list[bool], int | None]:
+def _attention(
+    raw: dict[str, Any], layers: int, override: bool | None, source: str
+) -> tuple[list[str], list[str], list[bool], int | None]:
     """(layer kinds run, layer kinds declared, causal per layer, window) by vLLM 0.33's `_resolve_layer_attention`
     rule, which the authors' dflash 0.1.0 shares where it has the field: `use_swa` slides every layer of a drafter
     that declares no sliding layer; the window is `dflash_config.swa_window_size`, else `sliding_window` when
@@ -337,7 +339,6 @@ def _attention(raw: dict[str, Any], layers: int, source: str) -> tuple[list[str]
             "reference crashes on it); set use_sliding_window: true and sliding_window (or "
             "dflash_config.swa_window_size) to the trained window, or declare the layers full_attention"
         )
-    override = _causal_override(raw, source)
     causal = [override if override is not None else t == "sliding_attention" for t in declared]
     return kinds, declared, causal, effective_window
 
@@ -417,7 +418,8 @@ def parse_draft_config(raw: dict[str, Any], source: str = "config.json") -> Draf
             "taps are 0-based decoder layers of the target"
         )
 
-    kinds, declared, causal, window = _attention(raw, layers, source)
+    override = _causal_override(raw, source)
+    kinds, declared, causal, window = _attention(raw, layers, override, source)
     scale = _optional_float(_get(raw, "input_embedding_scale", 1.0), "input_embedding_scale", source)
     mult = _optional_float(_get(raw, "output_multiplier", 1.0), "output_multiplier", source)
     logit_scale = _optional_float(_get(raw, "logit_scale", 1.0), "logit_scale", source)
@@ -448,7 +450,7 @@ def parse_draft_config(raw: dict[str, Any], source: str = "config.json") -> Draf
         layer_causal=tuple(causal),
         sliding_window=window,
         use_sliding_window=bool(raw.get("use_sliding_window", False)),
-        is_causal=_causal_override(raw, source),
+        is_causal=override,
         input_embedding_scale=1.0 if scale is None else scale,
         output_multiplier=(1.0 if mult is None else mult) * (1.0 if logit_scale is None else logit_scale),
         final_logit_softcapping=softcap if softcap and softcap > 0 else None,
