@@ -38,6 +38,11 @@ class GenerationResult:
     draft_lengths: list[int] = field(default_factory=list)
     ended_early: bool = False
 
+    def drafted_steps(self) -> list[tuple[int, int]]:
+        """(tokens drafted, drafted tokens accepted) of every verify step that had a draft: what vLLM counts as
+        one draft (the bonus token is not an accepted draft token)."""
+        return [(d, a - 1) for d, a in zip(self.draft_lengths, self.acceptance_lengths) if d > 0]
+
 
 OnCommit = Callable[[list[int]], bool | None]
 

@@ -170,11 +170,9 @@ class ServeMetrics:
             self.inference_time.observe(last - t.scheduled)
         if self.spec is not None:
             drafts, draft_tokens, accepted, per_pos = self.spec
-            for drafted, length in zip(result.draft_lengths, result.acceptance_lengths):
-                if drafted == 0:
-                    continue
+            for drafted, kept in result.drafted_steps():
                 drafts.inc()
                 draft_tokens.inc(drafted)
-                accepted.inc(length - 1)
-                for position in range(min(length - 1, len(per_pos))):
+                accepted.inc(kept)
+                for position in range(min(kept, len(per_pos))):
                     per_pos[position].inc()

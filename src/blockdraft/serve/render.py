@@ -41,7 +41,7 @@ def sse(chunk: BaseModel | dict) -> str:
 def speculative_metrics(output: JobOutput, method: str, num_spec_tokens: int) -> SpeculativeDecodingMetrics:
     """vLLM's RequestSpecDecodeMetrics.to_dict over the steps that drafted, plus tau over every verify step."""
     result = output.result
-    steps = [(d, a - 1) for d, a in zip(result.draft_lengths, result.acceptance_lengths) if d > 0]
+    steps = result.drafted_steps()
     histogram = [0] * (num_spec_tokens + 1)
     for _, accepted in steps:
         histogram[min(accepted, num_spec_tokens)] += 1
