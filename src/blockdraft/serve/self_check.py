@@ -19,9 +19,10 @@ from typing import Any
 
 from blockdraft.bench.prompts import load_prompt_set
 from blockdraft.decoding.draft import DFlashProposer
-from blockdraft.decoding.generate import generate
 from blockdraft.doctor.diagnose import gain_deficit, typical_causes, verdict
 from blockdraft.doctor.fingerprint import Fingerprint, ProbeResult
+from blockdraft.doctor.probes import Deployment
+from blockdraft.doctor.probes import measure as probe_measure
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.drafter import DFlashDrafter
 from blockdraft.models.target import Target
@@ -54,12 +55,10 @@ def check_prompts(tokenizer: Any, vocab: int) -> list[list[int]]:
 
 def measure(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], depth: int,
             stop_token_ids: tuple[int, ...]) -> Fingerprint:
-    """Greedy DFlash-chain acceptance at `depth` drafted tokens per step over the prompts."""
-    proposer = DFlashProposer(drafter, target, draft_tokens=depth)
-    lengths: list[int] = []
-    for ids in prompts:
-        lengths += generate(target, ids, proposer, CHECK_TOKENS, stop_token_ids=stop_token_ids).acceptance_lengths
-    return Fingerprint.from_acceptance_lengths(lengths, depth + 1, f"self-check: {len(prompts)} prompts, depth {depth}")
+    """Greedy DFlash-chain acceptance at `depth` drafted tokens per step over the prompts (the probe's measure)."""
+    chain = Deployment("self-check", f"self-check at depth {depth}", target,
+                       DFlashProposer(drafter, target, draft_tokens=depth))
+    return probe_measure(chain, prompts, CHECK_TOKENS, stop_token_ids)
 
 
 def at_depth(fp: Fingerprint, depth: int) -> Fingerprint:
