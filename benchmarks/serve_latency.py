@@ -17,25 +17,20 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from serve_load import Server  # noqa: E402  (the load benchmark's server launcher)
+from serve_load import InProcess, Server  # noqa: E402  (the load benchmark's pair loader and server launcher)
 
 
-def in_process(args: argparse.Namespace, prompts: list[list[dict]]) -> list[float]:
+def in_process(args: argparse.Namespace, prompts: list[list[dict]]) -> tuple[list[float], list[float]]:
     """The loop's own time to first token and decode time (ms) on the same prompts, in this process."""
     from blockdraft.decoding.generate import generate
-    from blockdraft.decoding.methods import build_proposer, device_settings
-    from blockdraft.pair import Loaded, default_drafter
     from blockdraft.prompting import encode_messages
 
-    drafter = None if args.method == "ar" else default_drafter(args.target, args.drafter)
-    loaded = Loaded(args.target, drafter, args.device, args.dtype, args.engine)
-    budget, depth = (None, None) if loaded.drafter is None else device_settings(
-        loaded.target.device.type, loaded.drafter.cfg.block_size, None, None)
-    proposer = build_proposer(args.method, loaded.target, loaded.drafter, budget, depth)
-    ids = [encode_messages(m, loaded.tokenizer) for m in prompts]
-    generate(loaded.target, ids[0], proposer, 4)
-    stats = [generate(loaded.target, p, proposer, args.max_tokens).stats for p in ids]
-    del loaded, proposer
+    local = InProcess(args, args.method)
+    target, proposer = local.loaded.target, local.proposer
+    ids = [encode_messages(m, local.loaded.tokenizer) for m in prompts]
+    generate(target, ids[0], proposer, 4)
+    stats = [generate(target, p, proposer, args.max_tokens).stats for p in ids]
+    del local, target, proposer
     return [1000 * s.ttft_s for s in stats], [1000 * s.decode_s for s in stats]
 
 
@@ -44,6 +39,8 @@ def main() -> None:
     parser.add_argument("--target", default="smollm2-135m-instruct")
     parser.add_argument("--drafter", default=None)
     parser.add_argument("--method", default="ar")
+    parser.add_argument("--budget", type=int, default=None, help="DDTree nodes (default: the server's per device).")
+    parser.add_argument("--draft-tokens", type=int, default=None, help="Drafted tokens (default: the server's).")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--device", default=None)
@@ -55,7 +52,7 @@ def main() -> None:
     args.concurrency_levels = [1]
     prompts = [[{"role": "user", "content": f"Write a short story about the number {i}."}] for i in range(args.requests)]
     local, local_decode = in_process(args, prompts)
-    server = Server(args, args.method, None, None)
+    server = Server(args, args.method, args.budget, args.draft_tokens)
     rows = []
     body = {"model": args.target, "max_tokens": args.max_tokens, "temperature": 0, "stream": True, "ignore_eos": True,
             "stream_options": {"include_usage": True}}
