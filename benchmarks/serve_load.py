@@ -2,9 +2,9 @@
 in-process on the same prompts.
 
 For each method: the pair is loaded in this process and `python -m blockdraft serve` starts as its own process with
-the same method and sizes. First, at concurrency 1, each request runs in-process and then through the server,
-alternately (paired: drift of the machine hits both sides alike; the same prompt at T=0 must give the same token
-count on both); the closing table gives server tokens/s over in-process tokens/s (goal >= 0.95). Then for each
+the same method and sizes. First, at concurrency 1, each request runs in-process and through the server, in ABBA
+order (paired: drift of the machine hits both sides alike; the same prompt at T=0 must give the same token count on
+both); the closing table gives server tokens/s over in-process tokens/s (goal >= 0.95). Then for each
 concurrency level `--requests` streamed chat requests (T=0, `stream_options.include_usage`) run through a pool of
 that many clients. Reported per level: requests/s, output tokens/s (usage.completion_tokens over wall time), TTFT
 and inter-chunk latency p50/p99 (the gap between streamed chunks: one per stream interval, which carries every
@@ -23,6 +23,7 @@ import json
 import os
 import re
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -118,23 +119,38 @@ class InProcess:
 
 def paired(local: InProcess, url: str, model: str, requests: int, prompts: list[list[dict]],
            max_tokens: int) -> dict[str, Any]:
-    """Concurrency 1, each request run in-process and then through the server, alternately, so drift of the
-    machine (clocks, other load) hits both sides alike; the ratio is of the two sides' tokens per second."""
+    """Concurrency 1, each request run in-process and through the server, alternately and in ABBA order (request
+    i in-process first for even i, the server first for odd i), so drift of the machine and whatever the first of
+    two back-to-back runs pays hit both sides alike. The ratio is of the two sides' tokens per second; the median
+    of the per-request ratios is given beside it."""
     local_tokens = local_s = server_tokens = server_s = 0.0
     same = 0
+    per_request: list[float] = []
     with httpx.Client(timeout=600) as client:
         for index in range(requests):
             messages = prompts[index % len(prompts)]
-            tokens, seconds = local.run(messages)
+
+            def through_server() -> tuple[RequestRecord, float]:
+                start = time.perf_counter()
+                record = one_request(client, url, model, messages, max_tokens)
+                return record, time.perf_counter() - start
+
+            if index % 2 == 0:
+                tokens, seconds = local.run(messages)
+                record, elapsed = through_server()
+            else:
+                record, elapsed = through_server()
+                tokens, seconds = local.run(messages)
             local_tokens, local_s = local_tokens + tokens, local_s + seconds
-            start = time.perf_counter()
-            record = one_request(client, url, model, messages, max_tokens)
-            server_s += time.perf_counter() - start
+            server_s += elapsed
             server_tokens += record.tokens
             same += record.ok and record.tokens == tokens
+            if record.ok and tokens:
+                per_request.append((record.tokens / elapsed) / (tokens / seconds))
     local_tps, server_tps = local_tokens / local_s, server_tokens / server_s
     return dict(in_process_tokens_per_s=local_tps, server_c1_tokens_per_s=server_tps, ratio=server_tps / local_tps,
-                requests=requests, same_token_counts=same)
+                median_request_ratio=statistics.median(per_request) if per_request else None, requests=requests,
+                same_token_counts=same)
 
 
 class Server:
@@ -309,12 +325,13 @@ def main() -> None:
                       fmt(r.itl_p99_ms), str(r.errors))
     out.print(table)
     summary = Table(title="server at concurrency 1 vs in-process, paired request by request (goal >= 0.95)")
-    for column in ("method", "requests", "same token counts", "in-process tok/s", "server c=1 tok/s", "ratio"):
+    for column in ("method", "requests", "same token counts", "in-process tok/s", "server c=1 tok/s", "ratio",
+                   "median request ratio"):
         summary.add_column(column, justify="right")
     for r in ratios:
         summary.add_row(r["method"], str(r["requests"]), str(r["same_token_counts"]),
                         fmt(r["in_process_tokens_per_s"], ".1f"), fmt(r["server_c1_tokens_per_s"], ".1f"),
-                        fmt(r["ratio"], ".3f"))
+                        fmt(r["ratio"], ".3f"), fmt(r["median_request_ratio"], ".3f"))
     out.print(summary)
     if args.json_out:
         args.json_out.write_text(json.dumps({"settings": {k: v for k, v in vars(args).items() if k != "json_out"},

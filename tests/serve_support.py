@@ -13,7 +13,8 @@ from pathlib import Path
 
 from conftest import VOCAB
 
-from blockdraft.serve.server import BlockdraftServer, ServeSettings
+from blockdraft.serve.server import BlockdraftServer
+from blockdraft.serve.settings import ServeSettings
 
 # One token per character: a stop string of two characters always spans two tokens.
 CHARS = [c for c in string.printable if c not in "\t\r\x0b\x0c`^"]

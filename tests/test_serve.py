@@ -325,3 +325,26 @@ def test_a_busy_port_or_a_missing_drafter_is_one_sentence_before_loading(text_pa
             BlockdraftServer(settings(*text_pair, port=port), print)
     with pytest.raises(BlockdraftError, match="--method ddtree needs --drafter PATH"):
         BlockdraftServer(settings(text_pair[0], None), print)
+
+
+def test_an_engine_that_dies_answers_every_request_and_turns_health_503(text_pair) -> None:
+    import os
+    import signal
+
+    with running(settings(*text_pair)) as server:
+        long = {"prompt": [5, 6, 7], "max_tokens": LONG, "temperature": 0, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=long, timeout=30) as stream:
+            lines = stream.iter_lines()
+            assert next(lines).startswith("data: ")  # decoding has started
+            queued = ThreadPoolExecutor(1).submit(post, server.url, "/v1/completions", {"prompt": [1], "max_tokens": 2})
+            time.sleep(0.2)
+            os.kill(server.engine.process.pid, signal.SIGKILL)
+            rest = [line for line in lines if line.startswith("data: ")]
+        error = json.loads(rest[-2][6:])["error"]
+        assert rest[-1] == "data: [DONE]" and error["code"] == 500 and "engine process exited" in error["message"]
+        answer = queued.result(timeout=30)
+        assert answer.status_code == 500 and "engine process exited" in answer.json()["error"]["message"]
+        assert httpx.get(f"{server.url}/health", timeout=5).status_code == 503
+        refused = post(server.url, "/v1/completions", {"prompt": [1], "max_tokens": 2})
+        assert refused.status_code == 503 and "without its engine" in refused.json()["error"]["message"]
+        assert finished(server.url, "error") == 2

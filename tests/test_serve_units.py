@@ -269,7 +269,7 @@ def test_judge_without_figures_refuses_only_a_collapse() -> None:
 
 
 def served_model(target: Target, tokenizer=None, defaults: dict | None = None) -> ServedModel:
-    return ServedModel("m", "root", target, tokenizer, 64, (1,), defaults or {})
+    return ServedModel("m", "root", target.embedding_weight.shape[0], tokenizer, 64, (1,), defaults or {})
 
 
 def test_output_limit_defaults_and_sampling_defaults(tiny_pair) -> None:
@@ -322,37 +322,49 @@ def test_every_metric_we_export_is_vllms_own() -> None:
         assert family == vllm[name], name
 
 
-def test_event_relay_wakes_for_the_first_and_final_events_and_batches_the_rest() -> None:
+def test_outbox_sends_the_first_and_final_events_at_once_and_batches_the_rest() -> None:
+    import pickle
+
+    from blockdraft.serve.jobs import Failed, Progress
+    from blockdraft.serve.messages import JobEvents
+    from blockdraft.serve.relay import Outbox
+
+    def sent_batches(interval: float) -> tuple[list[list[str]], int]:
+        sent: list[JobEvents] = []
+        finals: list[int] = []
+        emit = Outbox(lambda reply: sent.append(pickle.loads(pickle.dumps(reply))), interval).emitter(
+            7, lambda: finals.append(7))
+        for i in range(5):
+            emit(Progress(str(i), [i]))
+        emit(Failed(ApiError(429, "end", "model", {"Retry-After": "3"})))
+        assert all(reply.job_id == 7 for reply in sent) and finals == [7]
+        error = sent[-1].events[-1].error
+        assert (error.status, error.message, error.param, error.headers) == (429, "end", "model", {"Retry-After": "3"})
+        return [[e.text if isinstance(e, Progress) else "end" for e in reply.events] for reply in sent], len(finals)
+
+    assert sent_batches(3600.0) == ([["0"], ["1", "2", "3", "4", "end"]], 1)
+    assert sent_batches(0.0) == ([["0"], ["1"], ["2"], ["3"], ["4"], ["end"]], 1)
+
+
+def test_event_relay_delivers_batches_pushed_from_another_thread_in_order() -> None:
     import asyncio
     import threading
 
     from blockdraft.serve.jobs import Failed, Progress
     from blockdraft.serve.relay import EventRelay
 
-    async def relay_batches(interval: float) -> list[list[str]]:
-        loop = asyncio.get_running_loop()
-        wakes: list[object] = []
-
-        class CountingLoop:
-            def call_soon_threadsafe(self, callback: object) -> None:
-                wakes.append(callback)
-                loop.call_soon_threadsafe(callback)
-
-        relay = EventRelay(CountingLoop(), interval)  # type: ignore[arg-type]
+    async def received() -> list[str]:
+        relay = EventRelay(asyncio.get_running_loop())
 
         def produce() -> None:
-            for i in range(5):
-                relay.emit(Progress(str(i), [i]))
-            relay.emit(Failed(ApiError(500, "end")))
+            for i in range(0, 6, 2):
+                relay.push([Progress(str(i), [i]), Progress(str(i + 1), [i + 1])])
+            relay.push([Failed(ApiError(500, "end"))])
 
         thread = threading.Thread(target=produce)
         thread.start()
-        batches = [[e.text if isinstance(e, Progress) else "end" for e in batch] async for batch in relay.batches()]
+        texts = [e.text if isinstance(e, Progress) else "end" async for batch in relay.batches() for e in batch]
         thread.join()
-        assert len(wakes) == (6 if interval == 0 else 2)
-        return batches
+        return texts
 
-    slow = asyncio.run(relay_batches(3600.0))
-    assert [t for batch in slow for t in batch] == ["0", "1", "2", "3", "4", "end"] and slow[-1][-1] == "end"
-    every = asyncio.run(relay_batches(0.0))
-    assert [t for batch in every for t in batch] == ["0", "1", "2", "3", "4", "end"]
+    assert asyncio.run(received()) == ["0", "1", "2", "3", "4", "5", "end"]

@@ -310,7 +310,8 @@ def serve(
     ),
 ) -> None:
     """An OpenAI-compatible server (chat, completions, models, /health, /metrics in vLLM's names) for AR, DFlash, DDTree."""
-    from blockdraft.serve.server import BlockdraftServer, ServeSettings
+    from blockdraft.serve.server import BlockdraftServer
+    from blockdraft.serve.settings import ServeSettings
 
     if max_queue < 0:
         raise BlockdraftError(f"--max-queue {max_queue} must be >= 0")

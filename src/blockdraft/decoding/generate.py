@@ -90,9 +90,9 @@ class _StageTimer:
         return sum(end - start for start, end in spans)
 
 
-def check_prompt_ids(target: Target, prompt_ids: list[int]) -> None:
-    """Refuse token ids the target has no embedding row for (an IndexError deep in the forward otherwise)."""
-    vocab = target.embedding_weight.shape[0]
+def check_prompt_ids(vocab: int, prompt_ids: list[int]) -> None:
+    """Refuse token ids the target has no embedding row for (`vocab` rows; an IndexError deep in the forward
+    otherwise)."""
     bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
     if bad is not None:
         raise BlockdraftError(
@@ -132,7 +132,7 @@ def generate(
     run after that chunk (a stop string, a client gone), with the stats of the steps that ran.
     """
     check_context(target, len(prompt_ids), max_new_tokens)
-    check_prompt_ids(target, prompt_ids)
+    check_prompt_ids(target.embedding_weight.shape[0], prompt_ids)
     device = target.device
     generator = torch.Generator(device=device).manual_seed(seed)
     clock = _Clock(device)

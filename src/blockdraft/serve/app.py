@@ -1,5 +1,5 @@
 """The FastAPI app: OpenAI's endpoints, /health and /metrics. The event loop only validates, queues and streams;
-decoding happens on the worker's thread, whose events come back through `loop.call_soon_threadsafe`.
+decoding happens in the engine process, whose events come back through the EngineClient's reader thread.
 """
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,14 +16,14 @@ from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from blockdraft.serve.engine_client import EngineClient
 from blockdraft.serve.errors import ApiError, error_body
-from blockdraft.serve.jobs import Failed, Finished, Job, Progress
+from blockdraft.serve.jobs import Failed, Finished, Progress
 from blockdraft.serve.metrics import ServeMetrics
 from blockdraft.serve.prepare import Prepared, ServedModel, chat_prompt, completion_prompt, prepare
 from blockdraft.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, parse_request
 from blockdraft.serve.relay import EventRelay
 from blockdraft.serve.render import DONE, Rendering, sse
-from blockdraft.serve.worker import Worker
 
 GUARDED_PREFIX = "/v1"  # as vLLM: /health and /metrics stay open with --api-key
 
@@ -33,12 +33,11 @@ class ServerState:
     """Everything a request handler needs."""
 
     served: ServedModel
-    worker: Worker
+    engine: EngineClient
     metrics: ServeMetrics
     method: str
     num_spec_tokens: int | None
     api_key: str | None
-    stream_interval: float
 
 
 class BearerAuth:
@@ -68,14 +67,15 @@ async def _json_body(request: Request) -> Any:
         raise ApiError(400, f"the request body is not valid JSON ({getattr(exc, 'msg', exc)}{where})") from None
 
 
-async def _watch_disconnect(request: Request, job: Job) -> None:
-    """A non-streamed request whose client leaves frees the worker at the next commit."""
+async def _watch_disconnect(request: Request, cancel: Callable[[], None]) -> None:
+    """A non-streamed request whose client leaves frees the engine at the next commit."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-    job.cancelled.set()
+    cancel()
 
 
-async def _events(job: Job, relay: EventRelay, rendering: Rendering, include_usage: bool) -> AsyncIterator[str]:
+async def _events(cancel: Callable[[], None], relay: EventRelay, rendering: Rendering,
+                  include_usage: bool) -> AsyncIterator[str]:
     """SSE lines for one job (the commits a batch collected become one chunk), ending with [DONE] whatever happens;
     leaving early (the client went away) cancels the job."""
     done = False
@@ -101,18 +101,21 @@ async def _events(job: Job, relay: EventRelay, rendering: Rendering, include_usa
         yield sse(error_body(500, f"internal error ({type(exc).__name__}: {exc})"))
     finally:
         if not done:
-            job.cancelled.set()
+            cancel()
     yield DONE
 
 
 async def _run(request: Request, state: ServerState, prepared: Prepared, rendering: Rendering, stream: bool,
                include_usage: bool) -> Response:
-    relay = EventRelay(asyncio.get_running_loop(), state.stream_interval)
-    job = Job(prepared.prompt_ids, prepared.max_tokens, prepared.sampling, prepared.seed, prepared.rules, relay.emit)
-    state.worker.submit(job)
+    relay = EventRelay(asyncio.get_running_loop())
+    job_id = state.engine.submit(prepared, relay)
+
+    def cancel() -> None:
+        state.engine.cancel(job_id)
+
     if stream:
-        return StreamingResponse(_events(job, relay, rendering, include_usage), media_type="text/event-stream")
-    watcher = asyncio.create_task(_watch_disconnect(request, job))
+        return StreamingResponse(_events(cancel, relay, rendering, include_usage), media_type="text/event-stream")
+    watcher = asyncio.create_task(_watch_disconnect(request, cancel))
     try:
         async for batch in relay.batches():
             final = batch[-1]
@@ -144,7 +147,8 @@ def build_app(state: ServerState) -> ASGIApp:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200)
+        """200 while the engine process runs; 503 once it has died (vLLM's /health does the same)."""
+        return Response(status_code=200 if state.engine.alive else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -33,6 +33,10 @@ class ApiError(Exception):
         self.param = param
         self.headers = headers or {}
 
+    def __reduce__(self) -> tuple[type, tuple[int, str, str | None, dict[str, str]]]:
+        """Pickled with every field (it travels from the engine process inside a Failed event)."""
+        return ApiError, (self.status, self.message, self.param, self.headers)
+
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, self.param)
 

@@ -1,7 +1,7 @@
-"""What travels between the HTTP side and the decoding thread: a job (one request's decode) and its events.
+"""A job (one request's decode, in the engine process) and the events it produces for the HTTP process.
 
-The event loop builds a Job and reads its events; the worker thread decodes it and emits events through
-`Job.emit`, which the event loop makes thread-safe. Nothing here touches HTTP or the model.
+The engine builds a Job from a request's JobSpec; the decoding thread emits its events through `Job.emit`, which
+sends them to the HTTP process in batches (relay.Outbox). Nothing here touches HTTP or the model.
 """
 
 from __future__ import annotations
@@ -65,6 +65,7 @@ Event = Progress | Finished | Failed
 class Job:
     """One request's decode: prompt ids, limits, sampling and stops; `emit` delivers its events to the request."""
 
+    job_id: int
     prompt_ids: list[int]
     max_tokens: int
     sampling: SamplingParams

@@ -12,7 +12,6 @@ from typing import Any
 from blockdraft.decoding.generate import check_prompt_ids
 from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.errors import BlockdraftError
-from blockdraft.models.target import Target
 from blockdraft.prompting import encode_messages, encode_text
 from blockdraft.serve.errors import ApiError
 from blockdraft.serve.output import StopRules
@@ -24,12 +23,12 @@ OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
 
 @dataclass(frozen=True)
 class ServedModel:
-    """What requests are checked against: the served name, the target (and where it came from), its tokenizer,
-    limits and sampling defaults."""
+    """What requests are checked against: the served name, the target it came from, its tokenizer, vocabulary
+    (embedding rows), limits and sampling defaults."""
 
     name: str
     root: str
-    target: Target
+    vocab_size: int
     tokenizer: Any
     max_model_len: int
     eos_ids: tuple[int, ...]
@@ -82,7 +81,7 @@ def completion_prompt(req: CompletionRequest, served: ServedModel) -> list[int]:
     else:
         ids = list(prompt)
     try:
-        check_prompt_ids(served.target, ids)
+        check_prompt_ids(served.vocab_size, ids)
     except BlockdraftError as exc:
         raise ApiError(400, str(exc), "prompt") from None
     return ids
@@ -103,7 +102,7 @@ def _rules(req: SamplingRequest, served: ServedModel) -> StopRules:
     if strings and served.tokenizer is None:
         raise ApiError(400, "`stop` strings need a tokenizer and this target has none; use `stop_token_ids`", "stop")
     user_ids = list(req.stop_token_ids or [])
-    vocab = served.target.embedding_weight.shape[0]
+    vocab = served.vocab_size
     bad = next((t for t in user_ids if t >= vocab), None)
     if bad is not None:
         raise ApiError(

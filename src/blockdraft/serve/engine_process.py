@@ -1,0 +1,129 @@
+"""The engine process: loads the pair, self-checks, warms up, then decodes the jobs the HTTP process sends.
+
+Decoding runs in its own process (as vLLM's engine core) so that it never waits for the interpreter lock while the
+HTTP side parses, renders and streams: sharing one process cost the DFlash chain ~12% of its decode time on an
+H200 (benchmarks/RESULTS.md, 2026-12-01, session 13). The process ignores SIGINT/SIGTERM (a Ctrl-C reaches the
+whole process group; the HTTP process decides how to drain) and exits when told to or when its command pipe
+closes (the HTTP process is gone).
+"""
+
+from __future__ import annotations
+
+import signal
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from blockdraft.decoding.draft import check_draft_tokens
+from blockdraft.decoding.methods import build_proposer, device_settings
+from blockdraft.errors import BlockdraftError
+from blockdraft.pair import Loaded
+from blockdraft.serve.jobs import Job, Timing
+from blockdraft.serve.messages import (
+    Cancel,
+    Drain,
+    EngineInfo,
+    JobSpec,
+    Ready,
+    Say,
+    Shutdown,
+    Started,
+    StartFailed,
+)
+from blockdraft.serve.prepare import generation_defaults
+from blockdraft.serve.relay import Outbox
+from blockdraft.serve.self_check import check_prompts, self_check
+from blockdraft.serve.sequential import SequentialEngine
+from blockdraft.serve.settings import ServeSettings
+from blockdraft.serve.worker import Worker
+
+
+def max_model_len(requested: int | None, window: int | None) -> int:
+    """--max-model-len, checked against the target's context window (its default)."""
+    if requested is None:
+        if window is None:
+            raise BlockdraftError("the target's config has no max_position_embeddings; pass --max-model-len N")
+        return window
+    if requested < 2 or (window is not None and requested > window):
+        raise BlockdraftError(
+            f"--max-model-len {requested} must be between 2 and the target's context window of {window} tokens"
+        )
+    return requested
+
+
+def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable[[str], None],
+                 outbox: Outbox) -> tuple[Worker, EngineInfo]:
+    """Load, pick the method's sizes, self-check and warm up; the worker is running when this returns."""
+    method = settings.method
+    say(f"loading target {settings.target}" + (f" and drafter {drafter_dir}" if drafter_dir else "") + " ...")
+    loaded = Loaded(settings.target, drafter_dir, settings.device, settings.dtype, settings.engine)
+    target = loaded.target
+    depth = budget = None
+    if loaded.drafter is not None:
+        budget, draft_tokens = device_settings(
+            target.device.type, loaded.drafter.cfg.block_size, settings.budget, settings.draft_tokens)
+        depth = check_draft_tokens(draft_tokens, loaded.drafter.cfg.block_size)
+        budget = budget if method == "ddtree" else None
+    proposer = build_proposer(method, target, loaded.drafter, budget, depth)
+    stops = loaded.stops([], False)
+    info = EngineInfo(
+        tokenizer=loaded.tokenizer, vocab_size=target.embedding_weight.shape[0],
+        max_model_len=max_model_len(settings.max_model_len, target.max_positions), eos_ids=stops,
+        sampling_defaults=generation_defaults(target.model), method=method, num_spec_tokens=depth,
+    )
+    dtype = str(target.dtype).removeprefix("torch.")
+    sizes = {"ar": "", "dflash": f", {depth} drafted tokens per step",
+             "ddtree": f", trees of {budget} nodes, {depth} drafted tokens deep"}[method]
+    say(f"method {method}{sizes} on {target.device.type} ({dtype}, engine {target.engine}); --method, --budget "
+        "and --draft-tokens change it")
+    if settings.self_check and loaded.drafter is not None and depth is not None:
+        check = self_check(target, loaded.drafter, loaded.tokenizer, depth, stops, settings.expect,
+                           Path(drafter_dir) if drafter_dir else None)
+        say(f"self-check passed: {check.summary}")
+    worker = Worker(SequentialEngine(target, proposer, loaded.tokenizer), lambda job: outbox.send(Started(job.job_id)))
+    worker.start(warmup_ids=check_prompts(loaded.tokenizer, target.vocab_size)[0])
+    return worker, info
+
+
+def serve_commands(commands: Connection, worker: Worker, outbox: Outbox) -> None:
+    """Turn commands into jobs, cancellations and the drain, until Shutdown or a closed pipe; then stop the worker."""
+    jobs: dict[int, Job] = {}
+    while True:
+        try:
+            command = commands.recv()
+        except (EOFError, OSError):  # the HTTP process is gone: end what runs, answer nobody
+            worker.drain(0.0)
+            break
+        if isinstance(command, JobSpec):
+            job_id = command.job_id
+            job = Job(job_id, command.prompt_ids, command.max_tokens, command.sampling, command.seed, command.rules,
+                      outbox.emitter(job_id, lambda job_id=job_id: jobs.pop(job_id, None)), Timing(command.arrival))
+            jobs[job_id] = job
+            worker.submit(job)
+        elif isinstance(command, Cancel):
+            if (cancelled := jobs.get(command.job_id)) is not None:
+                cancelled.cancelled.set()
+        elif isinstance(command, Drain):
+            worker.drain(command.timeout_s)
+        elif isinstance(command, Shutdown):
+            break
+    worker.stop()
+
+
+def run_engine(settings: ServeSettings, drafter_dir: str | None, commands: Connection, replies: Connection) -> None:
+    """The engine process's entry point (multiprocessing spawn target)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    outbox = Outbox(replies.send, settings.stream_interval_ms / 1000)
+    try:
+        worker, info = start_engine(settings, drafter_dir, lambda text: outbox.send(Say(text)), outbox)
+    except BlockdraftError as exc:
+        outbox.send(StartFailed(str(exc), user_error=True))
+        return
+    except Exception as exc:
+        traceback.print_exc()
+        outbox.send(StartFailed(f"{type(exc).__name__}: {exc}", user_error=False))
+        return
+    outbox.send(Ready(info))
+    serve_commands(commands, worker, outbox)

@@ -1,0 +1,101 @@
+"""What crosses the pipes between the HTTP process and the engine process (all picklable, nothing else crosses).
+
+The HTTP process sends commands: a job to decode, a job to drop, drain, shut down. The engine process answers with
+start-up lines, one Ready (or StartFailed), and for each job a Started and batches of its events (jobs.Event).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from blockdraft.decoding.sampling import SamplingParams
+from blockdraft.serve.jobs import Event
+from blockdraft.serve.output import StopRules
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """One request's decode as the engine needs it; `arrival` is time.monotonic() in the HTTP process (the
+    system-wide clock both processes read)."""
+
+    job_id: int
+    prompt_ids: list[int]
+    max_tokens: int
+    sampling: SamplingParams
+    seed: int
+    rules: StopRules
+    arrival: float
+
+
+@dataclass(frozen=True)
+class Cancel:
+    """The client left: drop the job at its next commit (or before it starts)."""
+
+    job_id: int
+
+
+@dataclass(frozen=True)
+class Drain:
+    """Take no more jobs; decode the queued ones until `timeout_s` from now, then end the rest with an answer."""
+
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    """Finish the queue (or the drain) and exit."""
+
+
+Command = JobSpec | Cancel | Drain | Shutdown
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the HTTP side checks requests against and reports, read from the loaded pair."""
+
+    tokenizer: Any
+    vocab_size: int
+    max_model_len: int
+    eos_ids: tuple[int, ...]
+    sampling_defaults: dict[str, float]
+    method: str
+    num_spec_tokens: int | None
+
+
+@dataclass(frozen=True)
+class Say:
+    """A start-up line for the user (loading, the method chosen, the self-check's verdict)."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Ready:
+    info: EngineInfo
+
+
+@dataclass(frozen=True)
+class StartFailed:
+    """Start-up failed; `user_error` marks a BlockdraftError (one line, exit 2) as opposed to a crash."""
+
+    message: str
+    user_error: bool
+
+
+@dataclass(frozen=True)
+class Started:
+    """The engine began decoding the job (it left the queue)."""
+
+    job_id: int
+
+
+@dataclass(frozen=True)
+class JobEvents:
+    """One job's events since the last batch, in order; the last batch ends with the final event."""
+
+    job_id: int
+    events: list[Event]
+
+
+Reply = Say | Ready | StartFailed | Started | JobEvents

@@ -1,0 +1,32 @@
+"""`blockdraft serve`'s flags as one value: the HTTP process reads the serving ones, the engine process the rest."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from blockdraft.assets import EMBEDDED_TARGET_NAME
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """Every `blockdraft serve` flag; None means "the default for this pair and device"."""
+
+    target: str = EMBEDDED_TARGET_NAME
+    drafter: str | None = None
+    method: str = "ddtree"
+    budget: int | None = None
+    draft_tokens: int | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_model_len: int | None = None
+    max_queue: int = 256
+    device: str | None = None
+    dtype: str | None = None
+    engine: str = "auto"
+    self_check: bool = True
+    expect: Path | None = None
+    drain_timeout: float = 30.0
+    stream_interval_ms: float = 20.0
