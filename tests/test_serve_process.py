@@ -151,3 +151,19 @@ def test_generate_refuses_out_of_vocabulary_prompt_ids(tiny_dirs: tuple[Path, Pa
         "error: prompt token id 99999999 is outside the target's vocabulary of 96 ids (0..95); pass ids the target's "
         "tokenizer produces"
     ]
+
+
+def test_the_engine_process_leaves_with_its_server_even_a_killed_one(text_pair) -> None:
+    target, drafter = text_pair
+    server = ServeProcess("--target", str(target), "--drafter", str(drafter), "--no-self-check")
+    server.wait_serving()
+    children = Path(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children").read_text().split()
+    engines = [int(pid) for pid in children if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    assert engines, f"no engine process among the server's children {children}"
+    server.proc.kill()  # no drain, no goodbye: the engine sees its command pipe close
+    server.proc.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while any(Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text()
+              for pid in engines):
+        assert time.monotonic() < deadline, "the engine process outlived its killed server"
+        time.sleep(0.1)
