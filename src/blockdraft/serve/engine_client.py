@@ -166,7 +166,7 @@ class EngineClient:
         with self._send_lock:
             try:
                 self._commands.send(command)
-            except (BrokenPipeError, ConnectionResetError, OSError):
+            except OSError:
                 pass  # the engine is gone; the reader answers every request in flight
 
     def _publish(self) -> None:

@@ -34,7 +34,7 @@ class Outbox:
         with self._lock:
             try:
                 self._send(reply)
-            except (BrokenPipeError, ConnectionResetError, EOFError):
+            except OSError:
                 pass
 
     def emitter(self, job_id: int, on_final: Callable[[], None] = lambda: None) -> Callable[[Event], None]:
