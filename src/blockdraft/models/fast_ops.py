@@ -37,7 +37,8 @@ def add_rms_norm(
     return x, rms_norm(x, weight, eps)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's rotary embedding (rotate_half form) of [..., t, d] by cos/sin broadcast to it."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
@@ -71,8 +72,8 @@ def qkv_heads(
     if q_norm is not None and k_norm is not None:
         q = rms_norm(q, q_norm, eps)
         k = rms_norm(k, k_norm, eps)
-    q = _rotate(q.transpose(1, 2), cos, sin)
-    k_cache[:, slots] = _rotate(k.transpose(1, 2), cos, sin)[0]
+    q = rope_rotate(q.transpose(1, 2), cos, sin)
+    k_cache[:, slots] = rope_rotate(k.transpose(1, 2), cos, sin)[0]
     v_cache[:, slots] = v.view(1, t, kv_heads, d).transpose(1, 2)[0]
     return q.reshape(1, kv_heads, (heads // kv_heads) * t, d)
 

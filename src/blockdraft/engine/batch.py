@@ -1,0 +1,214 @@
+"""Batched speculative decoding: the running sequences draft, verify together in one target forward, and commit
+each its own accepted tokens; sequences join after their prefill and leave when done (continuous batching).
+
+Each sequence keeps everything `generate()` keeps for one: its ids, its proposer (drafter context), its sampling
+generator, consumed in the same order (propose, then verify, each step), so a sequence's ids in a batch are its
+batch-1 ids. Only the verify forward is shared (`models.fast_batch`): [B, R] rows, each sequence with its own
+positions, cache length and tree mask; the drafter still runs once per sequence. Needs the fast engine (a
+FastTarget): its per-sequence cache slots are what the shared forward reads.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from blockdraft.decoding.draft import Draft, Proposer
+from blockdraft.decoding.generate import GenerationResult, OnCommit, check_context, check_prompt_ids
+from blockdraft.decoding.host_to_device import long_tensor
+from blockdraft.decoding.sampling import SamplingParams, pick
+from blockdraft.decoding.verify import verify
+from blockdraft.errors import BlockdraftError
+from blockdraft.metrics import SpecStats
+from blockdraft.models.fast_batch import BatchKV, forward_batch
+from blockdraft.models.fast_target import FastTarget
+from blockdraft.models.target import Target
+
+
+@dataclass
+class Sequence:
+    """One request in the batch: its ids so far, limits, sampling and drafting state, and its step record."""
+
+    prompt_len: int
+    max_new_tokens: int
+    sampling: SamplingParams
+    generator: torch.Generator
+    stops: frozenset[int]
+    proposer: Proposer | None
+    on_commit: OnCommit | None
+    tokens: list[int]
+    ttft_s: float
+    joined: float
+    acceptance_lengths: list[int] = field(default_factory=list)
+    draft_lengths: list[int] = field(default_factory=list)
+    stopped_on: int | None = None
+    ended_early: bool = False
+    finished: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return len(self.tokens) >= self.max_new_tokens or self.stopped_on is not None or self.ended_early
+
+    def commit(self, committed: list[int]) -> list[int]:
+        """Cut `committed` at the token budget and the first stop; record it; returns what was kept."""
+        committed = committed[: self.max_new_tokens - len(self.tokens)]
+        for i, token in enumerate(committed):
+            if token in self.stops:
+                committed = committed[: i + 1]
+                self.stopped_on = token
+                break
+        self.tokens.extend(committed)
+        self.acceptance_lengths.append(len(committed))
+        self.ended_early = bool(self.on_commit and self.on_commit(committed))
+        return committed
+
+    def result(self) -> GenerationResult:
+        """What `generate()` returns for one sequence."""
+        stats = SpecStats(
+            method=self.proposer.name if self.proposer else "ar", num_prompts=1, prompt_tokens=self.prompt_len,
+            generated_tokens=len(self.tokens), acceptance_lengths=list(self.acceptance_lengths),
+            drafted_tokens=sum(self.draft_lengths), ttft_s=self.ttft_s,
+            decode_s=(self.finished or time.perf_counter()) - self.joined - self.ttft_s,
+        )
+        return GenerationResult(token_ids=list(self.tokens), acceptance_lengths=list(self.acceptance_lengths),
+                                stats=stats, stopped_on=self.stopped_on, draft_lengths=list(self.draft_lengths),
+                                ended_early=self.ended_early)
+
+
+class BatchDecoder:
+    """Up to `max_seqs` sequences decoded together; `new_proposer()` gives each joining sequence its own proposer
+    (None for AR)."""
+
+    def __init__(self, target: Target, new_proposer: Callable[[], Proposer | None], max_seqs: int) -> None:
+        if not isinstance(target, FastTarget):
+            raise BlockdraftError("batched decoding needs the fast engine (a Qwen3, Qwen2, Llama or Mistral target); "
+                                  "load it with --engine fast, or use --batch-size 1")
+        if max_seqs < 1:
+            raise BlockdraftError(f"--batch-size {max_seqs} must be >= 1")
+        self.target = target
+        self.new_proposer = new_proposer
+        self.max_seqs = max_seqs
+        self.store = BatchKV(target, max_seqs)
+        self.running: list[Sequence] = []  # sequence i lives in cache slot i
+
+    @property
+    def free(self) -> int:
+        return self.max_seqs - len(self.running)
+
+    @torch.inference_mode()
+    def join(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
+             stop_token_ids: tuple[int, ...] = (), seed: int = 0, on_commit: OnCommit | None = None) -> Sequence:
+        """Prefill a new sequence (as `generate()` does) and add it to the batch; one that is done at its first
+        token (a stop, max_new_tokens 1) is returned finished and never takes a slot."""
+        if not self.free:
+            raise BlockdraftError(f"the batch is full ({self.max_seqs} sequences); wait for one to finish")
+        target, device = self.target, self.target.device
+        check_context(target, len(prompt_ids), max_new_tokens)
+        check_prompt_ids(target.embedding_weight.shape[0], prompt_ids)
+        proposer = self.new_proposer()
+        if proposer:
+            proposer.reset()
+        generator = torch.Generator(device=device).manual_seed(seed)
+        joined = time.perf_counter()
+        cache = target.new_cache()
+        prompt = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+        out = target.forward(prompt, torch.arange(len(prompt_ids), device=device), cache,
+                             proposer.tap_layers if proposer else None, last_logits_only=True)
+        first = int(pick(out.logits[0, -1], sampling, generator).item())
+        if proposer:
+            proposer.add_context(out.taps)
+        seq = Sequence(len(prompt_ids), max_new_tokens, sampling, generator, frozenset(stop_token_ids), proposer,
+                       on_commit, [first], time.perf_counter() - joined, joined)
+        seq.stopped_on = first if first in seq.stops else None
+        seq.ended_early = bool(on_commit and on_commit([first]))
+        if seq.done:
+            seq.finished = time.perf_counter()
+            return seq
+        self.store.load(len(self.running), cache)
+        self.running.append(seq)
+        return seq
+
+    @torch.inference_mode()
+    def step(self) -> list[Sequence]:
+        """One draft -> verify -> commit over every running sequence; returns those that finished (they left)."""
+        if not self.running:
+            return []
+        device = self.target.device
+        drafts: list[Draft] = []
+        for seq in self.running:
+            start = seq.prompt_len + len(seq.tokens) - 1
+            depth_left = seq.max_new_tokens - len(seq.tokens)
+            draft = (seq.proposer.propose(seq.tokens[-1], start, depth_left, seq.sampling, seq.generator)
+                     if seq.proposer else Draft.empty(device))
+            seq.draft_lengths.append(len(draft))
+            drafts.append(draft)
+        rows = 1 + max(len(d) for d in drafts)
+        batch = len(self.running)
+        ids = torch.zeros(batch, rows, dtype=torch.long, device=device)
+        positions = torch.zeros(batch, rows, dtype=torch.long, device=device)
+        own = torch.eye(rows, dtype=torch.bool, device=device).repeat(batch, 1, 1)
+        for b, (seq, draft) in enumerate(zip(self.running, drafts)):
+            n, start = len(draft) + 1, seq.prompt_len + len(seq.tokens) - 1
+            ids[b, :n] = torch.cat([long_tensor([seq.tokens[-1]], device), draft.tokens])
+            positions[b] = start
+            positions[b, :n] = draft.positions(start, device)
+            own[b, :n, :n] = draft.tree_mask(0, device)[0, 0]
+        tap_layers = self.running[0].proposer.tap_layers if self.running[0].proposer else None
+        logits, taps = forward_batch(self.target, self.store, ids, positions, own, tap_layers)
+        for b, (seq, draft) in enumerate(zip(self.running, drafts)):
+            start = seq.prompt_len + len(seq.tokens) - 1
+            verdict = verify(draft, logits[b, : len(draft) + 1], seq.sampling, seq.generator)
+            produced = len(seq.commit(verdict.tokens + [verdict.bonus]))
+            kept: slice | torch.Tensor
+            if draft.is_chain:
+                kept = slice(0, produced)
+                self.store.lengths[b] = start + produced
+            else:
+                kept = long_tensor([0] + [node + 1 for node in verdict.accepted][: produced - 1], device)
+                self.store.compact(b, start, kept)
+            if seq.proposer and taps is not None:
+                seq.proposer.add_context(taps[b : b + 1, kept])
+        return self._leave()
+
+    def _leave(self) -> list[Sequence]:
+        """Drop finished sequences; the last running sequence moves into each freed slot."""
+        finished = [seq for seq in self.running if seq.done]
+        now = time.perf_counter()
+        for seq in finished:
+            seq.finished = now
+            slot, last = self.running.index(seq), len(self.running) - 1
+            if slot != last:
+                self.store.move(last, slot)
+                self.running[slot] = self.running[last]
+            self.running.pop()
+        return finished
+
+
+def generate_batch(target: Target, prompts: list[list[int]], new_proposer: Callable[[], Proposer | None],
+                   batch_size: int, max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams(),
+                   stop_token_ids: tuple[int, ...] = (), seed: int = 0) -> Iterator[tuple[int, GenerationResult]]:
+    """Decode every prompt with up to `batch_size` at a time, a new one joining as soon as one finishes; yields
+    (prompt index, result) in finishing order. Prompt i's ids equal `generate()`'s on it alone with seed + i."""
+    decoder = BatchDecoder(target, new_proposer, batch_size)
+    pending = iter(enumerate(prompts))
+    owner: dict[int, int] = {}
+    exhausted = False
+    while True:
+        while decoder.free and not exhausted:
+            item = next(pending, None)
+            if item is None:
+                exhausted = True
+                break
+            index, ids = item
+            seq = decoder.join(ids, max_new_tokens, sampling, stop_token_ids, seed + index)
+            if seq.done:
+                yield index, seq.result()
+            else:
+                owner[id(seq)] = index
+        if not decoder.running:
+            return
+        for seq in decoder.step():
+            yield owner.pop(id(seq)), seq.result()

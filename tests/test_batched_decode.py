@@ -1,0 +1,130 @@
+"""Batched decoding is lossless: every sequence's ids (and acceptance lengths) in a batch equal its batch-1 ids from
+`generate()`, with mixed prompt lengths, sequences joining and leaving mid-run, chains and trees, all-full and
+sliding-window drafters and a sliding-window target; at T > 0 a batched sequence draws what it draws alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from blockdraft.decoding.generate import generate
+from blockdraft.decoding.methods import build_proposer
+from blockdraft.decoding.sampling import SamplingParams
+from blockdraft.engine.batch import BatchDecoder, generate_batch
+from blockdraft.errors import BlockdraftError
+from blockdraft.models.fast_batch import BatchKV, forward_batch
+from blockdraft.models.fast_target import FastTarget
+from blockdraft.models.target import Target
+
+from conftest import HIDDEN, TARGET_LAYERS, VOCAB, make_drafter, make_target_model
+
+
+def prompts(count: int) -> list[list[int]]:
+    """Prompts of varied lengths (1 .. 23 tokens)."""
+    return [[(7 * i + 3 * j + 1) % (VOCAB - 1) for j in range(1 + (5 * i) % 23)] for i in range(count)]
+
+
+def sliding_target() -> FastTarget:
+    config = Qwen2Config(
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=TARGET_LAYERS, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, intermediate_size=64, max_position_embeddings=512,
+        use_sliding_window=True, sliding_window=5, max_window_layers=2, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).eval()
+    for p in model.parameters():
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.2)
+    return FastTarget(model)
+
+
+TARGETS = {"qwen3": lambda: FastTarget(make_target_model("qwen3")),
+           "mistral": lambda: FastTarget(make_target_model("mistral")), "sliding-qwen2": sliding_target}
+CASES = [("qwen3", "ar", None, None), ("qwen3", "dflash", "all_full", None), ("qwen3", "ddtree", "all_full", 12),
+         ("mistral", "dflash", "mixed_swa", None), ("sliding-qwen2", "ddtree", "mixed_swa", 6),
+         ("sliding-qwen2", "dflash", "all_full", None)]
+
+
+@pytest.mark.parametrize("target_name,method,variant,budget", CASES)
+def test_every_sequence_in_a_batch_decodes_its_batch_1_ids(target_name: str, method: str, variant: str | None,
+                                                          budget: int | None) -> None:
+    target = TARGETS[target_name]()
+    drafter = make_drafter(variant) if variant else None
+
+    def new_proposer():  # noqa: ANN202
+        return build_proposer(method, target, drafter, budget)
+
+    items = prompts(7)
+    alone = [generate(target, ids, new_proposer(), max_new_tokens=6 + 5 * (i % 4), stop_token_ids=(5,))
+             for i, ids in enumerate(items)]
+    decoder = BatchDecoder(target, new_proposer, max_seqs=4)
+    results: dict[int, object] = {}
+    seqs = {}
+    waiting = list(enumerate(items))
+    steps = 0
+    while waiting or decoder.running:
+        # one newcomer per step at most: sequences join mid-run, at different steps, into freed slots
+        if waiting and decoder.free:
+            i, ids = waiting.pop(0)
+            seq = decoder.join(ids, 6 + 5 * (i % 4), stop_token_ids=(5,))
+            if seq.done:
+                results[i] = seq.result()
+            else:
+                seqs[id(seq)] = i
+        for seq in decoder.step():
+            results[seqs.pop(id(seq))] = seq.result()
+        steps += 1
+        assert steps < 500
+    for i, single in enumerate(alone):
+        batched = results[i]
+        assert batched.token_ids == single.token_ids, f"prompt {i}"
+        assert batched.acceptance_lengths == single.acceptance_lengths, f"prompt {i}"
+        assert batched.draft_lengths == single.draft_lengths, f"prompt {i}"
+
+
+def test_sampled_sequences_draw_what_they_draw_alone() -> None:
+    target = FastTarget(make_target_model("qwen3"))
+    drafter = make_drafter("all_full")
+    sampling = SamplingParams(temperature=0.9, top_p=0.95)
+
+    def new_proposer():  # noqa: ANN202
+        return build_proposer("ddtree", target, drafter, 8)
+
+    items = prompts(5)
+    alone = [generate(target, ids, new_proposer(), 20, sampling, seed=11 + i).token_ids for i, ids in enumerate(items)]
+    batched = dict(generate_batch(target, items, new_proposer, 3, 20, sampling, seed=11))
+    assert [batched[i].token_ids for i in range(len(items))] == alone
+
+
+def test_forward_batch_matches_one_sequence_at_a_time() -> None:
+    """Logits and taps of a mixed batch (different cache lengths, a chain beside a tree) equal batch-1 forwards."""
+    target = FastTarget(make_target_model("qwen3"))
+    lengths, rows = [3, 11, 6], 4
+    store = BatchKV(target, 3)
+    singles = []
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    owns = [torch.ones(rows, rows, dtype=torch.bool).tril(), tree, torch.ones(rows, rows, dtype=torch.bool).tril()]
+    new_ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]])
+    positions = torch.tensor([[3, 4, 5, 6], [11, 12, 12, 13], [6, 7, 8, 9]])
+    for slot, n in enumerate(lengths):
+        cache = target.new_cache()
+        target.forward(torch.arange(1, n + 1).unsqueeze(0), torch.arange(n), cache, last_logits_only=True)
+        store.load(slot, cache)
+        mask = torch.cat([torch.ones(rows, n, dtype=torch.bool), owns[slot]], dim=1)[None, None]
+        singles.append(target.forward(new_ids[slot : slot + 1], positions[slot], cache, (0, 2), attention_mask=mask))
+    logits, taps = forward_batch(target, store, new_ids, positions, torch.stack(owns), (0, 2))
+    for slot, single in enumerate(singles):
+        torch.testing.assert_close(logits[slot], single.logits[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(taps[slot], single.taps[0], rtol=1e-5, atol=1e-5)
+    assert store.lengths == lengths  # the caller commits
+
+
+def test_batching_refuses_what_it_cannot_do() -> None:
+    model = make_target_model("qwen3")
+    with pytest.raises(BlockdraftError, match="needs the fast engine"):
+        BatchDecoder(Target(model), lambda: None, 2)
+    decoder = BatchDecoder(FastTarget(model), lambda: None, 1)
+    decoder.join([1, 2, 3], 8)
+    with pytest.raises(BlockdraftError, match="the batch is full"):
+        decoder.join([1, 2], 8)
