@@ -348,3 +348,36 @@ def test_an_engine_that_dies_answers_every_request_and_turns_health_503(text_pai
         refused = post(server.url, "/v1/completions", {"prompt": [1], "max_tokens": 2})
         assert refused.status_code == 503 and "without its engine" in refused.json()["error"]["message"]
         assert finished(server.url, "error") == 2
+
+
+def test_continuous_batching_answers_sixteen_clients_as_sequential_decoding_does(text_pair, server) -> None:
+    """--max-num-seqs 4 on the fast engine: concurrent requests decode together (running reaches 4) and each answer
+    at T=0 is the one-at-a-time server's."""
+    prompts = [[(5 * i + j) % 90 + 2 for j in range(1 + i % 7)] for i in range(24)]
+
+    def ask(url: str, prompt: list[int]) -> tuple[list[int], int, str]:
+        reply = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60).completions.create(
+            model=MODEL, prompt=prompt, max_tokens=4 + len(prompt) * 2, temperature=0,
+            extra_body={"return_token_ids": True})
+        return reply.choices[0].token_ids, reply.usage.completion_tokens, reply.choices[0].text
+
+    one_at_a_time = [ask(server.url, p) for p in prompts]
+    with running(settings(*text_pair, served_model_name=MODEL, max_num_seqs=4, engine="fast")) as batched:
+        peak = 0.0
+
+        def watch(stop: threading.Event) -> None:
+            nonlocal peak
+            while not stop.is_set():
+                peak = max(peak, metric_values(batched.url)[("vllm:num_requests_running", ())])
+                time.sleep(0.01)
+
+        stop = threading.Event()
+        watcher = threading.Thread(target=watch, args=(stop,))
+        watcher.start()
+        with ThreadPoolExecutor(16) as pool:
+            together = list(pool.map(lambda p: ask(batched.url, p), prompts))
+        stop.set()
+        watcher.join()
+        assert finished(batched.url, "length") + finished(batched.url, "stop") == len(prompts)
+    assert together == one_at_a_time
+    assert peak == 4

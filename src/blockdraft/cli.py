@@ -297,7 +297,11 @@ def serve(
     api_key: Optional[str] = typer.Option(None, "--api-key", help="Require `Authorization: Bearer KEY` on /v1."),
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="Default: the --target value."),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Prompt + output limit (default: the target's)."),
-    max_queue: int = typer.Option(256, "--max-queue", help="Requests that may wait while one decodes; more get a 429."),
+    max_queue: int = typer.Option(256, "--max-queue", help="Requests that may wait while others decode; more get a 429."),
+    max_num_seqs: int = typer.Option(
+        1, "--max-num-seqs",
+        help="Requests decoded together (continuous batching; needs the fast engine: --engine fast on a CPU); 1: one at a time.",
+    ),
     device: Optional[str] = DeviceOpt,
     dtype: Optional[str] = DtypeOpt,
     engine: str = EngineOpt,
@@ -317,7 +321,7 @@ def serve(
         raise BlockdraftError(f"--max-queue {max_queue} must be >= 0")
     settings = ServeSettings(
         target, drafter, method, budget, draft_tokens, host, port, api_key, served_model_name, max_model_len,
-        max_queue, device, dtype, engine, self_check, expect, drain_timeout, stream_interval_ms,
+        max_queue, max_num_seqs, device, dtype, engine, self_check, expect, drain_timeout, stream_interval_ms,
     )
     BlockdraftServer(settings, lambda line: err.print(line, markup=False, highlight=False, soft_wrap=True)).run()
 

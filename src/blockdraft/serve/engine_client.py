@@ -71,6 +71,7 @@ class EngineClient:
         command_end.close()
         reply_end.close()
         self.max_queue = settings.max_queue
+        self.max_num_seqs = settings.max_num_seqs
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self._in_flight: dict[int, _InFlight] = {}
@@ -120,7 +121,7 @@ class EngineClient:
                 why = "shutting down" if self._draining else "without its engine (it exited)"
                 raise ApiError(503, f"the server is {why}; retry on another instance", None, {"Retry-After": "5"})
             waiting = len(self._in_flight) - self._running
-            if len(self._in_flight) > self.max_queue:
+            if waiting >= self.max_queue + max(0, self.max_num_seqs - self._running):
                 self.metrics.reject()
                 wait = math.ceil(self._mean_s * (waiting + 1))
                 raise ApiError(

@@ -33,6 +33,7 @@ from blockdraft.serve.messages import (
 )
 from blockdraft.serve.prepare import generation_defaults
 from blockdraft.serve.relay import Outbox
+from blockdraft.serve.batched import BatchedEngine
 from blockdraft.serve.self_check import check_prompts, self_check
 from blockdraft.serve.sequential import SequentialEngine
 from blockdraft.serve.settings import ServeSettings
@@ -81,7 +82,14 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
         check = self_check(target, loaded.drafter, loaded.tokenizer, depth, stops, settings.expect,
                            Path(drafter_dir) if drafter_dir else None)
         say(f"self-check passed: {check.summary}")
-    worker = Worker(SequentialEngine(target, proposer, loaded.tokenizer), lambda job: outbox.send(Started(job.job_id)))
+    engine: SequentialEngine | BatchedEngine
+    if settings.max_num_seqs > 1:
+        engine = BatchedEngine(target, lambda: build_proposer(method, target, loaded.drafter, budget, depth),
+                               loaded.tokenizer, settings.max_num_seqs)
+        say(f"continuous batching: up to {settings.max_num_seqs} requests decode together (--max-num-seqs)")
+    else:
+        engine = SequentialEngine(target, proposer, loaded.tokenizer)
+    worker = Worker(engine, lambda job: outbox.send(Started(job.job_id)))
     worker.start(warmup_ids=check_prompts(loaded.tokenizer, target.vocab_size)[0])
     return worker, info
 

@@ -23,6 +23,7 @@ class ServeSettings:
     served_model_name: str | None = None
     max_model_len: int | None = None
     max_queue: int = 256
+    max_num_seqs: int = 1
     device: str | None = None
     dtype: str | None = None
     engine: str = "auto"

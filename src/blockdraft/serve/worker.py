@@ -1,8 +1,9 @@
-"""The engine process's decoding thread: a queue of jobs, decoded in arrival order.
+"""The engine process's decoding thread: a queue of jobs, admitted in arrival order to the engine (one at a time,
+or into the running batch while it has room) and stepped until done.
 
 Every submitted job gets exactly one final event (Finished or Failed): a job whose client left is dropped at its
 next commit (or before it starts), and on shutdown (`drain`) the queue keeps being served until a deadline, after
-which the running job ends with finish_reason "abort" and the jobs still waiting get a 503. Admission (the queue
+which running jobs end with finish_reason "abort" and the jobs still waiting get a 503. Admission (the queue
 limit) and the metrics are the HTTP process's: it sees every job's events.
 """
 
@@ -16,16 +17,17 @@ from collections.abc import Callable
 
 from blockdraft.errors import BlockdraftError
 from blockdraft.serve.errors import ApiError
-from blockdraft.serve.jobs import Failed, Finished, Job
+from blockdraft.serve.batched import BatchedEngine
+from blockdraft.serve.jobs import Failed, Job
 from blockdraft.serve.sequential import SequentialEngine
 
 log = logging.getLogger("blockdraft.serve")
 
 
 class Worker:
-    """Decodes submitted jobs one at a time on its own thread; `started(job)` is called as each leaves the queue."""
+    """Decodes submitted jobs on its own thread; `started(job)` is called as each leaves the queue."""
 
-    def __init__(self, engine: SequentialEngine, started: Callable[[Job], None]) -> None:
+    def __init__(self, engine: SequentialEngine | BatchedEngine, started: Callable[[Job], None]) -> None:
         self.engine = engine
         self.started = started
         self._jobs: queue.Queue[Job | None] = queue.Queue()
@@ -72,10 +74,23 @@ class Worker:
         return self._deadline is not None and time.monotonic() >= self._deadline
 
     def _loop(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            self._serve(job)
+        """Admit queued jobs while the engine has room (waiting for one only when nothing runs), then step."""
+        engine = self.engine
+        stopping = False
+        while not stopping or engine.busy:
+            while engine.has_room and not stopping:
+                try:
+                    job = self._jobs.get(block=not engine.busy)
+                except queue.Empty:
+                    break
+                if job is None:
+                    stopping = True
+                else:
+                    self._admit(job)
+            if engine.busy:
+                self._step()
 
-    def _serve(self, job: Job) -> None:
+    def _admit(self, job: Job) -> None:
         if job.cancelled.is_set() or self._past_deadline():
             why = "the client left" if job.cancelled.is_set() else "the server shut down"
             job.emit(Failed(ApiError(503, f"{why} before this request started; retry it", None, {"Retry-After": "5"})))
@@ -83,12 +98,17 @@ class Worker:
         self.started(job)
         stop: Callable[[], bool] = lambda: job.cancelled.is_set() or self._past_deadline()  # noqa: E731
         try:
-            output = self.engine.run(job, stop)
+            self.engine.admit(job, stop)
         except BlockdraftError as exc:
             job.emit(Failed(ApiError(400, str(exc))))
-            return
         except Exception as exc:  # a bug must not kill the thread every later request waits on
             log.exception("decoding a request failed")
             job.emit(Failed(ApiError(500, f"decoding failed ({type(exc).__name__}: {exc})")))
-            return
-        job.emit(Finished(output))
+
+    def _step(self) -> None:
+        try:
+            self.engine.step()
+        except Exception as exc:  # every job of the failed step gets its answer; the batch starts afresh
+            log.exception("a batched decode step failed")
+            for job in self.engine.abandon():
+                job.emit(Failed(ApiError(500, f"decoding failed ({type(exc).__name__}: {exc})")))

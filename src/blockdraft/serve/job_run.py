@@ -1,0 +1,39 @@
+"""One job's decode bookkeeping, whichever engine runs it: the text a client may see after each commit (stop rules
+applied), the commit times, and the finished output."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from blockdraft.decoding.generate import GenerationResult
+from blockdraft.serve.jobs import Job, JobOutput, Progress
+from blockdraft.serve.output import OutputText
+
+
+class JobRun:
+    """`on_commit` is the decode loop's hook for this job; `finish(result)` gives the JobOutput."""
+
+    def __init__(self, job: Job, tokenizer: Any, should_stop: Callable[[], bool]) -> None:
+        self.job = job
+        self.output = OutputText(tokenizer, job.rules)
+        self.should_stop = should_stop
+        job.timing.scheduled = time.monotonic()
+
+    def on_commit(self, tokens: list[int]) -> bool:
+        """Emit the text now safe to show; True ends the decode (a stop string, a client gone, the drain)."""
+        self.job.timing.commits.append(time.monotonic())
+        text, kept = self.output.push(tokens)
+        if kept:
+            self.job.emit(Progress(text, kept))
+        return self.output.finished or self.should_stop()
+
+    def finish(self, result: GenerationResult) -> JobOutput:
+        output, timing = self.output, self.job.timing
+        rest = output.finish("abort" if result.ended_early else "length")
+        timing.finished = time.monotonic()
+        return JobOutput(
+            token_ids=list(output.token_ids), text=output.text, rest=rest, finish_reason=str(output.finish_reason),
+            stop_reason=output.stop_reason, result=result, timing=timing,
+        )
