@@ -92,7 +92,7 @@ def test_sampled_sequences_draw_what_they_draw_alone() -> None:
         return build_proposer("ddtree", target, drafter, 8)
 
     items = prompts(5)
-    alone = [generate(target, ids, new_proposer(), 20, sampling, seed=11 + i).token_ids for i, ids in enumerate(items)]
+    alone = [generate(target, ids, new_proposer(), 20, sampling, seed=11).token_ids for ids in items]
     batched = dict(generate_batch(target, items, new_proposer, 3, 20, sampling, seed=11))
     assert [batched[i].token_ids for i in range(len(items))] == alone
 
@@ -128,3 +128,27 @@ def test_batching_refuses_what_it_cannot_do() -> None:
     decoder.join([1, 2, 3], 8)
     with pytest.raises(BlockdraftError, match="the batch is full"):
         decoder.join([1, 2], 8)
+
+
+def test_generate_batch_size_prints_what_one_at_a_time_prints(tiny_dirs, tmp_path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from blockdraft.cli import app
+
+    target, drafter = tiny_dirs
+    prompt_file = tmp_path / "prompts.jsonl"
+    prompt_file.write_text("".join(json.dumps({"prompt_ids": ids}) + "\n" for ids in prompts(6)))
+    runs = []
+    for extra in ([], ["--batch-size", "4"]):
+        result = CliRunner().invoke(app, ["generate", "--target", str(target), "--drafter", str(drafter), "--method",
+                                          "ddtree", "--budget", "6", "--engine", "fast", "--device", "cpu", "--prompts",
+                                          str(prompt_file), "--max-new-tokens", "12", *extra])
+        assert result.exit_code == 0, result.output
+        runs.append([json.loads(line) for line in result.stdout.strip().splitlines()])
+    assert [(r["token_ids"], r["acceptance_lengths"]) for r in runs[0]] == \
+        [(r["token_ids"], r["acceptance_lengths"]) for r in runs[1]]
+    refused = CliRunner().invoke(app, ["generate", "--target", str(target), "--drafter", str(drafter), "--engine", "hf",
+                                       "--device", "cpu", "--prompts", str(prompt_file), "--batch-size", "2"])
+    assert refused.exit_code != 0 and "needs the fast engine" in str(refused.exception)

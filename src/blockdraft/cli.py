@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import typer
@@ -99,12 +100,19 @@ def generate(
     prompt_ids: Optional[str] = typer.Option(None, "--prompt-ids", help="Comma-separated token ids."),
     prompts: Optional[str] = typer.Option(None, "--prompts", help="A JSONL file (one prompt per line) or a built-in set."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per prompt on stdout."),
+    batch_size: int = typer.Option(
+        1, "--batch-size",
+        help="Prompts decoded together (continuous batching; needs the fast engine: --engine fast on a CPU).",
+    ),
 ) -> None:
     """Generate with AR, DFlash or DDTree; identical to the target's own greedy output at T=0."""
     from blockdraft.decoding.generate import generate as run
     from blockdraft.decoding.methods import build_proposer
     from blockdraft.decoding.sampling import SamplingParams
+    from blockdraft.engine.batch import generate_batch
 
+    if batch_size < 1:
+        raise BlockdraftError(f"--batch-size {batch_size} must be >= 1 (1: one prompt at a time)")
     sampling = SamplingParams(temperature, top_p, top_k)
     items = _prompt_items(prompt, messages, prompt_ids, prompts, chat)
     loaded = Loaded(target, drafter if method == "ar" else default_drafter(target, drafter), device, dtype, engine)
@@ -112,9 +120,15 @@ def generate(
     stops = loaded.stops(_stop_ids(stop_token_ids), ignore_eos)
     encoded = [encode_item(item, loaded.tokenizer, thinking) for item in items]
     json_lines = as_json or prompts is not None
-    for ids in encoded:
-        stream = _text_stream(loaded.tokenizer) if not json_lines and loaded.tokenizer is not None else None
-        result = run(loaded.target, ids, proposer, max_new_tokens, sampling, stops, seed, on_commit=stream)
+    if batch_size > 1:
+        results = in_order(generate_batch(
+            loaded.target, encoded, lambda: build_proposer(method, loaded.target, loaded.drafter, budget, draft_tokens),
+            batch_size, max_new_tokens, sampling, stops, seed))
+    else:
+        results = (run(loaded.target, ids, proposer, max_new_tokens, sampling, stops, seed,
+                       on_commit=_text_stream(loaded.tokenizer) if not json_lines and loaded.tokenizer else None)
+                   for ids in encoded)
+    for result in results:
         if json_lines:
             record = {
                 "token_ids": result.token_ids,
@@ -127,6 +141,8 @@ def generate(
         else:
             if loaded.tokenizer is None:
                 out.print(" ".join(map(str, result.token_ids)))
+            elif batch_size > 1:  # nothing was streamed
+                out.print(loaded.decode(result.token_ids), end="", highlight=False, markup=False)
             s = result.stats
             err.print(
                 f"\n[{s.method}] {s.generated_tokens} tokens, tau {s.tau:.2f}, {s.tokens_per_s:.1f} tok/s, "
@@ -134,6 +150,17 @@ def generate(
                 markup=False,
                 highlight=False,
             )
+
+
+def in_order(finished: Iterator[tuple[int, Any]]) -> Iterator[Any]:
+    """Results that arrive in finishing order, released in prompt order as soon as each one's turn comes."""
+    waiting: dict[int, Any] = {}
+    turn = 0
+    for index, result in finished:
+        waiting[index] = result
+        while turn in waiting:
+            yield waiting.pop(turn)
+            turn += 1
 
 
 def _parse_methods(methods: str, budgets: Optional[str], draft_tokens: Optional[str] = None) -> list[Any]:

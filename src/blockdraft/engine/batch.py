@@ -191,7 +191,7 @@ def generate_batch(target: Target, prompts: list[list[int]], new_proposer: Calla
                    batch_size: int, max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams(),
                    stop_token_ids: tuple[int, ...] = (), seed: int = 0) -> Iterator[tuple[int, GenerationResult]]:
     """Decode every prompt with up to `batch_size` at a time, a new one joining as soon as one finishes; yields
-    (prompt index, result) in finishing order. Prompt i's ids equal `generate()`'s on it alone with seed + i."""
+    (prompt index, result) in finishing order. Each prompt's ids equal `generate()`'s on it alone with `seed`."""
     decoder = BatchDecoder(target, new_proposer, batch_size)
     pending = iter(enumerate(prompts))
     owner: dict[int, int] = {}
@@ -203,7 +203,7 @@ def generate_batch(target: Target, prompts: list[list[int]], new_proposer: Calla
                 exhausted = True
                 break
             index, ids = item
-            seq = decoder.join(ids, max_new_tokens, sampling, stop_token_ids, seed + index)
+            seq = decoder.join(ids, max_new_tokens, sampling, stop_token_ids, seed)
             if seq.done:
                 yield index, seq.result()
             else:
