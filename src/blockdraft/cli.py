@@ -184,6 +184,64 @@ def _parse_methods(methods: str, budgets: Optional[str], draft_tokens: Optional[
 
 
 @app.command()
+def tune(
+    target: str = TargetOpt,
+    drafter: Optional[str] = typer.Option(None, "--drafter", help="Default: the shipped drafter for the embedded target."),
+    batch_sizes: str = typer.Option("1,2,4,8", "--batch-sizes", help="Batch sizes to time, e.g. 1,2,4,8,16,32,64."),
+    draft_tokens: Optional[str] = typer.Option(
+        None, "--draft-tokens", help="DFlash chain lengths to consider (default 1,3,7 and the whole block)."),
+    budgets: str = typer.Option("8,32", "--budget", help="DDTree budgets to consider, e.g. 16,32,64."),
+    context: int = typer.Option(256, "--context", help="Cache tokens per sequence the steps are timed at."),
+    repeats: int = typer.Option(5, "--repeats", help="Timed runs per cost (the median is kept)."),
+    prompts: str = typer.Option("demo", "--prompts", help="Prompts the acceptance is measured on (a set or a JSONL file)."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", help="Tokens per prompt for the acceptance."),
+    device: Optional[str] = DeviceOpt,
+    dtype: Optional[str] = DtypeOpt,
+    out_dir: Path = typer.Option(Path("tune"), "--out", help="Folder for costs.json and schedule.json."),
+) -> None:
+    """Time batched steps on this device and measure acceptance; print and write the speculation schedule."""
+    from blockdraft.bench.prompts import load_prompt_set
+    from blockdraft.engine.schedule import AR, Candidate, choose, render
+    from blockdraft.engine.tune import measure_acceptance, measure_costs
+    from blockdraft.prompting import parse_ids
+    from blockdraft.serve.self_check import check_prompts
+
+    sizes = sorted(set(parse_ids(batch_sizes, "--batch-sizes")))
+    trees = sorted(set(parse_ids(budgets, "--budget")))
+    if not sizes or min(sizes) < 1 or any(b < 1 for b in trees) or context < 1 or repeats < 1:
+        raise BlockdraftError("--batch-sizes and --budget must be integers >= 1, and --context and --repeats >= 1")
+    drafter_dir = default_drafter(target, drafter)
+    if drafter_dir is None:
+        raise BlockdraftError("tune needs --drafter PATH (only the embedded target has a default drafter)")
+    loaded = Loaded(target, drafter_dir, device, dtype, "fast")
+    assert loaded.drafter is not None
+    most = loaded.drafter.cfg.block_size - 1
+    chains = sorted({d for d in (parse_ids(draft_tokens, "--draft-tokens") if draft_tokens else [1, 3, 7]) if d <= most}
+                    | ({most} if draft_tokens is None else set()))
+    if not chains or min(chains) < 1:
+        raise BlockdraftError(f"--draft-tokens {draft_tokens} must list chain lengths between 1 and {most}")
+    candidates = [AR, *(Candidate("dflash", d) for d in chains), *(Candidate("ddtree", budget=b) for b in trees)]
+    err.print(f"timing {len(sizes)} batch sizes x {len({c.rows for c in candidates})} row counts ...")
+    costs = measure_costs(loaded.target, loaded.drafter, target, drafter_dir, sizes, sorted({c.rows for c in candidates}),
+                          trees, context, repeats)
+    err.print(f"measuring acceptance on {prompts} ...")
+    if prompts == "demo":  # the start-up self-check's prompts: demo's, or counting ids for a target without a template
+        encoded = check_prompts(loaded.tokenizer, loaded.target.vocab_size)
+    else:
+        encoded = [encode_item(item, loaded.tokenizer) for item in load_prompt_set(prompts)]
+    profile = measure_acceptance(loaded.target, loaded.drafter, encoded, trees, max_new_tokens,
+                                 loaded.stops([], False), f"greedy decodes of {prompts}")
+    schedule = choose(costs, profile, candidates, sizes)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    costs.save(out_dir / "costs.json")
+    schedule.save(out_dir / "schedule.json")
+    out.print(render(schedule))
+    out.print("vLLM (--speculative-config, with its method and model):", markup=False, highlight=False)
+    sys.stdout.write(json.dumps(schedule.vllm_settings(max(sizes)), indent=1) + "\n")
+    err.print(f"wrote {out_dir / 'costs.json'} and {out_dir / 'schedule.json'}")
+
+
+@app.command()
 def bench(
     target: str = TargetOpt,
     drafter: Optional[str] = typer.Option(None, "--drafter"),

@@ -1,0 +1,92 @@
+"""`blockdraft tune`: measure on this device what a batched step costs and what the drafter accepts, and pick the
+speculation schedule from both (engine/schedule.py).
+
+Costs are the batched engine's own operations, timed after a warm-up (median of `repeats`, the device synchronised
+around each): one verify forward over B sequences x R rows at `context` tokens of cache each (`forward_batch`),
+one drafter pass per sequence (the batched engine drafts each sequence in turn), and one DDTree build per budget.
+Acceptance is measured by decoding the prompts greedily: the DFlash chain over the whole block (per-position rates)
+and DDTree at each budget (tau).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from blockdraft.decoding.ddtree import DDTreeProposer, build_tree
+from blockdraft.decoding.draft import DFlashProposer
+from blockdraft.decoding.generate import generate
+from blockdraft.decoding.sampling import SamplingParams
+from blockdraft.engine.schedule import AcceptanceProfile, CostTable
+from blockdraft.errors import BlockdraftError
+from blockdraft.models.drafter import DFlashDrafter
+from blockdraft.models.fast_batch import BatchKV, forward_batch
+from blockdraft.models.fast_target import FastTarget
+from blockdraft.models.target import Target
+
+
+def _seconds(run: Callable[[], object], device: torch.device, repeats: int) -> float:
+    """Median wall time of `run` after one warm-up call, waiting for the device around each."""
+    cuda = device.type == "cuda"
+    times = []
+    for i in range(repeats + 1):
+        if cuda:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        run()
+        if cuda:
+            torch.cuda.synchronize(device)
+        if i:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def measure_costs(target: Target, drafter: DFlashDrafter, target_name: str, drafter_name: str,
+                  batch_sizes: list[int], rows: list[int], budgets: list[int], context: int,
+                  repeats: int) -> CostTable:
+    """The cost table of the batched engine on this device (see the module docstring)."""
+    if not isinstance(target, FastTarget):
+        raise BlockdraftError("tune times the batched engine, which needs the fast engine; pass --engine fast")
+    device = target.device
+    taps = drafter.cfg.target_layer_ids
+    store = BatchKV(target, max(batch_sizes), context + max(rows))
+    verify_s: dict[int, dict[int, float]] = {}
+    for batch in batch_sizes:
+        store.lengths[:batch] = [context] * batch
+        verify_s[batch] = {}
+        for r in rows:
+            ids = torch.randint(0, target.vocab_size, (batch, r), device=device)
+            positions = (context + torch.arange(r, device=device)).expand(batch, r)
+            own = torch.ones(r, r, dtype=torch.bool, device=device).tril().expand(batch, r, r)
+            verify_s[batch][r] = _seconds(lambda: forward_batch(target, store, ids, positions, own, taps), device,
+                                          repeats)
+    proposer = DFlashProposer(drafter, target)
+    context_taps = torch.randn(1, context, len(taps) * target.hidden_size, dtype=target.dtype, device=device)
+    proposer.add_context(context_taps)
+    one = _seconds(lambda: proposer.propose(1, context, proposer.block_size, SamplingParams(), None), device, repeats)
+    log_probs = torch.randn(proposer.block_size - 1, target.vocab_size, device=device).log_softmax(-1)
+    tree_build_s = {b: _seconds(lambda b=b: build_tree(log_probs, b), device, repeats) for b in budgets}
+    return CostTable(device=device.type, dtype=str(target.dtype).removeprefix("torch."), target=target_name,
+                     drafter=drafter_name, context_tokens=context, verify_s=verify_s,
+                     draft_s={batch: batch * one for batch in batch_sizes}, tree_build_s=tree_build_s)
+
+
+def measure_acceptance(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], budgets: list[int],
+                       max_new_tokens: int, stop_token_ids: tuple[int, ...], source: str) -> AcceptanceProfile:
+    """Greedy per-position acceptance of the whole-block chain, and DDTree's tau at each budget, over the prompts."""
+    chain = DFlashProposer(drafter, target)
+    lengths = [a for ids in prompts
+               for a in generate(target, ids, chain, max_new_tokens, stop_token_ids=stop_token_ids).acceptance_lengths]
+    depth = chain.block_size - 1
+    per_position = [sum(1 for a in lengths if a - 1 > i) / len(lengths) for i in range(depth)]
+    tree_tau = {}
+    for budget in budgets:
+        tree = DDTreeProposer(drafter, target, budget)
+        steps = [a for ids in prompts
+                 for a in generate(target, ids, tree, max_new_tokens, stop_token_ids=stop_token_ids).acceptance_lengths]
+        tree_tau[budget] = sum(steps) / len(steps)
+    return AcceptanceProfile(per_position, tree_tau, source)
