@@ -152,3 +152,33 @@ def test_generate_batch_size_prints_what_one_at_a_time_prints(tiny_dirs, tmp_pat
     refused = CliRunner().invoke(app, ["generate", "--target", str(target), "--drafter", str(drafter), "--engine", "hf",
                                        "--device", "cpu", "--prompts", str(prompt_file), "--batch-size", "2"])
     assert refused.exit_code != 0 and "needs the fast engine" in str(refused.exception)
+
+
+def test_a_schedule_switches_the_method_with_the_batch_size_losslessly() -> None:
+    from blockdraft.engine.schedule import AR, AcceptanceProfile, Candidate, CostTable, choose
+    from blockdraft.engine.switching import SwitchingProposer
+
+    target = FastTarget(make_target_model("qwen3"))
+    drafter = make_drafter("all_full")
+    # extra verify rows are free alone and cost 9x in a batch: a tree alone, AR together
+    flat, steep = {1: 1.0, 4: 1.0, 5: 1.0}, {1: 1.0, 4: 9.0, 5: 9.0}
+    costs = CostTable(device="cpu", dtype="float32", target="t", drafter="d", context_tokens=64,
+                      verify_s={1: flat, 2: steep, 4: steep}, draft_s={1: 0.1, 2: 0.1, 4: 0.1})
+    profile = AcceptanceProfile([0.9, 0.8, 0.7, 0.6, 0.5], {4: 3.5})
+    schedule = choose(costs, profile, [AR, Candidate("dflash", 3), Candidate("ddtree", budget=4)], [1, 2, 4])
+    assert [entry.choice.label for entry in schedule.entries] == ["ddtree@4", "ar", "ar"]
+
+    decoder = BatchDecoder(target, lambda: SwitchingProposer(drafter, target, 4), 4, schedule)
+    first_ids, second_ids = prompts(2)
+    first = decoder.join(first_ids, 40)
+    for _ in range(3):
+        decoder.step()
+    second = decoder.join(second_ids, 6)
+    while decoder.running:
+        decoder.step()
+    together = len(second.draft_lengths)
+    assert all(n > 0 for n in first.draft_lengths[:3])  # alone: trees
+    assert first.draft_lengths[3 : 3 + together] == [0] * together == second.draft_lengths  # two running: AR
+    assert any(n > 0 for n in first.draft_lengths[3 + together :])  # alone again: trees again
+    for seq, ids in ((first, first_ids), (second, second_ids)):
+        assert seq.tokens == generate(target, ids, None, seq.max_new_tokens).token_ids

@@ -381,3 +381,47 @@ def test_continuous_batching_answers_sixteen_clients_as_sequential_decoding_does
         assert finished(batched.url, "length") + finished(batched.url, "stop") == len(prompts)
     assert together == one_at_a_time
     assert peak == 4
+
+
+def test_a_schedule_serves_with_the_method_it_picks_per_batch_size(text_pair, server, tmp_path: Path) -> None:
+    from blockdraft.engine.schedule import AR, AcceptanceProfile, Candidate, CostTable, choose
+    from blockdraft.errors import BlockdraftError
+    from blockdraft.serve.server import BlockdraftServer
+
+    flat, steep = {1: 1.0, 4: 1.0, 5: 1.0}, {1: 1.0, 4: 9.0, 5: 9.0}
+    costs = CostTable(device="cpu", dtype="float32", target="t", drafter="d", context_tokens=64,
+                      verify_s={1: flat, 2: steep}, draft_s={1: 0.1, 2: 0.1})
+    schedule = choose(costs, AcceptanceProfile([0.9, 0.8, 0.7], {4: 3.5}),
+                      [AR, Candidate("dflash", 3), Candidate("ddtree", budget=4)], [1, 2])
+    path = tmp_path / "schedule.json"
+    schedule.save(path)
+    prompts = [[(3 * i + j) % 90 + 2 for j in range(2 + i % 5)] for i in range(8)]
+
+    def ask(url: str, prompt: list[int]) -> tuple[list[int], list[int]]:
+        reply = httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 10,
+                                                          "temperature": 0, "return_token_ids": True}, timeout=60).json()
+        return reply["choices"][0]["token_ids"], reply["metrics"]["speculative_decoding"]["acceptance_lengths"]
+
+    said: list[str] = []
+    with running(settings(*text_pair, served_model_name=MODEL, max_num_seqs=4, engine="fast", schedule=str(path)),
+                 said.append) as scheduled:
+        alone = ask(scheduled.url, prompts[0])
+        with ThreadPoolExecutor(8) as pool:
+            together = list(pool.map(lambda p: ask(scheduled.url, p), prompts))
+    assert any(line.startswith(f"schedule ({path}): batch 1: ddtree@4") and "batch 2: ar" in line for line in said)
+    assert [ids for ids, _ in together] == [ask(server.url, p)[0] for p in prompts]
+    assert alone[0] == together[0][0]
+    with pytest.raises(BlockdraftError, match="--schedule needs continuous batching"):
+        BlockdraftServer(settings(*text_pair, schedule=str(path)), print)
+    costs.device = "cuda"
+    choose(costs, AcceptanceProfile([0.9, 0.8, 0.7], {4: 3.5}), [AR], [1, 2]).save(path)
+    with pytest.raises(BlockdraftError, match="was tuned on cuda, this server runs on cpu"):
+        BlockdraftServer(settings(*text_pair, max_num_seqs=2, engine="fast", schedule=str(path)), print)
+
+
+def test_schedule_auto_tunes_at_start_up(text_pair) -> None:
+    said: list[str] = []
+    with running(settings(*text_pair, max_num_seqs=2, engine="fast", schedule="auto"), said.append) as server:
+        reply = httpx.post(f"{server.url}/v1/completions", json={"prompt": [5, 6], "max_tokens": 4}, timeout=60)
+        assert reply.status_code == 200
+    assert any(line.startswith("schedule (measured at start-up): batch 1: ") and "batch 2: " in line for line in said)

@@ -387,6 +387,11 @@ def serve(
         1, "--max-num-seqs",
         help="Requests decoded together (continuous batching; needs the fast engine: --engine fast on a CPU); 1: one at a time.",
     ),
+    schedule: str = typer.Option(
+        "off", "--schedule",
+        help="With --max-num-seqs > 1: the method per batch size from `blockdraft tune`'s schedule.json (FILE), "
+        "measured at start-up (auto), or the fixed --method (off).",
+    ),
     device: Optional[str] = DeviceOpt,
     dtype: Optional[str] = DtypeOpt,
     engine: str = EngineOpt,
@@ -406,7 +411,8 @@ def serve(
         raise BlockdraftError(f"--max-queue {max_queue} must be >= 0")
     settings = ServeSettings(
         target, drafter, method, budget, draft_tokens, host, port, api_key, served_model_name, max_model_len,
-        max_queue, max_num_seqs, device, dtype, engine, self_check, expect, drain_timeout, stream_interval_ms,
+        max_queue, max_num_seqs, schedule, device, dtype, engine, self_check, expect, drain_timeout,
+        stream_interval_ms,
     )
     BlockdraftServer(settings, lambda line: err.print(line, markup=False, highlight=False, soft_wrap=True)).run()
 

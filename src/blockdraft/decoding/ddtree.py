@@ -111,9 +111,11 @@ class DDTreeProposer:
 
     @torch.inference_mode()
     def propose(
-        self, anchor: int, start: int, max_depth: int, sampling: SamplingParams, generator: torch.Generator | None
+        self, anchor: int, start: int, max_depth: int, sampling: SamplingParams, generator: torch.Generator | None,
+        budget: int | None = None,
     ) -> Draft:
-        """One drafter pass, then the best `budget` prefixes of at most `max_depth` tokens."""
+        """One drafter pass, then the best `budget` (default: this proposer's) prefixes of at most `max_depth`
+        tokens."""
         slots, visible = self.chain.block_rows(max_depth)
         if slots <= 0:
             return Draft.empty(self.chain.target.device)
@@ -121,6 +123,6 @@ class DDTreeProposer:
         if logits.device.type == "cuda":
             torch.cuda.synchronize(logits.device)  # the drafter pass is not tree-building time
         t0 = time.perf_counter()
-        draft = build_tree(slot_log_probs(logits, sampling), self.budget)
+        draft = build_tree(slot_log_probs(logits, sampling), self.budget if budget is None else budget)
         self.build_s += time.perf_counter() - t0
         return draft

@@ -154,15 +154,19 @@ class DFlashProposer:
         hidden = self.drafter(embeds, positions, self.cache)
         return self.drafter.logits(hidden[0, 1 : slots + 1], self.target.lm_head)
 
-    def block_rows(self, max_depth: int) -> tuple[int, int]:
-        """(slots drafted, mask rows the drafter sees) for a step that may add at most `max_depth` tokens."""
-        visible = min(max_depth, self.block_size - 1 if self.whole_block else self.depth)
-        return min(visible, self.depth), visible
+    def block_rows(self, max_depth: int, depth: int | None = None) -> tuple[int, int]:
+        """(slots drafted, mask rows the drafter sees) for a step that may add at most `max_depth` tokens, drafting
+        `depth` tokens (default: this proposer's)."""
+        depth = self.depth if depth is None else depth
+        visible = min(max_depth, self.block_size - 1 if self.whole_block else depth)
+        return min(visible, depth), visible
 
     def propose(
-        self, anchor: int, start: int, max_depth: int, sampling: SamplingParams, generator: torch.Generator | None
+        self, anchor: int, start: int, max_depth: int, sampling: SamplingParams, generator: torch.Generator | None,
+        depth: int | None = None,
     ) -> Draft:
-        slots, visible = self.block_rows(max_depth)
+        """A chain of this proposer's depth (or `depth`, for a schedule that changes it per step)."""
+        slots, visible = self.block_rows(max_depth, depth)
         if slots <= 0:
             return Draft.empty(self.target.device)
         logits = self.slot_logits(anchor, start, slots, visible)

@@ -21,6 +21,8 @@ from blockdraft.decoding.generate import GenerationResult, OnCommit, check_conte
 from blockdraft.decoding.host_to_device import long_tensor
 from blockdraft.decoding.sampling import SamplingParams, pick
 from blockdraft.decoding.verify import verify
+from blockdraft.engine.schedule import Schedule
+from blockdraft.engine.switching import SwitchingProposer
 from blockdraft.errors import BlockdraftError
 from blockdraft.metrics import SpecStats
 from blockdraft.models.fast_batch import BatchKV, forward_batch
@@ -80,9 +82,11 @@ class Sequence:
 
 class BatchDecoder:
     """Up to `max_seqs` sequences decoded together; `new_proposer()` gives each joining sequence its own proposer
-    (None for AR)."""
+    (None for AR). With a `schedule`, every step's method is the schedule's pick for the running batch size, and
+    the proposers must be SwitchingProposers."""
 
-    def __init__(self, target: Target, new_proposer: Callable[[], Proposer | None], max_seqs: int) -> None:
+    def __init__(self, target: Target, new_proposer: Callable[[], Proposer | None], max_seqs: int,
+                 schedule: Schedule | None = None) -> None:
         if not isinstance(target, FastTarget):
             raise BlockdraftError("batched decoding needs the fast engine (a Qwen3, Qwen2, Llama or Mistral target); "
                                   "load it with --engine fast, or use --batch-size 1")
@@ -91,6 +95,7 @@ class BatchDecoder:
         self.target = target
         self.new_proposer = new_proposer
         self.max_seqs = max_seqs
+        self.schedule = schedule
         self.store = BatchKV(target, max_seqs)
         self.running: list[Sequence] = []  # sequence i lives in cache slot i
 
@@ -137,6 +142,11 @@ class BatchDecoder:
         if not self.running:
             return []
         device = self.target.device
+        if self.schedule is not None:
+            candidate = self.schedule.pick(len(self.running))
+            for seq in self.running:
+                assert isinstance(seq.proposer, SwitchingProposer)
+                seq.proposer.use(candidate)
         drafts: list[Draft] = []
         for seq in self.running:
             start = seq.prompt_len + len(seq.tokens) - 1

@@ -20,7 +20,7 @@ from blockdraft.decoding.ddtree import DDTreeProposer, build_tree
 from blockdraft.decoding.draft import DFlashProposer
 from blockdraft.decoding.generate import generate
 from blockdraft.decoding.sampling import SamplingParams
-from blockdraft.engine.schedule import AcceptanceProfile, CostTable
+from blockdraft.engine.schedule import AR, AcceptanceProfile, Candidate, CostTable, Schedule, choose
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.drafter import DFlashDrafter
 from blockdraft.models.fast_batch import BatchKV, forward_batch
@@ -90,3 +90,15 @@ def measure_acceptance(target: Target, drafter: DFlashDrafter, prompts: list[lis
                  for a in generate(target, ids, tree, max_new_tokens, stop_token_ids=stop_token_ids).acceptance_lengths]
         tree_tau[budget] = sum(steps) / len(steps)
     return AcceptanceProfile(per_position, tree_tau, source)
+
+
+def auto_schedule(target: Target, drafter: DFlashDrafter, target_name: str, drafter_name: str, max_num_seqs: int,
+                  depth: int, budget: int, prompts: list[list[int]], stop_token_ids: tuple[int, ...]) -> Schedule:
+    """`--schedule auto`: a short tune at start-up over the served sizes (AR, the chain of `depth`, the tree of
+    `budget`) at batch sizes 1, 2, 4, ... up to `max_num_seqs`."""
+    sizes = sorted({min(1 << i, max_num_seqs) for i in range(max_num_seqs.bit_length() + 1)})
+    candidates = [AR, Candidate("dflash", depth), Candidate("ddtree", budget=budget)]
+    costs = measure_costs(target, drafter, target_name, drafter_name, sizes, sorted({c.rows for c in candidates}),
+                          [budget], context=128, repeats=3)
+    profile = measure_acceptance(target, drafter, prompts, [budget], 32, stop_token_ids, "start-up decodes")
+    return choose(costs, profile, candidates, sizes)

@@ -12,6 +12,7 @@ from typing import Any
 
 from blockdraft.decoding.draft import Proposer
 from blockdraft.engine.batch import BatchDecoder
+from blockdraft.engine.schedule import Schedule
 from blockdraft.models.target import Target
 from blockdraft.serve.jobs import Finished, Job
 from blockdraft.serve.job_run import JobRun
@@ -23,8 +24,8 @@ class BatchedEngine:
     """Up to `max_seqs` jobs decoded together."""
 
     def __init__(self, target: Target, new_proposer: Callable[[], Proposer | None], tokenizer: Any,
-                 max_seqs: int) -> None:
-        self.decoder = BatchDecoder(target, new_proposer, max_seqs)
+                 max_seqs: int, schedule: Schedule | None = None) -> None:
+        self.decoder = BatchDecoder(target, new_proposer, max_seqs, schedule)
         self.tokenizer = tokenizer
         self._runs: dict[int, JobRun] = {}
 
@@ -62,5 +63,6 @@ class BatchedEngine:
         """After a failed step: empty the batch and return its jobs (the worker answers them)."""
         jobs = [run.job for run in self._runs.values()]
         self._runs.clear()
-        self.decoder = BatchDecoder(self.decoder.target, self.decoder.new_proposer, self.decoder.max_seqs)
+        old = self.decoder
+        self.decoder = BatchDecoder(old.target, old.new_proposer, old.max_seqs, old.schedule)
         return jobs

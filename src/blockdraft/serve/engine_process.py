@@ -16,7 +16,10 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from blockdraft.decoding.draft import check_draft_tokens
-from blockdraft.decoding.methods import build_proposer, device_settings
+from blockdraft.decoding.methods import GPU_BUDGET, build_proposer, device_settings
+from blockdraft.engine.schedule import Schedule
+from blockdraft.engine.switching import SwitchingProposer
+from blockdraft.engine.tune import auto_schedule
 from blockdraft.errors import BlockdraftError
 from blockdraft.pair import Loaded
 from blockdraft.serve.jobs import Job, Timing
@@ -61,13 +64,21 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
     loaded = Loaded(settings.target, drafter_dir, settings.device, settings.dtype, settings.engine)
     target = loaded.target
     depth = budget = None
+    tree_budget = GPU_BUDGET
     if loaded.drafter is not None:
-        budget, draft_tokens = device_settings(
+        tree_budget, draft_tokens = device_settings(
             target.device.type, loaded.drafter.cfg.block_size, settings.budget, settings.draft_tokens)
         depth = check_draft_tokens(draft_tokens, loaded.drafter.cfg.block_size)
-        budget = budget if method == "ddtree" else None
+        budget = tree_budget if method == "ddtree" else None
     proposer = build_proposer(method, target, loaded.drafter, budget, depth)
     stops = loaded.stops([], False)
+    schedule = None
+    if settings.schedule != "off":
+        if settings.max_num_seqs < 2 or loaded.drafter is None or depth is None:
+            raise BlockdraftError("--schedule needs continuous batching and a drafter: add --max-num-seqs N (N > 1) "
+                                  "and serve --method dflash or ddtree, or pass --schedule off")
+        schedule = _schedule(settings, drafter_dir or "", loaded, depth, tree_budget, stops, say)
+        depth = loaded.drafter.cfg.block_size - 1  # what a scheduled step may draft, as the metrics count it
     info = EngineInfo(
         tokenizer=loaded.tokenizer, vocab_size=target.embedding_weight.shape[0],
         max_model_len=max_model_len(settings.max_model_len, target.max_positions), eos_ids=stops,
@@ -83,15 +94,47 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
                            Path(drafter_dir) if drafter_dir else None)
         say(f"self-check passed: {check.summary}")
     engine: SequentialEngine | BatchedEngine
-    if settings.max_num_seqs > 1:
+    if schedule is not None:
+        largest = max((e.choice.budget or 0 for e in schedule.entries), default=0) or 1
+        drafter = loaded.drafter
+        engine = BatchedEngine(target, lambda: SwitchingProposer(drafter, target, largest), loaded.tokenizer,
+                               settings.max_num_seqs, schedule)
+    elif settings.max_num_seqs > 1:
         engine = BatchedEngine(target, lambda: build_proposer(method, target, loaded.drafter, budget, depth),
                                loaded.tokenizer, settings.max_num_seqs)
-        say(f"continuous batching: up to {settings.max_num_seqs} requests decode together (--max-num-seqs)")
     else:
         engine = SequentialEngine(target, proposer, loaded.tokenizer)
+    if settings.max_num_seqs > 1:
+        say(f"continuous batching: up to {settings.max_num_seqs} requests decode together (--max-num-seqs)")
     worker = Worker(engine, lambda job: outbox.send(Started(job.job_id)))
     worker.start(warmup_ids=check_prompts(loaded.tokenizer, target.vocab_size)[0])
     return worker, info
+
+
+def _schedule(settings: ServeSettings, drafter_dir: str, loaded: Loaded, depth: int, budget: int,
+              stops: tuple[int, ...], say: Callable[[str], None]) -> Schedule:
+    """--schedule FILE (from `blockdraft tune`, checked against this pair and device) or auto (tuned now)."""
+    target, drafter = loaded.target, loaded.drafter
+    assert drafter is not None
+    if settings.schedule == "auto":
+        say("--schedule auto: timing batched steps and measuring acceptance ...")
+        schedule = auto_schedule(target, drafter, settings.target, drafter_dir, settings.max_num_seqs, depth, budget,
+                                 check_prompts(loaded.tokenizer, target.vocab_size), stops)
+        source = "measured at start-up"
+    else:
+        schedule = Schedule.load(settings.schedule)
+        source = settings.schedule
+        if schedule.device != target.device.type:
+            raise BlockdraftError(f"--schedule {source} was tuned on {schedule.device}, this server runs on "
+                                  f"{target.device.type}; run `blockdraft tune` on this device")
+        most = drafter.cfg.block_size - 1
+        too_deep = [e.choice.label for e in schedule.entries if e.choice.draft_tokens > most]
+        if too_deep:
+            raise BlockdraftError(f"--schedule {source} drafts {too_deep[0]}, more than this drafter's {most} tokens "
+                                  "per block; run `blockdraft tune` for this drafter")
+    say(f"schedule ({source}): " + ", ".join(f"batch {e.batch}: {e.choice.label} ({e.gain:.2f}x AR)"
+                                             for e in schedule.entries))
+    return schedule
 
 
 def serve_commands(commands: Connection, worker: Worker, outbox: Outbox) -> None:

@@ -24,6 +24,7 @@ class ServeSettings:
     max_model_len: int | None = None
     max_queue: int = 256
     max_num_seqs: int = 1
+    schedule: str = "off"
     device: str | None = None
     dtype: str | None = None
     engine: str = "auto"

@@ -1,0 +1,51 @@
+"""A proposer whose method the speculation schedule sets before each step: no draft (AR), a DFlash chain of N
+tokens, or a DDTree of b nodes, all over one drafter context, so switching costs nothing and loses nothing.
+
+The drafter context is written for every committed token whatever the step's method (an AR step's taps too), so a
+later chain or tree step drafts exactly as a sequence that had speculated all along.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from blockdraft.decoding.ddtree import DDTreeProposer
+from blockdraft.decoding.draft import Draft
+from blockdraft.decoding.sampling import SamplingParams
+from blockdraft.engine.schedule import AR, Candidate
+from blockdraft.models.drafter import DFlashDrafter
+from blockdraft.models.target import Target
+
+
+class SwitchingProposer:
+    """`use(candidate)` sets the next steps' method; `propose` drafts accordingly."""
+
+    name = "scheduled"
+
+    def __init__(self, drafter: DFlashDrafter, target: Target, largest_budget: int) -> None:
+        self.tree = DDTreeProposer(drafter, target, largest_budget)
+        self.tap_layers = self.tree.tap_layers
+        self.candidate: Candidate = AR
+
+    @property
+    def build_s(self) -> float:
+        return self.tree.build_s
+
+    def use(self, candidate: Candidate) -> None:
+        self.candidate = candidate
+
+    def reset(self) -> None:
+        self.tree.reset()
+
+    def add_context(self, taps: torch.Tensor) -> None:
+        self.tree.add_context(taps)
+
+    def propose(
+        self, anchor: int, start: int, max_depth: int, sampling: SamplingParams, generator: torch.Generator | None
+    ) -> Draft:
+        method = self.candidate.method
+        if method == "dflash":
+            return self.tree.chain.propose(anchor, start, max_depth, sampling, generator, self.candidate.draft_tokens)
+        if method == "ddtree":
+            return self.tree.propose(anchor, start, max_depth, sampling, generator, self.candidate.budget)
+        return Draft.empty(self.tree.chain.target.device)
