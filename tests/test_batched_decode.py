@@ -182,3 +182,32 @@ def test_a_schedule_switches_the_method_with_the_batch_size_losslessly() -> None
     assert any(n > 0 for n in first.draft_lengths[3 + together :])  # alone again: trees again
     for seq, ids in ((first, first_ids), (second, second_ids)):
         assert seq.tokens == generate(target, ids, None, seq.max_new_tokens).token_ids
+
+
+def test_bench_batch_size_gives_the_same_ids_and_the_batch_wall_time(tiny_dirs, tmp_path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from blockdraft.cli import app
+
+    target, drafter = tiny_dirs
+    prompt_file = tmp_path / "prompts.jsonl"
+    prompt_file.write_text("".join(json.dumps({"prompt_ids": ids}) + "\n" for ids in prompts(5)))
+    reports = []
+    for size in ("1", "3"):
+        out = tmp_path / f"bench{size}.json"
+        result = CliRunner().invoke(app, ["bench", "--target", str(target), "--drafter", str(drafter), "--methods",
+                                          "ar,ddtree", "--budget", "4", "--engine", "fast", "--device", "cpu",
+                                          "--prompts", str(prompt_file), "--max-new-tokens", "10", "--batch-size",
+                                          size, "--json-out", str(out)])
+        assert result.exit_code == 0, result.output
+        reports.append(json.loads(out.read_text()))
+    one, three = reports
+    assert three["settings"]["batch_size"] == 3
+    for label in ("ar", "ddtree@4"):
+        assert [p["token_ids"] for p in one["methods"][label]["prompts"]] == \
+            [p["token_ids"] for p in three["methods"][label]["prompts"]]
+        assert one["methods"][label]["batched_wall_s"] is None and three["methods"][label]["batched_wall_s"] > 0
+        stats = three["methods"][label]["stats"]
+        assert stats["ttft_s"] + stats["decode_s"] == pytest.approx(three["methods"][label]["batched_wall_s"])

@@ -267,6 +267,9 @@ def bench(
     plot: Optional[Path] = typer.Option(
         None, "--plot", help="Write the acceptance plot (PNG) here; with several DDTree budgets also NAME_budgets.png."
     ),
+    batch_size: int = typer.Option(
+        1, "--batch-size", help="Prompts decoded together per method (continuous batching; needs the fast engine)."
+    ),
 ) -> None:
     """Methods x prompts -> tau, acceptance, tokens/s and speedup vs AR, overall and per category."""
     from rich.progress import Progress
@@ -278,6 +281,8 @@ def bench(
     from blockdraft.bench.runner import BenchPrompt, run_bench
     from blockdraft.decoding.sampling import SamplingParams
 
+    if batch_size < 1:
+        raise BlockdraftError(f"--batch-size {batch_size} must be >= 1 (1: one prompt at a time)")
     sampling = SamplingParams(temperature, top_p, top_k)
     specs = _parse_methods(methods, budget, draft_tokens)
     items = load_prompt_set(prompts, limit=limit, per_category=per_category)
@@ -289,7 +294,7 @@ def bench(
         task = progress.add_task("bench", total=len(encoded) * len(specs))
         runs = run_bench(
             loaded.target, loaded.drafter, encoded, specs, max_new_tokens, sampling, stops, seed,
-            on_progress=lambda label, n: progress.update(task, advance=n, description=label),
+            on_progress=lambda label, n: progress.update(task, advance=n, description=label), batch_size=batch_size,
         )
     out.print(summary_table(runs))
     out.print(category_table(runs))
@@ -302,7 +307,7 @@ def bench(
         "target": target, "drafter": drafter, "prompts": prompts, "num_prompts": len(encoded),
         "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
         "device": str(loaded.target.device), "dtype": dtype_name,
-        "engine": loaded.target.engine,
+        "engine": loaded.target.engine, "batch_size": batch_size,
     }
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)

@@ -136,6 +136,7 @@ def to_json(runs: list[MethodRun], settings: dict) -> dict:
             "budget": run.spec.budget,
             "draft_tokens": run.spec.draft_tokens,
             "stats": s.to_dict(),
+            "batched_wall_s": run.wall_s,
             "by_category": {c: v.to_dict() for c, v in run.by_category().items()},
             "prompts": [
                 {
