@@ -1,6 +1,7 @@
 """Batched decoding is lossless: every sequence's ids (and acceptance lengths) in a batch equal its batch-1 ids from
 `generate()`, with mixed prompt lengths, sequences joining and leaving mid-run, chains and trees, all-full and
-sliding-window drafters and a sliding-window target; at T > 0 a batched sequence draws what it draws alone."""
+sliding-window drafters, a sliding-window target, the HF engine and a hybrid (linear-attention) target; at T > 0 a
+batched sequence draws what it draws alone."""
 
 from __future__ import annotations
 
@@ -39,11 +40,19 @@ def sliding_target() -> FastTarget:
     return FastTarget(model)
 
 
+def hybrid_target() -> Target:
+    from test_hybrid import make_hybrid
+
+    return Target(make_hybrid("qwen3_5"))
+
+
 TARGETS = {"qwen3": lambda: FastTarget(make_target_model("qwen3")),
-           "mistral": lambda: FastTarget(make_target_model("mistral")), "sliding-qwen2": sliding_target}
+           "mistral": lambda: FastTarget(make_target_model("mistral")), "sliding-qwen2": sliding_target,
+           "hf-qwen3": lambda: Target(make_target_model("qwen3")), "hf-hybrid-qwen3_5": hybrid_target}
 CASES = [("qwen3", "ar", None, None), ("qwen3", "dflash", "all_full", None), ("qwen3", "ddtree", "all_full", 12),
          ("mistral", "dflash", "mixed_swa", None), ("sliding-qwen2", "ddtree", "mixed_swa", 6),
-         ("sliding-qwen2", "dflash", "all_full", None)]
+         ("sliding-qwen2", "dflash", "all_full", None), ("hf-qwen3", "ddtree", "all_full", 6),
+         ("hf-hybrid-qwen3_5", "dflash", "all_full", None), ("hf-hybrid-qwen3_5", "ddtree", "all_full", 6)]
 
 
 @pytest.mark.parametrize("target_name,method,variant,budget", CASES)
@@ -122,8 +131,8 @@ def test_forward_batch_matches_one_sequence_at_a_time() -> None:
 
 def test_batching_refuses_what_it_cannot_do() -> None:
     model = make_target_model("qwen3")
-    with pytest.raises(BlockdraftError, match="needs the fast engine"):
-        BatchDecoder(Target(model), lambda: None, 2)
+    with pytest.raises(BlockdraftError, match="--batch-size 0 must be >= 1"):
+        BatchDecoder(Target(model), lambda: None, 0)
     decoder = BatchDecoder(FastTarget(model), lambda: None, 1)
     decoder.join([1, 2, 3], 8)
     with pytest.raises(BlockdraftError, match="the batch is full"):
@@ -149,9 +158,9 @@ def test_generate_batch_size_prints_what_one_at_a_time_prints(tiny_dirs, tmp_pat
         runs.append([json.loads(line) for line in result.stdout.strip().splitlines()])
     assert [(r["token_ids"], r["acceptance_lengths"]) for r in runs[0]] == \
         [(r["token_ids"], r["acceptance_lengths"]) for r in runs[1]]
-    refused = CliRunner().invoke(app, ["generate", "--target", str(target), "--drafter", str(drafter), "--engine", "hf",
-                                       "--device", "cpu", "--prompts", str(prompt_file), "--batch-size", "2"])
-    assert refused.exit_code != 0 and "needs the fast engine" in str(refused.exception)
+    refused = CliRunner().invoke(app, ["generate", "--target", str(target), "--drafter", str(drafter), "--device",
+                                       "cpu", "--prompts", str(prompt_file), "--batch-size", "0"])
+    assert refused.exit_code != 0 and "--batch-size 0 must be >= 1" in str(refused.exception)
 
 
 def test_a_schedule_switches_the_method_with_the_batch_size_losslessly() -> None:

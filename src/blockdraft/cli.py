@@ -102,7 +102,8 @@ def generate(
     as_json: bool = typer.Option(False, "--json", help="One JSON object per prompt on stdout."),
     batch_size: int = typer.Option(
         1, "--batch-size",
-        help="Prompts decoded together (continuous batching; needs the fast engine: --engine fast on a CPU).",
+        help="Prompts decoded together (continuous batching; one shared verify forward on the fast engine, one per "
+        "prompt on the HF engine).",
     ),
 ) -> None:
     """Generate with AR, DFlash or DDTree; identical to the target's own greedy output at T=0."""
@@ -268,7 +269,7 @@ def bench(
         None, "--plot", help="Write the acceptance plot (PNG) here; with several DDTree budgets also NAME_budgets.png."
     ),
     batch_size: int = typer.Option(
-        1, "--batch-size", help="Prompts decoded together per method (continuous batching; needs the fast engine)."
+        1, "--batch-size", help="Prompts decoded together per method (continuous batching; see generate --batch-size)."
     ),
 ) -> None:
     """Methods x prompts -> tau, acceptance, tokens/s and speedup vs AR, overall and per category."""
@@ -390,7 +391,8 @@ def serve(
     max_queue: int = typer.Option(256, "--max-queue", help="Requests that may wait while others decode; more get a 429."),
     max_num_seqs: int = typer.Option(
         1, "--max-num-seqs",
-        help="Requests decoded together (continuous batching; needs the fast engine: --engine fast on a CPU); 1: one at a time.",
+        help="Requests decoded together (continuous batching: one shared verify forward on the fast engine, "
+        "interleaved steps on the HF engine); 1: one at a time.",
     ),
     schedule: str = typer.Option(
         "off", "--schedule",

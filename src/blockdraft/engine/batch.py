@@ -3,9 +3,9 @@ each its own accepted tokens; sequences join after their prefill and leave when 
 
 Each sequence keeps everything `generate()` keeps for one: its ids, its proposer (drafter context), its sampling
 generator, consumed in the same order (propose, then verify, each step), so a sequence's ids in a batch are its
-batch-1 ids. Only the verify forward is shared (`models.fast_batch`): [B, R] rows, each sequence with its own
-positions, cache length and tree mask; the drafter still runs once per sequence. Needs the fast engine (a
-FastTarget): its per-sequence cache slots are what the shared forward reads.
+batch-1 ids. The verify step is the engine's (engine/verifiers.py): on the fast engine one forward over [B, R]
+rows, each sequence with its own positions, cache length and tree mask; on the HF engine (any model, hybrid ones
+included) each sequence's own forward in turn. The drafter still runs once per sequence.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from blockdraft.decoding.sampling import SamplingParams, pick
 from blockdraft.decoding.verify import verify
 from blockdraft.engine.schedule import Schedule
 from blockdraft.engine.switching import SwitchingProposer
+from blockdraft.engine.verifiers import LoopVerifier, SlotVerifier
 from blockdraft.errors import BlockdraftError
 from blockdraft.metrics import SpecStats
-from blockdraft.models.fast_batch import BatchKV, forward_batch
 from blockdraft.models.fast_target import FastTarget
 from blockdraft.models.target import Target
 
@@ -87,16 +87,14 @@ class BatchDecoder:
 
     def __init__(self, target: Target, new_proposer: Callable[[], Proposer | None], max_seqs: int,
                  schedule: Schedule | None = None) -> None:
-        if not isinstance(target, FastTarget):
-            raise BlockdraftError("batched decoding needs the fast engine (a Qwen3, Qwen2, Llama or Mistral target); "
-                                  "load it with --engine fast, or use --batch-size 1")
         if max_seqs < 1:
             raise BlockdraftError(f"--batch-size {max_seqs} must be >= 1")
         self.target = target
         self.new_proposer = new_proposer
         self.max_seqs = max_seqs
         self.schedule = schedule
-        self.store = BatchKV(target, max_seqs)
+        self.verifier: SlotVerifier | LoopVerifier = (
+            SlotVerifier(target, max_seqs) if isinstance(target, FastTarget) else LoopVerifier(target, max_seqs))
         self.running: list[Sequence] = []  # sequence i lives in cache slot i
 
     @property
@@ -132,7 +130,7 @@ class BatchDecoder:
         if seq.done:
             seq.finished = time.perf_counter()
             return seq
-        self.store.load(len(self.running), cache)
+        self.verifier.load(len(self.running), cache)
         self.running.append(seq)
         return seq
 
@@ -148,6 +146,7 @@ class BatchDecoder:
                 assert isinstance(seq.proposer, SwitchingProposer)
                 seq.proposer.use(candidate)
         drafts: list[Draft] = []
+        starts: list[int] = []
         for seq in self.running:
             start = seq.prompt_len + len(seq.tokens) - 1
             depth_left = seq.max_new_tokens - len(seq.tokens)
@@ -155,32 +154,17 @@ class BatchDecoder:
                      if seq.proposer else Draft.empty(device))
             seq.draft_lengths.append(len(draft))
             drafts.append(draft)
-        rows = 1 + max(len(d) for d in drafts)
-        batch = len(self.running)
-        ids = torch.zeros(batch, rows, dtype=torch.long, device=device)
-        positions = torch.zeros(batch, rows, dtype=torch.long, device=device)
-        own = torch.eye(rows, dtype=torch.bool, device=device).repeat(batch, 1, 1)
-        for b, (seq, draft) in enumerate(zip(self.running, drafts)):
-            n, start = len(draft) + 1, seq.prompt_len + len(seq.tokens) - 1
-            ids[b, :n] = torch.cat([long_tensor([seq.tokens[-1]], device), draft.tokens])
-            positions[b] = start
-            positions[b, :n] = draft.positions(start, device)
-            own[b, :n, :n] = draft.tree_mask(0, device)[0, 0]
+            starts.append(start)
         tap_layers = self.running[0].proposer.tap_layers if self.running[0].proposer else None
-        logits, taps = forward_batch(self.target, self.store, ids, positions, own, tap_layers)
-        for b, (seq, draft) in enumerate(zip(self.running, drafts)):
-            start = seq.prompt_len + len(seq.tokens) - 1
-            verdict = verify(draft, logits[b, : len(draft) + 1], seq.sampling, seq.generator)
+        verified = self.verifier.forward([seq.tokens[-1] for seq in self.running], drafts, starts, tap_layers)
+        for slot, (seq, draft, start, (logits, taps)) in enumerate(zip(self.running, drafts, starts, verified)):
+            verdict = verify(draft, logits, seq.sampling, seq.generator)
             produced = len(seq.commit(verdict.tokens + [verdict.bonus]))
-            kept: slice | torch.Tensor
-            if draft.is_chain:
-                kept = slice(0, produced)
-                self.store.lengths[b] = start + produced
-            else:
-                kept = long_tensor([0] + [node + 1 for node in verdict.accepted][: produced - 1], device)
-                self.store.compact(b, start, kept)
+            rows = None if draft.is_chain else long_tensor(
+                [0] + [node + 1 for node in verdict.accepted][: produced - 1], device)
+            self.verifier.keep(slot, start, draft, rows, produced)
             if seq.proposer and taps is not None:
-                seq.proposer.add_context(taps[b : b + 1, kept])
+                seq.proposer.add_context(taps[:, :produced] if rows is None else taps[:, rows])
         return self._leave()
 
     def _leave(self) -> list[Sequence]:
@@ -191,7 +175,7 @@ class BatchDecoder:
             seq.finished = now
             slot, last = self.running.index(seq), len(self.running) - 1
             if slot != last:
-                self.store.move(last, slot)
+                self.verifier.move(last, slot)
                 self.running[slot] = self.running[last]
             self.running.pop()
         return finished
