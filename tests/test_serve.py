@@ -425,3 +425,28 @@ def test_schedule_auto_tunes_at_start_up(text_pair) -> None:
         reply = httpx.post(f"{server.url}/v1/completions", json={"prompt": [5, 6], "max_tokens": 4}, timeout=60)
         assert reply.status_code == 200
     assert any(line.startswith("schedule (measured at start-up): batch 1: ") and "batch 2: " in line for line in said)
+
+
+def test_a_batched_client_that_leaves_frees_its_slot_while_the_others_decode(text_pair) -> None:
+    with running(settings(*text_pair, max_num_seqs=2, max_queue=0)) as server:  # HF engine: seconds of decoding
+        long = {"prompt": [5, 6, 7], "max_tokens": LONG, "temperature": 0, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=long, timeout=60) as staying:
+            kept = staying.iter_lines()
+            assert next(kept).startswith("data: ")
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=long, timeout=60) as leaving:
+                left = leaving.iter_lines()  # kept: a dropped line iterator closes the stream
+                assert next(left).startswith("data: ")
+                deadline = time.monotonic() + 10
+                while metric_values(server.url)[("vllm:num_requests_running", ())] < 2:  # both decode together
+                    assert time.monotonic() < deadline, "the second request never joined the running one"
+                    time.sleep(0.02)
+            deadline = time.monotonic() + 10
+            while finished(server.url, "abort") < 1:  # the leaver's slot is freed at the next step
+                assert time.monotonic() < deadline, "a batched request whose client left kept its slot"
+                time.sleep(0.05)
+            short = post(server.url, "/v1/completions", {"prompt": [1], "max_tokens": 2})
+            assert short.status_code == 200  # took the freed slot beside the running request
+            rest = [line for line in kept if line.startswith("data: ")]
+        usage = json.loads(rest[-2][6:])
+        assert rest[-1] == "data: [DONE]" and usage["choices"][0]["finish_reason"] == "length"
+        assert finished(server.url, "length") == 2 and finished(server.url, "abort") == 1
