@@ -14,6 +14,8 @@ it; the run stops by itself).
     python benchmarks/serve_load.py --methods ar,dflash,ddtree --concurrency 1,4 --requests 12 --max-tokens 64 \
         --device cpu --threads 1 --json-out serve_load.json
     python benchmarks/serve_load.py --device cuda --dtype bfloat16 --concurrency 1,4,16 --requests 64 --max-tokens 256
+    python benchmarks/serve_load.py --device cuda --dtype bfloat16 --methods ar,dflash,ddtree --concurrency 1,4,16,64 \
+        --requests 128 --max-tokens 256 --max-num-seqs 64 [--schedule auto]
 """
 
 from __future__ import annotations
@@ -161,7 +163,8 @@ class Server:
                    "--no-self-check", "--max-queue", str(max(args.concurrency_levels) + 1),
                    *method_flags(method, budget, draft_tokens)]
         for flag, value in (("--drafter", args.drafter), ("--device", args.device), ("--dtype", args.dtype),
-                            ("--engine", args.engine), ("--stream-interval-ms", args.stream_interval_ms)):
+                            ("--engine", args.engine), ("--stream-interval-ms", args.stream_interval_ms),
+                            ("--max-num-seqs", args.max_num_seqs), ("--schedule", args.schedule)):
             if value is not None:
                 command += [flag, value]
         env = {**os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {})}
@@ -282,6 +285,8 @@ def main() -> None:
     parser.add_argument("--engine", default="auto")
     parser.add_argument("--threads", type=int, default=None, help="torch threads, here and in the server.")
     parser.add_argument("--stream-interval-ms", default=None, help="The server's stream interval (default: its own).")
+    parser.add_argument("--max-num-seqs", default=None, help="The server's continuous batch (default: its own, 1).")
+    parser.add_argument("--schedule", default=None, help="The server's --schedule FILE|auto (with --max-num-seqs).")
     parser.add_argument("--json-out", type=Path, default=None)
     args = parser.parse_args()
     args.concurrency_levels = [int(c) for c in args.concurrency.split(",")]
