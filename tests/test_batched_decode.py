@@ -220,3 +220,18 @@ def test_bench_batch_size_gives_the_same_ids_and_the_batch_wall_time(tiny_dirs, 
         assert one["methods"][label]["batched_wall_s"] is None and three["methods"][label]["batched_wall_s"] > 0
         stats = three["methods"][label]["stats"]
         assert stats["ttft_s"] + stats["decode_s"] == pytest.approx(three["methods"][label]["batched_wall_s"])
+
+
+def test_a_batch_whose_kv_cannot_fit_is_refused_with_the_numbers() -> None:
+    from blockdraft.engine.batch import check_kv_room, kv_cache_bytes
+
+    target = FastTarget(make_target_model("qwen3"))  # 4 layers, 2 KV heads of 8, float32: 512 bytes a position
+    assert kv_cache_bytes(target, 3, 100) == 3 * 100 * 512
+    check_kv_room(target, 3, 100, free_bytes=3 * 100 * 512)
+    with pytest.raises(BlockdraftError, match=r"--max-num-seqs 4 x --max-model-len 100 needs 0.00 GiB of KV cache"):
+        check_kv_room(target, 4, 100, free_bytes=3 * 100 * 512)
+    check_kv_room(target, 10**6, 10**6)  # a CPU: free memory unknown, no refusal
+    from test_hybrid import make_hybrid
+
+    hybrid = Target(make_hybrid("qwen3_5"))  # one attention layer of four
+    assert kv_cache_bytes(hybrid, 1, 10) == 10 * 1 * 2 * 2 * 8 * 4

@@ -206,3 +206,31 @@ def generate_batch(target: Target, prompts: list[list[int]], new_proposer: Calla
             return
         for seq in decoder.step():
             yield owner.pop(id(seq)), seq.result()
+
+
+def kv_cache_bytes(target: Target, sequences: int, length: int) -> int:
+    """K/V bytes of `sequences` sequences of `length` tokens on this target (its attention layers only: a hybrid
+    target's linear-attention states do not grow with the length)."""
+    config = target.model.config.get_text_config(decoder=True)
+    attention = sum(kind in ("full_attention", "sliding_attention") for kind in target.layer_types)
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    element = torch.finfo(target.dtype).bits // 8
+    return sequences * length * attention * 2 * kv_heads * head_dim * element
+
+
+def check_kv_room(target: Target, sequences: int, length: int, free_bytes: int | None = None) -> None:
+    """Refuse a batch whose K/V at full length cannot fit in the device's free memory (vLLM refuses at start-up
+    too): one line now rather than an out-of-memory error that fails every running request later. Only on CUDA,
+    where the free memory is known; `free_bytes` overrides it (tests)."""
+    if free_bytes is None:
+        if target.device.type != "cuda":
+            return
+        free_bytes = torch.cuda.mem_get_info(target.device)[0]
+    need = kv_cache_bytes(target, sequences, length)
+    if need > free_bytes:
+        raise BlockdraftError(
+            f"--max-num-seqs {sequences} x --max-model-len {length} needs {need / 2**30:.2f} GiB of KV cache and the "
+            f"device has {free_bytes / 2**30:.2f} GiB free; lower --max-num-seqs or --max-model-len"
+        )

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from blockdraft.decoding.draft import check_draft_tokens
 from blockdraft.decoding.methods import GPU_BUDGET, build_proposer, device_settings
+from blockdraft.engine.batch import check_kv_room
 from blockdraft.engine.schedule import Schedule
 from blockdraft.engine.switching import SwitchingProposer
 from blockdraft.engine.tune import auto_schedule
@@ -105,6 +106,7 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
     else:
         engine = SequentialEngine(target, proposer, loaded.tokenizer)
     if settings.max_num_seqs > 1:
+        check_kv_room(target, settings.max_num_seqs, info.max_model_len)
         say(f"continuous batching: up to {settings.max_num_seqs} requests decode together (--max-num-seqs)")
     worker = Worker(engine, lambda job: outbox.send(Started(job.job_id)))
     worker.start(warmup_ids=check_prompts(loaded.tokenizer, target.vocab_size)[0])
