@@ -116,6 +116,7 @@ class BatchDecoder:
             proposer.reset()
         generator = torch.Generator(device=device).manual_seed(seed)
         joined = time.perf_counter()
+        self.verifier.before_prefill()
         cache = target.new_cache()
         prompt = torch.tensor([prompt_ids], dtype=torch.long, device=device)
         out = target.forward(prompt, torch.arange(len(prompt_ids), device=device), cache,

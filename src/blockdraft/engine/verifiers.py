@@ -2,7 +2,7 @@
 cache keeps its accepted rows.
 
 - `SlotVerifier` (the fast engine): one forward over [B, R] rows (models/fast_batch.py), the sequences' K/V in the
-  slots of one BatchKV.
+  slots of one BatchKV; a lone sequence runs the batch-1 path (static cache, CUDA graphs).
 - `LoopVerifier` (any HF model, hybrid ones included): each sequence keeps its own cache (a TargetCache, or the
   HybridCache that rolls linear-attention states back) and verifies with `generate()`'s own forward, one sequence
   after another. No faster than one at a time, but requests interleave step by step (a short request is not stuck
@@ -24,20 +24,38 @@ Verified = list[tuple[torch.Tensor, torch.Tensor | None]]  # per sequence: logit
 
 
 class SlotVerifier:
-    """The fast engine's batched verify over cache slots."""
+    """The fast engine's verify: one forward over the slots of a BatchKV while two or more sequences run; a lone
+    sequence runs `generate()`'s own batch-1 path (the target's static cache and CUDA graphs), so batch 1 keeps
+    batch 1's speed. Its K/V move into slot 0 when a second sequence is about to join, and back when it is alone
+    again (one copy of one sequence's cache each way)."""
 
     def __init__(self, target: FastTarget, slots: int) -> None:
         self.target = target
         self.store = BatchKV(target, slots)
+        self.single: StaticTargetCache | None = None  # the lone sequence's cache, on the batch-1 path
+
+    def before_prefill(self) -> None:
+        """A prefill is about to reuse the target's static cache: a lone sequence's K/V leave it for slot 0."""
+        if self.single is not None:
+            self.store.load(0, self.single)
+            self.single = None
 
     def load(self, slot: int, cache: StaticTargetCache) -> None:
-        self.store.load(slot, cache)
+        if slot == 0:  # alone: stay where the prefill put it
+            self.single = cache
+        else:
+            self.store.load(slot, cache)
 
     def move(self, source: int, dest: int) -> None:
         self.store.move(source, dest)
 
     def forward(self, anchors: list[int], drafts: list[Draft], starts: list[int],
                 tap_layers: tuple[int, ...] | None) -> Verified:
+        if len(drafts) == 1:
+            if self.single is None:  # alone again: back to the batch-1 path
+                self.single = self.target.new_cache()
+                self.single.load_rows(self.store.kv[:, :, 0], self.store.lengths[0])
+            return [_forward_one(self.target, self.single, anchors[0], drafts[0], starts[0], tap_layers)]
         device = self.target.device
         rows, batch = 1 + max(len(d) for d in drafts), len(drafts)
         ids = torch.zeros(batch, rows, dtype=torch.long, device=device)
@@ -55,10 +73,30 @@ class SlotVerifier:
 
     def keep(self, slot: int, start: int, draft: Draft, rows: torch.Tensor | None, produced: int) -> None:
         """Commit: the first `produced` rows of a chain, or the tree's accepted `rows`."""
-        if rows is None:
+        if self.single is not None:
+            _keep_one(self.single, start, rows, produced)
+        elif rows is None:
             self.store.lengths[slot] = start + produced
         else:
             self.store.compact(slot, start, rows)
+
+
+def _forward_one(target: Target, cache: TargetCache | StaticTargetCache, anchor: int, draft: Draft, start: int,
+                 tap_layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`generate()`'s verify forward for one sequence."""
+    device = target.device
+    ids = torch.cat([long_tensor([anchor], device), draft.tokens]).unsqueeze(0)
+    mask = None if draft.is_chain else draft.tree_mask(len(cache), device)
+    out = target.forward(ids, draft.positions(start, device), cache, tap_layers, attention_mask=mask)
+    return out.logits[0], out.taps
+
+
+def _keep_one(cache: TargetCache | StaticTargetCache, start: int, rows: torch.Tensor | None, produced: int) -> None:
+    """`generate()`'s commit for one sequence: crop a chain, compact a tree."""
+    if rows is None:
+        cache.crop(start + produced)
+    else:
+        cache.compact(start, rows)
 
 
 class LoopVerifier:
@@ -68,6 +106,9 @@ class LoopVerifier:
         self.target = target
         self.caches: list[TargetCache | None] = [None] * slots
 
+    def before_prefill(self) -> None:
+        """Every sequence has a cache of its own: nothing to move."""
+
     def load(self, slot: int, cache: TargetCache) -> None:
         self.caches[slot] = cache
 
@@ -76,21 +117,14 @@ class LoopVerifier:
 
     def forward(self, anchors: list[int], drafts: list[Draft], starts: list[int],
                 tap_layers: tuple[int, ...] | None) -> Verified:
-        device = self.target.device
         verified: Verified = []
         for slot, (anchor, draft, start) in enumerate(zip(anchors, drafts, starts)):
             cache = self.caches[slot]
             assert cache is not None
-            ids = torch.cat([long_tensor([anchor], device), draft.tokens]).unsqueeze(0)
-            mask = None if draft.is_chain else draft.tree_mask(len(cache), device)
-            out = self.target.forward(ids, draft.positions(start, device), cache, tap_layers, attention_mask=mask)
-            verified.append((out.logits[0], out.taps))
+            verified.append(_forward_one(self.target, cache, anchor, draft, start, tap_layers))
         return verified
 
     def keep(self, slot: int, start: int, draft: Draft, rows: torch.Tensor | None, produced: int) -> None:
         cache = self.caches[slot]
         assert cache is not None
-        if rows is None:
-            cache.crop(start + produced)
-        else:
-            cache.compact(start, rows)
+        _keep_one(cache, start, rows, produced)

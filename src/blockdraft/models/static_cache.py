@@ -99,6 +99,14 @@ class StaticTargetCache:
             self._set_length(length)
 
     @torch.inference_mode()
+    def load_rows(self, kv: torch.Tensor, length: int) -> None:
+        """Take `length` positions of K/V laid out [layers, 2, kv_heads, positions, head_dim] (a batch slot's)."""
+        self._check_live()
+        self.storage.ensure(length, 0)
+        self.storage.kv[:, :, :, :length] = kv[:, :, :, :length]
+        self._set_length(length)
+
+    @torch.inference_mode()
     def compact(self, base: int, keep: torch.Tensor) -> None:
         """Keep positions [0, base) followed by rows base + keep (in that order), for every layer at once."""
         self._check_live()
