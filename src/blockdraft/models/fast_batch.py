@@ -5,7 +5,8 @@ active ones occupy slots 0..B-1, so attention reads them as one view. A forward 
 sequence needs this step; a sequence with fewer rows pads with rows only it sees, written past its length and never
 committed), its own positions and [R, R] visibility (causal for chains, ancestors for trees), and writes each
 sequence's K/V at its own length. Committing is per sequence: a new length (a chain) or a gather within its slot
-(a tree). The layer math is the batch-1 forward's (`fast_target.layer_step`), with a batch dimension.
+(a tree). Only the q/k/v write and the mask are batch-specific: the attention choice, the layer's tail and the
+decoder stack (taps included) are the batch-1 forward's own (`attend`, `layer_tail`, `FastTarget.run_layers`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from blockdraft.models.fast_ops import rope_rotate, rms_norm
-from blockdraft.models.fast_target import DECODE_ATTENTION_MAX_TOKENS, FastTarget, LayerWeights
+from blockdraft.models.fast_target import FastTarget, LayerWeights, attend, layer_tail
 from blockdraft.models.static_cache import StaticTargetCache, round_up
 
 
@@ -22,7 +23,6 @@ class BatchKV:
     """The K/V of up to `slots` sequences and each one's committed length (on the host)."""
 
     def __init__(self, target: FastTarget, slots: int, positions: int = 0) -> None:
-        self.target = target
         self.kv = torch.zeros(target.num_layers, 2, slots, target.kv_heads, round_up(max(positions, 1)),
                               target.head_dim, dtype=target.dtype, device=target.device)
         self.lengths = [0] * slots
@@ -56,9 +56,6 @@ class BatchKV:
         n = self.lengths[source]
         self.kv[:, :, dest, :, :n] = self.kv[:, :, source, :, :n]
         self.lengths[dest] = n
-
-    def crop(self, slot: int, length: int) -> None:
-        self.lengths[slot] = min(self.lengths[slot], length)
 
     @torch.inference_mode()
     def compact(self, slot: int, base: int, keep: torch.Tensor) -> None:
@@ -123,27 +120,15 @@ def forward_batch(target: FastTarget, store: BatchKV, ids: torch.Tensor, positio
     slot_ids = torch.arange(cap, device=device)
     biases = {w: batched_attention_bias(lengths, slot_ids, positions, own, w, groups, target.dtype)
               for w in {layer.window for layer in target.layers}}
-    wanted = set(tap_layers or ())
-    taps: dict[int, torch.Tensor] = {}
-    x = F.embedding(ids, target.embedding_weight)
-    h = ops.rms_norm(x, target.layers[0].norm_in, target.eps)
-    for i, layer in enumerate(target.layers):
-        following = target.layers[i + 1].norm_in if i + 1 < len(target.layers) else target.final_norm
+
+    def step(i: int, layer: LayerWeights, x: torch.Tensor, h: torch.Tensor,
+             following: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         kv = store.kv[i]
         q = batched_qkv_heads(F.linear(h, layer.qkv, layer.qkv_bias), layer, cos, sin, target.heads,
                               target.kv_heads, target.eps, kv, seq, cols)
-        keys, values = kv[0, :batch, :, :cap], kv[1, :batch, :, :cap]
-        bias = biases[layer.window]
-        if t <= DECODE_ATTENTION_MAX_TOKENS:
-            out = ops.decode_attention(q, keys, values, bias, layer.scaling)
-        else:
-            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=layer.scaling)
+        out = attend(ops, layer, q, kv[0, :batch, :, :cap], kv[1, :batch, :, :cap], biases[layer.window], t)
         merged = out.reshape(batch, target.heads, t, -1).transpose(1, 2).reshape(batch, t, -1)
-        x, h = ops.add_rms_norm(x, layer.o_proj(merged), layer.norm_post, target.eps)
-        delta = layer.down(ops.glu(F.linear(h, layer.gate_up, layer.gate_up_bias), target.act))
-        x, h = ops.add_rms_norm(x, delta, following, target.eps)
-        if i in wanted:
-            taps[i] = h if i == target.num_layers - 1 else x
-    logits = target.lm_head(h)
-    tapped = torch.cat([taps[i] for i in tap_layers], dim=-1) if tap_layers is not None else None
-    return logits, tapped
+        return layer_tail(ops, layer, x, merged, following, target.eps, target.act)
+
+    h, tapped = target.run_layers(F.embedding(ids, target.embedding_weight), step, tap_layers)
+    return target.lm_head(h), tapped

@@ -11,6 +11,7 @@ Anything else stays on the HF `Target`, the general fallback.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -137,14 +138,27 @@ def layer_step(
     t = h.shape[1]
     q = ops.qkv_heads(F.linear(h, layer.qkv, layer.qkv_bias), layer.q_norm, layer.k_norm, cos, sin,
                       heads, kv_heads, eps, kv[0], kv[1], slots)
-    keys, values = kv[0, :, :cap].unsqueeze(0), kv[1, :, :cap].unsqueeze(0)
+    out = attend(ops, layer, q, kv[0, :, :cap].unsqueeze(0), kv[1, :, :cap].unsqueeze(0), bias, t)
+    return layer_tail(ops, layer, x, ops.merge_heads(out, heads, t), next_norm, eps, act)
+
+
+def attend(ops: LayerOps, layer: LayerWeights, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+           bias: torch.Tensor, t: int) -> torch.Tensor:
+    """Attention of `t` new rows per sequence: two matmuls for a few rows, the fused SDPA kernels for many."""
     if t <= DECODE_ATTENTION_MAX_TOKENS:
-        out = ops.decode_attention(q, keys, values, bias, layer.scaling)
-    else:
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=layer.scaling)
-    x, h = ops.add_rms_norm(x, layer.o_proj(ops.merge_heads(out, heads, t)), layer.norm_post, eps)
+        return ops.decode_attention(q, keys, values, bias, layer.scaling)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=layer.scaling)
+
+
+def layer_tail(ops: LayerOps, layer: LayerWeights, x: torch.Tensor, attended: torch.Tensor, next_norm: torch.Tensor,
+               eps: float, act: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """After attention (heads merged): o_proj, residual and norm, the gated MLP, residual and the next norm."""
+    x, h = ops.add_rms_norm(x, layer.o_proj(attended), layer.norm_post, eps)
     delta = layer.down(ops.glu(F.linear(h, layer.gate_up, layer.gate_up_bias), act))
     return ops.add_rms_norm(x, delta, next_norm, eps)
+
+
+LayerStep = Callable[[int, LayerWeights, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def graph_rows(t: int) -> int:
@@ -270,19 +284,30 @@ class FastTarget(Target):
             w: ops.attention_bias(self.storage.length, self.slot_ids[:cap], positions, own, w, groups, self.dtype)
             for w in {layer.window for layer in self.layers}
         }
+
+        def step(i: int, layer: LayerWeights, x: torch.Tensor, h: torch.Tensor,
+                 following: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return layer_step(ops, layer, x, h, cos, sin, kv[i], slots, cap, biases[layer.window], following,
+                              self.heads, self.kv_heads, self.eps, self.act)
+
+        h, tapped = self.run_layers(F.embedding(ids, self.embedding_weight), step, tap_layers)
+        return self.lm_head(h[:, -1:] if last_logits_only else h), tapped
+
+    def run_layers(self, x: torch.Tensor, step: LayerStep,
+                   tap_layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decoder stack over embeddings `x` (batch-1 and batched forwards alike): `step(i, layer, x, h,
+        next_norm)` runs layer i; returns the final-normed states and the concatenated taps (the OUTPUT of each
+        tapped layer; HF's last hidden state is the final-normed one)."""
         wanted = set(tap_layers or ())
         taps: dict[int, torch.Tensor] = {}
-        x = F.embedding(ids, self.embedding_weight)
-        h = ops.rms_norm(x, self.layers[0].norm_in, self.eps)
+        h = self.ops.rms_norm(x, self.layers[0].norm_in, self.eps)
         for i, layer in enumerate(self.layers):
             following = self.layers[i + 1].norm_in if i + 1 < len(self.layers) else self.final_norm
-            x, h = layer_step(ops, layer, x, h, cos, sin, kv[i], slots, cap, biases[layer.window], following,
-                              self.heads, self.kv_heads, self.eps, self.act)
+            x, h = step(i, layer, x, h, following)
             if i in wanted:
-                taps[i] = h if i == self.num_layers - 1 else x  # HF's last hidden state is the final-normed one
-        logits = self.lm_head(h[:, -1:] if last_logits_only else h)
+                taps[i] = h if i == self.num_layers - 1 else x
         tapped = torch.cat([taps[i] for i in tap_layers], dim=-1) if tap_layers is not None else None
-        return logits, tapped
+        return h, tapped
 
     def _replay(
         self,
