@@ -163,7 +163,7 @@ class BatchDecoder:
             produced = len(seq.commit(verdict.tokens + [verdict.bonus]))
             rows = None if draft.is_chain else long_tensor(
                 [0] + [node + 1 for node in verdict.accepted][: produced - 1], device)
-            self.verifier.keep(slot, start, draft, rows, produced)
+            self.verifier.keep(slot, start, rows, produced)
             if seq.proposer and taps is not None:
                 seq.proposer.add_context(taps[:, :produced] if rows is None else taps[:, rows])
         return self._leave()

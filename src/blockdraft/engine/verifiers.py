@@ -71,7 +71,7 @@ class SlotVerifier:
         return [(logits[b, : len(d) + 1], None if taps is None else taps[b : b + 1, : len(d) + 1])
                 for b, d in enumerate(drafts)]
 
-    def keep(self, slot: int, start: int, draft: Draft, rows: torch.Tensor | None, produced: int) -> None:
+    def keep(self, slot: int, start: int, rows: torch.Tensor | None, produced: int) -> None:
         """Commit: the first `produced` rows of a chain, or the tree's accepted `rows`."""
         if self.single is not None:
             _keep_one(self.single, start, rows, produced)
@@ -124,7 +124,7 @@ class LoopVerifier:
             verified.append(_forward_one(self.target, cache, anchor, draft, start, tap_layers))
         return verified
 
-    def keep(self, slot: int, start: int, draft: Draft, rows: torch.Tensor | None, produced: int) -> None:
+    def keep(self, slot: int, start: int, rows: torch.Tensor | None, produced: int) -> None:
         cache = self.caches[slot]
         assert cache is not None
         _keep_one(cache, start, rows, produced)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from blockdraft.decoding.draft import check_draft_tokens
+from blockdraft.decoding.draft import Proposer, check_draft_tokens
 from blockdraft.decoding.methods import GPU_BUDGET, build_proposer, device_settings
 from blockdraft.engine.batch import check_kv_room
 from blockdraft.engine.schedule import Schedule
@@ -71,7 +71,11 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
             target.device.type, loaded.drafter.cfg.block_size, settings.budget, settings.draft_tokens)
         depth = check_draft_tokens(draft_tokens, loaded.drafter.cfg.block_size)
         budget = tree_budget if method == "ddtree" else None
-    proposer = build_proposer(method, target, loaded.drafter, budget, depth)
+    served_depth = depth
+
+    def new_proposer() -> Proposer | None:
+        return build_proposer(method, target, loaded.drafter, budget, served_depth)
+
     stops = loaded.stops([], False)
     schedule = None
     if settings.schedule != "off":
@@ -85,6 +89,8 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
         max_model_len=max_model_len(settings.max_model_len, target.max_positions), eos_ids=stops,
         sampling_defaults=generation_defaults(target.model), method=method, num_spec_tokens=depth,
     )
+    if settings.max_num_seqs > 1:
+        check_kv_room(target, settings.max_num_seqs, info.max_model_len)
     dtype = str(target.dtype).removeprefix("torch.")
     sizes = {"ar": "", "dflash": f", {depth} drafted tokens per step",
              "ddtree": f", trees of {budget} nodes, {depth} drafted tokens deep"}[method]
@@ -101,12 +107,10 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
         engine = BatchedEngine(target, lambda: SwitchingProposer(drafter, target, largest), loaded.tokenizer,
                                settings.max_num_seqs, schedule)
     elif settings.max_num_seqs > 1:
-        engine = BatchedEngine(target, lambda: build_proposer(method, target, loaded.drafter, budget, depth),
-                               loaded.tokenizer, settings.max_num_seqs)
+        engine = BatchedEngine(target, new_proposer, loaded.tokenizer, settings.max_num_seqs)
     else:
-        engine = SequentialEngine(target, proposer, loaded.tokenizer)
+        engine = SequentialEngine(target, new_proposer(), loaded.tokenizer)
     if settings.max_num_seqs > 1:
-        check_kv_room(target, settings.max_num_seqs, info.max_model_len)
         say(f"continuous batching: up to {settings.max_num_seqs} requests decode together (--max-num-seqs)")
     worker = Worker(engine, lambda job: outbox.send(Started(job.job_id)))
     worker.start(warmup_ids=check_prompts(loaded.tokenizer, target.vocab_size)[0])
