@@ -46,8 +46,9 @@ class BatchedEngine:
     def admit(self, job: Job, should_stop: Callable[[], bool]) -> None:
         """Prefill `job` and add it to the batch (finished at once if its first token ends it)."""
         run = JobRun(job, self.tokenizer, should_stop)
-        seq = self.decoder.join(job.prompt_ids, job.max_tokens, job.sampling, tuple(job.rules.token_ids), job.seed,
-                                on_commit=run.on_commit)
+        spec = job.spec
+        seq = self.decoder.join(spec.prompt_ids, spec.max_tokens, spec.sampling, tuple(spec.rules.token_ids),
+                                spec.seed, on_commit=run.on_commit)
         if seq.done:
             job.emit(Finished(run.finish(seq.result())))
         else:

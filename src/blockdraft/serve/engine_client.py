@@ -20,14 +20,13 @@ from dataclasses import dataclass
 
 from blockdraft.errors import BlockdraftError
 from blockdraft.serve.errors import ApiError
-from blockdraft.serve.jobs import Failed, Finished, Progress, Timing
+from blockdraft.serve.jobs import Failed, Finished, JobSpec, Progress, Timing
 from blockdraft.serve.messages import (
     Cancel,
     Command,
     Drain,
     EngineInfo,
     JobEvents,
-    JobSpec,
     Ready,
     Say,
     Shutdown,

@@ -23,12 +23,11 @@ from blockdraft.engine.switching import SwitchingProposer
 from blockdraft.engine.tune import auto_schedule
 from blockdraft.errors import BlockdraftError
 from blockdraft.pair import Loaded
-from blockdraft.serve.jobs import Job, Timing
+from blockdraft.serve.jobs import Job, JobSpec
 from blockdraft.serve.messages import (
     Cancel,
     Drain,
     EngineInfo,
-    JobSpec,
     Ready,
     Say,
     Shutdown,
@@ -112,7 +111,7 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
         engine = SequentialEngine(target, new_proposer(), loaded.tokenizer)
     if settings.max_num_seqs > 1:
         say(f"continuous batching: up to {settings.max_num_seqs} requests decode together (--max-num-seqs)")
-    worker = Worker(engine, lambda job: outbox.send(Started(job.job_id)))
+    worker = Worker(engine, lambda job: outbox.send(Started(job.spec.job_id)))
     worker.start(warmup_ids=check_prompts(loaded.tokenizer, target.vocab_size)[0])
     return worker, info
 
@@ -154,8 +153,7 @@ def serve_commands(commands: Connection, worker: Worker, outbox: Outbox) -> None
             break
         if isinstance(command, JobSpec):
             job_id = command.job_id
-            job = Job(job_id, command.prompt_ids, command.max_tokens, command.sampling, command.seed, command.rules,
-                      outbox.emitter(job_id, lambda job_id=job_id: jobs.pop(job_id, None)), Timing(command.arrival))
+            job = Job(command, outbox.emitter(job_id, lambda job_id=job_id: jobs.pop(job_id, None)))
             jobs[job_id] = job
             worker.submit(job)
         elif isinstance(command, Cancel):

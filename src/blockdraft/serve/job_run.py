@@ -17,7 +17,7 @@ class JobRun:
 
     def __init__(self, job: Job, tokenizer: Any, should_stop: Callable[[], bool]) -> None:
         self.job = job
-        self.output = OutputText(tokenizer, job.rules)
+        self.output = OutputText(tokenizer, job.spec.rules)
         self.should_stop = should_stop
         job.timing.scheduled = time.monotonic()
 

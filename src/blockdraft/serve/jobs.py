@@ -7,7 +7,6 @@ sends them to the HTTP process in batches (relay.Outbox). Nothing here touches H
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -61,9 +60,10 @@ class Failed:
 Event = Progress | Finished | Failed
 
 
-@dataclass
-class Job:
-    """One request's decode: prompt ids, limits, sampling and stops; `emit` delivers its events to the request."""
+@dataclass(frozen=True)
+class JobSpec:
+    """One request's decode as the engine needs it (it crosses the pipe); `arrival` is time.monotonic() in the HTTP
+    process (the system-wide clock both processes read)."""
 
     job_id: int
     prompt_ids: list[int]
@@ -71,6 +71,18 @@ class Job:
     sampling: SamplingParams
     seed: int
     rules: StopRules
+    arrival: float
+
+
+@dataclass
+class Job:
+    """A JobSpec being decoded in the engine: `emit` delivers its events to the request, `cancelled` ends it early,
+    `timing` records it from its arrival on."""
+
+    spec: JobSpec
     emit: Callable[[Event], None]
-    timing: Timing = field(default_factory=lambda: Timing(time.monotonic()))
     cancelled: threading.Event = field(default_factory=threading.Event)
+    timing: Timing = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.timing = Timing(self.spec.arrival)

@@ -1,7 +1,8 @@
 """What crosses the pipes between the HTTP process and the engine process (all picklable, nothing else crosses).
 
-The HTTP process sends commands: a job to decode, a job to drop, drain, shut down. The engine process answers with
-start-up lines, one Ready (or StartFailed), and for each job a Started and batches of its events (jobs.Event).
+The HTTP process sends commands: a job to decode (jobs.JobSpec), a job to drop, drain, shut down. The engine process
+answers with start-up lines, one Ready (or StartFailed), and for each job a Started and batches of its events
+(jobs.Event).
 """
 
 from __future__ import annotations
@@ -9,23 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from blockdraft.decoding.sampling import SamplingParams
-from blockdraft.serve.jobs import Event
-from blockdraft.serve.output import StopRules
-
-
-@dataclass(frozen=True)
-class JobSpec:
-    """One request's decode as the engine needs it; `arrival` is time.monotonic() in the HTTP process (the
-    system-wide clock both processes read)."""
-
-    job_id: int
-    prompt_ids: list[int]
-    max_tokens: int
-    sampling: SamplingParams
-    seed: int
-    rules: StopRules
-    arrival: float
+from blockdraft.serve.jobs import Event, JobSpec
 
 
 @dataclass(frozen=True)

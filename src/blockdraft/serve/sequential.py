@@ -38,9 +38,10 @@ class SequentialEngine:
         """Decode `job` to its end, emitting a Progress per commit and then Finished; `should_stop()` (a client
         gone, a drain deadline) ends the run at the next commit with finish_reason "abort"."""
         run = JobRun(job, self.tokenizer, should_stop)
+        spec = job.spec
         result = generate(
-            self.target, job.prompt_ids, self.proposer, job.max_tokens, job.sampling, tuple(job.rules.token_ids),
-            job.seed, on_commit=run.on_commit,
+            self.target, spec.prompt_ids, self.proposer, spec.max_tokens, spec.sampling, tuple(spec.rules.token_ids),
+            spec.seed, on_commit=run.on_commit,
         )
         job.emit(Finished(run.finish(result)))
 
