@@ -14,7 +14,9 @@ from blockdraft.decoding.methods import build_proposer
 from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.engine.batch import BatchDecoder, generate_batch
 from blockdraft.errors import BlockdraftError
-from blockdraft.models.fast_batch import BatchKV, forward_batch
+from blockdraft.decoding.draft import Draft
+from blockdraft.engine.verifiers import pack_rows
+from blockdraft.models.fast_batch import BatchForward, BatchKV, forward_batch
 from blockdraft.models.fast_target import FastTarget
 from blockdraft.models.target import Target
 
@@ -47,12 +49,14 @@ def hybrid_target() -> Target:
 
 
 TARGETS = {"qwen3": lambda: FastTarget(make_target_model("qwen3")),
+           "qwen3-padded": lambda: FastTarget(make_target_model("qwen3")),
            "mistral": lambda: FastTarget(make_target_model("mistral")), "sliding-qwen2": sliding_target,
            "hf-qwen3": lambda: Target(make_target_model("qwen3")), "hf-hybrid-qwen3_5": hybrid_target}
 CASES = [("qwen3", "ar", None, None), ("qwen3", "dflash", "all_full", None), ("qwen3", "ddtree", "all_full", 12),
          ("mistral", "dflash", "mixed_swa", None), ("sliding-qwen2", "ddtree", "mixed_swa", 6),
          ("sliding-qwen2", "dflash", "all_full", None), ("hf-qwen3", "ddtree", "all_full", 6),
-         ("hf-hybrid-qwen3_5", "dflash", "all_full", None), ("hf-hybrid-qwen3_5", "ddtree", "all_full", 6)]
+         ("hf-hybrid-qwen3_5", "dflash", "all_full", None), ("hf-hybrid-qwen3_5", "ddtree", "all_full", 6),
+         ("qwen3-padded", "dflash", "all_full", None), ("qwen3-padded", "ddtree", "all_full", 12)]
 
 
 @pytest.mark.parametrize("target_name,method,variant,budget", CASES)
@@ -68,6 +72,8 @@ def test_every_sequence_in_a_batch_decodes_its_batch_1_ids(target_name: str, met
     alone = [generate(target, ids, new_proposer(), max_new_tokens=6 + 5 * (i % 4), stop_token_ids=(5,))
              for i, ids in enumerate(items)]
     decoder = BatchDecoder(target, new_proposer, max_seqs=4)
+    if target_name.endswith("-padded"):  # the CUDA-graph shapes (batch bucket, rows), run eagerly
+        decoder.verifier.batched.pad = True
     results: dict[int, object] = {}
     seqs = {}
     waiting = list(enumerate(items))
@@ -106,27 +112,51 @@ def test_sampled_sequences_draw_what_they_draw_alone() -> None:
     assert [batched[i].token_ids for i in range(len(items))] == alone
 
 
-def test_forward_batch_matches_one_sequence_at_a_time() -> None:
-    """Logits and taps of a mixed batch (different cache lengths, a chain beside a tree) equal batch-1 forwards."""
+@pytest.mark.parametrize("path,rows", [("eager", 4), ("padded", 4), ("padded", 3)])
+def test_forward_batch_matches_one_sequence_at_a_time(path: str, rows: int) -> None:
+    """Logits and taps of a mixed batch (different cache lengths, a chain beside a tree) equal batch-1 forwards;
+    padded to a CUDA graph's shape (3 sequences in a bucket of 4, 3 rows in 4), too, with the committed K/V kept."""
     target = FastTarget(make_target_model("qwen3"))
-    lengths, rows = [3, 11, 6], 4
-    store = BatchKV(target, 3)
+    lengths = [3, 11, 6]
+    store = BatchKV(target, 3 if path == "eager" else 5)
     singles = []
-    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)[:rows, :rows]
     owns = [torch.ones(rows, rows, dtype=torch.bool).tril(), tree, torch.ones(rows, rows, dtype=torch.bool).tril()]
-    new_ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]])
-    positions = torch.tensor([[3, 4, 5, 6], [11, 12, 12, 13], [6, 7, 8, 9]])
+    new_ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]])[:, :rows]
+    positions = torch.tensor([[3, 4, 5, 6], [11, 12, 12, 13], [6, 7, 8, 9]])[:, :rows]
     for slot, n in enumerate(lengths):
         cache = target.new_cache()
         target.forward(torch.arange(1, n + 1).unsqueeze(0), torch.arange(n), cache, last_logits_only=True)
         store.load(slot, cache)
         mask = torch.cat([torch.ones(rows, n, dtype=torch.bool), owns[slot]], dim=1)[None, None]
         singles.append(target.forward(new_ids[slot : slot + 1], positions[slot], cache, (0, 2), attention_mask=mask))
-    logits, taps = forward_batch(target, store, new_ids, positions, torch.stack(owns), (0, 2))
+    committed = [store.kv[:, :, slot, :, :n].clone() for slot, n in enumerate(lengths)]
+    if path == "eager":
+        logits, taps = forward_batch(target, store, new_ids, positions, torch.stack(owns), (0, 2))
+    else:
+        logits, taps = BatchForward(target, store, pad=True)(new_ids, positions, torch.stack(owns), (0, 2))
+    assert logits.shape[:2] == (3, rows)
     for slot, single in enumerate(singles):
         torch.testing.assert_close(logits[slot], single.logits[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(taps[slot], single.taps[0], rtol=1e-5, atol=1e-5)
-    assert store.lengths == lengths  # the caller commits
+        assert torch.equal(store.kv[:, :, slot, :, : lengths[slot]], committed[slot])
+    assert store.lengths[:3] == lengths  # the caller commits
+
+
+def test_packed_rows_are_each_drafts_own_rows_padded_out_of_sight() -> None:
+    """pack_rows: each sequence's ids, positions and ancestor mask as `Draft` gives them; a padding row sits at
+    its sequence's start, sees only itself, and no real row sees it."""
+    tree = Draft(tokens=torch.tensor([4, 5, 6, 7]), parents=[-1, -1, 0, 2], depths=[1, 1, 2, 3])
+    short = Draft(tokens=torch.tensor([8]), parents=[-1], depths=[1])
+    ids, positions, own = pack_rows([1, 2], [tree, short], [10, 20], torch.device("cpu"))
+    assert ids.tolist() == [[1, 4, 5, 6, 7], [2, 8, 0, 0, 0]]
+    assert positions.tolist() == [[10, 11, 11, 12, 13], [20, 21, 20, 20, 20]]
+    assert torch.equal(own[0], tree.tree_mask(0, torch.device("cpu"))[0, 0])
+    assert torch.equal(own[1, :2, :2], short.tree_mask(0, torch.device("cpu"))[0, 0])
+    assert torch.equal(own[1, 2:], torch.eye(5, dtype=torch.bool)[2:]) and not own[1, :2, 2:].any()
+    chains = [Draft.chain(torch.tensor([4, 5])), Draft.empty(torch.device("cpu"))]
+    _, _, chain_own = pack_rows([1, 2], chains, [3, 4], torch.device("cpu"))
+    assert torch.equal(chain_own[0], torch.ones(3, 3, dtype=torch.bool).tril())
 
 
 def test_batching_refuses_what_it_cannot_do() -> None:

@@ -1,8 +1,9 @@
 """How a batch's verify step runs, per engine: every sequence's anchor + draft through the target, then each one's
 cache keeps its accepted rows.
 
-- `SlotVerifier` (the fast engine): one forward over [B, R] rows (models/fast_batch.py), the sequences' K/V in the
-  slots of one BatchKV; a lone sequence runs the batch-1 path (static cache, CUDA graphs).
+- `SlotVerifier` (the fast engine): one forward over [B, R] rows (models/fast_batch.py, CUDA graphs per batch
+  bucket on a GPU), the sequences' K/V in the slots of one BatchKV; a lone sequence runs the batch-1 path (static
+  cache, CUDA graphs). The rows are packed with a few whole-batch copies, not per-sequence ones.
 - `LoopVerifier` (any HF model, hybrid ones included): each sequence keeps its own cache (a TargetCache, or the
   HybridCache that rolls linear-attention states back) and verifies with `generate()`'s own forward, one sequence
   after another. No faster than one at a time, but requests interleave step by step (a short request is not stuck
@@ -15,7 +16,7 @@ import torch
 
 from blockdraft.decoding.draft import Draft
 from blockdraft.decoding.host_to_device import long_tensor
-from blockdraft.models.fast_batch import BatchKV, forward_batch
+from blockdraft.models.fast_batch import BatchForward, BatchKV
 from blockdraft.models.fast_target import FastTarget
 from blockdraft.models.static_cache import StaticTargetCache
 from blockdraft.models.target import Target, TargetCache
@@ -32,6 +33,7 @@ class SlotVerifier:
     def __init__(self, target: FastTarget, slots: int) -> None:
         self.target = target
         self.store = BatchKV(target, slots)
+        self.batched = BatchForward(target, self.store)
         self.single: StaticTargetCache | None = None  # the lone sequence's cache, on the batch-1 path
 
     def before_prefill(self) -> None:
@@ -56,18 +58,8 @@ class SlotVerifier:
                 self.single = self.target.new_cache()
                 self.single.load_rows(self.store.kv[:, :, 0], self.store.lengths[0])
             return [_forward_one(self.target, self.single, anchors[0], drafts[0], starts[0], tap_layers)]
-        device = self.target.device
-        rows, batch = 1 + max(len(d) for d in drafts), len(drafts)
-        ids = torch.zeros(batch, rows, dtype=torch.long, device=device)
-        positions = torch.zeros(batch, rows, dtype=torch.long, device=device)
-        own = torch.eye(rows, dtype=torch.bool, device=device).repeat(batch, 1, 1)
-        for b, (anchor, draft, start) in enumerate(zip(anchors, drafts, starts)):
-            n = len(draft) + 1
-            ids[b, :n] = torch.cat([long_tensor([anchor], device), draft.tokens])
-            positions[b] = start
-            positions[b, :n] = draft.positions(start, device)
-            own[b, :n, :n] = draft.tree_mask(0, device)[0, 0]
-        logits, taps = forward_batch(self.target, self.store, ids, positions, own, tap_layers)
+        ids, positions, own = pack_rows(anchors, drafts, starts, self.target.device)
+        logits, taps = self.batched(ids, positions, own, tap_layers)
         return [(logits[b, : len(d) + 1], None if taps is None else taps[b : b + 1, : len(d) + 1])
                 for b, d in enumerate(drafts)]
 
@@ -79,6 +71,32 @@ class SlotVerifier:
             self.store.lengths[slot] = start + produced
         else:
             self.store.compact(slot, start, rows)
+
+
+def pack_rows(anchors: list[int], drafts: list[Draft], starts: list[int],
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ids and positions [B, R] and visibility [B, R, R] of each sequence's anchor + draft, padded to the longest.
+    A padding row sits at its sequence's start and sees only itself; no real row sees it (chains: it comes after
+    them; trees: it is nobody's ancestor)."""
+    batch, rows = len(drafts), 1 + max(len(d) for d in drafts)
+    flat_ids = [b * rows + 1 + i for b, d in enumerate(drafts) for i in range(len(d))]
+    positions = torch.tensor([[start, *(start + depth for depth in d.depths), *[start] * (rows - 1 - len(d))]
+                              for d, start in zip(drafts, starts)], dtype=torch.long).to(device)
+    ids = torch.zeros(batch * rows, dtype=torch.long, device=device)
+    ids[::rows] = long_tensor(anchors, device)
+    if flat_ids:
+        ids.index_copy_(0, long_tensor(flat_ids, device), torch.cat([d.tokens for d in drafts]))
+    if all(d.is_chain for d in drafts):
+        own = torch.ones(rows, rows, dtype=torch.bool, device=device).tril().expand(batch, rows, rows)
+        return ids.view(batch, rows), positions, own
+    up = torch.tensor([[0, *(p + 1 for p in d.parents), *range(len(d) + 1, rows)] for d in drafts],
+                      dtype=torch.long).to(device)  # each row's parent; the root and padding rows: themselves
+    own = torch.eye(rows, dtype=torch.bool, device=device).repeat(batch, 1, 1)
+    ancestor = torch.arange(rows, device=device).expand(batch, rows)
+    for _ in range(max(max(d.depths, default=0) for d in drafts)):
+        ancestor = up.gather(1, ancestor)
+        own.scatter_(2, ancestor.unsqueeze(2), True)
+    return ids.view(batch, rows), positions, own
 
 
 def _forward_one(target: Target, cache: TargetCache | StaticTargetCache, anchor: int, draft: Draft, start: int,

@@ -7,16 +7,27 @@ committed), its own positions and [R, R] visibility (causal for chains, ancestor
 sequence's K/V at its own length. Committing is per sequence: a new length (a chain) or a gather within its slot
 (a tree). Only the q/k/v write and the mask are batch-specific: the attention choice, the layer's tail and the
 decoder stack (taps included) are the batch-1 forward's own (`attend`, `layer_tail`, `FastTarget.run_layers`).
+
+`BatchForward` runs it from CUDA graphs, one per (batch bucket, rows, key capacity): eagerly, a batched step of an
+8B target was launch-bound at 44-87 ms whatever its size (H200, benchmarks/RESULTS.md, session 14), 8-20x its
+roofline.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
+from blockdraft.models.fast_drafter import capture
 from blockdraft.models.fast_ops import rope_rotate, rms_norm
-from blockdraft.models.fast_target import FastTarget, LayerWeights, attend, layer_tail
+from blockdraft.models.fast_target import MAX_GRAPHS, FastTarget, LayerWeights, attend, graph_rows, layer_tail
 from blockdraft.models.static_cache import StaticTargetCache, round_up
+
+GRAPH_MAX_ROWS = 2048  # bucket x rows past this run eagerly: compute-bound there, and a graph's logits would take GBs
 
 
 class BatchKV:
@@ -26,6 +37,7 @@ class BatchKV:
         self.kv = torch.zeros(target.num_layers, 2, slots, target.kv_heads, round_up(max(positions, 1)),
                               target.head_dim, dtype=target.dtype, device=target.device)
         self.lengths = [0] * slots
+        self.version = 0  # bumped when `kv` is reallocated: graphs captured on the old buffer must not run again
 
     @property
     def slots(self) -> int:
@@ -41,6 +53,7 @@ class BatchKV:
                             dtype=self.kv.dtype, device=self.kv.device)
         grown[..., :have, :] = self.kv
         self.kv = grown
+        self.version += 1
 
     @torch.inference_mode()
     def load(self, slot: int, cache: StaticTargetCache) -> None:
@@ -108,10 +121,17 @@ def forward_batch(target: FastTarget, store: BatchKV, ids: torch.Tensor, positio
     [B, t] seeing each other by `own` [B, t, t]; their K/V are written after each sequence's length, which stays
     as it was (the caller commits)."""
     batch, t = ids.shape
-    device = target.device
-    lengths = torch.tensor(store.lengths[:batch], dtype=torch.long, device=device)
+    lengths = torch.tensor(store.lengths[:batch], dtype=torch.long, device=target.device)
     cap = round_up(max(store.lengths[:batch]) + t)
     store.ensure(cap)
+    return run_batch(target, store.kv, lengths, ids, positions, own, cap, tap_layers)
+
+
+def run_batch(target: FastTarget, kv: torch.Tensor, lengths: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
+              own: torch.Tensor, cap: int, tap_layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The batched forward itself: only device work on fixed buffers, so a CUDA graph can capture it."""
+    batch, t = ids.shape
+    device = target.device
     ops, groups = target.ops, target.heads // target.kv_heads
     seq = torch.arange(batch, device=device).unsqueeze(1).expand(batch, t)
     cols = lengths.unsqueeze(1) + torch.arange(t, device=device)
@@ -123,12 +143,99 @@ def forward_batch(target: FastTarget, store: BatchKV, ids: torch.Tensor, positio
 
     def step(i: int, layer: LayerWeights, x: torch.Tensor, h: torch.Tensor,
              following: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        kv = store.kv[i]
         q = batched_qkv_heads(F.linear(h, layer.qkv, layer.qkv_bias), layer, cos, sin, target.heads,
-                              target.kv_heads, target.eps, kv, seq, cols)
-        out = attend(ops, layer, q, kv[0, :batch, :, :cap], kv[1, :batch, :, :cap], biases[layer.window], t)
+                              target.kv_heads, target.eps, kv[i], seq, cols)
+        out = attend(ops, layer, q, kv[i, 0, :batch, :, :cap], kv[i, 1, :batch, :, :cap], biases[layer.window], t)
         merged = out.reshape(batch, target.heads, t, -1).transpose(1, 2).reshape(batch, t, -1)
         return layer_tail(ops, layer, x, merged, following, target.eps, target.act)
 
     h, tapped = target.run_layers(F.embedding(ids, target.embedding_weight), step, tap_layers)
     return target.lm_head(h), tapped
+
+
+def batch_bucket(batch: int, slots: int) -> int:
+    """Sequences a graph is captured for: the next power of two, at most the slots (a padded sequence writes only
+    into a free slot, past nothing)."""
+    return min(1 << (batch - 1).bit_length(), slots)
+
+
+@dataclass
+class _BatchGraph:
+    """Static inputs and outputs of one padded batched forward (and its CUDA graph, when captured)."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    own: torch.Tensor
+    lengths: torch.Tensor
+    graph: Any = None
+    logits: torch.Tensor | None = None
+    taps: torch.Tensor | None = None
+
+
+class BatchForward:
+    """`forward_batch` padded to a (batch bucket, rows, key capacity) shape and replayed from a CUDA graph captured
+    once per shape (all sharing one memory pool: only one runs at a time). Padding sequences sit in free slots with
+    length 0 and padding rows see only themselves, so the real rows' results are `forward_batch`'s. Without graphs
+    (a CPU), `pad=True` still runs the padded shapes eagerly, which is how tests check the padding."""
+
+    def __init__(self, target: FastTarget, store: BatchKV, pad: bool | None = None) -> None:
+        self.target, self.store = target, store
+        self.use_graphs = target.use_graphs
+        self.pad = self.use_graphs if pad is None else pad
+        self.entries: OrderedDict[tuple, _BatchGraph] = OrderedDict()
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.version = store.version
+
+    @torch.inference_mode()
+    def __call__(self, ids: torch.Tensor, positions: torch.Tensor, own: torch.Tensor,
+                 tap_layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward_batch`'s logits and taps; from a graph they are views of its outputs, valid until the next call."""
+        batch, t = ids.shape
+        rows, bucket = graph_rows(t), batch_bucket(batch, self.store.slots)
+        if not self.pad or bucket * rows > GRAPH_MAX_ROWS:
+            return forward_batch(self.target, self.store, ids, positions, own, tap_layers)
+        store = self.store
+        cap = round_up(max(store.lengths[:batch]) + rows)
+        store.ensure(cap)
+        if self.version != store.version:  # the K/V buffer was reallocated: old graphs point at freed memory
+            self.entries.clear()
+            self.version = store.version
+        key = (bucket, rows, cap, tap_layers)
+        entry = self.entries.get(key)
+        fresh = entry is None
+        if entry is None:
+            entry = self._buffers(bucket, rows)
+            self.entries[key] = entry
+            if len(self.entries) > MAX_GRAPHS:
+                self.entries.popitem(last=False)
+        self.entries.move_to_end(key)
+        entry.ids.zero_()
+        entry.ids[:batch, :t].copy_(ids)
+        entry.positions.zero_()
+        entry.positions[:batch, :t].copy_(positions)
+        entry.own.copy_(torch.eye(rows, dtype=torch.bool, device=own.device).expand(bucket, rows, rows))
+        entry.own[:batch, :t, :t].copy_(own)
+        entry.lengths.copy_(torch.tensor(store.lengths[:batch] + [0] * (bucket - batch), dtype=torch.long),
+                            non_blocking=True)
+        if not self.use_graphs:
+            logits, taps = self._run(entry, cap, tap_layers)
+        else:
+            if fresh:  # warm-up runs write only past each sequence's length, as the replays do
+                entry.graph, (entry.logits, entry.taps) = capture(lambda: self._run(entry, cap, tap_layers),
+                                                                 self.target.device, self.pool)
+            entry.graph.replay()
+            logits, taps = entry.logits, entry.taps
+        assert logits is not None
+        return logits[:batch, :t], None if taps is None else taps[:batch, :t]
+
+    def _buffers(self, bucket: int, rows: int) -> _BatchGraph:
+        device = self.target.device
+        return _BatchGraph(ids=torch.zeros(bucket, rows, dtype=torch.long, device=device),
+                           positions=torch.zeros(bucket, rows, dtype=torch.long, device=device),
+                           own=torch.zeros(bucket, rows, rows, dtype=torch.bool, device=device),
+                           lengths=torch.zeros(bucket, dtype=torch.long, device=device))
+
+    def _run(self, entry: _BatchGraph, cap: int,
+             tap_layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return run_batch(self.target, self.store.kv, entry.lengths, entry.ids, entry.positions, entry.own, cap,
+                         tap_layers)

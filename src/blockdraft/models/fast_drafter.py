@@ -90,9 +90,10 @@ def context_kv(
     return apply_rope(rms_norm(k, k_norm, eps).transpose(1, 2), cos, sin), v.transpose(1, 2)
 
 
-def capture(run: Callable[[], T], device: torch.device) -> tuple[Any, T]:
+def capture(run: Callable[[], T], device: torch.device, pool: Any = None) -> tuple[Any, T]:
     """A CUDA graph of `run` and its outputs (the graph's static outputs), after warm-up on a side stream (kernel
-    selection, torch.compile) so the capture records only the steady state."""
+    selection, torch.compile) so the capture records only the steady state; `pool` shares memory between graphs
+    that never run at the same time."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
@@ -100,7 +101,7 @@ def capture(run: Callable[[], T], device: torch.device) -> tuple[Any, T]:
             run()
     torch.cuda.current_stream(device).wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool):
         out = run()
     return graph, out
 
