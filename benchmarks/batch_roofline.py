@@ -2,11 +2,12 @@
 method and the speculation schedule would reach per batch size at the papers' acceptance.
 
 A Qwen3-8B-shaped target (random bf16 weights, gpu_speed.py's builder) with every sequence at `--context` cache
-tokens: `forward_batch` timed for each batch size x rows per sequence (--rows, plus the schedule candidates' 1 + 15 and
-1 + budget), beside the roofline max(bytes / bandwidth,
-FLOPs / peak) where bytes = the weights the step reads (all but the input embedding) + the K/V it attends over, and
-FLOPs = 2 x matmul parameters x rows + attention. Then the drafter pass (one per sequence, as the batched engine
-runs it) and DDTree's tree build, a CostTable from all of it, and `engine.schedule.choose` at the published tau
+tokens: the engine's own verify step (`engine.tune.measure_costs`: batch 1 on the batch-1 path, more through
+`BatchForward`, CUDA graphs per batch bucket and rows, eager past GRAPH_MAX_ROWS rows) timed for each batch size x
+rows per sequence (--rows, plus the schedule candidates' 1 + 15 and 1 + budget), beside the roofline
+max(bytes / bandwidth, FLOPs / peak) where bytes = the weights the step reads (all but the input embedding) + the K/V it attends over, and
+FLOPs = 2 x matmul parameters x rows + attention. Then the batched drafter step (one pass over every sequence's
+block) and DDTree's tree build, the CostTable of all of it, and `engine.schedule.choose` at the published tau
 (REFERENCE.md, Qwen3-8B MATH-500 T=0: chain 7.87 with 15 drafted tokens, DDTree 10.73 at its best budget, taken here
 for the largest --budget, capped at 1 + budget; chain per-position rates assumed geometric with that sum).
 
@@ -26,7 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_speed import PAPER_TAU, bandwidth, build_synthetic, timer  # noqa: E402  (shared synthetic 8B builder)
+from gpu_speed import PAPER_TAU, bandwidth, build_synthetic  # noqa: E402  (shared synthetic 8B builder)
 
 H200_BF16_FLOPS = 989e12  # dense bf16 tensor-core peak
 
@@ -51,11 +52,8 @@ def main() -> None:
     parser.add_argument("--peak-flops", type=float, default=H200_BF16_FLOPS)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    from blockdraft.decoding.ddtree import build_tree
-    from blockdraft.decoding.draft import DFlashProposer
-    from blockdraft.decoding.sampling import SamplingParams
-    from blockdraft.engine.schedule import AR, AcceptanceProfile, Candidate, CostTable, choose, render
-    from blockdraft.models.fast_batch import BatchKV, forward_batch
+    from blockdraft.engine.schedule import AR, AcceptanceProfile, Candidate, choose, render
+    from blockdraft.engine.tune import measure_costs
     from blockdraft.models.fast_target import FastTarget
 
     device = torch.device(args.device)
@@ -67,46 +65,28 @@ def main() -> None:
     target = FastTarget(model)
     depth = drafter.cfg.block_size - 1
     rows_list = sorted(set(rows_list) | {1 + depth} | {1 + b for b in budgets})  # the schedule's candidates too
-    measure = timer(device, 3, 10)
+    costs = measure_costs(target, drafter, f"synthetic {args.shape}", "synthetic", sizes, rows_list, budgets,
+                          args.context, repeats=10)
     rate = bandwidth(device, False)
     elt = torch.finfo(dtype).bits // 8
     embedding = target.embedding_weight.numel()
     params = sum(p.numel() for p in model.parameters()) - embedding
     matmul = params - sum(p.numel() for p in model.parameters() if p.dim() == 1)
-    store = BatchKV(target, max(sizes), args.context + max(rows_list))
-    taps = drafter.cfg.target_layer_ids
-    verify_s: dict[int, dict[int, float]] = {}
     rows_out = []
     for batch in sizes:
-        store.lengths[:batch] = [args.context] * batch
-        verify_s[batch] = {}
         for rows in rows_list:
-            ids = torch.randint(0, target.vocab_size, (batch, rows), device=device)
-            positions = (args.context + torch.arange(rows, device=device)).expand(batch, rows)
-            own = torch.ones(rows, rows, dtype=torch.bool, device=device).tril().expand(batch, rows, rows)
-            ms = measure(lambda: forward_batch(target, store, ids, positions, own, taps))
+            ms = 1000 * costs.verify_s[batch][rows]
             keys = args.context + rows
             kv_bytes = batch * target.num_layers * 2 * target.kv_heads * target.head_dim * keys * elt
             flops = 2 * matmul * batch * rows + 4 * batch * rows * keys * target.heads * target.head_dim * target.num_layers
             roof = 1000 * max((params * elt + kv_bytes) / rate, flops / args.peak_flops)
-            verify_s[batch][rows] = ms / 1000
             rows_out.append(dict(batch=batch, rows=rows, step_ms=ms, roofline_ms=roof, over_roofline=ms / roof))
-            print(f"# batch {batch:3d} rows {rows:4d}: {ms:8.3f} ms, roofline {roof:8.3f} ms ({ms / roof:.2f}x)",
-                  flush=True)
-    proposer = DFlashProposer(drafter, target)
-    proposer.add_context(torch.randn(1, args.context, len(taps) * target.hidden_size, dtype=dtype, device=device))
-    draft_ms = measure(lambda: proposer.propose(1, args.context, proposer.block_size, SamplingParams(), None))
-    log_probs = torch.randn(proposer.block_size - 1, target.vocab_size, device=device).log_softmax(-1)
-    tree_ms = {b: measure(lambda b=b: build_tree(log_probs, b)) for b in budgets}
-    costs = CostTable(device=device.type, dtype=str(dtype).removeprefix("torch."), target=f"synthetic {args.shape}",
-                      drafter="synthetic", context_tokens=args.context, verify_s=verify_s,
-                      draft_s={b: b * draft_ms / 1000 for b in sizes}, tree_build_s={b: t / 1000 for b, t in tree_ms.items()})
     profile = AcceptanceProfile(geometric_rates(PAPER_TAU["dflash"], depth), {max(budgets): min(PAPER_TAU["ddtree"], 1 + max(budgets))},
                                 "published tau (Qwen3-8B MATH-500 T=0)")
     candidates = [AR, Candidate("dflash", depth), Candidate("ddtree", budget=max(budgets))]
     schedule = choose(costs, profile, candidates, sizes)
     console = Console(width=140)
-    table = Table(title=f"forward_batch vs roofline ({args.shape}, {args.context} context, {rate / 1e12:.2f} TB/s copy "
+    table = Table(title=f"batched forward vs roofline ({args.shape}, {args.context} context, {rate / 1e12:.2f} TB/s copy "
                         f"bandwidth, {args.peak_flops / 1e12:.0f} TFLOP/s peak)")
     for column in ("batch", "rows", "step ms", "roofline ms", "x roofline"):
         table.add_column(column, justify="right")
@@ -114,12 +94,13 @@ def main() -> None:
         table.add_row(str(r["batch"]), str(r["rows"]), f"{r['step_ms']:.3f}", f"{r['roofline_ms']:.3f}",
                       f"{r['over_roofline']:.2f}")
     console.print(table)
-    console.print(f"drafter pass {draft_ms:.3f} ms per sequence; tree build " +
-                  ", ".join(f"@{b}: {t:.3f} ms" for b, t in tree_ms.items()))
+    console.print("batched drafter step (pass + one block's context per sequence) " +
+                  ", ".join(f"B={b}: {1000 * t:.3f} ms" for b, t in costs.draft_s.items()) + "; tree build " +
+                  ", ".join(f"@{b}: {1000 * t:.3f} ms" for b, t in costs.tree_build_s.items()))
     console.print(render(schedule))
     if args.json:
         args.json.write_text(json.dumps(dict(settings=vars(args) | {"json": str(args.json)}, steps=rows_out,
-                                             draft_ms=draft_ms, tree_ms=tree_ms, costs=costs.to_json(),
+                                             costs=costs.to_json(),
                                              schedule=schedule.to_json()), indent=1, default=str))
 
 

@@ -277,6 +277,7 @@ def main() -> None:
     parser.add_argument("--draft-tokens", type=int, default=None, help="Drafted tokens (default: the server's).")
     parser.add_argument("--concurrency", default="1,4", help="Concurrency levels, e.g. 1,4,16.")
     parser.add_argument("--requests", type=int, default=12, help="Requests per level.")
+    parser.add_argument("--paired", type=int, default=None, help="Paired c=1 requests per side (default: --requests).")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompts", default="demo", help="A built-in prompt set or JSONL file (chat prompts).")
     parser.add_argument("--time-cap", type=float, default=600, help="Seconds per method; no new request after it.")
@@ -306,7 +307,7 @@ def main() -> None:
         assert server.url is not None
         deadline = time.monotonic() + args.time_cap
         try:
-            pair = paired(local, server.url, args.target, args.requests, prompts, args.max_tokens)
+            pair = paired(local, server.url, args.target, args.paired or args.requests, prompts, args.max_tokens)
             ratios.append(dict(method=method, **pair))
             console.print(f"# {method} paired c=1: in-process {pair['in_process_tokens_per_s']:.1f} tok/s, server "
                           f"{pair['server_c1_tokens_per_s']:.1f} tok/s, ratio {pair['ratio']:.3f}")

@@ -52,7 +52,7 @@ class Lockstep:
         self.eager = DFlashProposer(drafter, target, static=False)
         self.static = DFlashProposer(drafter, target)
         assert self.eager.fast is None and self.static.fast is not None
-        self.static.fast = FastDrafter(drafter, target, cache_slots=8)  # 256 slots: run() outgrows them
+        self.static._fast = FastDrafter(drafter, target, cache_slots=8)  # 256 slots: run() outgrows them
         self.length = 0
 
     def extend(self, n: int) -> None:

@@ -99,6 +99,7 @@ class DDTreeProposer:
         self.budget = check_budget(budget)
         target.check_tree_attention()
         self.chain = DFlashProposer(drafter, target, draft_tokens=draft_tokens)
+        self.drafter = drafter
         self.tap_layers: tuple[int, ...] | None = self.chain.tap_layers
         self.build_s = 0.0
 
@@ -109,6 +110,19 @@ class DDTreeProposer:
     def add_context(self, taps: torch.Tensor) -> None:
         self.chain.add_context(taps)
 
+    def plan(self, max_depth: int) -> tuple[int, int] | None:
+        return self.chain.plan(max_depth)
+
+    def finish(self, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None,
+               budget: int | None = None) -> Draft:
+        """The best `budget` (default: this proposer's) prefixes under the slot logits [slots, V]."""
+        if logits.device.type == "cuda":
+            torch.cuda.synchronize(logits.device)  # the drafter pass is not tree-building time
+        t0 = time.perf_counter()
+        draft = build_tree(slot_log_probs(logits, sampling), self.budget if budget is None else budget)
+        self.build_s += time.perf_counter() - t0
+        return draft
+
     @torch.inference_mode()
     def propose(
         self, anchor: int, start: int, max_depth: int, sampling: SamplingParams, generator: torch.Generator | None,
@@ -116,13 +130,7 @@ class DDTreeProposer:
     ) -> Draft:
         """One drafter pass, then the best `budget` (default: this proposer's) prefixes of at most `max_depth`
         tokens."""
-        slots, visible = self.chain.block_rows(max_depth)
-        if slots <= 0:
+        planned = self.plan(max_depth)
+        if planned is None:
             return Draft.empty(self.chain.target.device)
-        logits = self.chain.slot_logits(anchor, start, slots, visible)
-        if logits.device.type == "cuda":
-            torch.cuda.synchronize(logits.device)  # the drafter pass is not tree-building time
-        t0 = time.perf_counter()
-        draft = build_tree(slot_log_probs(logits, sampling), self.budget if budget is None else budget)
-        self.build_s += time.perf_counter() - t0
-        return draft
+        return self.finish(self.chain.slot_logits(anchor, start, *planned), sampling, generator, budget)

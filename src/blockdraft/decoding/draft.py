@@ -93,6 +93,17 @@ class Proposer(Protocol):
     ) -> Draft: ...
 
 
+class DrafterProposer(Proposer, Protocol):
+    """A proposer over a DFlash drafter whose pass a batch can run for it: `plan` says which rows this step needs
+    (None: no pass), `finish` turns the pass's slot logits into the draft. `propose` is plan, pass, finish."""
+
+    drafter: DFlashDrafter
+
+    def plan(self, max_depth: int) -> tuple[int, int] | None: ...
+
+    def finish(self, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> Draft: ...
+
+
 class DFlashProposer:
     """The DFlash chain: one drafter pass over [anchor, MASK x (B-1)] gives B-1 proposals.
 
@@ -122,14 +133,22 @@ class DFlashProposer:
         self.depth = check_draft_tokens(draft_tokens, self.block_size)
         self.whole_block = whole_block
         self.cache = DrafterContextCache(drafter)
-        self.fast: FastDrafter | None = None
-        if static and isinstance(target, FastTarget) and fast_drafter_problem(drafter) is None:
-            self.fast = FastDrafter(drafter, target)
+        self.static = static and isinstance(target, FastTarget) and fast_drafter_problem(drafter) is None
+        self._fast: FastDrafter | None = None
+
+    @property
+    def fast(self) -> FastDrafter | None:
+        """The static drafter path, its buffers allocated on first use: a batched decode drafts every sequence
+        through one BatchDrafter and never touches its proposers' own."""
+        if self._fast is None and self.static:
+            assert isinstance(self.target, FastTarget)
+            self._fast = FastDrafter(self.drafter, self.target)
+        return self._fast
 
     def reset(self) -> None:
         self.cache = DrafterContextCache(self.drafter)
-        if self.fast is not None:
-            self.fast.reset()
+        if self._fast is not None:
+            self._fast.reset()
 
     @torch.inference_mode()
     def add_context(self, taps: torch.Tensor) -> None:
@@ -161,16 +180,24 @@ class DFlashProposer:
         visible = min(max_depth, self.block_size - 1 if self.whole_block else depth)
         return min(visible, depth), visible
 
+    def plan(self, max_depth: int, depth: int | None = None) -> tuple[int, int] | None:
+        """(slots drafted, mask rows seen) of this step's drafter pass, None when there is nothing to draft."""
+        slots, visible = self.block_rows(max_depth, depth)
+        return None if slots <= 0 else (slots, visible)
+
+    def finish(self, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> Draft:
+        """The chain from the drafter pass's slot logits [slots, V] (greedy, or sampled from q)."""
+        if sampling.greedy:
+            return Draft.chain(logits.argmax(dim=-1))
+        q = probabilities(logits, sampling)
+        return Draft.chain(sample(q, generator), draft_probs=q)
+
     def propose(
         self, anchor: int, start: int, max_depth: int, sampling: SamplingParams, generator: torch.Generator | None,
         depth: int | None = None,
     ) -> Draft:
         """A chain of this proposer's depth (or `depth`, for a schedule that changes it per step)."""
-        slots, visible = self.block_rows(max_depth, depth)
-        if slots <= 0:
+        planned = self.plan(max_depth, depth)
+        if planned is None:
             return Draft.empty(self.target.device)
-        logits = self.slot_logits(anchor, start, slots, visible)
-        if sampling.greedy:
-            return Draft.chain(logits.argmax(dim=-1))
-        q = probabilities(logits, sampling)
-        return Draft.chain(sample(q, generator), draft_probs=q)
+        return self.finish(self.slot_logits(anchor, start, *planned), sampling, generator)

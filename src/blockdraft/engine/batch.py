@@ -5,7 +5,10 @@ Each sequence keeps everything `generate()` keeps for one: its ids, its proposer
 generator, consumed in the same order (propose, then verify, each step), so a sequence's ids in a batch are its
 batch-1 ids. The verify step is the engine's (engine/verifiers.py): on the fast engine one forward over [B, R]
 rows, each sequence with its own positions, cache length and tree mask; on the HF engine (any model, hybrid ones
-included) each sequence's own forward in turn. The drafter still runs once per sequence.
+included) each sequence's own forward in turn. On the fast engine the drafter runs once per step for the whole
+batch too (models/fast_batch_drafter.py: every sequence's drafter context in a slot, one pass over all blocks, one
+context extension for all committed rows); each sequence's proposer only turns its slot logits into its chain or
+tree. Elsewhere each proposer drafts its own sequence.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from blockdraft.decoding.draft import Draft, Proposer
+from blockdraft.decoding.ddtree import DDTreeProposer
+from blockdraft.decoding.draft import DFlashProposer, Draft, DrafterProposer, Proposer
 from blockdraft.decoding.generate import GenerationResult, OnCommit, check_context, check_prompt_ids
 from blockdraft.decoding.host_to_device import long_tensor
 from blockdraft.decoding.sampling import SamplingParams, pick
@@ -26,6 +30,8 @@ from blockdraft.engine.switching import SwitchingProposer
 from blockdraft.engine.verifiers import LoopVerifier, SlotVerifier
 from blockdraft.errors import BlockdraftError
 from blockdraft.metrics import SpecStats
+from blockdraft.models.fast_batch_drafter import BatchDrafter
+from blockdraft.models.fast_drafter import fast_drafter_problem
 from blockdraft.models.fast_target import FastTarget
 from blockdraft.models.target import Target
 
@@ -95,7 +101,16 @@ class BatchDecoder:
         self.schedule = schedule
         self.verifier: SlotVerifier | LoopVerifier = (
             SlotVerifier(target, max_seqs) if isinstance(target, FastTarget) else LoopVerifier(target, max_seqs))
-        self.running: list[Sequence] = []  # sequence i lives in cache slot i
+        self.running: list[Sequence] = []  # sequence i lives in cache slot i (and drafter slot i)
+        self.drafting: BatchDrafter | None = None  # made by the first sequence that drafts on the fast engine
+
+    def _batch_drafter(self, proposer: Proposer | None) -> BatchDrafter | None:
+        """The batch's drafter, when the proposers draft with a drafter the batched pass can run."""
+        if (self.drafting is None and isinstance(self.target, FastTarget)
+                and isinstance(proposer, (DFlashProposer, DDTreeProposer, SwitchingProposer))
+                and fast_drafter_problem(proposer.drafter) is None):
+            self.drafting = BatchDrafter(proposer.drafter, self.target, self.max_seqs)
+        return self.drafting
 
     @property
     def free(self) -> int:
@@ -122,8 +137,6 @@ class BatchDecoder:
         out = target.forward(prompt, torch.arange(len(prompt_ids), device=device), cache,
                              proposer.tap_layers if proposer else None, last_logits_only=True)
         first = int(pick(out.logits[0, -1], sampling, generator).item())
-        if proposer:
-            proposer.add_context(out.taps)
         seq = Sequence(len(prompt_ids), max_new_tokens, sampling, generator, frozenset(stop_token_ids), proposer,
                        on_commit, [first], time.perf_counter() - joined, joined)
         seq.stopped_on = first if first in seq.stops else None
@@ -131,7 +144,15 @@ class BatchDecoder:
         if seq.done:
             seq.finished = time.perf_counter()
             return seq
-        self.verifier.load(len(self.running), cache)
+        slot = len(self.running)
+        if proposer:
+            drafting = self._batch_drafter(proposer)
+            if drafting is None:
+                proposer.add_context(out.taps)
+            else:
+                drafting.reset(slot)
+                drafting.extend([slot], [out.taps])
+        self.verifier.load(slot, cache)
         self.running.append(seq)
         return seq
 
@@ -146,18 +167,17 @@ class BatchDecoder:
             for seq in self.running:
                 assert isinstance(seq.proposer, SwitchingProposer)
                 seq.proposer.use(candidate)
-        drafts: list[Draft] = []
-        starts: list[int] = []
-        for seq in self.running:
-            start = seq.prompt_len + len(seq.tokens) - 1
-            depth_left = seq.max_new_tokens - len(seq.tokens)
-            draft = (seq.proposer.propose(seq.tokens[-1], start, depth_left, seq.sampling, seq.generator)
-                     if seq.proposer else Draft.empty(device))
+        starts = [seq.prompt_len + len(seq.tokens) - 1 for seq in self.running]
+        drafts = self._drafts(starts) if self.drafting is not None else [
+            seq.proposer.propose(seq.tokens[-1], start, seq.max_new_tokens - len(seq.tokens), seq.sampling,
+                                 seq.generator) if seq.proposer else Draft.empty(device)
+            for seq, start in zip(self.running, starts)]
+        for seq, draft in zip(self.running, drafts):
             seq.draft_lengths.append(len(draft))
-            drafts.append(draft)
-            starts.append(start)
         tap_layers = self.running[0].proposer.tap_layers if self.running[0].proposer else None
         verified = self.verifier.forward([seq.tokens[-1] for seq in self.running], drafts, starts, tap_layers)
+        extended: list[int] = []
+        kept_taps: list[torch.Tensor] = []
         for slot, (seq, draft, start, (logits, taps)) in enumerate(zip(self.running, drafts, starts, verified)):
             verdict = verify(draft, logits, seq.sampling, seq.generator)
             produced = len(seq.commit(verdict.tokens + [verdict.bonus]))
@@ -165,8 +185,30 @@ class BatchDecoder:
                 [0] + [node + 1 for node in verdict.accepted][: produced - 1], device)
             self.verifier.keep(slot, start, rows, produced)
             if seq.proposer and taps is not None:
-                seq.proposer.add_context(taps[:, :produced] if rows is None else taps[:, rows])
+                extended.append(slot)
+                kept_taps.append(taps[:, :produced] if rows is None else taps[:, rows])
+        if self.drafting is not None:
+            self.drafting.extend(extended, kept_taps)
+        else:
+            for slot, taps in zip(extended, kept_taps):
+                proposer = self.running[slot].proposer
+                assert proposer is not None
+                proposer.add_context(taps)
         return self._leave()
+
+    def _drafts(self, starts: list[int]) -> list[Draft]:
+        """Every running sequence's draft from one batched drafter pass (none when this step's method is AR)."""
+        assert self.drafting is not None
+        proposers: list[DrafterProposer] = [seq.proposer for seq in self.running]  # type: ignore[misc]
+        plans = [proposer.plan(seq.max_new_tokens - len(seq.tokens)) for proposer, seq in zip(proposers, self.running)]
+        device = self.target.device
+        if all(plan is None for plan in plans):
+            return [Draft.empty(device) for _ in plans]
+        logits = self.drafting.draft([seq.tokens[-1] for seq in self.running], starts,
+                                     [0 if plan is None else plan[1] for plan in plans])
+        return [Draft.empty(device) if plan is None else
+                proposer.finish(logits[b, : plan[0]], seq.sampling, seq.generator)
+                for b, (proposer, seq, plan) in enumerate(zip(proposers, self.running, plans))]
 
     def _leave(self) -> list[Sequence]:
         """Drop finished sequences; the last running sequence moves into each freed slot."""
@@ -177,6 +219,8 @@ class BatchDecoder:
             slot, last = self.running.index(seq), len(self.running) - 1
             if slot != last:
                 self.verifier.move(last, slot)
+                if self.drafting is not None:
+                    self.drafting.move(last, slot)
                 self.running[slot] = self.running[last]
             self.running.pop()
         return finished

@@ -24,6 +24,7 @@ class SwitchingProposer:
 
     def __init__(self, drafter: DFlashDrafter, target: Target, largest_budget: int) -> None:
         self.tree = DDTreeProposer(drafter, target, largest_budget)
+        self.drafter = drafter
         self.tap_layers = self.tree.tap_layers
         self.candidate: Candidate = AR
 
@@ -40,12 +41,23 @@ class SwitchingProposer:
     def add_context(self, taps: torch.Tensor) -> None:
         self.tree.add_context(taps)
 
+    def plan(self, max_depth: int) -> tuple[int, int] | None:
+        method = self.candidate.method
+        if method == "dflash":
+            return self.tree.chain.plan(max_depth, self.candidate.draft_tokens)
+        if method == "ddtree":
+            return self.tree.plan(max_depth)
+        return None
+
+    def finish(self, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> Draft:
+        if self.candidate.method == "dflash":
+            return self.tree.chain.finish(logits, sampling, generator)
+        return self.tree.finish(logits, sampling, generator, self.candidate.budget)
+
     def propose(
         self, anchor: int, start: int, max_depth: int, sampling: SamplingParams, generator: torch.Generator | None
     ) -> Draft:
-        method = self.candidate.method
-        if method == "dflash":
-            return self.tree.chain.propose(anchor, start, max_depth, sampling, generator, self.candidate.draft_tokens)
-        if method == "ddtree":
-            return self.tree.propose(anchor, start, max_depth, sampling, generator, self.candidate.budget)
-        return Draft.empty(self.tree.chain.target.device)
+        planned = self.plan(max_depth)
+        if planned is None:
+            return Draft.empty(self.tree.chain.target.device)
+        return self.finish(self.tree.chain.slot_logits(anchor, start, *planned), sampling, generator)

@@ -2,8 +2,10 @@
 speculation schedule from both (engine/schedule.py).
 
 Costs are the batched engine's own operations, timed after a warm-up (median of `repeats`, the device synchronised
-around each): one verify forward over B sequences x R rows at `context` tokens of cache each (`forward_batch`),
-one drafter pass per sequence (the batched engine drafts each sequence in turn), and one DDTree build per budget.
+around each): one verify forward over B sequences x R rows at `context` tokens of cache each (batch 1: the target's
+own batch-1 forward, which a lone sequence runs; more: `BatchForward`, CUDA graphs per batch bucket), one batched
+drafter step for B sequences (`BatchDrafter`: the pass over every block, then the context extension of a whole
+block per sequence, the most a step commits), and one DDTree build per budget.
 Acceptance is measured by decoding the prompts greedily: the DFlash chain over the whole block (per-position rates)
 and DDTree at each budget (tau).
 """
@@ -23,7 +25,9 @@ from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.engine.schedule import AR, AcceptanceProfile, Candidate, CostTable, Schedule, choose
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.drafter import DFlashDrafter
-from blockdraft.models.fast_batch import BatchKV, forward_batch
+from blockdraft.models.fast_batch import BatchForward, BatchKV
+from blockdraft.models.fast_batch_drafter import BatchDrafter
+from blockdraft.models.fast_drafter import fast_drafter_problem
 from blockdraft.models.fast_target import FastTarget
 from blockdraft.models.target import Target
 
@@ -54,6 +58,15 @@ def measure_costs(target: Target, drafter: DFlashDrafter, target_name: str, draf
     device = target.device
     taps = drafter.cfg.target_layer_ids
     store = BatchKV(target, max(batch_sizes), context + max(rows))
+    batched = BatchForward(target, store)
+    single = target.new_cache()
+    target.forward(torch.randint(0, target.vocab_size, (1, context), device=device), torch.arange(context, device=device),
+                   single, last_logits_only=True)
+
+    def one_sequence(ids: torch.Tensor, positions: torch.Tensor) -> None:
+        target.forward(ids, positions, single, taps)
+        single.crop(context)
+
     verify_s: dict[int, dict[int, float]] = {}
     for batch in batch_sizes:
         store.lengths[:batch] = [context] * batch
@@ -62,17 +75,40 @@ def measure_costs(target: Target, drafter: DFlashDrafter, target_name: str, draf
             ids = torch.randint(0, target.vocab_size, (batch, r), device=device)
             positions = (context + torch.arange(r, device=device)).expand(batch, r)
             own = torch.ones(r, r, dtype=torch.bool, device=device).tril().expand(batch, r, r)
-            verify_s[batch][r] = _seconds(lambda: forward_batch(target, store, ids, positions, own, taps), device,
-                                          repeats)
-    proposer = DFlashProposer(drafter, target)
-    context_taps = torch.randn(1, context, len(taps) * target.hidden_size, dtype=target.dtype, device=device)
-    proposer.add_context(context_taps)
-    one = _seconds(lambda: proposer.propose(1, context, proposer.block_size, SamplingParams(), None), device, repeats)
-    log_probs = torch.randn(proposer.block_size - 1, target.vocab_size, device=device).log_softmax(-1)
+            run = ((lambda: one_sequence(ids, positions[0])) if batch == 1 else
+                   (lambda: batched(ids, positions, own, taps)))
+            verify_s[batch][r] = _seconds(run, device, repeats)
+    draft_s = _draft_costs(target, drafter, batch_sizes, context, repeats)
+    log_probs = torch.randn(drafter.cfg.block_size - 1, target.vocab_size, device=device).log_softmax(-1)
     tree_build_s = {b: _seconds(lambda b=b: build_tree(log_probs, b), device, repeats) for b in budgets}
     return CostTable(device=device.type, dtype=str(target.dtype).removeprefix("torch."), target=target_name,
                      drafter=drafter_name, context_tokens=context, verify_s=verify_s,
-                     draft_s={batch: batch * one for batch in batch_sizes}, tree_build_s=tree_build_s)
+                     draft_s=draft_s, tree_build_s=tree_build_s)
+
+
+def _draft_costs(target: FastTarget, drafter: DFlashDrafter, batch_sizes: list[int], context: int,
+                 repeats: int) -> dict[int, float]:
+    """Seconds of one drafting step per batch size: the batched pass and extension, or, for a drafter only the
+    eager path runs (the batch engine then drafts each sequence in turn), batch x one sequence's pass."""
+    device = target.device
+    width = len(drafter.cfg.target_layer_ids) * target.hidden_size
+    if fast_drafter_problem(drafter) is not None:
+        proposer = DFlashProposer(drafter, target)
+        proposer.add_context(torch.randn(1, context, width, dtype=target.dtype, device=device))
+        one = _seconds(lambda: proposer.propose(1, context, proposer.block_size, SamplingParams(), None), device,
+                       repeats)
+        return {batch: batch * one for batch in batch_sizes}
+    drafting = BatchDrafter(drafter, target, max(batch_sizes))
+    for slot in range(max(batch_sizes)):
+        drafting.extend([slot], [torch.randn(1, context, width, dtype=target.dtype, device=device)])
+    block = [torch.randn(1, drafter.cfg.block_size, width, dtype=target.dtype, device=device)]
+
+    def draft_step(batch: int) -> None:
+        drafting.draft([1] * batch, [context] * batch, [drafter.cfg.block_size - 1] * batch)
+        drafting.extend(list(range(batch)), block * batch)
+        drafting.lengths[:batch] = [context] * batch
+
+    return {batch: _seconds(lambda batch=batch: draft_step(batch), device, repeats) for batch in batch_sizes}
 
 
 def measure_acceptance(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], budgets: list[int],

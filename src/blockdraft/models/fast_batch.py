@@ -5,7 +5,7 @@ active ones occupy slots 0..B-1, so attention reads them as one view. A forward 
 sequence needs this step; a sequence with fewer rows pads with rows only it sees, written past its length and never
 committed), its own positions and [R, R] visibility (causal for chains, ancestors for trees), and writes each
 sequence's K/V at its own length. Committing is per sequence: a new length (a chain) or a gather within its slot
-(a tree). Only the q/k/v write and the mask are batch-specific: the attention choice, the layer's tail and the
+(a tree). Only the K/V write (`fast_ops.batched_qkv_heads`) and the mask are batch-specific: the attention choice, the layer's tail and the
 decoder stack (taps included) are the batch-1 forward's own (`attend`, `layer_tail`, `FastTarget.run_layers`).
 
 `BatchForward` runs it from CUDA graphs, one per (batch bucket, rows, key capacity): eagerly, a batched step of an
@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 from blockdraft.models.fast_drafter import capture
-from blockdraft.models.fast_ops import rope_rotate, rms_norm
 from blockdraft.models.fast_target import MAX_GRAPHS, FastTarget, LayerWeights, attend, graph_rows, layer_tail
 from blockdraft.models.static_cache import StaticTargetCache, round_up
 
@@ -96,24 +95,6 @@ def batched_attention_bias(lengths: torch.Tensor, slot_ids: torch.Tensor, positi
     return bias.repeat(1, groups, 1).unsqueeze(1)
 
 
-def batched_qkv_heads(qkv: torch.Tensor, layer: LayerWeights, cos: torch.Tensor, sin: torch.Tensor, heads: int,
-                      kv_heads: int, eps: float, kv: torch.Tensor, seq: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-    """`fast_ops.qkv_heads` over [B, t, *]: q [B, kv_heads, groups * t, d]; sequence b's k/v rows are written
-    at slot seq[b], positions cols[b] of `kv` ([2, slots, kv_heads, positions, d])."""
-    batch, t = qkv.shape[:2]
-    d = cos.shape[-1]
-    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
-    q = q.view(batch, t, heads, d)
-    k = k.view(batch, t, kv_heads, d)
-    if layer.q_norm is not None and layer.k_norm is not None:
-        q = rms_norm(q, layer.q_norm, eps)
-        k = rms_norm(k, layer.k_norm, eps)
-    q = rope_rotate(q.transpose(1, 2), cos, sin)
-    kv[0][seq, :, cols] = rope_rotate(k.transpose(1, 2), cos, sin).transpose(1, 2)
-    kv[1][seq, :, cols] = v.view(batch, t, kv_heads, d)
-    return q.reshape(batch, kv_heads, (heads // kv_heads) * t, d)
-
-
 @torch.inference_mode()
 def forward_batch(target: FastTarget, store: BatchKV, ids: torch.Tensor, positions: torch.Tensor, own: torch.Tensor,
                   tap_layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -143,11 +124,10 @@ def run_batch(target: FastTarget, kv: torch.Tensor, lengths: torch.Tensor, ids: 
 
     def step(i: int, layer: LayerWeights, x: torch.Tensor, h: torch.Tensor,
              following: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        q = batched_qkv_heads(F.linear(h, layer.qkv, layer.qkv_bias), layer, cos, sin, target.heads,
-                              target.kv_heads, target.eps, kv[i], seq, cols)
+        q = ops.batched_qkv_heads(F.linear(h, layer.qkv, layer.qkv_bias), layer.q_norm, layer.k_norm, cos, sin,
+                                  target.heads, target.kv_heads, target.eps, kv[i, 0], kv[i, 1], seq, cols)
         out = attend(ops, layer, q, kv[i, 0, :batch, :, :cap], kv[i, 1, :batch, :, :cap], biases[layer.window], t)
-        merged = out.reshape(batch, target.heads, t, -1).transpose(1, 2).reshape(batch, t, -1)
-        return layer_tail(ops, layer, x, merged, following, target.eps, target.act)
+        return layer_tail(ops, layer, x, ops.merge_heads(out, target.heads, t), following, target.eps, target.act)
 
     h, tapped = target.run_layers(F.embedding(ids, target.embedding_weight), step, tap_layers)
     return target.lm_head(h), tapped

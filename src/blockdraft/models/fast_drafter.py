@@ -60,25 +60,44 @@ def context_bias(
     groups: int,
     dtype: torch.dtype,
 ) -> torch.Tensor:
-    """[1, 1, groups * t, cap] additive mask of t block rows over the first cap slots: 0 where visible, -inf elsewhere.
+    """[1, 1, groups * t, cap] additive mask of t block rows over the first cap slots: `batched_context_bias` of
+    one sequence (scalar `length` and `valid`, positions [t])."""
+    return batched_context_bias(length.view(1), slot_ids, positions.unsqueeze(0), valid.view(1), causal, window,
+                                groups, dtype)
 
-    Slots below `length` hold the context (slot = position); slot length + j holds block row j, present when
-    j < `valid`. On top, the drafter's per-layer rule (`visibility_mask`) by absolute position. Every row also sees
-    itself, so padding rows never attend to nothing (a fully masked row would give NaNs that leak through V).
+
+def batched_context_bias(
+    lengths: torch.Tensor,
+    slot_ids: torch.Tensor,
+    positions: torch.Tensor,
+    valid: torch.Tensor,
+    causal: bool,
+    window: int | None,
+    groups: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """[n, 1, groups * t, cap] additive mask of each sequence's t block rows over the first cap slots of its own
+    context: 0 where visible, -inf elsewhere.
+
+    Slots below `lengths[b]` hold sequence b's context (slot = position); slot lengths[b] + j holds its block row j,
+    present when j < `valid[b]`. On top, the drafter's per-layer rule (`visibility_mask`) by absolute position.
+    Every row also sees itself, so padding rows never attend to nothing (a fully masked row would give NaNs that
+    leak through V).
     """
-    t = positions.shape[0]
-    rel = slot_ids - length
+    t = positions.shape[1]
+    rel = slot_ids.unsqueeze(0) - lengths.unsqueeze(1)  # [n, cap]
     context = rel < 0
     block = (rel >= 0) & (rel < t)
     row = rel.clamp(0, t - 1)
-    present = context | (block & (rel < valid))
-    itself = block.unsqueeze(0) & (row.unsqueeze(0) == slot_ids[:t].unsqueeze(1))
-    visible = present.unsqueeze(0) | itself
-    rule = visibility_mask(positions, torch.where(context, slot_ids, positions[row]), causal, window)
+    present = context | (block & (rel < valid.unsqueeze(1)))
+    itself = block.unsqueeze(1) & (row.unsqueeze(1) == slot_ids[:t].view(1, t, 1))  # [n, t, cap]
+    visible = present.unsqueeze(1) | itself
+    rule = visibility_mask(positions, torch.where(context, slot_ids.unsqueeze(0), positions.gather(1, row)), causal,
+                           window)
     if rule is not None:
         visible = visible & rule
     bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, float("-inf"))
-    return bias.repeat(groups, 1)[None, None]
+    return bias.repeat(1, groups, 1).unsqueeze(1)
 
 
 def context_kv(

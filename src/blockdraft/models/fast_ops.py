@@ -43,6 +43,29 @@ def rope_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+def rotated_heads(
+    qkv: torch.Tensor,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Packed q|k|v [B, t, *] -> q [B, heads, t, d] and k [B, kv_heads, t, d] (normed and rotated), v [B, t,
+    kv_heads, d]; cos/sin broadcast to [B, 1, t, d]."""
+    batch, t = qkv.shape[:2]
+    d = cos.shape[-1]
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q = q.view(batch, t, heads, d)
+    k = k.view(batch, t, kv_heads, d)
+    if q_norm is not None and k_norm is not None:
+        q = rms_norm(q, q_norm, eps)
+        k = rms_norm(k, k_norm, eps)
+    return rope_rotate(q.transpose(1, 2), cos, sin), rope_rotate(k.transpose(1, 2), cos, sin), v.view(batch, t, kv_heads, d)
+
+
 def qkv_heads(
     qkv: torch.Tensor,
     q_norm: torch.Tensor | None,
@@ -65,23 +88,39 @@ def qkv_heads(
     inside the function would copy the whole cache). cos/sin are [1, 1, t, d].
     """
     t = qkv.shape[1]
-    d = cos.shape[-1]
-    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
-    q = q.view(1, t, heads, d)
-    k = k.view(1, t, kv_heads, d)
-    if q_norm is not None and k_norm is not None:
-        q = rms_norm(q, q_norm, eps)
-        k = rms_norm(k, k_norm, eps)
-    q = rope_rotate(q.transpose(1, 2), cos, sin)
-    k_cache[:, slots] = rope_rotate(k.transpose(1, 2), cos, sin)[0]
-    v_cache[:, slots] = v.view(1, t, kv_heads, d).transpose(1, 2)[0]
-    return q.reshape(1, kv_heads, (heads // kv_heads) * t, d)
+    q, k, v = rotated_heads(qkv, q_norm, k_norm, cos, sin, heads, kv_heads, eps)
+    k_cache[:, slots] = k[0]
+    v_cache[:, slots] = v.transpose(1, 2)[0]
+    return q.reshape(1, kv_heads, (heads // kv_heads) * t, q.shape[-1])
+
+
+def batched_qkv_heads(
+    qkv: torch.Tensor,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    eps: float,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seq: torch.Tensor,
+    cols: torch.Tensor,
+) -> torch.Tensor:
+    """`qkv_heads` over [B, t, *]: q [B, kv_heads, groups * t, d]; sequence b's k/v rows are written at slot seq[b],
+    positions cols[b] of the caches ([slots, kv_heads, positions, d]); cos/sin are [B, 1, t, d]."""
+    batch, t = qkv.shape[:2]
+    q, k, v = rotated_heads(qkv, q_norm, k_norm, cos, sin, heads, kv_heads, eps)
+    k_cache[seq, :, cols] = k.transpose(1, 2)
+    v_cache[seq, :, cols] = v
+    return q.reshape(batch, kv_heads, (heads // kv_heads) * t, q.shape[-1])
 
 
 def merge_heads(out: torch.Tensor, heads: int, t: int) -> torch.Tensor:
-    """Attention output [1, kv_heads, groups * t, d] -> [1, t, heads * d] (undo the GQA fold)."""
-    d = out.shape[-1]
-    return out.reshape(1, heads, t, d).transpose(1, 2).reshape(1, t, heads * d)
+    """Attention output [B, kv_heads, groups * t, d] -> [B, t, heads * d] (undo the GQA fold)."""
+    batch, d = out.shape[0], out.shape[-1]
+    return out.reshape(batch, heads, t, d).transpose(1, 2).reshape(batch, t, heads * d)
 
 
 def glu(gate_up: torch.Tensor, act: str) -> torch.Tensor:
@@ -158,6 +197,7 @@ class LayerOps:
         self.rms_norm = wrap(rms_norm)
         self.add_rms_norm = wrap(add_rms_norm)
         self.qkv_heads = wrap(qkv_heads)
+        self.batched_qkv_heads = wrap(batched_qkv_heads)
         self.merge_heads = wrap(merge_heads)
         self.glu = wrap(glu)
         self.attention_bias = wrap(attention_bias)
