@@ -10,7 +10,8 @@ decoder stack (taps included) are the batch-1 forward's own (`attend`, `layer_ta
 
 `BatchForward` runs it from CUDA graphs, one per (batch bucket, rows, key capacity): eagerly, a batched step of an
 8B target was launch-bound at 44-87 ms whatever its size (H200, benchmarks/RESULTS.md, session 14), 8-20x its
-roofline.
+roofline. The head runs after the graph, on the real rows only, so no graph holds [bucket x rows x vocab] logits
+(GBs on a 150K vocabulary) and large steps can be graphed too.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from blockdraft.models.fast_drafter import capture
 from blockdraft.models.fast_target import MAX_GRAPHS, FastTarget, LayerWeights, attend, graph_rows, layer_tail
 from blockdraft.models.static_cache import StaticTargetCache, round_up
 
-GRAPH_MAX_ROWS = 2048  # bucket x rows past this run eagerly: compute-bound there, and a graph's logits would take GBs
+GRAPH_MAX_ROWS = 8192  # bucket x rows past this run eagerly (compute-bound there, whatever the model)
 
 
 class BatchKV:
@@ -105,12 +106,14 @@ def forward_batch(target: FastTarget, store: BatchKV, ids: torch.Tensor, positio
     lengths = torch.tensor(store.lengths[:batch], dtype=torch.long, device=target.device)
     cap = round_up(max(store.lengths[:batch]) + t)
     store.ensure(cap)
-    return run_batch(target, store.kv, lengths, ids, positions, own, cap, tap_layers)
+    h, taps = run_batch(target, store.kv, lengths, ids, positions, own, cap, tap_layers)
+    return target.lm_head(h), taps
 
 
 def run_batch(target: FastTarget, kv: torch.Tensor, lengths: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
               own: torch.Tensor, cap: int, tap_layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The batched forward itself: only device work on fixed buffers, so a CUDA graph can capture it."""
+    """The batched forward itself up to the final norm (states [B, t, hidden], taps): only device work on fixed
+    buffers, so a CUDA graph can capture it."""
     batch, t = ids.shape
     device = target.device
     ops, groups = target.ops, target.heads // target.kv_heads
@@ -129,8 +132,7 @@ def run_batch(target: FastTarget, kv: torch.Tensor, lengths: torch.Tensor, ids: 
         out = attend(ops, layer, q, kv[i, 0, :batch, :, :cap], kv[i, 1, :batch, :, :cap], biases[layer.window], t)
         return layer_tail(ops, layer, x, ops.merge_heads(out, target.heads, t), following, target.eps, target.act)
 
-    h, tapped = target.run_layers(F.embedding(ids, target.embedding_weight), step, tap_layers)
-    return target.lm_head(h), tapped
+    return target.run_layers(F.embedding(ids, target.embedding_weight), step, tap_layers)
 
 
 def batch_bucket(batch: int, slots: int) -> int:
@@ -148,7 +150,7 @@ class _BatchGraph:
     own: torch.Tensor
     lengths: torch.Tensor
     graph: Any = None
-    logits: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
     taps: torch.Tensor | None = None
 
 
@@ -169,7 +171,8 @@ class BatchForward:
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, own: torch.Tensor,
                  tap_layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`forward_batch`'s logits and taps; from a graph they are views of its outputs, valid until the next call."""
+        """`forward_batch`'s logits and taps; from a graph the taps are a view of its output, valid until the next
+        call."""
         batch, t = ids.shape
         rows, bucket = graph_rows(t), batch_bucket(batch, self.store.slots)
         if not self.pad or bucket * rows > GRAPH_MAX_ROWS:
@@ -198,15 +201,15 @@ class BatchForward:
         entry.lengths.copy_(torch.tensor(store.lengths[:batch] + [0] * (bucket - batch), dtype=torch.long),
                             non_blocking=True)
         if not self.use_graphs:
-            logits, taps = self._run(entry, cap, tap_layers)
+            hidden, taps = self._run(entry, cap, tap_layers)
         else:
             if fresh:  # warm-up runs write only past each sequence's length, as the replays do
-                entry.graph, (entry.logits, entry.taps) = capture(lambda: self._run(entry, cap, tap_layers),
+                entry.graph, (entry.hidden, entry.taps) = capture(lambda: self._run(entry, cap, tap_layers),
                                                                  self.target.device, self.pool)
             entry.graph.replay()
-            logits, taps = entry.logits, entry.taps
-        assert logits is not None
-        return logits[:batch, :t], None if taps is None else taps[:batch, :t]
+            hidden, taps = entry.hidden, entry.taps
+        assert hidden is not None
+        return self.target.lm_head(hidden[:batch, :t]), None if taps is None else taps[:batch, :t]
 
     def _buffers(self, bucket: int, rows: int) -> _BatchGraph:
         device = self.target.device

@@ -38,10 +38,18 @@ class BatchedEngine:
         return bool(self.decoder.running)
 
     def warm_up(self, prompt_ids: list[int]) -> None:
-        """One short decode through the batched step."""
-        self.decoder.join(prompt_ids, _WARMUP_TOKENS)
-        while self.decoder.running:
-            self.decoder.step()
+        """Short decodes at every batch bucket (1, 2, 4, ... --max-num-seqs sequences at once), so the first
+        requests at each size do not pay for compiling and capturing its graphs (on the H200 the first batched
+        steps stalled concurrency 4 below concurrency 1 before this)."""
+        size = 1
+        while True:
+            for _ in range(size):
+                self.decoder.join(prompt_ids, _WARMUP_TOKENS)
+            while self.decoder.running:
+                self.decoder.step()
+            if size >= self.decoder.max_seqs:
+                return
+            size = min(2 * size, self.decoder.max_seqs)
 
     def admit(self, job: Job, should_stop: Callable[[], bool]) -> None:
         """Prefill `job` and add it to the batch (finished at once if its first token ends it)."""
