@@ -46,6 +46,11 @@ DRAFTER_VARIANTS = {
         dflash_config={"block_size": 6},
     ),
     "block_in_dflash_config": dict(layer_types=["full_attention"] * 2, dflash_config={"block_size": 4}),
+    # DFlash-2: block convolutions of 3 taps over 4 channel groups, a rank-4 selector over the top 3 candidates.
+    "dflash2": dict(
+        layer_types=["full_attention"] * 2, block_size=6, architectures=["DFlash2DraftModel"],
+        dflash_config={"conv_kernel_size": 3, "conv_group_size": 8, "selector_rank": 4, "selector_top_k": 3},
+    ),
 }
 
 

@@ -113,7 +113,7 @@ def test_use_swa_without_a_window_is_refused() -> None:
         (lambda r: r.update(target_hidden_size=64), "`target_hidden_size`=64"),
         (lambda r: r.update(draft_vocab_size=32), "`draft_vocab_size`=32"),
         (lambda r: r.update(architectures=["DFlash2DraftModel"]), "DFlash-2"),
-        (lambda r: r["dflash_config"].update(conv_kernel_size=4), "`conv_kernel_size` marks a DFlash-2"),
+        (lambda r: r["dflash_config"].update(conv_kernel_size=4), "`dflash_config.conv_group_size` is missing; a DFlash-2"),
         (lambda r: r.update(partial_rotary_factor=0.0), "partial_rotary_factor"),
     ],
 )

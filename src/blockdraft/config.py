@@ -17,7 +17,7 @@ from blockdraft.errors import BlockdraftError
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 DEFAULT_BLOCK_SIZE = 16
-_UNSUPPORTED_VARIANT_FIELDS = ("selector_rank", "conv_kernel_size", "conv_group_size")
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -40,6 +40,18 @@ def vllm_num_speculative_tokens(block_size: int) -> int:
 def sglang_num_draft_tokens(block_size: int) -> int:
     """SGLang counts the whole block, anchor included."""
     return block_size
+
+
+@dataclass(frozen=True)
+class DFlash2Shape:
+    """What makes a drafter DFlash-2 (vLLM 0.33 `qwen3_dflash2.py`): each layer's two grouped causal convolutions
+    along the block (`conv_kernel_size` taps, channels in groups of `conv_group_size`) and the candidate selector
+    (the drafter's `selector_top_k` tokens per position, edges scored through rank-`selector_rank` codebooks)."""
+
+    conv_kernel_size: int
+    conv_group_size: int
+    selector_rank: int
+    selector_top_k: int
 
 
 @dataclass(frozen=True)
@@ -78,6 +90,7 @@ class DraftConfig:
     partial_rotary_factor: float = 1.0
     value_scale: float | None = None
     attention_sinks: bool = False
+    dflash2: DFlash2Shape | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def layer_is_causal(self, layer: int) -> bool:
@@ -106,7 +119,7 @@ class DraftConfig:
         if self.num_target_layers is not None:
             out["num_target_layers"] = self.num_target_layers
         out["layer_types"] = list(self.declared_layer_types)
-        out.setdefault("architectures", ["DFlashDraftModel"])
+        out.setdefault("architectures", ["DFlash2DraftModel" if self.dflash2 else "DFlashDraftModel"])
         out.setdefault("model_type", "qwen3")
         return out
 
@@ -232,17 +245,6 @@ _REFUSED_FIELDS: dict[str, tuple[Any, str, str]] = {
 
 def _check_refused(raw: dict[str, Any], hidden: int, head_dim: int, vocab: int | None, source: str) -> None:
     """Refuse, by name, fields that would change what the drafter computes in ways blockdraft does not implement."""
-    for name in _UNSUPPORTED_VARIANT_FIELDS:
-        if _get(raw, name) is not None:
-            raise BlockdraftError(
-                f"{source}: field `{name}` marks a DFlash-2 drafter (candidate selector / convolutions), "
-                "which blockdraft does not run yet; use a DFlash (v1) drafter"
-            )
-    if any("DFlash2" in str(a) for a in raw.get("architectures") or []):
-        raise BlockdraftError(
-            f"{source}: architecture {raw['architectures']} is a DFlash-2 drafter, which blockdraft does not run yet; "
-            "use a DFlash (v1) drafter"
-        )
     for name, (harmless, what, fix) in _REFUSED_FIELDS.items():
         value = _get(raw, name)
         if value is not None and value != harmless:
@@ -355,6 +357,36 @@ def _partial_rotary_factor(raw: dict[str, Any], source: str) -> float:
     return factor
 
 
+def _dflash2_shape(raw: dict[str, Any], hidden: int, vocab: int | None, source: str) -> DFlash2Shape | None:
+    """The DFlash-2 fields when the config has any of them (or a DFlash2 architecture): all four are required, as
+    vLLM reads them, with the constraints its modules assume."""
+    present = [name for name in DFLASH2_FIELDS if _get(raw, name) is not None]
+    if not present and not any("DFlash2" in str(a) for a in raw.get("architectures") or []):
+        return None
+    values = {}
+    for name in DFLASH2_FIELDS:
+        value, where = _located(raw, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            why = " is missing" if value is None else f"={value!r} is not a positive integer"
+            raise BlockdraftError(
+                f"{source}: `{where}`{why}; a DFlash-2 drafter (convolutions + candidate selector) needs all of "
+                f"{', '.join(DFLASH2_FIELDS)} in dflash_config, as vLLM's qwen3_dflash2.py reads them"
+            )
+        values[name] = value
+    if hidden % values["conv_group_size"]:
+        raise BlockdraftError(
+            f"{source}: `{_located(raw, 'conv_group_size')[1]}`={values['conv_group_size']} must divide "
+            f"hidden_size={hidden} (the convolution's channel groups)"
+        )
+    if values["conv_kernel_size"] > 64:
+        raise BlockdraftError(f"{source}: `{_located(raw, 'conv_kernel_size')[1]}`={values['conv_kernel_size']} taps "
+                              "is longer than any block; it counts taps along the block (published: a few)")
+    if vocab is not None and values["selector_top_k"] > vocab:
+        raise BlockdraftError(f"{source}: `{_located(raw, 'selector_top_k')[1]}`={values['selector_top_k']} exceeds "
+                              f"vocab_size={vocab}")
+    return DFlash2Shape(**values)
+
+
 def parse_draft_config(raw: dict[str, Any], source: str = "config.json") -> DraftConfig:
     """Validate a drafter config dict; every problem is reported with the field name and the fix."""
     if not isinstance(raw, dict):
@@ -378,6 +410,7 @@ def parse_draft_config(raw: dict[str, Any], source: str = "config.json") -> Draf
     intermediate = _require_int(raw, "intermediate_size", source)
     vocab = raw.get("vocab_size")
     _check_refused(raw, hidden, head_dim, vocab, source)
+    dflash2 = _dflash2_shape(raw, hidden, vocab, source)
 
     block_size, block_field = _located(raw, "block_size", DEFAULT_BLOCK_SIZE)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:
@@ -457,6 +490,7 @@ def parse_draft_config(raw: dict[str, Any], source: str = "config.json") -> Draf
         partial_rotary_factor=_partial_rotary_factor(raw, source),
         value_scale=value_scale,
         attention_sinks=sinks,
+        dflash2=dflash2,
         raw=copy.deepcopy(raw),
     )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from blockdraft.decoding.ddtree import DDTreeProposer
+from blockdraft.decoding.dflash2 import DFlash2Proposer
 from blockdraft.decoding.draft import DFlashProposer, Proposer
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.drafter import DFlashDrafter
@@ -31,7 +32,9 @@ def device_settings(device: str, block_size: int, budget: int | None, draft_toke
 
 def build_proposer(method: str, target: Target, drafter: DFlashDrafter | None, budget: int | None = None,
                    draft_tokens: int | None = None) -> Proposer | None:
-    """None for AR; a drafter is required for every other method; `draft_tokens` None drafts the whole block."""
+    """None for AR; a drafter is required for every other method; `draft_tokens` None drafts the whole block.
+    `dflash` over a DFlash-2 drafter is its selector walk (vLLM's method "dflash2"); `ddtree` over one builds trees
+    from its per-position probabilities."""
     if method == "ar":
         return None
     if method not in METHODS:
@@ -40,4 +43,6 @@ def build_proposer(method: str, target: Target, drafter: DFlashDrafter | None, b
         raise BlockdraftError(f"--method {method} needs --drafter PATH")
     if method == "ddtree":
         return DDTreeProposer(drafter, target, budget, draft_tokens)
+    if drafter.candidate_selector is not None:
+        return DFlash2Proposer(drafter, target, draft_tokens)
     return DFlashProposer(drafter, target, draft_tokens=draft_tokens)

@@ -83,6 +83,9 @@ def vllm_command(drafter_path: str, target: str, draft: DraftConfig, port: int =
     notes = [
         "use a vLLM release with PR #40727 (taps read as layer outputs, not inputs)",
         VLLM_BACKEND_NOTE,
+        *(["DFlash-2 drafter: vLLM 0.33 serves it under method dflash, choosing its DFlash2 speculator (candidates + "
+           "selector walk) from the drafter's architecture DFlash2DraftModel; there is no method dflash2"]
+          if draft.dflash2 else []),
         *([VLLM_MIXED_NOTE] if mixes_sliding_and_full(draft) else []),
         *(["sliding-window drafter: use a release whose KV allocator never evicts the drafter context "
            "(vLLM PR #50169)"] if "sliding_attention" in draft.layer_types else []),
@@ -97,7 +100,8 @@ def sglang_command(
     target_config: dict[str, Any] | None,
     port: int = 30000,
 ) -> LaunchPlan:
-    """`sglang serve` with DFLASH, draft tokens = B and metrics on."""
+    """`sglang serve` with DFLASH, draft tokens = B and metrics on (SGLang runs DFlash-2 drafters under DFLASH too,
+    by their architecture)."""
     speculative = [
         "--speculative-algorithm", "DFLASH",
         "--speculative-draft-model-path", drafter_path,

@@ -323,6 +323,42 @@ def _check_units(draft: DraftConfig, vllm_tokens: int | None, sglang_tokens: int
     return findings
 
 
+DFLASH2_ARCHITECTURES = ("DFlash2DraftModel", "DFlash2BeamDraftModel")
+
+
+def _check_dflash2(draft: DraftConfig) -> list[Finding]:
+    """DFlash-2 traps: engines pick the model class (and vLLM its speculator) by architecture, not by fields."""
+    if draft.dflash2 is None:
+        return []
+    findings = []
+    architectures = draft.raw.get("architectures") or []
+    if not set(architectures) & set(DFLASH2_ARCHITECTURES):
+        findings.append(Finding(
+            "error", "architectures",
+            f"the config has DFlash-2 fields (block convolutions, candidate selector) but architectures "
+            f"{architectures}; vLLM 0.33 and SGLang choose the drafter class by architecture (vLLM its DFlash2 "
+            "speculator too, under method dflash)",
+            "the drafter is built as DFlash (v1): its convolution and selector tensors are rejected at load, or the "
+            "drafts come from a model that is not the trained one",
+            'set "architectures": ["DFlash2DraftModel"] in the drafter\'s config.json',
+        ))
+    if draft.dflash2.selector_top_k == 1:
+        findings.append(Finding(
+            "warning", draft.field_name("selector_top_k"),
+            "selector_top_k = 1: the walk has one candidate per position, so it is the chain's per-position argmax",
+            "DFlash-2's selector does nothing: the chain's acceptance, with a selector's cost",
+            "use the top-k the drafter was trained with (published DFlash-2 drafters: 16)",
+        ))
+    if draft.dflash2.conv_kernel_size > draft.block_size:
+        findings.append(Finding(
+            "info", draft.field_name("conv_kernel_size"),
+            f"conv_kernel_size {draft.dflash2.conv_kernel_size} is longer than the block ({draft.block_size} rows): "
+            "the taps past the block read only zeros",
+            "none at run time", "nothing to do unless the config was edited by hand (published: 2)",
+        ))
+    return findings
+
+
 def _check_thinking(chat_template: str | None) -> list[Finding]:
     if not chat_template or not any(marker in chat_template for marker in THINKING_MARKERS):
         return []
@@ -382,6 +418,7 @@ def check_pair(
         *_check_sliding(draft),
         *_check_rope(draft, target),
         *_check_units(draft, vllm_num_speculative_tokens, sglang_num_draft_tokens),
+        *_check_dflash2(draft),
         *_check_thinking(chat_template),
         *_check_hybrid(draft, target_config, target),
     ]

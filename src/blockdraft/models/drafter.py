@@ -8,6 +8,10 @@ and turn hidden states into logits with the target's head.
 Every layer reads keys/values from [context ; block]: context entries come from the projected target taps
 (cached across steps, one entry per committed position), block entries from the block being drafted. The
 visibility rule per layer (causal, sliding window, bidirectional) is `visibility_mask`, shared with training.
+
+A DFlash-2 drafter (config `dflash2` set) adds, per layer, two block convolutions (`GroupedBlockConv`:
+`layers.{i}.attention_conv.*`, `layers.{i}.mlp_conv.*`) and a `CandidateSelector` (`candidate_selector.*`), with
+vLLM 0.33's and the published checkpoints' names; decoding/dflash2.py turns its states into drafts.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from torch import nn
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
 from blockdraft.config import DraftConfig
+from blockdraft.errors import BlockdraftError
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -136,8 +141,39 @@ class DrafterAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
+class GroupedBlockConv(nn.Module):
+    """DFlash-2's grouped causal convolution along the block (vLLM 0.33 `DFlashGroupedConv`, dflash 0.1.0
+    `GroupedDynamicCausalConv`): row j of a block becomes sum over taps t of (base[t] + delta[j, t, group]) * x[j - t],
+    taps reaching before the block's first row (the anchor) reading zeros. The kernel is a learned base plus a
+    per-row, per-channel-group projection of the layer's input; `prepare` convolves the input with side 0 and keeps
+    side 1's coefficients, which `finish` applies to the sublayer's output."""
+
+    def __init__(self, hidden_size: int, taps: int, group_size: int) -> None:
+        super().__init__()
+        self.taps, self.group_size, self.groups = taps, group_size, hidden_size // group_size
+        self.base_kernel = nn.Parameter(torch.zeros(2, taps, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * taps * self.groups, bias=False)
+
+    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [b, q, hidden] (rows 0..q-1 of each block) -> (convolved x, side-1 coefficients [b, q, taps, groups])."""
+        delta = self.kernel_projection(x).view(*x.shape[:-1], 2, self.taps, self.groups)
+        return self.convolve(x, delta[..., 0, :, :], 0), delta[..., 1, :, :]
+
+    def finish(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        return self.convolve(x, delta, 1)
+
+    def convolve(self, x: torch.Tensor, delta: torch.Tensor, side: int) -> torch.Tensor:
+        blocks = x.unflatten(-1, (self.groups, self.group_size))  # [b, q, groups, group_size]
+        coefficients = self.base_kernel[side].view(self.taps, self.groups, self.group_size) + delta.unsqueeze(-1)
+        out = coefficients[:, :, 0] * blocks
+        for tap in range(1, self.taps):
+            out = out + coefficients[:, :, tap] * F.pad(blocks[:, :-tap], (0, 0, 0, 0, tap, 0))
+        return out.flatten(-2)
+
+
 class DrafterLayer(nn.Module):
-    """Pre-norm decoder layer: residual attention, then residual SwiGLU MLP."""
+    """Pre-norm decoder layer: residual attention, then residual SwiGLU MLP; a DFlash-2 layer wraps each sublayer
+    in a block convolution (input convolved before, output after)."""
 
     def __init__(self, cfg: DraftConfig, layer: int, hf_config: object) -> None:
         super().__init__()
@@ -145,6 +181,12 @@ class DrafterLayer(nn.Module):
         self.mlp = Qwen3MLP(hf_config)
         self.input_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.attention_conv: GroupedBlockConv | None = None
+        self.mlp_conv: GroupedBlockConv | None = None
+        if cfg.dflash2 is not None:
+            shape = cfg.dflash2
+            self.attention_conv = GroupedBlockConv(cfg.hidden_size, shape.conv_kernel_size, shape.conv_group_size)
+            self.mlp_conv = GroupedBlockConv(cfg.hidden_size, shape.conv_kernel_size, shape.conv_group_size)
 
     def forward(
         self,
@@ -155,8 +197,37 @@ class DrafterLayer(nn.Module):
         context_v: torch.Tensor,
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, context_k, context_v, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.input_layernorm(x)
+        if self.attention_conv is None or self.mlp_conv is None:
+            x = x + self.self_attn(h, cos, sin, context_k, context_v, mask)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        h, delta = self.attention_conv.prepare(h)
+        x = x + self.attention_conv.finish(self.self_attn(h, cos, sin, context_k, context_v, mask), delta)
+        h, delta = self.mlp_conv.prepare(self.post_attention_layernorm(x))
+        return x + self.mlp_conv.finish(self.mlp(h), delta)
+
+
+class CandidateSelector(nn.Module):
+    """DFlash-2's selector: scores edges between consecutive positions' candidates. Edge (p -> c) at position l
+    scores unary[l, c] + <predecessor_codebook[p] * hidden_projection(h_l), successor_codebook[c]>, where p is the
+    anchor at l = 0 and a candidate of position l - 1 after (vLLM 0.33 `_score_edges`, dflash 0.1.0 `select`)."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, rank: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.predecessor_codebook = nn.Parameter(torch.zeros(vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.zeros(vocab_size, rank))
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+
+    def edge_scores(self, candidates: torch.Tensor, unary: torch.Tensor, hidden: torch.Tensor,
+                    anchor: int) -> torch.Tensor:
+        """Scores [L, K, K] (position, predecessor index, candidate index) for candidates and unary logits [L, K]
+        at hidden states [L, hidden]; at position 0 every predecessor row is the anchor."""
+        positions, k = candidates.shape
+        predecessors = torch.cat([candidates.new_full((1, k), anchor), candidates[:-1]])
+        pred = self.predecessor_codebook[predecessors] * self.hidden_projection(hidden)[:, None]  # [L, K, r]
+        pairwise = torch.einsum("lpr,lcr->lpc", pred, self.successor_codebook[candidates])
+        return unary[:, None, :] + pairwise  # fp32 unary + model-dtype pairwise -> fp32, as vLLM adds them
 
 
 class DrafterContextCache:
@@ -203,6 +274,13 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.norm = Qwen3RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.rotary_emb = rotary_embedding(cfg, hf_config)
+        self.candidate_selector: CandidateSelector | None = None
+        if cfg.dflash2 is not None:
+            if cfg.vocab_size is None:
+                raise BlockdraftError("a DFlash-2 drafter's config.json needs `vocab_size` (its selector codebooks "
+                                      "have one row per token)")
+            self.candidate_selector = CandidateSelector(cfg.hidden_size, cfg.vocab_size, cfg.dflash2.selector_rank,
+                                                        cfg.dflash2.selector_top_k)
 
     def rope(self, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for positions [b, t] (or [t]) in the dtype of `like`."""

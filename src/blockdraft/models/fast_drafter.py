@@ -36,6 +36,8 @@ T = TypeVar("T")
 def fast_drafter_problem(drafter: DFlashDrafter) -> str | None:
     """Why the static drafter path cannot run this drafter (one phrase), or None when it can."""
     cfg = drafter.cfg
+    if cfg.dflash2 is not None:
+        return "DFlash-2 block convolutions"
     if cfg.hidden_act not in ACTIVATIONS:
         return f"hidden_act {cfg.hidden_act!r}"
     if cfg.partial_rotary_factor != 1.0:

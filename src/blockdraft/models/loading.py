@@ -171,10 +171,15 @@ def load_drafter_weights(drafter: DFlashDrafter, weights: dict[str, torch.Tensor
     own = drafter.state_dict()
     weights = _published_names(weights)
     unknown = sorted(k for k in weights if k not in own and not _IGNORED.match(k))
+    if unknown and drafter.cfg.dflash2 is None and any("_conv." in k or "candidate_selector." in k for k in unknown):
+        raise BlockdraftError(
+            f"{source}: the checkpoint holds DFlash-2 tensors ({unknown[0]}, ...) but its config.json is DFlash (v1); "
+            "add dflash_config.conv_kernel_size, conv_group_size, selector_rank and selector_top_k as published"
+        )
     if unknown:
         raise BlockdraftError(
             f"{source}: the checkpoint has tensors this DFlash drafter does not use ({unknown[:3]}, {len(unknown)} in "
-            "all): a variant blockdraft does not run (e.g. DFlash-2 convolutions or selector), or a config that "
+            "all): a variant blockdraft does not run, or a config that "
             "does not match the weights"
         )
     missing = [k for k in own if k not in weights and "rotary_emb" not in k]

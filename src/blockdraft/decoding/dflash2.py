@@ -1,0 +1,86 @@
+"""DFlash-2 drafting: one drafter pass, the drafter's top-k candidates per position, then a walk over the candidate
+selector's edge scores picks the chain (vLLM 0.33 `DFlash2Speculator` + `_selector_walk_kernel`, dflash 0.1.0
+`CandidateSelector.select`, which agree).
+
+Why it differs from DFlash's chain: a DFlash chain takes each position's argmax independently, so position l + 1
+never learns which token position l proposed; the walk conditions every choice on the one before it through the
+predecessor codebook. The walk only proposes: the draft is verified like any chain (greedy match at T=0; at T > 0
+rejection sampling against q, the walk's softmax(scores / T) over the K candidates at each position, zero
+elsewhere, as both references sample and verify), so outputs stay the target's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from blockdraft.decoding.draft import DFlashProposer, Draft
+from blockdraft.decoding.sampling import SamplingParams
+from blockdraft.errors import BlockdraftError
+from blockdraft.models.drafter import CandidateSelector, DFlashDrafter
+from blockdraft.models.target import Target
+
+
+def walk(scores: torch.Tensor, candidates: torch.Tensor, sampling: SamplingParams,
+         generator: torch.Generator | None, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The selector walk over edge scores [L, K, K] (position, predecessor index, candidate index) and candidates
+    [L, K]: from predecessor row 0 (the anchor), each position picks a candidate from its predecessor's row, argmax at
+    T=0, sampled from softmax(row / T) otherwise. Returns the tokens [L] and, when sampling, q [L, vocab_size].
+    Stays on the device (no host sync per position)."""
+    positions, k = candidates.shape
+    previous = torch.zeros(1, dtype=torch.long, device=candidates.device)
+    picked, rows = [], []
+    for position in range(positions):
+        row = scores[position].index_select(0, previous)[0]  # [K]
+        if sampling.greedy:
+            index = row.argmax().view(1)
+        else:
+            q = torch.softmax(row.float() / sampling.temperature, dim=-1)
+            index = torch.multinomial(q, 1, generator=generator)
+            rows.append(torch.zeros(vocab_size, dtype=torch.float32, device=q.device).index_copy_(
+                0, candidates[position], q))
+        picked.append(candidates[position].index_select(0, index))
+        previous = index
+    tokens = torch.cat(picked)
+    return tokens, (torch.stack(rows) if rows else None)
+
+
+class DFlash2Proposer:
+    """The DFlash-2 chain over a drafter with a candidate selector; the drafter context and pass are the DFlash
+    chain's (eager: the static path does not run block convolutions)."""
+
+    name = "dflash2"
+    build_s = 0.0
+
+    def __init__(self, drafter: DFlashDrafter, target: Target, draft_tokens: int | None = None) -> None:
+        if drafter.candidate_selector is None:
+            raise BlockdraftError("a DFlash-2 proposer needs a DFlash-2 drafter (dflash_config.selector_rank, "
+                                  "selector_top_k, conv_kernel_size, conv_group_size); this one is DFlash (v1)")
+        self.chain = DFlashProposer(drafter, target, static=False, draft_tokens=draft_tokens)
+        self.drafter = drafter
+        self.selector: CandidateSelector = drafter.candidate_selector
+        self.tap_layers: tuple[int, ...] | None = self.chain.tap_layers
+
+    def reset(self) -> None:
+        self.chain.reset()
+
+    def add_context(self, taps: torch.Tensor) -> None:
+        self.chain.add_context(taps)
+
+    @torch.inference_mode()
+    def candidates(self, anchor: int, start: int, slots: int, visible: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafter pass -> (candidates [slots, K], edge scores [slots, K, K])."""
+        hidden = self.chain.slot_hidden(anchor, start, slots, visible)
+        logits = self.drafter.logits(hidden, self.chain.target.lm_head)
+        unary, candidates = logits.float().topk(self.selector.top_k, dim=-1)
+        return candidates, self.selector.edge_scores(candidates, unary, hidden, anchor)
+
+    @torch.inference_mode()
+    def propose(
+        self, anchor: int, start: int, max_depth: int, sampling: SamplingParams, generator: torch.Generator | None
+    ) -> Draft:
+        planned = self.chain.plan(max_depth)
+        if planned is None:
+            return Draft.empty(self.chain.target.device)
+        candidates, scores = self.candidates(anchor, start, *planned)
+        tokens, q = walk(scores, candidates, sampling, generator, self.chain.target.vocab_size)
+        return Draft.chain(tokens, draft_probs=q)
