@@ -56,7 +56,8 @@ CASES = [("qwen3", "ar", None, None), ("qwen3", "dflash", "all_full", None), ("q
          ("mistral", "dflash", "mixed_swa", None), ("sliding-qwen2", "ddtree", "mixed_swa", 6),
          ("sliding-qwen2", "dflash", "all_full", None), ("hf-qwen3", "ddtree", "all_full", 6),
          ("hf-hybrid-qwen3_5", "dflash", "all_full", None), ("hf-hybrid-qwen3_5", "ddtree", "all_full", 6),
-         ("qwen3-padded", "dflash", "all_full", None), ("qwen3-padded", "ddtree", "all_full", 12)]
+         ("qwen3-padded", "dflash", "all_full", None), ("qwen3-padded", "ddtree", "all_full", 12),
+         ("qwen3", "dflash", "dflash2", None), ("hf-qwen3", "ddtree", "dflash2", 6)]
 
 
 @pytest.mark.parametrize("target_name,method,variant,budget", CASES)
@@ -93,8 +94,10 @@ def test_every_sequence_in_a_batch_decodes_its_batch_1_ids(target_name: str, met
             results[seqs.pop(id(seq))] = seq.result()
         steps += 1
         assert steps < 500
-    # the fast engine drafts the whole batch in one pass; the HF engine, each proposer its own sequence
-    assert (decoder.drafting is not None) == (method != "ar" and isinstance(target, FastTarget))
+    # the fast engine drafts the whole batch in one pass; the HF engine and DFlash-2 drafters (block
+    # convolutions: no static path), each proposer its own sequence
+    batched_pass = method != "ar" and isinstance(target, FastTarget) and drafter.cfg.dflash2 is None
+    assert (decoder.drafting is not None) == batched_pass
     for i, single in enumerate(alone):
         batched = results[i]
         assert batched.token_ids == single.token_ids, f"prompt {i}"

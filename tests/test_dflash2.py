@@ -186,3 +186,56 @@ def test_launch_serves_dflash2_under_vllms_dflash_method() -> None:
 
     plan = vllm_command("/d", "/t", parse_draft_config(drafter_raw_config("dflash2")))
     assert plan.speculative_config["method"] == "dflash" and any("DFlash2DraftModel" in note for note in plan.notes)
+
+
+def test_the_selector_tree_holds_the_best_walks() -> None:
+    """Against brute force: the tree's prefixes are exactly the `budget` best walk prefixes by summed edge
+    log-probability (ties aside), every parent before its child, tokens the candidates on each path."""
+    import itertools
+
+    from blockdraft.decoding.dflash2 import build_selector_tree
+
+    g = torch.Generator().manual_seed(5)
+    positions, k, budget = 3, 3, 11
+    candidates = torch.arange(positions * k).view(positions, k) + 10
+    edges = torch.log_softmax(torch.randn(positions, k, k, generator=g) * 2, dim=-1)
+    prefixes = {}
+    for depth in range(1, positions + 1):
+        for path in itertools.product(range(k), repeat=depth):
+            previous, score = 0, 0.0
+            for position, index in enumerate(path):
+                score += float(edges[position, previous, index])
+                previous = index
+            prefixes[path] = score
+    best = sorted(prefixes, key=prefixes.get, reverse=True)[:budget]
+    draft = build_selector_tree(candidates, edges, budget)
+    assert len(draft) == budget and all(p < i for i, p in enumerate(draft.parents))
+    paths = []
+    for node in range(len(draft)):
+        tokens, at = [], node
+        while at >= 0:
+            tokens.append(int(draft.tokens[at]))
+            at = draft.parents[at]
+        path = tuple(int(t - 10 - position * k) for position, t in enumerate(reversed(tokens)))
+        assert draft.depths[node] == len(path)
+        paths.append(path)
+    assert set(paths) == set(best)
+
+
+@pytest.mark.parametrize("engine", [Target, FastTarget])
+def test_selector_trees_equal_ar(engine) -> None:  # noqa: ANN001
+    target = engine(make_target_model("qwen3"))
+    for budget in (1, 5, 30):
+        proposer = build_proposer("ddtree", target, strong_selector(), budget)
+        assert type(proposer).__name__ == "SelectorTreeProposer"
+        for prompt in random_prompts(4, 6):
+            assert generate(target, prompt, proposer, max_new_tokens=20).token_ids == \
+                generate(target, prompt, None, max_new_tokens=20).token_ids
+
+
+def test_selector_tree_sampling_matches_target() -> None:
+    model = make_target_model("qwen3", seed=3, vocab=5)
+    target = Target(model)
+    proposer = build_proposer("ddtree", target, make_drafter("dflash2", seed=3, vocab=5), 6)
+    params = SamplingParams(0.8)
+    assert p_value(sample_counts(target, proposer, params, 3), exact_joint(model, params, 3)) > 1e-3

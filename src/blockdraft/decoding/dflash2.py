@@ -7,13 +7,23 @@ never learns which token position l proposed; the walk conditions every choice o
 predecessor codebook. The walk only proposes: the draft is verified like any chain (greedy match at T=0; at T > 0
 rejection sampling against q, the walk's softmax(scores / T) over the K candidates at each position, zero
 elsewhere, as both references sample and verify), so outputs stay the target's.
+
+DDTree over a DFlash-2 drafter (`SelectorTreeProposer`, no other project has it) scores a prefix by the selector's
+edges instead of independent per-position probabilities: a child's log-probability is log_softmax of its parent's
+row of edge scores, so the tree holds the `budget` best walks, not the best products of marginals.
 """
 
 from __future__ import annotations
 
+import heapq
+import math
+import time
+
 import torch
 
+from blockdraft.decoding.ddtree import check_budget
 from blockdraft.decoding.draft import DFlashProposer, Draft
+from blockdraft.decoding.host_to_device import long_tensor
 from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.drafter import CandidateSelector, DFlashDrafter
@@ -84,3 +94,77 @@ class DFlash2Proposer:
         candidates, scores = self.candidates(anchor, start, *planned)
         tokens, q = walk(scores, candidates, sampling, generator, self.chain.target.vocab_size)
         return Draft.chain(tokens, draft_probs=q)
+
+
+def build_selector_tree(candidates: torch.Tensor, edge_log_probs: torch.Tensor, budget: int) -> Draft:
+    """The `budget` highest-scoring walks' prefixes, as a Draft in pop order (parents before children).
+
+    `edge_log_probs` [L, K, K]: log-probability of candidate c at position l after predecessor index p (row 0 at
+    l = 0: the anchor). Best-first as `ddtree.build_tree`: a node is (depth, predecessor row, rank in that row,
+    parent); popping one pushes its next sibling (same row) and its first child (the row of its own candidate),
+    each row sorted, so pops come out in score order. Prefixes of score -inf are never added.
+    """
+    check_budget(budget)
+    positions, k = candidates.shape
+    if positions == 0:
+        return Draft.empty(candidates.device)
+    ranked = edge_log_probs.sort(dim=-1, descending=True)
+    values: list[list[list[float]]] = ranked.values.double().cpu().tolist()
+    order: list[list[list[int]]] = ranked.indices.cpu().tolist()
+    scores = [0.0]  # scores[node + 1]; index 0 is the root (the anchor)
+    parents: list[int] = []
+    depths: list[int] = []
+    flat: list[int] = []  # row-major index into candidates [L, K]
+    heap: list[tuple[float, int, int, int, int]] = [(-values[0][0][0], 0, 0, 0, -1)]
+    while heap and len(parents) < budget:
+        neg, depth, row, rank, parent = heapq.heappop(heap)
+        if neg == math.inf:
+            break
+        node, chosen = len(parents), order[depth][row][rank]
+        parents.append(parent)
+        depths.append(depth + 1)
+        flat.append(depth * k + chosen)
+        scores.append(-neg)
+        if rank + 1 < k:
+            heapq.heappush(heap, (-(scores[parent + 1] + values[depth][row][rank + 1]), depth, row, rank + 1, parent))
+        if depth + 1 < positions:
+            heapq.heappush(heap, (neg - values[depth + 1][chosen][0], depth + 1, chosen, 0, node))
+    return Draft(tokens=candidates.reshape(-1)[long_tensor(flat, candidates.device)], parents=parents, depths=depths)
+
+
+class SelectorTreeProposer:
+    """DDTree over a DFlash-2 drafter: one drafter pass, then the tree of the best walks under the selector's edge
+    scores (softmax of each row; at T > 0 of each row / T, the walk's own law). Verified as any tree."""
+
+    name = "ddtree"
+
+    def __init__(self, drafter: DFlashDrafter, target: Target, budget: int, draft_tokens: int | None = None) -> None:
+        self.budget = check_budget(budget)
+        target.check_tree_attention()
+        self.walk = DFlash2Proposer(drafter, target, draft_tokens)
+        self.drafter = drafter
+        self.tap_layers = self.walk.tap_layers
+        self.build_s = 0.0
+
+    def reset(self) -> None:
+        self.walk.reset()
+        self.build_s = 0.0
+
+    def add_context(self, taps: torch.Tensor) -> None:
+        self.walk.add_context(taps)
+
+    @torch.inference_mode()
+    def propose(
+        self, anchor: int, start: int, max_depth: int, sampling: SamplingParams, generator: torch.Generator | None
+    ) -> Draft:
+        planned = self.walk.chain.plan(max_depth)
+        if planned is None:
+            return Draft.empty(self.walk.chain.target.device)
+        candidates, scores = self.walk.candidates(anchor, start, *planned)
+        if scores.device.type == "cuda":
+            torch.cuda.synchronize(scores.device)  # the drafter pass is not tree-building time
+        t0 = time.perf_counter()
+        temperature = 1.0 if sampling.greedy else sampling.temperature
+        draft = build_selector_tree(candidates, torch.log_softmax(scores.float() / temperature, dim=-1), self.budget)
+        self.build_s += time.perf_counter() - t0
+        return draft

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from blockdraft.decoding.ddtree import DDTreeProposer
-from blockdraft.decoding.dflash2 import DFlash2Proposer
+from blockdraft.decoding.dflash2 import DFlash2Proposer, SelectorTreeProposer
 from blockdraft.decoding.draft import DFlashProposer, Proposer
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.drafter import DFlashDrafter
@@ -33,8 +33,8 @@ def device_settings(device: str, block_size: int, budget: int | None, draft_toke
 def build_proposer(method: str, target: Target, drafter: DFlashDrafter | None, budget: int | None = None,
                    draft_tokens: int | None = None) -> Proposer | None:
     """None for AR; a drafter is required for every other method; `draft_tokens` None drafts the whole block.
-    `dflash` over a DFlash-2 drafter is its selector walk (vLLM's method "dflash2"); `ddtree` over one builds trees
-    from its per-position probabilities."""
+    `dflash` over a DFlash-2 drafter is its selector walk (what vLLM runs for it under method dflash); `ddtree`
+    over one builds its trees from the selector's edge scores."""
     if method == "ar":
         return None
     if method not in METHODS:
@@ -42,6 +42,8 @@ def build_proposer(method: str, target: Target, drafter: DFlashDrafter | None, b
     if drafter is None:
         raise BlockdraftError(f"--method {method} needs --drafter PATH")
     if method == "ddtree":
+        if drafter.candidate_selector is not None:
+            return SelectorTreeProposer(drafter, target, budget, draft_tokens)
         return DDTreeProposer(drafter, target, budget, draft_tokens)
     if drafter.candidate_selector is not None:
         return DFlash2Proposer(drafter, target, draft_tokens)
