@@ -239,3 +239,16 @@ def test_selector_tree_sampling_matches_target() -> None:
     proposer = build_proposer("ddtree", target, make_drafter("dflash2", seed=3, vocab=5), 6)
     params = SamplingParams(0.8)
     assert p_value(sample_counts(target, proposer, params, 3), exact_joint(model, params, 3)) > 1e-3
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda r: r.update(architectures=["Qwen3DSparkModel"]), r"'Qwen3DSparkModel' marks a DSpark .*\"method\": \"dspark\""),
+    (lambda r: r.update(markov_rank=64), r"'markov_rank' marks a DSpark"),
+    (lambda r: r.update(architectures=["DFlashQwen3XPressModel"]), r"marks a XPress .* XPressSpeculator"),
+    (lambda r: r.update(xpress_rank=256), r"'xpress_rank' marks a XPress"),
+])
+def test_dspark_and_xpress_are_refused_with_the_vllm_method_that_serves_them(edit, message: str) -> None:
+    raw = drafter_raw_config("all_full")
+    edit(raw)
+    with pytest.raises(BlockdraftError, match=message):
+        parse_draft_config(raw)

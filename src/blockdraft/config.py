@@ -387,10 +387,34 @@ def _dflash2_shape(raw: dict[str, Any], hidden: int, vocab: int | None, source: 
     return DFlash2Shape(**values)
 
 
+# DFlash relatives vLLM 0.33 serves that blockdraft does not run, told apart by architecture or a field of their own:
+# (name, architecture marker, marker fields, how vLLM serves them).
+_RELATIVES = (
+    ("DSpark (a DFlash backbone with a sequential Markov logit head)", "DSpark", ("markov_rank",),
+     '--speculative-config \'{"method": "dspark", ...}\' (DSparkSpeculator)'),
+    ("XPress (a DFlash backbone with a Jacobi-refined latent head)", "XPress", ("xpress_rank", "xpress_num_passes"),
+     '--speculative-config \'{"method": "dflash", ...}\' (its XPressSpeculator is picked by the architecture)'),
+)
+
+
+def _refuse_relatives(raw: dict[str, Any], source: str) -> None:
+    """DSpark and XPress checkpoints look like DFlash ones (dflash_config, DFlash layers) but draft differently:
+    refused by name, with the vLLM method that serves them, rather than run as DFlash and drafting garbage."""
+    archs = [str(a) for a in raw.get("architectures") or []]
+    for name, marker, fields, served in _RELATIVES:
+        found = [a for a in archs if marker in a] or [f for f in fields if _get(raw, f) is not None]
+        if found:
+            raise BlockdraftError(
+                f"{source}: {found[0]!r} marks a {name} drafter, which blockdraft does not run; serve it with vLLM "
+                f"0.33 {served}"
+            )
+
+
 def parse_draft_config(raw: dict[str, Any], source: str = "config.json") -> DraftConfig:
     """Validate a drafter config dict; every problem is reported with the field name and the fix."""
     if not isinstance(raw, dict):
         raise BlockdraftError(f"{source}: expected a JSON object")
+    _refuse_relatives(raw, source)
     if is_speculators_config(raw):
         raw = from_speculators(raw, source)
     if not is_drafter_config(raw):
