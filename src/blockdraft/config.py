@@ -55,6 +55,23 @@ class DFlash2Shape:
 
 
 @dataclass(frozen=True)
+class DSparkShape:
+    """What makes a drafter DSpark (vLLM 0.33 `qwen3_dspark.py` + `DSparkSpeculator`): a rank-`markov_rank` Markov
+    head whose bias on each position's logits depends on the token drafted before it, logits scaled by
+    `logit_scale`. With `sample_from_anchor` (vLLM's default) the drafter pass has N rows [anchor, MASK x (N-1)] and
+    row i predicts the token after it, so the verify block (`DraftConfig.block_size`) is N + 1; without, the
+    pass is DFlash's [anchor, MASK x N] fill-in block."""
+
+    markov_rank: int
+    sample_from_anchor: bool
+    logit_scale: float
+
+    def pass_rows(self, block_size: int) -> int:
+        """Rows of a whole drafter pass for a verify block of `block_size`."""
+        return block_size - 1 if self.sample_from_anchor else block_size
+
+
+@dataclass(frozen=True)
 class DraftConfig:
     """A DFlash drafter's shape and semantics, whatever config.json variant it came from.
 
@@ -91,6 +108,7 @@ class DraftConfig:
     value_scale: float | None = None
     attention_sinks: bool = False
     dflash2: DFlash2Shape | None = None
+    dspark: DSparkShape | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def layer_is_causal(self, layer: int) -> bool:
@@ -113,9 +131,10 @@ class DraftConfig:
         dflash = dict(out.get("dflash_config") or {})
         dflash["mask_token_id"] = self.mask_token_id
         dflash["target_layer_ids"] = list(self.target_layer_ids)
-        dflash["block_size"] = self.block_size
+        block = self.block_size if self.dspark is None else self.dspark.pass_rows(self.block_size)
+        dflash["block_size"] = block
         out["dflash_config"] = dflash
-        out["block_size"] = self.block_size
+        out["block_size"] = block
         if self.num_target_layers is not None:
             out["num_target_layers"] = self.num_target_layers
         out["layer_types"] = list(self.declared_layer_types)
@@ -181,7 +200,7 @@ def _optional_float(value: Any, name: str, source: str) -> float | None:
 def is_drafter_config(raw: dict[str, Any]) -> bool:
     """A DFlash drafter says so by its architecture name or by a `dflash_config` section."""
     archs = raw.get("architectures") or []
-    return "dflash_config" in raw or any("DFlash" in str(a) for a in archs)
+    return "dflash_config" in raw or any("DFlash" in str(a) or "DSpark" in str(a) for a in archs)
 
 
 def is_speculators_config(raw: dict[str, Any]) -> bool:
@@ -388,26 +407,58 @@ def _dflash2_shape(raw: dict[str, Any], hidden: int, vocab: int | None, source: 
 
 
 # DFlash relatives vLLM 0.33 serves that blockdraft does not run, told apart by architecture or a field of their own:
-# (name, architecture marker, marker fields, how vLLM serves them).
+# (name, architecture marker, marker fields, how vLLM serves them). DSpark runs (`_dspark_shape`).
 _RELATIVES = (
-    ("DSpark (a DFlash backbone with a sequential Markov logit head)", "DSpark", ("markov_rank",),
-     '--speculative-config \'{"method": "dspark", ...}\' (DSparkSpeculator)'),
-    ("XPress (a DFlash backbone with a Jacobi-refined latent head)", "XPress", ("xpress_rank", "xpress_num_passes"),
+    ("an XPress drafter (a DFlash backbone with a Jacobi-refined latent head)", "XPress", ("xpress_rank", "xpress_num_passes"),
      '--speculative-config \'{"method": "dflash", ...}\' (its XPressSpeculator is picked by the architecture)'),
 )
 
 
 def _refuse_relatives(raw: dict[str, Any], source: str) -> None:
-    """DSpark and XPress checkpoints look like DFlash ones (dflash_config, DFlash layers) but draft differently:
-    refused by name, with the vLLM method that serves them, rather than run as DFlash and drafting garbage."""
+    """XPress checkpoints look like DFlash ones (dflash_config, DFlash layers) but draft differently: refused by
+    name, with the vLLM method that serves them, rather than run as DFlash and drafting garbage."""
     archs = [str(a) for a in raw.get("architectures") or []]
     for name, marker, fields, served in _RELATIVES:
         found = [a for a in archs if marker in a] or [f for f in fields if _get(raw, f) is not None]
         if found:
             raise BlockdraftError(
-                f"{source}: {found[0]!r} marks a {name} drafter, which blockdraft does not run; serve it with vLLM "
+                f"{source}: {found[0]!r} marks {name}, which blockdraft does not run; serve it with vLLM "
                 f"0.33 {served}"
             )
+
+
+DSPARK_MARKER_FIELDS = ("markov_rank", "dspark_block_size", "dspark_noise_token_id")
+
+
+def _dspark_shape(raw: dict[str, Any], source: str) -> DSparkShape | None:
+    """The DSpark fields when the config is one (a DSpark architecture or field), checked against what vLLM 0.33's
+    Qwen3 DSpark path runs; variants it or blockdraft does not run are refused by name."""
+    archs = [str(a) for a in raw.get("architectures") or []]
+    if not any("DSpark" in a for a in archs) and all(_get(raw, f) is None for f in DSPARK_MARKER_FIELDS):
+        return None
+    if any("Omni" in a for a in archs):
+        raise BlockdraftError(f"{source}: architecture {archs} is a multimodal (Omni) DSpark drafter, which "
+                              "blockdraft does not run; use a text DSpark drafter (Qwen3DSparkModel)")
+    rank, where = _located(raw, "markov_rank")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        raise BlockdraftError(f"{source}: `{where}`={rank!r} must be a positive integer (the DSpark Markov head's "
+                              "rank); a DSpark config.json needs it")
+    head = _get(raw, "markov_head_type")
+    if head not in (None, "vanilla"):
+        raise BlockdraftError(f"{source}: `markov_head_type`={head!r} is not run by blockdraft (nor by vLLM 0.33's "
+                              "Qwen3 DSpark path): only the vanilla Markov head is")
+    if _get(raw, "dspark_draft_topk") is not None:
+        raise BlockdraftError(f"{source}: `dspark_draft_topk` truncates DSpark's drafts to the base top-k, which "
+                              "blockdraft does not run yet; remove it to draft from the whole vocabulary")
+    for name in ("output_multiplier", "final_logit_softcapping"):
+        if _get(raw, name) is not None:
+            raise BlockdraftError(f"{source}: `{name}` on a DSpark drafter: vLLM's DSpark head reads only "
+                                  "`logit_scale`, so this field would be silently ignored; remove it")
+    anchor = _get(raw, "sample_from_anchor", True)
+    if not isinstance(anchor, bool):
+        raise BlockdraftError(f"{source}: `sample_from_anchor`={anchor!r} must be true or false")
+    scale = _optional_float(_get(raw, "logit_scale", 1.0), "logit_scale", source)
+    return DSparkShape(markov_rank=rank, sample_from_anchor=anchor, logit_scale=1.0 if scale is None else scale)
 
 
 def parse_draft_config(raw: dict[str, Any], source: str = "config.json") -> DraftConfig:
@@ -435,12 +486,22 @@ def parse_draft_config(raw: dict[str, Any], source: str = "config.json") -> Draf
     vocab = raw.get("vocab_size")
     _check_refused(raw, hidden, head_dim, vocab, source)
     dflash2 = _dflash2_shape(raw, hidden, vocab, source)
+    dspark = _dspark_shape(raw, source)
+    if dflash2 is not None and dspark is not None:
+        raise BlockdraftError(f"{source}: the config has both DFlash-2 and DSpark fields; keep the ones of the "
+                              "drafter's architecture")
 
     block_size, block_field = _located(raw, "block_size", DEFAULT_BLOCK_SIZE)
+    if dspark is not None:
+        block_size, block_field = _located(raw, "dspark_block_size", block_size)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 2:
         raise BlockdraftError(f"{source}: `{block_field}`={block_size!r} must be an integer >= 2 (published: 16)")
+    if dspark is not None and dspark.sample_from_anchor:
+        block_size += 1  # N rows [anchor, MASK x (N-1)] draft N tokens: a verify block of N + 1
 
     mask, mask_field = _located(raw, "mask_token_id")
+    if mask is None and dspark is not None:
+        mask, mask_field = _located(raw, "dspark_noise_token_id")
     if mask is None and "mask_token_id" in {**raw, **(raw.get("dflash_config") or {})}:
         raise BlockdraftError(
             f"{source}: `{mask_field}` is null, as in a training template (the trainer fills it in); use the trained "
@@ -515,6 +576,7 @@ def parse_draft_config(raw: dict[str, Any], source: str = "config.json") -> Draf
         value_scale=value_scale,
         attention_sinks=sinks,
         dflash2=dflash2,
+        dspark=dspark,
         raw=copy.deepcopy(raw),
     )
 

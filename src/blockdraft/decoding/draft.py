@@ -168,16 +168,17 @@ class DFlashProposer:
         return self.drafter.logits(self.slot_hidden(anchor, start, slots, visible), self.target.lm_head)
 
     @torch.inference_mode()
-    def slot_hidden(self, anchor: int, start: int, slots: int, visible: int) -> torch.Tensor:
-        """The eager pass's final-normed drafter states [slots, hidden] for positions start+1 .. start+slots (what
-        the head, and DFlash-2's selector, read)."""
+    def slot_hidden(self, anchor: int, start: int, slots: int, visible: int, first_row: int = 1) -> torch.Tensor:
+        """The eager pass's final-normed drafter states [slots, hidden] of block rows first_row .. first_row+slots-1
+        (rows 1.. predict positions start+1..; DSpark's anchor-first layout predicts from row 0), the pass over the
+        anchor and `visible` mask rows (what the head, DFlash-2's selector and DSpark's Markov head read)."""
         device = self.target.device
         block = torch.full((1, visible + 1), self.cfg.mask_token_id, dtype=torch.long, device=device)
         block[0, 0] = anchor
         embeds = self.target.embed(block, self.cfg.input_embedding_scale)
         positions = torch.arange(start, start + visible + 1, device=device)
         hidden = self.drafter(embeds, positions, self.cache)
-        return hidden[0, 1 : slots + 1]
+        return hidden[0, first_row : first_row + slots]
 
     def block_rows(self, max_depth: int, depth: int | None = None) -> tuple[int, int]:
         """(slots drafted, mask rows the drafter sees) for a step that may add at most `max_depth` tokens, drafting

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from blockdraft.decoding.ddtree import DDTreeProposer
 from blockdraft.decoding.dflash2 import DFlash2Proposer, SelectorTreeProposer
+from blockdraft.decoding.dspark import DSparkProposer
 from blockdraft.decoding.draft import DFlashProposer, Proposer
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.drafter import DFlashDrafter
@@ -34,13 +35,18 @@ def build_proposer(method: str, target: Target, drafter: DFlashDrafter | None, b
                    draft_tokens: int | None = None) -> Proposer | None:
     """None for AR; a drafter is required for every other method; `draft_tokens` None drafts the whole block.
     `dflash` over a DFlash-2 drafter is its selector walk (what vLLM runs for it under method dflash); `ddtree`
-    over one builds its trees from the selector's edge scores."""
+    over one builds its trees from the selector's edge scores. Over a DSpark drafter `dflash` is its Markov chain."""
     if method == "ar":
         return None
     if method not in METHODS:
         raise BlockdraftError(f"--method {method!r} is not one of {', '.join(METHODS)}")
     if drafter is None:
         raise BlockdraftError(f"--method {method} needs --drafter PATH")
+    if drafter.markov_head is not None:
+        if method == "ddtree":
+            raise BlockdraftError("--method ddtree over a DSpark drafter is not built: its Markov head makes each "
+                                  "position's distribution depend on the token drafted before it; use --method dflash")
+        return DSparkProposer(drafter, target, draft_tokens)
     if method == "ddtree":
         if drafter.candidate_selector is not None:
             return SelectorTreeProposer(drafter, target, budget, draft_tokens)

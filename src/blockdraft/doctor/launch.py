@@ -74,9 +74,9 @@ def _sglang_hybrid_notes(target_config: dict[str, Any] | None) -> list[str]:
 
 
 def vllm_command(drafter_path: str, target: str, draft: DraftConfig, port: int = 8000) -> LaunchPlan:
-    """`vllm serve` with method dflash and num_speculative_tokens = B - 1."""
+    """`vllm serve` with method dflash (dspark for a DSpark drafter) and num_speculative_tokens = B - 1."""
     spec = {
-        "method": "dflash",
+        "method": "dspark" if draft.dspark else "dflash",
         "model": drafter_path,
         "num_speculative_tokens": vllm_num_speculative_tokens(draft.block_size),
     }
@@ -102,6 +102,9 @@ def sglang_command(
 ) -> LaunchPlan:
     """`sglang serve` with DFLASH, draft tokens = B and metrics on (SGLang runs DFlash-2 drafters under DFLASH too,
     by their architecture)."""
+    if draft.dspark is not None:
+        raise BlockdraftError(f"--drafter {drafter_path} is a DSpark drafter: blockdraft does not write SGLang's DSpark "
+                              "launch yet (its flags are not checked against SGLang); use `blockdraft launch vllm`")
     speculative = [
         "--speculative-algorithm", "DFLASH",
         "--speculative-draft-model-path", drafter_path,

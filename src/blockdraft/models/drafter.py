@@ -11,7 +11,8 @@ visibility rule per layer (causal, sliding window, bidirectional) is `visibility
 
 A DFlash-2 drafter (config `dflash2` set) adds, per layer, two block convolutions (`GroupedBlockConv`:
 `layers.{i}.attention_conv.*`, `layers.{i}.mlp_conv.*`) and a `CandidateSelector` (`candidate_selector.*`), with
-vLLM 0.33's and the published checkpoints' names; decoding/dflash2.py turns its states into drafts.
+vLLM 0.33's and the published checkpoints' names; decoding/dflash2.py turns its states into drafts. A DSpark
+drafter (config `dspark` set) adds a Markov head (`markov_head.markov_w1/w2`); decoding/dspark.py drafts with it.
 """
 
 from __future__ import annotations
@@ -262,6 +263,20 @@ class DrafterContextCache:
         return torch.arange(self.length - kept, self.length, device=device)
 
 
+class DSparkMarkovHead(nn.Module):
+    """DSpark's Markov head (vLLM 0.33 `DSparkMarkovHead`): `markov_w1` embeds the token drafted before a position,
+    `markov_w2` turns that into a bias on the position's logits."""
+
+    def __init__(self, vocab_size: int, rank: int) -> None:
+        super().__init__()
+        self.markov_w1 = nn.Embedding(vocab_size, rank)
+        self.markov_w2 = nn.Linear(rank, vocab_size, bias=False)
+
+    def bias(self, previous: torch.Tensor) -> torch.Tensor:
+        """[V] logit bias after token `previous` (a 1-element tensor)."""
+        return self.markov_w2(self.markov_w1(previous))[0]
+
+
 class DFlashDrafter(nn.Module):
     """A DFlash drafter with the published parameter names."""
 
@@ -281,6 +296,12 @@ class DFlashDrafter(nn.Module):
                                       "have one row per token)")
             self.candidate_selector = CandidateSelector(cfg.hidden_size, cfg.vocab_size, cfg.dflash2.selector_rank,
                                                         cfg.dflash2.selector_top_k)
+        self.markov_head: DSparkMarkovHead | None = None
+        if cfg.dspark is not None:
+            if cfg.vocab_size is None:
+                raise BlockdraftError("a DSpark drafter's config.json needs `vocab_size` (its Markov head has one row "
+                                      "per token)")
+            self.markov_head = DSparkMarkovHead(cfg.vocab_size, cfg.dspark.markov_rank)
 
     def rope(self, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for positions [b, t] (or [t]) in the dtype of `like`."""

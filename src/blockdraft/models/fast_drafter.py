@@ -38,6 +38,8 @@ def fast_drafter_problem(drafter: DFlashDrafter) -> str | None:
     cfg = drafter.cfg
     if cfg.dflash2 is not None:
         return "DFlash-2 block convolutions"
+    if cfg.dspark is not None:
+        return "DSpark's sequential Markov head"
     if cfg.hidden_act not in ACTIVATIONS:
         return f"hidden_act {cfg.hidden_act!r}"
     if cfg.partial_rotary_factor != 1.0:

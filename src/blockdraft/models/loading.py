@@ -153,6 +153,9 @@ _RENAMES = (
 )
 # Tensors a drafter checkpoint may carry that DFlash does not use: copies of the target's embedding and head.
 _IGNORED = re.compile(r"^(embed_tokens|lm_head)\.")
+# vLLM 0.33 drops DSpark's mask_embedding ("an unused placeholder") and reads its confidence head only for adaptive
+# verification, which changes no draft.
+_DSPARK_UNUSED = re.compile(r"^(mask_embedding|confidence_head\.)")
 
 
 def _published_names(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -170,7 +173,8 @@ def load_drafter_weights(drafter: DFlashDrafter, weights: dict[str, torch.Tensor
     (an unknown tensor is a part of the drafter this engine would silently not run); buffers are rebuilt."""
     own = drafter.state_dict()
     weights = _published_names(weights)
-    unknown = sorted(k for k in weights if k not in own and not _IGNORED.match(k))
+    unknown = sorted(k for k in weights if k not in own and not _IGNORED.match(k)
+                     and not (drafter.cfg.dspark is not None and _DSPARK_UNUSED.match(k)))
     if unknown and drafter.cfg.dflash2 is None and any("_conv." in k or "candidate_selector." in k for k in unknown):
         raise BlockdraftError(
             f"{source}: the checkpoint holds DFlash-2 tensors ({unknown[0]}, ...) but its config.json is DFlash (v1); "
