@@ -14,7 +14,7 @@ repository. The checks then run the engines' own code, in those venvs, on no GPU
   scenarios below give by hand.
 
 With --write-fixtures the captured texts go to tests/fixtures/engines/, which the CI tests read (CI cannot
-install the engines). The same file is also the engine-side helper: the venvs' interpreters run it with
+install the engines); with --only, the other engine's recorded commands are kept. The same file is also the engine-side helper: the venvs' interpreters run it with
 --engine-side TASK (stdlib imports only at module level, so it runs without blockdraft there).
 
     python benchmarks/engine_conformance.py [--write-fixtures] [--only vllm|sglang] [--venv-root /tmp/...]
@@ -97,6 +97,18 @@ def drafter_config(sliding: bool) -> dict[str, Any]:
     return raw
 
 
+def relative_config(kind: str) -> dict[str, Any]:
+    """The tiny drafter as a DFlash-2 drafter (Qwen3.8-27B-DFlash2's fields) or a DSpark one (anchor-first, N=7)."""
+    raw = drafter_config(False)
+    if kind == "dflash2":
+        raw["architectures"] = ["DFlash2DraftModel"]
+        raw["dflash_config"] |= {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 32,
+                                 "selector_top_k": 16}
+    else:
+        raw |= {"architectures": ["Qwen3DSparkModel"], "markov_rank": 32, "block_size": 7}
+    return raw
+
+
 # === engine side: runs inside an engine venv, stdlib imports only at module level ===========================
 
 def _vllm_cpu_platform() -> None:
@@ -152,6 +164,7 @@ def engine_vllm_parse(job: dict[str, Any]) -> dict[str, Any]:
         "v2_runner": config.use_v2_model_runner,
         "v2_runner_unsupported": config._get_v2_model_runner_unsupported_features(),
         "mixed_drafter_needs_v2": config._dflash_needs_multi_kv_group(),
+        "candidate_draft": config._is_dflash_candidate_draft(),
     }
 
 
@@ -328,7 +341,7 @@ class Context:
     def placeholders(self, text: str) -> str:
         """`text` with the tiny model folders replaced by placeholders (their paths differ per run)."""
         names = {str(self.models["target"]): TARGET, str(self.models["hybrid"]): TARGET}
-        names |= {str(self.models[k]): DRAFTER for k in ("drafter", "sliding")}
+        names |= {str(self.models[k]): DRAFTER for k in ("drafter", "sliding", "dflash2", "dspark")}
         for path, name in names.items():
             text = text.replace(path, name)
         return text
@@ -356,7 +369,8 @@ def install(venv_root: Path, engine: str, wheel_dir: Path | None) -> tuple[Path,
 def make_models(root: Path) -> dict[str, Path]:
     """Tiny config-only model folders: a dense Qwen3 target, a hybrid Qwen3.5 target and two drafters."""
     configs = {"target": TARGET_CONFIG, "hybrid": HYBRID_CONFIG,
-               "drafter": drafter_config(False), "sliding": drafter_config(True)}
+               "drafter": drafter_config(False), "sliding": drafter_config(True),
+               "dflash2": relative_config("dflash2"), "dspark": relative_config("dspark")}
     folders = {}
     for name, config in configs.items():
         folder = root / name
@@ -372,8 +386,14 @@ def _launch_plans(models: dict[str, Path]) -> dict[str, dict[str, Any]]:
     from blockdraft.doctor import launch
 
     plain, sliding = load_draft_config(models["drafter"]), load_draft_config(models["sliding"])
+    dflash2, dspark = load_draft_config(models["dflash2"]), load_draft_config(models["dspark"])
     target, hybrid = str(models["target"]), str(models["hybrid"])
     return {
+        "dflash2_plain": {  # SGLang serves DFlash-2 under DFLASH too, by the drafter's architecture
+            "vllm": launch.vllm_command(str(models["dflash2"]), target, dflash2),
+            "sglang": launch.sglang_command(str(models["dflash2"]), target, dflash2, TARGET_CONFIG),
+        },
+        "dspark_plain": {"vllm": launch.vllm_command(str(models["dspark"]), target, dspark)},
         "dflash_plain": {
             "vllm": launch.vllm_command(str(models["drafter"]), target, plain),
             "sglang": launch.sglang_command(str(models["drafter"]), target, plain, TARGET_CONFIG),
@@ -411,9 +431,13 @@ def check_vllm_launch(ctx: Context, name: str, plan: Any) -> str:
     }
     if spec["method"] == "mtp":
         wanted |= {"draft_architectures": ["Qwen3_5MTP"], "n_predict": 1, "num_speculative_tokens": DEFAULT_MTP_STEPS}
+    elif spec["method"] == "dspark":
+        wanted |= {"draft_architectures": ["Qwen3DSparkModel"], "num_speculative_tokens": 7, "candidate_draft": False}
     else:
-        wanted |= {"draft_architectures": ["DFlashDraftModel"], "num_speculative_tokens": 15,
-                   "mixed_drafter_needs_v2": name == "dflash_sliding"}
+        dflash2 = name.startswith("dflash2")
+        wanted |= {"draft_architectures": ["DFlash2DraftModel" if dflash2 else "DFlashDraftModel"],
+                   "num_speculative_tokens": 15, "mixed_drafter_needs_v2": name == "dflash_sliding",
+                   "candidate_draft": dflash2}
     problems = _expect(answer, wanted)
     if problems:
         raise AssertionError("; ".join(problems))
@@ -528,6 +552,8 @@ def run_checks(ctx: Context, engines: list[str]) -> list[Check]:
     todo: list[tuple[str, str, Callable[[], str]]] = []
     for engine in engines:
         for name, per_engine in plans.items():
+            if engine not in per_engine:
+                continue
             plan = per_engine[engine]
             launch_check = check_vllm_launch if engine == "vllm" else check_sglang_launch
             todo.append((engine, f"launch {name}", lambda c=launch_check, n=name, p=plan: c(ctx, n, p)))
@@ -575,8 +601,6 @@ def main() -> int:
     args = parser.parse_args()
     if REPO in args.venv_root.resolve().parents:
         parser.error("--venv-root must be outside the repository")
-    if args.write_fixtures and args.only:
-        parser.error("--write-fixtures needs both engines (the CI tests read both); drop --only")
     engines = [args.only] if args.only else sorted(VERSIONS)
     args.venv_root.mkdir(parents=True, exist_ok=True)
     installs: dict[str, tuple[float, bool]] = {}
@@ -589,9 +613,15 @@ def main() -> int:
         ctx = Context(venvs, make_models(Path(models)), args.write_fixtures, log_dir)
         checks = run_checks(ctx, engines)
         if args.write_fixtures and all(c.passed for c in checks):
-            ctx.launches |= {"versions": VERSIONS, "target_configs": {"dense": TARGET_CONFIG, "hybrid": HYBRID_CONFIG},
-                             "drafter_configs": {"plain": drafter_config(False), "sliding": drafter_config(True)}}
-            ctx.fixture("launch_conformance.json", json.dumps(ctx.launches, indent=2, sort_keys=True) + "\n")
+            launches = FIXTURES / "launch_conformance.json"
+            recorded = json.loads(launches.read_text()) if launches.exists() else {}
+            for name, per_engine in ctx.launches.get("commands", {}).items():  # --only keeps the other engine's
+                recorded.setdefault("commands", {}).setdefault(name, {}).update(per_engine)
+            recorded |= {"versions": VERSIONS, "target_configs": {"dense": TARGET_CONFIG, "hybrid": HYBRID_CONFIG},
+                         "drafter_configs": {"plain": drafter_config(False), "sliding": drafter_config(True),
+                                             "dflash2": relative_config("dflash2"),
+                                             "dspark": relative_config("dspark")}}
+            ctx.fixture("launch_conformance.json", json.dumps(recorded, indent=2, sort_keys=True) + "\n")
     print("\n" + summary(checks, installs))
     print(f"\nengine logs: {log_dir}")
     return 0 if all(c.passed for c in checks) else 1

