@@ -250,3 +250,26 @@ def test_xpress_is_refused_with_the_vllm_method_that_serves_it(edit, message: st
     edit(raw)
     with pytest.raises(BlockdraftError, match=message):
         parse_draft_config(raw)
+
+
+def test_the_published_qwen38_dflash2_layout_runs_losslessly() -> None:
+    """z-lab/Qwen3.8-27B-DFlash2's config as published (5 non-causal sliding layers, block 8, 2-tap convolutions
+    over groups of 16, a rank-256 selector over the top 16) at a tiny width: loads, drafts its walk and its
+    selector trees, and decodes the target's ids."""
+    raw = json.loads((CONFIGS / "dflash2_qwen38_27b.json").read_text())
+    raw |= {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "head_dim": 8, "vocab_size": VOCAB, "num_target_layers": 4, "sliding_window": 6}
+    raw["dflash_config"] |= {"mask_token_id": VOCAB - 1, "target_layer_ids": [0, 2, 3]}
+    cfg = parse_draft_config(raw, "qwen38-27b-dflash2 (tiny)")
+    assert cfg.layer_types == ("sliding_attention",) * 5 and cfg.layer_causal == (False,) * 5
+    drafter = DFlashDrafter(cfg)
+    torch.manual_seed(11)
+    for p in drafter.parameters():
+        torch.nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.3)
+    target = Target(make_target_model("qwen3"))
+    for method, budget in (("dflash", None), ("ddtree", 16)):
+        proposer = build_proposer(method, target, drafter.eval(), budget)
+        for prompt in random_prompts(3, 9):
+            result = generate(target, prompt, proposer, max_new_tokens=30)
+            assert result.token_ids == generate(target, prompt, None, max_new_tokens=30).token_ids
+            assert max(result.acceptance_lengths) <= 8
