@@ -72,7 +72,9 @@ def ask(url: str, max_tokens: int) -> httpx.Response:
     return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
 
 
-@pytest.mark.parametrize("drain_timeout, max_tokens", [(30.0, 120), (0.0, 480)], ids=["within", "past-deadline"])
+# "within": a bound no loaded CI machine reaches (at 30 s, a 2-core machine running other suites passed it about one
+# run in ten: the drain ran out, and the queued request got its 503 or uvicorn's forced close).
+@pytest.mark.parametrize("drain_timeout, max_tokens", [(120.0, 120), (0.0, 480)], ids=["within", "past-deadline"])
 def test_sigterm_answers_every_request_and_exits_0(text_pair, drain_timeout: float, max_tokens: int) -> None:
     target, drafter = text_pair
     server = ServeProcess("--target", str(target), "--drafter", str(drafter), "--no-self-check",
