@@ -32,7 +32,7 @@ def test_each_sequence_drafts_what_it_drafts_alone(variant: str, padded: bool) -
     block = drafter.cfg.block_size
 
     def check(anchors: list[int], visibles: list[int]) -> None:
-        starts = [batch.lengths[b] for b in range(len(anchors))]
+        starts = [batch.store.lengths[b] for b in range(len(anchors))]
         got = batch.draft(anchors, starts, visibles)
         assert got.shape[:2] == (len(anchors), block - 1)
         for b, (anchor, visible) in enumerate(zip(anchors, visibles)):

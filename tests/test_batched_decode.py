@@ -125,7 +125,7 @@ def test_forward_batch_matches_one_sequence_at_a_time(path: str, rows: int) -> N
     padded to a CUDA graph's shape (3 sequences in a bucket of 4, 3 rows in 4), too, with the committed K/V kept."""
     target = FastTarget(make_target_model("qwen3"))
     lengths = [3, 11, 6]
-    store = BatchKV(target, 3 if path == "eager" else 5)
+    store = BatchKV.for_target(target, 3 if path == "eager" else 5)
     singles = []
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)[:rows, :rows]
     owns = [torch.ones(rows, rows, dtype=torch.bool).tril(), tree, torch.ones(rows, rows, dtype=torch.bool).tril()]

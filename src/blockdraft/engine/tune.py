@@ -57,7 +57,7 @@ def measure_costs(target: Target, drafter: DFlashDrafter, target_name: str, draf
         raise BlockdraftError("tune times the batched engine, which needs the fast engine; pass --engine fast")
     device = target.device
     taps = drafter.cfg.target_layer_ids
-    store = BatchKV(target, max(batch_sizes), context + max(rows))
+    store = BatchKV.for_target(target, max(batch_sizes), context + max(rows))
     batched = BatchForward(target, store)
     single = target.new_cache()
     target.forward(torch.randint(0, target.vocab_size, (1, context), device=device), torch.arange(context, device=device),
@@ -106,7 +106,7 @@ def _draft_costs(target: FastTarget, drafter: DFlashDrafter, batch_sizes: list[i
     def draft_step(batch: int) -> None:
         drafting.draft([1] * batch, [context] * batch, [drafter.cfg.block_size - 1] * batch)
         drafting.extend(list(range(batch)), block * batch)
-        drafting.lengths[:batch] = [context] * batch
+        drafting.store.lengths[:batch] = [context] * batch
 
     return {batch: _seconds(lambda batch=batch: draft_step(batch), device, repeats) for batch in batch_sizes}
 

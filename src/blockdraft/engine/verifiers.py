@@ -32,7 +32,7 @@ class SlotVerifier:
 
     def __init__(self, target: FastTarget, slots: int) -> None:
         self.target = target
-        self.store = BatchKV(target, slots)
+        self.store = BatchKV.for_target(target, slots)
         self.batched = BatchForward(target, self.store)
         self.single: StaticTargetCache | None = None  # the lone sequence's cache, on the batch-1 path
 

@@ -31,13 +31,19 @@ GRAPH_MAX_ROWS = 8192  # bucket x rows past this run eagerly (compute-bound ther
 
 
 class BatchKV:
-    """The K/V of up to `slots` sequences and each one's committed length (on the host)."""
+    """The K/V of up to `slots` sequences and each one's committed length (on the host): the target's in the
+    batched verify, the drafter's contexts in the batched drafter."""
 
-    def __init__(self, target: FastTarget, slots: int, positions: int = 0) -> None:
-        self.kv = torch.zeros(target.num_layers, 2, slots, target.kv_heads, round_up(max(positions, 1)),
-                              target.head_dim, dtype=target.dtype, device=target.device)
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, slots: int, dtype: torch.dtype,
+                 device: torch.device, positions: int = 0) -> None:
+        self.kv = torch.zeros(layers, 2, slots, kv_heads, round_up(max(positions, 1)), head_dim, dtype=dtype,
+                              device=device)
         self.lengths = [0] * slots
         self.version = 0  # bumped when `kv` is reallocated: graphs captured on the old buffer must not run again
+
+    @classmethod
+    def for_target(cls, target: FastTarget, slots: int, positions: int = 0) -> "BatchKV":
+        return cls(target.num_layers, target.kv_heads, target.head_dim, slots, target.dtype, target.device, positions)
 
     @property
     def slots(self) -> int:

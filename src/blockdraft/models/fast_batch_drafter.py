@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from blockdraft.models.drafter import DFlashDrafter, apply_rope
-from blockdraft.models.fast_batch import batch_bucket
+from blockdraft.models.fast_batch import BatchKV, batch_bucket
 from blockdraft.models.fast_drafter import batched_context_bias, capture, fast_drafter_problem, packed_layers
 from blockdraft.models.fast_ops import rms_norm
 from blockdraft.models.fast_target import MAX_GRAPHS, FastTarget, attend, graph_rows, layer_tail
@@ -52,8 +52,8 @@ class _ExtendGraph:
 
 
 class BatchDrafter:
-    """Drafter contexts of up to `slots` sequences (K/V [layers, 2, slots, kv_heads, positions, d], lengths on the
-    host) and the batched pass over them, reading the FastTarget's embedding and head."""
+    """Drafter contexts of up to `slots` sequences (a BatchKV, as the batched verify keeps the target's) and the
+    batched pass over them, reading the FastTarget's embedding and head."""
 
     def __init__(self, drafter: DFlashDrafter, target: FastTarget, slots: int) -> None:
         problem = fast_drafter_problem(drafter)
@@ -69,42 +69,29 @@ class BatchDrafter:
         self.final_norm = drafter.norm.weight
         self.layers = packed_layers(drafter)
         self.rules = [(layer.self_attn.causal, layer.self_attn.window) for layer in drafter.layers]
-        self.kv = torch.zeros(len(self.layers), 2, slots, self.kv_heads, round_up(1), self.head_dim,
-                              dtype=self.dtype, device=self.device)
-        self.lengths = [0] * slots
+        self.store = BatchKV(len(self.layers), self.kv_heads, self.head_dim, slots, self.dtype, self.device)
         self.use_graphs = target.use_graphs
         self.pad = self.use_graphs  # tests set it on a CPU to run the graphs' padded shapes eagerly
         self.entries: OrderedDict[tuple[int, int], _PassGraph] = OrderedDict()
         self.extensions: dict[tuple[int, int], _ExtendGraph] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.version = self.store.version
 
-    @property
-    def slots(self) -> int:
-        return self.kv.shape[2]
-
-    @torch.inference_mode()
     def _ensure(self, positions: int) -> None:
-        """Room for `positions` positions per slot (doubling); the graphs captured on the old buffer are dropped."""
-        have = self.kv.shape[4]
-        if positions <= have:
-            return
-        grown = torch.zeros(*self.kv.shape[:4], round_up(max(positions, 2 * have)), self.kv.shape[5],
-                            dtype=self.dtype, device=self.device)
-        grown[..., :have, :] = self.kv
-        self.kv = grown
-        self.entries.clear()
-        self.extensions.clear()
+        """Room for `positions` positions per slot; the graphs captured on a replaced buffer are dropped."""
+        self.store.ensure(positions)
+        if self.version != self.store.version:
+            self.entries.clear()
+            self.extensions.clear()
+            self.version = self.store.version
 
     def reset(self, slot: int) -> None:
         """Empty `slot`'s context (a new sequence takes it)."""
-        self.lengths[slot] = 0
+        self.store.lengths[slot] = 0
 
-    @torch.inference_mode()
     def move(self, source: int, dest: int) -> None:
         """Slot `source`'s context into slot `dest` (a finished sequence's slot is refilled from the end)."""
-        n = self.lengths[source]
-        self.kv[:, :, dest, :, :n] = self.kv[:, :, source, :, :n]
-        self.lengths[dest] = n
+        self.store.move(source, dest)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [n, t, d] at absolute positions [n, t]."""
@@ -121,8 +108,8 @@ class BatchDrafter:
             return
         n = len(slots)
         graphed = self.pad and t <= self.block_size
-        rows, bucket = (graph_rows(t), batch_bucket(n, self.slots)) if graphed else (t, n)
-        starts = [self.lengths[s] for s in slots] + [self.lengths[slots[0]] + rows] * (bucket - n)
+        rows, bucket = (graph_rows(t), batch_bucket(n, self.store.slots)) if graphed else (t, n)
+        starts = [self.store.lengths[s] for s in slots] + [self.store.lengths[slots[0]] + rows] * (bucket - n)
         self._ensure(max(starts) + rows)
         entry = self.extensions.get((bucket, rows)) if graphed else None
         fresh = entry is None
@@ -145,7 +132,7 @@ class BatchDrafter:
         else:
             self._extend_run(entry)
         for s, count in zip(slots, counts):
-            self.lengths[s] += count
+            self.store.lengths[s] += count
 
     def _extend_run(self, entry: _ExtendGraph) -> None:
         """The extension itself: only device work on fixed buffers, so it can be captured."""
@@ -159,19 +146,19 @@ class BatchDrafter:
             bias = None if layer.qkv_bias is None else layer.qkv_bias[q_width:]
             k, v = F.linear(ctx, layer.qkv[q_width:], bias).view(bucket, rows, 2, self.kv_heads, d).unbind(2)
             assert layer.k_norm is not None
-            self.kv[i, 0][seq, :, cols] = apply_rope(rms_norm(k, layer.k_norm, self.eps).transpose(1, 2), cos,
+            self.store.kv[i, 0][seq, :, cols] = apply_rope(rms_norm(k, layer.k_norm, self.eps).transpose(1, 2), cos,
                                                      sin).transpose(1, 2)
-            self.kv[i, 1][seq, :, cols] = v
+            self.store.kv[i, 1][seq, :, cols] = v
 
     @torch.inference_mode()
     def draft(self, anchors: list[int], starts: list[int], visibles: list[int]) -> torch.Tensor:
         """Slot logits [n, B-1, V] of sequences 0..n-1 (slots 0..n-1): each one's anchor at `starts[b]` and B-1 mask
         rows after it, the rows past `visibles[b]` hidden from the others (FastDrafter.slot_logits, per sequence)."""
         n, rows = len(anchors), self.block_size
-        lengths = self.lengths[:n]
+        lengths = self.store.lengths[:n]
         self._ensure(max(max(start, length) for start, length in zip(starts, lengths)) + rows)
         cap = round_up(max(lengths) + rows)
-        bucket = batch_bucket(n, self.slots) if self.pad else n
+        bucket = batch_bucket(n, self.store.slots) if self.pad else n
         entry = self.entries.get((bucket, cap)) if self.pad else None
         fresh = entry is None
         if entry is None:
@@ -206,7 +193,7 @@ class BatchDrafter:
 
     def _run(self, entry: _PassGraph, cap: int) -> torch.Tensor:
         """The batched pass itself, final-normed states of rows 1 .. B-1: only device work on fixed buffers."""
-        ops, kv = self.ops, self.kv
+        ops, kv = self.ops, self.store.kv
         ids, positions = entry.ids, entry.positions
         n, t = ids.shape
         groups = self.heads // self.kv_heads
