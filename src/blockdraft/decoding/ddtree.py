@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from blockdraft.decoding.draft import DFlashProposer, Draft
+from blockdraft.decoding.draft import Draft, OverChain
 from blockdraft.decoding.host_to_device import long_tensor
 from blockdraft.decoding.sampling import SamplingParams, probabilities
 from blockdraft.errors import BlockdraftError
@@ -86,7 +86,7 @@ def slot_log_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tens
     return probabilities(logits, sampling).log()
 
 
-class DDTreeProposer:
+class DDTreeProposer(OverChain):
     """DDTree over the DFlash drafter: the chain proposer's context cache and slot logits, a tree on top.
 
     `build_s` accumulates the tree-building time (top-k, heap, token gather) since the last `reset`, so
@@ -98,17 +98,7 @@ class DDTreeProposer:
     def __init__(self, drafter: DFlashDrafter, target: Target, budget: int, draft_tokens: int | None = None) -> None:
         self.budget = check_budget(budget)
         target.check_tree_attention()
-        self.chain = DFlashProposer(drafter, target, draft_tokens=draft_tokens)
-        self.drafter = drafter
-        self.tap_layers: tuple[int, ...] | None = self.chain.tap_layers
-        self.build_s = 0.0
-
-    def reset(self) -> None:
-        self.chain.reset()
-        self.build_s = 0.0
-
-    def add_context(self, taps: torch.Tensor) -> None:
-        self.chain.add_context(taps)
+        super().__init__(drafter, target, draft_tokens=draft_tokens)
 
     def plan(self, max_depth: int) -> tuple[int, int] | None:
         return self.chain.plan(max_depth)

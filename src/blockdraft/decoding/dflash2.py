@@ -22,7 +22,7 @@ import time
 import torch
 
 from blockdraft.decoding.ddtree import check_budget
-from blockdraft.decoding.draft import DFlashProposer, Draft
+from blockdraft.decoding.draft import Draft, OverChain
 from blockdraft.decoding.host_to_device import long_tensor
 from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.errors import BlockdraftError
@@ -54,27 +54,18 @@ def walk(scores: torch.Tensor, candidates: torch.Tensor, sampling: SamplingParam
     return tokens, (torch.stack(rows) if rows else None)
 
 
-class DFlash2Proposer:
+class DFlash2Proposer(OverChain):
     """The DFlash-2 chain over a drafter with a candidate selector; the drafter context and pass are the DFlash
     chain's (eager: the static path does not run block convolutions)."""
 
     name = "dflash2"
-    build_s = 0.0
 
     def __init__(self, drafter: DFlashDrafter, target: Target, draft_tokens: int | None = None) -> None:
         if drafter.candidate_selector is None:
             raise BlockdraftError("a DFlash-2 proposer needs a DFlash-2 drafter (dflash_config.selector_rank, "
                                   "selector_top_k, conv_kernel_size, conv_group_size); this one is DFlash (v1)")
-        self.chain = DFlashProposer(drafter, target, static=False, draft_tokens=draft_tokens)
-        self.drafter = drafter
+        super().__init__(drafter, target, static=False, draft_tokens=draft_tokens)
         self.selector: CandidateSelector = drafter.candidate_selector
-        self.tap_layers: tuple[int, ...] | None = self.chain.tap_layers
-
-    def reset(self) -> None:
-        self.chain.reset()
-
-    def add_context(self, taps: torch.Tensor) -> None:
-        self.chain.add_context(taps)
 
     @torch.inference_mode()
     def candidates(self, anchor: int, start: int, slots: int, visible: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,7 +123,7 @@ def build_selector_tree(candidates: torch.Tensor, edge_log_probs: torch.Tensor, 
     return Draft(tokens=candidates.reshape(-1)[long_tensor(flat, candidates.device)], parents=parents, depths=depths)
 
 
-class SelectorTreeProposer:
+class SelectorTreeProposer(DFlash2Proposer):
     """DDTree over a DFlash-2 drafter: one drafter pass, then the tree of the best walks under the selector's edge
     scores (softmax of each row; at T > 0 of each row / T, the walk's own law). Verified as any tree."""
 
@@ -141,26 +132,16 @@ class SelectorTreeProposer:
     def __init__(self, drafter: DFlashDrafter, target: Target, budget: int, draft_tokens: int | None = None) -> None:
         self.budget = check_budget(budget)
         target.check_tree_attention()
-        self.walk = DFlash2Proposer(drafter, target, draft_tokens)
-        self.drafter = drafter
-        self.tap_layers = self.walk.tap_layers
-        self.build_s = 0.0
-
-    def reset(self) -> None:
-        self.walk.reset()
-        self.build_s = 0.0
-
-    def add_context(self, taps: torch.Tensor) -> None:
-        self.walk.add_context(taps)
+        super().__init__(drafter, target, draft_tokens)
 
     @torch.inference_mode()
     def propose(
         self, anchor: int, start: int, max_depth: int, sampling: SamplingParams, generator: torch.Generator | None
     ) -> Draft:
-        planned = self.walk.chain.plan(max_depth)
+        planned = self.chain.plan(max_depth)
         if planned is None:
-            return Draft.empty(self.walk.chain.target.device)
-        candidates, scores = self.walk.candidates(anchor, start, *planned)
+            return Draft.empty(self.chain.target.device)
+        candidates, scores = self.candidates(anchor, start, *planned)
         if scores.device.type == "cuda":
             torch.cuda.synchronize(scores.device)  # the drafter pass is not tree-building time
         t0 = time.perf_counter()

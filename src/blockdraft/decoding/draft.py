@@ -208,3 +208,23 @@ class DFlashProposer:
         if planned is None:
             return Draft.empty(self.target.device)
         return self.finish(self.slot_logits(anchor, start, *planned), sampling, generator)
+
+
+class OverChain:
+    """Base of the proposers that draft from a DFlash chain's context and pass (DDTree, DFlash-2's walk and trees,
+    DSpark's Markov chain): the context, its reset and the taps it reads are the chain's; `build_s` counts what
+    they add on the host."""
+
+    def __init__(self, drafter: DFlashDrafter, target: Target, static: bool = True,
+                 draft_tokens: int | None = None) -> None:
+        self.chain = DFlashProposer(drafter, target, static=static, draft_tokens=draft_tokens)
+        self.drafter = drafter
+        self.tap_layers: tuple[int, ...] | None = self.chain.tap_layers
+        self.build_s = 0.0
+
+    def reset(self) -> None:
+        self.chain.reset()
+        self.build_s = 0.0
+
+    def add_context(self, taps: torch.Tensor) -> None:
+        self.chain.add_context(taps)

@@ -12,34 +12,25 @@ from __future__ import annotations
 
 import torch
 
-from blockdraft.decoding.draft import DFlashProposer, Draft
+from blockdraft.decoding.draft import Draft, OverChain
 from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.drafter import DFlashDrafter
 from blockdraft.models.target import Target
 
 
-class DSparkProposer:
+class DSparkProposer(OverChain):
     """The DSpark chain. The drafter context and pass are the DFlash chain's (eager); with `sample_from_anchor`
     the pass is [anchor, MASK x (n-1)] and row i predicts the token after it, else DFlash's fill-in block."""
 
     name = "dspark"
-    build_s = 0.0
 
     def __init__(self, drafter: DFlashDrafter, target: Target, draft_tokens: int | None = None) -> None:
         if drafter.markov_head is None or drafter.cfg.dspark is None:
             raise BlockdraftError("a DSpark proposer needs a DSpark drafter (markov_rank in its config.json)")
-        self.chain = DFlashProposer(drafter, target, static=False, draft_tokens=draft_tokens)
-        self.drafter = drafter
+        super().__init__(drafter, target, static=False, draft_tokens=draft_tokens)
         self.head = drafter.markov_head
         self.shape = drafter.cfg.dspark
-        self.tap_layers: tuple[int, ...] | None = self.chain.tap_layers
-
-    def reset(self) -> None:
-        self.chain.reset()
-
-    def add_context(self, taps: torch.Tensor) -> None:
-        self.chain.add_context(taps)
 
     @torch.inference_mode()
     def propose(
