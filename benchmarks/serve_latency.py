@@ -48,7 +48,9 @@ def main() -> None:
     parser.add_argument("--engine", default="auto")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--stream-interval-ms", default=None)
+    parser.add_argument("--max-num-seqs", default=None, help="The server's continuous batch (default: its own, 1).")
     args = parser.parse_args()
+    args.schedule = None
     args.concurrency_levels = [1]
     prompts = [[{"role": "user", "content": f"Write a short story about the number {i}."}] for i in range(args.requests)]
     local, local_decode = in_process(args, prompts)

@@ -308,7 +308,10 @@ def main() -> None:
         deadline = time.monotonic() + args.time_cap
         try:
             pair = paired(local, server.url, args.target, args.paired or args.requests, prompts, args.max_tokens)
-            ratios.append(dict(method=method, **pair))
+            said = [line.strip() for line in server.lines if line.startswith(("method ", "schedule", "continuous"))]
+            for line in said:
+                console.print(f"# {method} server: {line}")
+            ratios.append(dict(method=method, server_said=said, **pair))
             console.print(f"# {method} paired c=1: in-process {pair['in_process_tokens_per_s']:.1f} tok/s, server "
                           f"{pair['server_c1_tokens_per_s']:.1f} tok/s, ratio {pair['ratio']:.3f}")
             for concurrency in args.concurrency_levels:

@@ -12,11 +12,11 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from blockdraft.decoding.generate import generate
 from blockdraft.decoding.methods import build_proposer
 from blockdraft.decoding.sampling import SamplingParams
-from blockdraft.engine.batch import BatchDecoder, generate_batch
+from blockdraft.engine.batch import BatchDecoder, Request, generate_batch
 from blockdraft.errors import BlockdraftError
 from blockdraft.decoding.draft import Draft
 from blockdraft.engine.verifiers import pack_rows
-from blockdraft.models.fast_batch import BatchForward, BatchKV, forward_batch
+from blockdraft.models.fast_batch import BatchForward, BatchKV, forward_batch, prefill_batch
 from blockdraft.models.fast_target import FastTarget
 from blockdraft.models.target import Target
 
@@ -148,6 +148,86 @@ def test_forward_batch_matches_one_sequence_at_a_time(path: str, rows: int) -> N
         torch.testing.assert_close(taps[slot], single.taps[0], rtol=1e-5, atol=1e-5)
         assert torch.equal(store.kv[:, :, slot, :, : lengths[slot]], committed[slot])
     assert store.lengths[:3] == lengths  # the caller commits
+
+
+@pytest.mark.parametrize("target_name", ["qwen3", "sliding-qwen2"])
+def test_prefill_together_matches_one_prompt_at_a_time(target_name: str) -> None:
+    """`prefill_batch` into slots 1..3 of a store (slot 0 holding another sequence, untouched): each prompt's
+    last-row logits, its taps and its K/V equal its own batch-1 prefill's, whatever the padding."""
+    target = TARGETS[target_name]()
+    items = [list(range(3, 10)), [4, 5], list(range(20, 33))]
+    store = BatchKV.for_target(target, 5)
+    store.kv[:, :, 0].normal_()
+    other = store.kv[:, :, 0].clone()
+    logits, taps = prefill_batch(target, store, 1, items, (0, 2))
+    for b, ids in enumerate(items):
+        cache = target.new_cache()
+        single = target.forward(torch.tensor([ids]), torch.arange(len(ids)), cache, (0, 2))
+        torch.testing.assert_close(logits[b], single.logits[0, -1], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(taps[b, : len(ids)], single.taps[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(store.kv[:, :, 1 + b, :, : len(ids)], cache.storage.kv[:, :, :, : len(ids)],
+                                   rtol=1e-5, atol=1e-5)
+        assert store.lengths[1 + b] == len(ids)
+    assert torch.equal(store.kv[:, :, 0], other)
+
+
+@pytest.mark.parametrize("target_name,method,variant,budget", [
+    ("qwen3", "ar", None, None), ("qwen3", "dflash", "all_full", None), ("qwen3-padded", "ddtree", "all_full", 12),
+    ("sliding-qwen2", "ddtree", "mixed_swa", 6), ("hf-qwen3", "dflash", "all_full", None)])
+def test_sequences_joining_together_decode_their_batch_1_ids(target_name: str, method: str, variant: str | None,
+                                                             budget: int | None) -> None:
+    """Several sequences join at one step boundary (prefilled in one forward on the fast engine), some done at
+    their first token (they take no slot, the others close up), into a batch already running: ids, acceptance
+    and draft lengths are each one's batch-1 ones."""
+    target = TARGETS[target_name]()
+    drafter = make_drafter(variant) if variant else None
+
+    def new_proposer():  # noqa: ANN202
+        return build_proposer(method, target, drafter, budget)
+
+    items = prompts(9)
+    limits = [1 if i % 3 == 1 else 5 + 4 * (i % 4) for i in range(len(items))]
+    alone = [generate(target, ids, new_proposer(), max_new_tokens=n, stop_token_ids=(5,))
+             for ids, n in zip(items, limits)]
+    decoder = BatchDecoder(target, new_proposer, max_seqs=6)
+    if target_name.endswith("-padded"):
+        decoder.verifier.batched.pad = True
+    waves = [[0], [1, 2, 3, 4], [5, 6, 7, 8]]  # alone first (the batch-1 path), then two groups together
+    results: dict[int, object] = {}
+    owner: dict[int, int] = {}
+    steps = 0
+    while waves or decoder.running:
+        if waves and decoder.free >= len(waves[0]):
+            wave = waves.pop(0)
+            seqs = decoder.join_many([Request(items[i], limits[i], stop_token_ids=(5,)) for i in wave])
+            if decoder.drafting is not None and target_name.endswith("-padded"):
+                decoder.drafting.pad = True
+            for i, seq in zip(wave, seqs):
+                if seq.done:
+                    results[i] = seq.result()
+                else:
+                    owner[id(seq)] = i
+        for seq in decoder.step():
+            results[owner.pop(id(seq))] = seq.result()
+        steps += 1
+        assert steps < 500
+    assert any(limit == 1 for limit in limits)
+    for i, single in enumerate(alone):
+        assert results[i].token_ids == single.token_ids, f"prompt {i}"
+        assert results[i].acceptance_lengths == single.acceptance_lengths, f"prompt {i}"
+        assert results[i].draft_lengths == single.draft_lengths, f"prompt {i}"
+
+
+def test_a_bad_request_joins_nothing() -> None:
+    """join_many checks every request first and a failed join leaves the batch as it was."""
+    target = FastTarget(make_target_model("qwen3"))
+    decoder = BatchDecoder(target, lambda: None, 4)
+    decoder.join([1, 2, 3], 8)
+    with pytest.raises(BlockdraftError):
+        decoder.join_many([Request([1, 2], 4), Request([VOCAB + 7], 4)])
+    assert len(decoder.running) == 1
+    with pytest.raises(BlockdraftError, match="the batch is full"):
+        decoder.join_many([Request([1], 4)] * 4)
 
 
 def test_packed_rows_are_each_drafts_own_rows_padded_out_of_sight() -> None:

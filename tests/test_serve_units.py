@@ -368,3 +368,57 @@ def test_event_relay_delivers_batches_pushed_from_another_thread_in_order() -> N
         return texts
 
     assert asyncio.run(received()) == ["0", "1", "2", "3", "4", "5", "end"]
+
+
+# The decoding thread
+
+
+def test_waiting_jobs_join_together_and_a_bad_one_gets_its_own_400() -> None:
+    """The worker admits every job waiting at a step boundary in one group (prefilled together by the batched
+    engine); one that cannot run gets a 400 naming why, the others their batch-1 ids, each exactly one final
+    event."""
+    import threading
+
+    from blockdraft.models.fast_target import FastTarget
+    from blockdraft.serve.batched import BatchedEngine
+    from blockdraft.serve.jobs import Failed, Finished, Job, JobSpec
+    from blockdraft.serve.worker import Worker
+
+    target = FastTarget(make_target_model("qwen3"))
+    drafter = make_drafter("all_full")
+    engine = BatchedEngine(target, lambda: build_proposer("dflash", target, drafter, None, 3), None, 4)
+    groups: list[int] = []
+    admit = engine.admit
+
+    def counting_admit(jobs) -> None:  # noqa: ANN001
+        groups.append(len(jobs))
+        admit(jobs)
+
+    engine.admit = counting_admit  # type: ignore[method-assign]
+    finals: dict[int, list] = {}
+    done = threading.Event()
+    prompts = [[1, 2, 3], [VOCAB + 3], [4, 5, 6, 7, 8], [9]]
+
+    def emitter(job_id: int):  # noqa: ANN202
+        def emit(event) -> None:  # noqa: ANN001
+            if isinstance(event, (Finished, Failed)):
+                finals.setdefault(job_id, []).append(event)
+                if len(finals) == len(prompts):
+                    done.set()
+        return emit
+
+    worker = Worker(engine, lambda job: None)
+    jobs = [Job(JobSpec(i, ids, 12, SamplingParams(), 0, StopRules(), 0.0), emitter(i)) for i, ids in enumerate(prompts)]
+    for job in jobs:  # queued before the thread starts: all four wait together
+        worker.submit(job)
+    worker.start()
+    assert done.wait(120)
+    worker.stop()
+    assert groups == [4]
+    assert all(len(events) == 1 for events in finals.values())
+    error = finals[1][0]
+    assert isinstance(error, Failed) and error.error.status == 400 and f"id {VOCAB + 3}" in error.error.message
+    for i in (0, 2, 3):
+        output = finals[i][0].output
+        assert output.token_ids == generate(target, prompts[i], build_proposer("dflash", target, drafter, None, 3),
+                                            12).token_ids

@@ -23,7 +23,8 @@ def test_tune_writes_costs_and_a_consistent_schedule(trained_pairs: dict[str, tu
     costs = CostTable.load(out / "costs.json")
     assert sorted(costs.verify_s) == [1, 3] and sorted(costs.verify_s[1]) == [1, 2, 4, 5]
     assert all(t > 0 for rows in costs.verify_s.values() for t in rows.values()) and costs.context_tokens == 40
-    assert costs.draft_s[3] > costs.draft_s[1] > 0 and list(costs.tree_build_s) == [4]
+    assert sorted(costs.draft_s) == [1, 3] and all(t > 0 for t in costs.draft_s.values())  # times: never compared
+    assert list(costs.tree_build_s) == [4]
     schedule = Schedule.load(out / "schedule.json")
     data = json.loads((out / "schedule.json").read_text())
     assert [entry.batch for entry in schedule.entries] == [1, 3]

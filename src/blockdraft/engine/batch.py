@@ -1,5 +1,6 @@
 """Batched speculative decoding: the running sequences draft, verify together in one target forward, and commit
-each its own accepted tokens; sequences join after their prefill and leave when done (continuous batching).
+each its own accepted tokens; sequences join after their prefill and leave when done (continuous batching). On
+the fast engine the sequences joining at one step boundary are prefilled together, in one forward.
 
 Each sequence keeps everything `generate()` keeps for one: its ids, its proposer (drafter context), its sampling
 generator, consumed in the same order (propose, then verify, each step), so a sequence's ids in a batch are its
@@ -24,7 +25,7 @@ from blockdraft.decoding.draft import DFlashProposer, Draft, DrafterProposer, Pr
 from blockdraft.decoding.generate import GenerationResult, OnCommit, check_context, check_prompt_ids
 from blockdraft.decoding.host_to_device import long_tensor
 from blockdraft.decoding.sampling import SamplingParams, pick
-from blockdraft.decoding.verify import verify
+from blockdraft.decoding.verify import Verdict, verify, verify_greedy
 from blockdraft.engine.schedule import Schedule
 from blockdraft.engine.switching import SwitchingProposer
 from blockdraft.engine.verifiers import LoopVerifier, SlotVerifier
@@ -34,6 +35,21 @@ from blockdraft.models.fast_batch_drafter import BatchDrafter
 from blockdraft.models.fast_drafter import fast_drafter_problem
 from blockdraft.models.fast_target import FastTarget
 from blockdraft.models.target import Target
+
+
+PREFILL_MAX_ROWS = 8192  # padded prompt rows prefilled in one forward (its attention mask grows with rows x keys)
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a sequence joins with: `generate()`'s arguments."""
+
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int = 0
+    on_commit: OnCommit | None = None
 
 
 @dataclass
@@ -116,33 +132,85 @@ class BatchDecoder:
     def free(self) -> int:
         return self.max_seqs - len(self.running)
 
-    @torch.inference_mode()
+    def check(self, request: Request) -> None:
+        """Refuse a request that cannot run (too long for the context, ids outside the vocabulary), as `generate()`
+        does, before it joins: a bad request must not fail the others prefilled with it."""
+        check_context(self.target, len(request.prompt_ids), request.max_new_tokens)
+        check_prompt_ids(self.target.embedding_weight.shape[0], request.prompt_ids)
+
     def join(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
              stop_token_ids: tuple[int, ...] = (), seed: int = 0, on_commit: OnCommit | None = None) -> Sequence:
-        """Prefill a new sequence (as `generate()` does) and add it to the batch; one that is done at its first
-        token (a stop, max_new_tokens 1) is returned finished and never takes a slot."""
-        if not self.free:
-            raise BlockdraftError(f"the batch is full ({self.max_seqs} sequences); wait for one to finish")
-        target, device = self.target, self.target.device
-        check_context(target, len(prompt_ids), max_new_tokens)
-        check_prompt_ids(target.embedding_weight.shape[0], prompt_ids)
+        """`join_many` of one request."""
+        return self.join_many([Request(prompt_ids, max_new_tokens, sampling, stop_token_ids, seed, on_commit)])[0]
+
+    @torch.inference_mode()
+    def join_many(self, requests: list[Request]) -> list[Sequence]:
+        """Prefill new sequences (as `generate()` does) and add them to the batch; one that is done at its first
+        token (a stop, max_new_tokens 1) is returned finished and never takes a slot. On the fast engine prompts
+        are prefilled together, up to PREFILL_MAX_ROWS padded rows per forward (a lone prompt, or one too long to
+        share, takes the batch-1 prefill)."""
+        if len(requests) > self.free:
+            raise BlockdraftError(f"the batch is full: room for {self.free} more of {self.max_seqs} sequences, not "
+                                  f"{len(requests)}; wait for some to finish")
+        for request in requests:
+            self.check(request)
+        joined: list[Sequence] = []
+        before = len(self.running)
+        try:
+            for group in self._prefill_groups(requests):
+                joined.extend(self._join_together(group) if len(group) > 1 else [self._join_alone(group[0])])
+        except BaseException:  # all or none: the caller answers every request of a failed join
+            del self.running[before:]
+            raise
+        return joined
+
+    def _prefill_groups(self, requests: list[Request]) -> list[list[Request]]:
+        """Requests in arrival order, cut into groups whose padded prefill fits PREFILL_MAX_ROWS (each its own
+        group where prompts cannot be prefilled together)."""
+        if not isinstance(self.verifier, SlotVerifier):
+            return [[request] for request in requests]
+        groups: list[list[Request]] = []
+        longest = 0
+        for request in requests:
+            n = len(request.prompt_ids)
+            if groups and (len(groups[-1]) + 1) * max(longest, n) <= PREFILL_MAX_ROWS:
+                groups[-1].append(request)
+                longest = max(longest, n)
+            else:
+                groups.append([request])
+                longest = n
+        return groups
+
+    def _start(self, request: Request, first: int, ttft_s: float, joined: float, proposer: Proposer | None,
+               generator: torch.Generator) -> Sequence:
+        seq = Sequence(len(request.prompt_ids), request.max_new_tokens, request.sampling, generator,
+                       frozenset(request.stop_token_ids), proposer, request.on_commit, [first], ttft_s, joined)
+        seq.stopped_on = first if first in seq.stops else None
+        seq.ended_early = bool(request.on_commit and request.on_commit([first]))
+        if seq.done:
+            seq.finished = time.perf_counter()
+        return seq
+
+    def _new_proposer(self) -> Proposer | None:
         proposer = self.new_proposer()
         if proposer:
             proposer.reset()
-        generator = torch.Generator(device=device).manual_seed(seed)
+        return proposer
+
+    def _join_alone(self, request: Request) -> Sequence:
+        """`generate()`'s own prefill (the target's batch-1 path), then the K/V into the sequence's slot."""
+        target, device, prompt_ids = self.target, self.target.device, request.prompt_ids
+        proposer = self._new_proposer()
+        generator = torch.Generator(device=device).manual_seed(request.seed)
         joined = time.perf_counter()
         self.verifier.before_prefill()
         cache = target.new_cache()
         prompt = torch.tensor([prompt_ids], dtype=torch.long, device=device)
         out = target.forward(prompt, torch.arange(len(prompt_ids), device=device), cache,
                              proposer.tap_layers if proposer else None, last_logits_only=True)
-        first = int(pick(out.logits[0, -1], sampling, generator).item())
-        seq = Sequence(len(prompt_ids), max_new_tokens, sampling, generator, frozenset(stop_token_ids), proposer,
-                       on_commit, [first], time.perf_counter() - joined, joined)
-        seq.stopped_on = first if first in seq.stops else None
-        seq.ended_early = bool(on_commit and on_commit([first]))
+        first = int(pick(out.logits[0, -1], request.sampling, generator).item())
+        seq = self._start(request, first, time.perf_counter() - joined, joined, proposer, generator)
         if seq.done:
-            seq.finished = time.perf_counter()
             return seq
         slot = len(self.running)
         if proposer:
@@ -155,6 +223,45 @@ class BatchDecoder:
         self.verifier.load(slot, cache)
         self.running.append(seq)
         return seq
+
+    def _join_together(self, group: list[Request]) -> list[Sequence]:
+        """One prefill forward for the whole group, into the slots after the running ones; those that go on are
+        then packed into consecutive slots and their drafter contexts extended together."""
+        assert isinstance(self.verifier, SlotVerifier)
+        device, first = self.target.device, len(self.running)
+        proposers = [self._new_proposer() for _ in group]
+        generators = [torch.Generator(device=device).manual_seed(request.seed) for request in group]
+        joined = time.perf_counter()
+        tap_layers = proposers[0].tap_layers if proposers[0] else None
+        logits, taps = self.verifier.prefill(first, [request.prompt_ids for request in group], tap_layers)
+        seqs: list[Sequence] = []
+        extended: list[int] = []
+        contexts: list[torch.Tensor] = []
+        for b, (request, proposer, generator) in enumerate(zip(group, proposers, generators)):
+            token = int(pick(logits[b], request.sampling, generator).item())
+            seq = self._start(request, token, time.perf_counter() - joined, joined, proposer, generator)
+            seqs.append(seq)
+            if seq.done:
+                continue
+            slot = len(self.running)
+            if slot != first + b:
+                self.verifier.move(first + b, slot)
+            if proposer and taps is not None:
+                extended.append(slot)
+                contexts.append(taps[b : b + 1, : len(request.prompt_ids)])
+            self.running.append(seq)
+        if extended:
+            drafting = self._batch_drafter(self.running[extended[0]].proposer)
+            if drafting is None:
+                for slot, context in zip(extended, contexts):
+                    proposer = self.running[slot].proposer
+                    assert proposer is not None
+                    proposer.add_context(context)
+            else:
+                for slot in extended:
+                    drafting.reset(slot)
+                drafting.extend(extended, contexts)
+        return seqs
 
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
@@ -178,8 +285,9 @@ class BatchDecoder:
         verified = self.verifier.forward([seq.tokens[-1] for seq in self.running], drafts, starts, tap_layers)
         extended: list[int] = []
         kept_taps: list[torch.Tensor] = []
-        for slot, (seq, draft, start, (logits, taps)) in enumerate(zip(self.running, drafts, starts, verified)):
-            verdict = verify(draft, logits, seq.sampling, seq.generator)
+        verdicts = self._verdicts(drafts, [logits for logits, _ in verified])
+        for slot, (seq, draft, start, verdict, (_, taps)) in enumerate(
+                zip(self.running, drafts, starts, verdicts, verified)):
             produced = len(seq.commit(verdict.tokens + [verdict.bonus]))
             rows = None if draft.is_chain else long_tensor(
                 [0] + [node + 1 for node in verdict.accepted][: produced - 1], device)
@@ -195,6 +303,19 @@ class BatchDecoder:
                 assert proposer is not None
                 proposer.add_context(taps)
         return self._leave()
+
+    def _verdicts(self, drafts: list[Draft], logits: list[torch.Tensor]) -> list[Verdict]:
+        """Each sequence's verdict: the greedy ones read back together (one wait for the device per step), the
+        sampled ones each with its own generator, as alone."""
+        verdicts: list[Verdict | None] = [None] * len(drafts)
+        greedy = [b for b, seq in enumerate(self.running) if seq.sampling.greedy]
+        if greedy:
+            for b, verdict in zip(greedy, verify_greedy([drafts[b] for b in greedy], [logits[b] for b in greedy])):
+                verdicts[b] = verdict
+        for b, seq in enumerate(self.running):
+            if verdicts[b] is None:
+                verdicts[b] = verify(drafts[b], logits[b], seq.sampling, seq.generator)
+        return [verdict for verdict in verdicts if verdict is not None]
 
     def _drafts(self, starts: list[int]) -> list[Draft]:
         """Every running sequence's draft from one batched drafter pass (none when this step's method is AR)."""
@@ -229,26 +350,20 @@ class BatchDecoder:
 def generate_batch(target: Target, prompts: list[list[int]], new_proposer: Callable[[], Proposer | None],
                    batch_size: int, max_new_tokens: int = 128, sampling: SamplingParams = SamplingParams(),
                    stop_token_ids: tuple[int, ...] = (), seed: int = 0) -> Iterator[tuple[int, GenerationResult]]:
-    """Decode every prompt with up to `batch_size` at a time, a new one joining as soon as one finishes; yields
-    (prompt index, result) in finishing order. Each prompt's ids equal `generate()`'s on it alone with `seed`."""
+    """Decode every prompt with up to `batch_size` at a time, new ones joining (prefilled together) as soon as
+    some finish; yields (prompt index, result) in finishing order. Each prompt's ids equal `generate()`'s on it
+    alone with `seed`."""
     decoder = BatchDecoder(target, new_proposer, batch_size)
-    pending = iter(enumerate(prompts))
+    pending = list(enumerate(prompts))
     owner: dict[int, int] = {}
-    exhausted = False
-    while True:
-        while decoder.free and not exhausted:
-            item = next(pending, None)
-            if item is None:
-                exhausted = True
-                break
-            index, ids = item
-            seq = decoder.join(ids, max_new_tokens, sampling, stop_token_ids, seed)
+    while pending or decoder.running:
+        joining, pending = pending[: decoder.free], pending[decoder.free :]
+        seqs = decoder.join_many([Request(ids, max_new_tokens, sampling, stop_token_ids, seed) for _, ids in joining])
+        for (index, _), seq in zip(joining, seqs):
             if seq.done:
                 yield index, seq.result()
             else:
                 owner[id(seq)] = index
-        if not decoder.running:
-            return
         for seq in decoder.step():
             yield owner.pop(id(seq)), seq.result()
 

@@ -3,7 +3,8 @@ cache keeps its accepted rows.
 
 - `SlotVerifier` (the fast engine): one forward over [B, R] rows (models/fast_batch.py, CUDA graphs per batch
   bucket on a GPU), the sequences' K/V in the slots of one BatchKV; a lone sequence runs the batch-1 path (static
-  cache, CUDA graphs). The rows are packed with a few whole-batch copies, not per-sequence ones.
+  cache, CUDA graphs). The rows are packed with a few whole-batch copies, not per-sequence ones. Prompts joining
+  together are prefilled in one forward straight into their slots.
 - `LoopVerifier` (any HF model, hybrid ones included): each sequence keeps its own cache (a TargetCache, or the
   HybridCache that rolls linear-attention states back) and verifies with `generate()`'s own forward, one sequence
   after another. No faster than one at a time, but requests interleave step by step (a short request is not stuck
@@ -16,7 +17,7 @@ import torch
 
 from blockdraft.decoding.draft import Draft
 from blockdraft.decoding.host_to_device import long_tensor
-from blockdraft.models.fast_batch import BatchForward, BatchKV
+from blockdraft.models.fast_batch import BatchForward, BatchKV, prefill_batch
 from blockdraft.models.fast_target import FastTarget
 from blockdraft.models.static_cache import StaticTargetCache
 from blockdraft.models.target import Target, TargetCache
@@ -41,6 +42,12 @@ class SlotVerifier:
         if self.single is not None:
             self.store.load(0, self.single)
             self.single = None
+
+    def prefill(self, first: int, prompts: list[list[int]],
+                tap_layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Several prompts prefilled together straight into slots first.. (`fast_batch.prefill_batch`)."""
+        self.before_prefill()
+        return prefill_batch(self.target, self.store, first, prompts, tap_layers)
 
     def load(self, slot: int, cache: StaticTargetCache) -> None:
         if slot == 0:  # alone: stay where the prefill put it

@@ -1,7 +1,7 @@
 """The engine behind `--max-num-seqs N > 1`: continuous batching over `engine.batch.BatchDecoder`.
 
-Jobs join the batch at step boundaries (after their prefill) while it has free slots and leave when done; every
-step drafts for each running job and verifies them all in one target forward. A job's ids at T=0 are still its
+Jobs join the batch at step boundaries while it has free slots (those waiting prefilled together) and leave when
+done; every step drafts for each running job and verifies them all in one target forward. A job's ids at T=0 are still its
 batch-1 ids (the decoder's lossless tests).
 """
 
@@ -11,10 +11,12 @@ from collections.abc import Callable
 from typing import Any
 
 from blockdraft.decoding.draft import Proposer
-from blockdraft.engine.batch import BatchDecoder
+from blockdraft.engine.batch import BatchDecoder, Request
 from blockdraft.engine.schedule import Schedule
+from blockdraft.errors import BlockdraftError
 from blockdraft.models.target import Target
-from blockdraft.serve.jobs import Finished, Job
+from blockdraft.serve.errors import ApiError
+from blockdraft.serve.jobs import Failed, Finished, Job
 from blockdraft.serve.job_run import JobRun
 
 _WARMUP_TOKENS = 4
@@ -30,8 +32,8 @@ class BatchedEngine:
         self._runs: dict[int, JobRun] = {}
 
     @property
-    def has_room(self) -> bool:
-        return self.decoder.free > 0
+    def room(self) -> int:
+        return self.decoder.free
 
     @property
     def busy(self) -> bool:
@@ -43,24 +45,35 @@ class BatchedEngine:
         steps stalled concurrency 4 below concurrency 1 before this)."""
         size = 1
         while True:
-            for _ in range(size):
-                self.decoder.join(prompt_ids, _WARMUP_TOKENS)
+            self.decoder.join_many([Request(prompt_ids, _WARMUP_TOKENS)] * size)
             while self.decoder.running:
                 self.decoder.step()
             if size >= self.decoder.max_seqs:
                 return
             size = min(2 * size, self.decoder.max_seqs)
 
-    def admit(self, job: Job, should_stop: Callable[[], bool]) -> None:
-        """Prefill `job` and add it to the batch (finished at once if its first token ends it)."""
-        run = JobRun(job, self.tokenizer, should_stop)
-        spec = job.spec
-        seq = self.decoder.join(spec.prompt_ids, spec.max_tokens, spec.sampling, tuple(spec.rules.token_ids),
-                                spec.seed, on_commit=run.on_commit)
-        if seq.done:
-            job.emit(Finished(run.finish(seq.result())))
-        else:
-            self._runs[id(seq)] = run
+    def admit(self, jobs: list[tuple[Job, Callable[[], bool]]]) -> None:
+        """Prefill the jobs together and add them to the batch (each finished at once if its first token ends it);
+        a job that cannot run (too long, ids outside the vocabulary) gets its 400 and the others go on."""
+        runs: list[JobRun] = []
+        requests: list[Request] = []
+        for job, should_stop in jobs:
+            spec = job.spec
+            run = JobRun(job, self.tokenizer, should_stop)
+            request = Request(spec.prompt_ids, spec.max_tokens, spec.sampling, tuple(spec.rules.token_ids), spec.seed,
+                              run.on_commit)
+            try:
+                self.decoder.check(request)
+            except BlockdraftError as exc:
+                job.emit(Failed(ApiError(400, str(exc))))
+                continue
+            runs.append(run)
+            requests.append(request)
+        for run, seq in zip(runs, self.decoder.join_many(requests)):
+            if seq.done:
+                run.job.emit(Finished(run.finish(seq.result())))
+            else:
+                self._runs[id(seq)] = run
 
     def step(self) -> None:
         """One batched step; the jobs that finished in it get their Finished event."""

@@ -1,8 +1,8 @@
 """The engine behind `--max-num-seqs 1`: one job at a time through the one decode loop, `generate()`.
 
 Because it is `generate()` itself, a request's ids at T=0 are `blockdraft generate`'s, at `generate`'s speed.
-The worker drives every engine the same way (`admit`, `step`, `has_room`, `busy`); here `admit` decodes the job
-to its end, so the engine is never busy between calls.
+The worker drives every engine the same way (`admit`, `step`, `room`, `busy`); here `admit` takes one job and
+decodes it to its end, so the engine is never busy between calls.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ _WARMUP_TOKENS = 4
 class SequentialEngine:
     """A target, the served method's proposer and the tokenizer; decodes one job per `admit`."""
 
-    has_room = True
+    room = 1
     busy = False
 
     def __init__(self, target: Target, proposer: Proposer | None, tokenizer: Any) -> None:
@@ -34,16 +34,18 @@ class SequentialEngine:
         """One short decode, so the first request does not pay for first-call costs (kernels, graphs)."""
         generate(self.target, prompt_ids, self.proposer, _WARMUP_TOKENS)
 
-    def admit(self, job: Job, should_stop: Callable[[], bool]) -> None:
-        """Decode `job` to its end, emitting a Progress per commit and then Finished; `should_stop()` (a client
-        gone, a drain deadline) ends the run at the next commit with finish_reason "abort"."""
-        run = JobRun(job, self.tokenizer, should_stop)
-        spec = job.spec
-        result = generate(
-            self.target, spec.prompt_ids, self.proposer, spec.max_tokens, spec.sampling, tuple(spec.rules.token_ids),
-            spec.seed, on_commit=run.on_commit,
-        )
-        job.emit(Finished(run.finish(result)))
+    def admit(self, jobs: list[tuple[Job, Callable[[], bool]]]) -> None:
+        """Decode the job (`room` is 1) to its end, emitting a Progress per commit and then Finished; its
+        `should_stop()` (a client gone, a drain deadline) ends the run at the next commit with finish_reason
+        "abort"."""
+        for job, should_stop in jobs:
+            run = JobRun(job, self.tokenizer, should_stop)
+            spec = job.spec
+            result = generate(
+                self.target, spec.prompt_ids, self.proposer, spec.max_tokens, spec.sampling,
+                tuple(spec.rules.token_ids), spec.seed, on_commit=run.on_commit,
+            )
+            job.emit(Finished(run.finish(result)))
 
     def step(self) -> None:
         """Nothing runs between admissions."""

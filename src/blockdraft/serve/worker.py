@@ -1,5 +1,5 @@
 """The engine process's decoding thread: a queue of jobs, admitted in arrival order to the engine (one at a time,
-or into the running batch while it has room) and stepped until done.
+or all those waiting into the running batch while it has room, prefilled together) and stepped until done.
 
 Every submitted job gets exactly one final event (Finished or Failed): a job whose client left is dropped at its
 next commit (or before it starts), and on shutdown (`drain`) the queue keeps being served until a deadline, after
@@ -74,36 +74,46 @@ class Worker:
         return self._deadline is not None and time.monotonic() >= self._deadline
 
     def _loop(self) -> None:
-        """Admit queued jobs while the engine has room (waiting for one only when nothing runs), then step."""
+        """Admit the queued jobs the engine has room for (waiting for one only when nothing runs), then step."""
         engine = self.engine
         stopping = False
         while not stopping or engine.busy:
-            while engine.has_room and not stopping:
+            jobs: list[Job] = []
+            while len(jobs) < engine.room and not stopping:
                 try:
-                    job = self._jobs.get(block=not engine.busy)
+                    job = self._jobs.get(block=not engine.busy and not jobs)
                 except queue.Empty:
                     break
                 if job is None:
                     stopping = True
                 else:
-                    self._admit(job)
+                    jobs.append(job)
+            if jobs:
+                self._admit(jobs)
             if engine.busy:
                 self._step()
 
-    def _admit(self, job: Job) -> None:
-        if job.cancelled.is_set() or self._past_deadline():
-            why = "the client left" if job.cancelled.is_set() else "the server shut down"
-            job.emit(Failed(ApiError(503, f"{why} before this request started; retry it", None, {"Retry-After": "5"})))
+    def _admit(self, jobs: list[Job]) -> None:
+        admitted: list[tuple[Job, Callable[[], bool]]] = []
+        for job in jobs:
+            if job.cancelled.is_set() or self._past_deadline():
+                why = "the client left" if job.cancelled.is_set() else "the server shut down"
+                job.emit(Failed(ApiError(503, f"{why} before this request started; retry it", None,
+                                         {"Retry-After": "5"})))
+                continue
+            self.started(job)
+            admitted.append((job, lambda job=job: job.cancelled.is_set() or self._past_deadline()))
+        if not admitted:
             return
-        self.started(job)
-        stop: Callable[[], bool] = lambda: job.cancelled.is_set() or self._past_deadline()  # noqa: E731
         try:
-            self.engine.admit(job, stop)
+            self.engine.admit(admitted)
         except BlockdraftError as exc:
-            job.emit(Failed(ApiError(400, str(exc))))
+            for job, _ in admitted:
+                job.emit(Failed(ApiError(400, str(exc))))
         except Exception as exc:  # a bug must not kill the thread every later request waits on
             log.exception("decoding a request failed")
-            job.emit(Failed(ApiError(500, f"decoding failed ({type(exc).__name__}: {exc})")))
+            for job, _ in admitted:
+                job.emit(Failed(ApiError(500, f"decoding failed ({type(exc).__name__}: {exc})")))
 
     def _step(self) -> None:
         try:
