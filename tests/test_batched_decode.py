@@ -150,6 +150,29 @@ def test_forward_batch_matches_one_sequence_at_a_time(path: str, rows: int) -> N
     assert store.lengths[:3] == lengths  # the caller commits
 
 
+def test_graph_shapes_share_their_output_buffers() -> None:
+    """BatchForward's shapes (buckets, rows, tapped layers or none) all write the same output buffers: each call's
+    logits and taps are `forward_batch`'s whatever shape ran before it."""
+    target = FastTarget(make_target_model("qwen3"))
+    store = BatchKV.for_target(target, 4)
+    for slot, n in enumerate([5, 9, 3, 7]):
+        cache = target.new_cache()
+        target.forward(torch.arange(1, n + 1).unsqueeze(0), torch.arange(n), cache, last_logits_only=True)
+        store.load(slot, cache)
+    batched = BatchForward(target, store, pad=True)
+    calls = [(4, 1, (1,)), (3, 2, (0, 2)), (2, 5, None), (4, 1, (1,)), (3, 2, (0, 2))]
+    for batch, rows, taps in calls:
+        ids = torch.arange(batch * rows).view(batch, rows) % 50 + 3
+        positions = torch.tensor(store.lengths[:batch]).unsqueeze(1) + torch.arange(rows)
+        own = torch.ones(rows, rows, dtype=torch.bool).tril().expand(batch, rows, rows)
+        logits, got = batched(ids, positions, own, taps)
+        want_logits, want = forward_batch(target, store, ids, positions, own, taps)
+        torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
+        assert (got is None) == (want is None)
+        if want is not None:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("target_name", ["qwen3", "sliding-qwen2"])
 def test_prefill_together_matches_one_prompt_at_a_time(target_name: str) -> None:
     """`prefill_batch` into slots 1..3 of a store (slot 0 holding another sequence, untouched): each prompt's

@@ -308,3 +308,20 @@ def test_tree_tau_beats_chain_tau(trained_pair) -> None:
     assert large.build_s > 0
     assert sum(chain_taus) / len(chain_taus) > 2.0, "the trained pair should accept well above 1"
     assert sum(medium_taus) > sum(chain_taus)
+
+
+def test_trees_built_together_are_each_sequences_own_tree() -> None:
+    """build_trees over a batch's [n, L, V] log-probs (each sequence its own slot count, one with none, ties in the
+    scores) gives each sequence build_tree's tree on its own rows: tokens, parents, depths."""
+    from blockdraft.decoding.ddtree import build_trees
+
+    torch.manual_seed(3)
+    log_probs = torch.randn(4, 6, 40).log_softmax(-1)
+    log_probs[2, :, :5] = log_probs[2, :, :5].max()  # ties at the top
+    slots = [6, 2, 5, 0]
+    for budget in (1, 7, 30):
+        together = build_trees(log_probs, slots, budget)
+        for b, n in enumerate(slots):
+            alone = build_tree(log_probs[b, :n], budget)
+            assert torch.equal(together[b].tokens, alone.tokens), (budget, b)
+            assert together[b].parents == alone.parents and together[b].depths == alone.depths, (budget, b)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from blockdraft.decoding.ddtree import DDTreeProposer
+from blockdraft.decoding.ddtree import DDTreeProposer, build_trees, slot_log_probs
 from blockdraft.decoding.draft import DFlashProposer, Draft, DrafterProposer, Proposer
 from blockdraft.decoding.generate import GenerationResult, OnCommit, check_context, check_prompt_ids
 from blockdraft.decoding.host_to_device import long_tensor
@@ -327,9 +327,26 @@ class BatchDecoder:
             return [Draft.empty(device) for _ in plans]
         logits = self.drafting.draft([seq.tokens[-1] for seq in self.running], starts,
                                      [0 if plan is None else plan[1] for plan in plans])
-        return [Draft.empty(device) if plan is None else
+        trees = self._trees(proposers, plans, logits)
+        return [trees[b] if b in trees else Draft.empty(device) if plan is None else
                 proposer.finish(logits[b, : plan[0]], seq.sampling, seq.generator)
                 for b, (proposer, seq, plan) in enumerate(zip(proposers, self.running, plans))]
+
+    def _trees(self, proposers: list[DrafterProposer], plans: list[tuple[int, int] | None],
+               logits: torch.Tensor) -> dict[int, Draft]:
+        """The greedy sequences' DDTrees of this step, built together per budget (`ddtree.build_trees`: one top-k
+        and one read for the batch, not one per sequence); what each proposer's own `finish` would build."""
+        groups: dict[int, list[int]] = {}
+        for b, (proposer, plan, seq) in enumerate(zip(proposers, plans, self.running)):
+            budget = _tree_budget(proposer)
+            if plan is not None and budget is not None and seq.sampling.greedy:
+                groups.setdefault(budget, []).append(b)
+        trees: dict[int, Draft] = {}
+        for budget, members in groups.items():
+            rows = logits if len(members) == logits.shape[0] else logits[long_tensor(members, logits.device)]
+            slots = [plan[0] for plan in (plans[b] for b in members) if plan is not None]
+            trees.update(zip(members, build_trees(slot_log_probs(rows, SamplingParams()), slots, budget)))
+        return trees
 
     def _leave(self) -> list[Sequence]:
         """Drop finished sequences; the last running sequence moves into each freed slot."""
@@ -345,6 +362,13 @@ class BatchDecoder:
                 self.running[slot] = self.running[last]
             self.running.pop()
         return finished
+
+
+def _tree_budget(proposer: Proposer | None) -> int | None:
+    """The budget of the plain DDTree this proposer builds from its slot logits this step, if it builds one."""
+    if isinstance(proposer, SwitchingProposer):
+        return proposer.candidate.budget if proposer.candidate.method == "ddtree" else None
+    return proposer.budget if type(proposer) is DDTreeProposer else None
 
 
 def generate_batch(target: Target, prompts: list[list[int]], new_proposer: Callable[[], Proposer | None],

@@ -11,7 +11,10 @@ decoder stack (taps included) are the batch-1 forward's own (`attend`, `layer_ta
 `BatchForward` runs it from CUDA graphs, one per (batch bucket, rows, key capacity): eagerly, a batched step of an
 8B target was launch-bound at 44-87 ms whatever its size (H200, benchmarks/RESULTS.md, session 14), 8-20x its
 roofline. The head runs after the graph, on the real rows only, so no graph holds [bucket x rows x vocab] logits
-(GBs on a 150K vocabulary) and large steps can be graphed too.
+(GBs on a 150K vocabulary) and large steps can be graphed too. Every graph writes its states and taps into the same
+two buffers (GRAPH_MAX_ROWS rows), so a graph holds no memory of its own outside the shared pool and a server can
+keep every shape it meets (BATCH_GRAPHS): with 32 graphs, buckets x rows x capacities overflowed the cache and
+steps recaptured graphs while serving (H200, session 15).
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ import torch
 import torch.nn.functional as F
 
 from blockdraft.models.fast_drafter import capture
-from blockdraft.models.fast_target import MAX_GRAPHS, FastTarget, LayerWeights, attend, graph_rows, layer_tail
+from blockdraft.models.fast_target import FastTarget, LayerWeights, attend, graph_rows, layer_tail
 from blockdraft.models.static_cache import StaticTargetCache, round_up
 
 GRAPH_MAX_ROWS = 8192  # bucket x rows past this run eagerly (compute-bound there, whatever the model)
+BATCH_GRAPHS = 256  # batched verify graphs kept (least recently used dropped): they share their memory
 
 
 class BatchKV:
@@ -182,8 +186,6 @@ class _BatchGraph:
     own: torch.Tensor
     lengths: torch.Tensor
     graph: Any = None
-    hidden: torch.Tensor | None = None
-    taps: torch.Tensor | None = None
 
 
 class BatchForward:
@@ -199,6 +201,8 @@ class BatchForward:
         self.entries: OrderedDict[tuple, _BatchGraph] = OrderedDict()
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.version = store.version
+        self.hidden_out = torch.empty(0, target.hidden_size, dtype=target.dtype, device=target.device)
+        self.taps_out = torch.empty(0, 0, dtype=target.dtype, device=target.device)
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, own: torch.Tensor,
@@ -215,13 +219,14 @@ class BatchForward:
         if self.version != store.version:  # the K/V buffer was reallocated: old graphs point at freed memory
             self.entries.clear()
             self.version = store.version
+        self._outputs(len(tap_layers or ()))
         key = (bucket, rows, cap, tap_layers)
         entry = self.entries.get(key)
         fresh = entry is None
         if entry is None:
             entry = self._buffers(bucket, rows)
             self.entries[key] = entry
-            if len(self.entries) > MAX_GRAPHS:
+            if len(self.entries) > BATCH_GRAPHS:
                 self.entries.popitem(last=False)
         self.entries.move_to_end(key)
         entry.ids.zero_()
@@ -233,15 +238,27 @@ class BatchForward:
         entry.lengths.copy_(torch.tensor(store.lengths[:batch] + [0] * (bucket - batch), dtype=torch.long),
                             non_blocking=True)
         if not self.use_graphs:
-            hidden, taps = self._run(entry, cap, tap_layers)
+            self._run(entry, cap, tap_layers)
         else:
             if fresh:  # warm-up runs write only past each sequence's length, as the replays do
-                entry.graph, (entry.hidden, entry.taps) = capture(lambda: self._run(entry, cap, tap_layers),
-                                                                 self.target.device, self.pool)
+                entry.graph, _ = capture(lambda: self._run(entry, cap, tap_layers), self.target.device, self.pool)
             entry.graph.replay()
-            hidden, taps = entry.hidden, entry.taps
-        assert hidden is not None
+        hidden = self.hidden_out[: bucket * rows].view(bucket, rows, -1)
+        width = len(tap_layers or ()) * self.target.hidden_size
+        taps = self.taps_out[: bucket * rows, :width].view(bucket, rows, width) if tap_layers is not None else None
         return self.target.lm_head(hidden[:batch, :t]), None if taps is None else taps[:batch, :t]
+
+    def _outputs(self, tapped: int) -> None:
+        """The output buffers every graph writes, wide enough for `tapped` layers; widening them drops the graphs
+        that wrote the old ones."""
+        width = tapped * self.target.hidden_size
+        if self.hidden_out.shape[0] == GRAPH_MAX_ROWS and self.taps_out.shape[1] >= width:
+            return
+        self.hidden_out = torch.empty(GRAPH_MAX_ROWS, self.target.hidden_size, dtype=self.target.dtype,
+                                      device=self.target.device)
+        self.taps_out = torch.empty(GRAPH_MAX_ROWS, max(width, self.taps_out.shape[1]), dtype=self.target.dtype,
+                                    device=self.target.device)
+        self.entries.clear()
 
     def _buffers(self, bucket: int, rows: int) -> _BatchGraph:
         device = self.target.device
@@ -250,7 +267,11 @@ class BatchForward:
                            own=torch.zeros(bucket, rows, rows, dtype=torch.bool, device=device),
                            lengths=torch.zeros(bucket, dtype=torch.long, device=device))
 
-    def _run(self, entry: _BatchGraph, cap: int,
-             tap_layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return run_batch(self.target, self.store.kv, entry.lengths, entry.ids, entry.positions, entry.own, cap,
-                         tap_layers)
+    def _run(self, entry: _BatchGraph, cap: int, tap_layers: tuple[int, ...] | None) -> None:
+        """The padded forward, its states and taps written into the shared output buffers."""
+        bucket, rows = entry.ids.shape
+        hidden, taps = run_batch(self.target, self.store.kv, entry.lengths, entry.ids, entry.positions, entry.own, cap,
+                                 tap_layers)
+        self.hidden_out[: bucket * rows].copy_(hidden.reshape(bucket * rows, -1))
+        if taps is not None:
+            self.taps_out[: bucket * rows, : taps.shape[-1]].copy_(taps.reshape(bucket * rows, -1))
