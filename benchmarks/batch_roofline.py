@@ -96,7 +96,8 @@ def main() -> None:
     console.print(table)
     console.print("batched drafter step (pass + one block's context per sequence) " +
                   ", ".join(f"B={b}: {1000 * t:.3f} ms" for b, t in costs.draft_s.items()) + "; tree build " +
-                  ", ".join(f"@{b}: {1000 * t:.3f} ms" for b, t in costs.tree_build_s.items()))
+                  ", ".join(f"@{b}: {1000 * t:.3f} ms" for b, t in costs.tree_build_s.items()) +
+                  "; a step's host work " + ", ".join(f"B={b}: {1000 * t:.3f} ms" for b, t in costs.commit_s.items()))
     console.print(render(schedule))
     if args.json:
         args.json.write_text(json.dumps(dict(settings=vars(args) | {"json": str(args.json)}, steps=rows_out,

@@ -127,6 +127,13 @@ def test_cost_table_round_trips(tmp_path: Path) -> None:
     again = CostTable.load(tmp_path / "costs.json")
     assert again == table
     assert again.verify_time(64, 33) == 0.31 and again.tree_build_s == {32: 3e-4}
+    assert again.commit_time(64) == 0.0  # not measured: nothing
+    table.commit_s = {1: 1e-4, 64: 2.1e-3}
+    table.save(tmp_path / "costs.json")
+    again = CostTable.load(tmp_path / "costs.json")
+    assert again == table and again.commit_time(64) == 2.1e-3 and again.commit_time(32) == pytest.approx(1e-4 + 2e-3 * 31 / 63)
+    with pytest.raises(BlockdraftError, match="commit batch size 128 is outside"):
+        again.commit_time(128)
 
 
 def _mutate(data: dict, path: list[str], value: object) -> None:
@@ -147,6 +154,7 @@ _DELETE = object()
     (["verify_s"], {}, "verify_s"),
     (["draft_s", "x"], 0.1, "a key of draft_s = 'x'"),
     (["tree_build_s", "32"], None, "tree_build_s['32']"),
+    (["commit_s"], {"1": -0.5}, "commit_s['1'] = -0.5 must be a number of seconds >= 0"),
     (["context_tokens"], -5, "context_tokens"),
     (["device"], _DELETE, "device"),
     (["format"], "blockdraft-cost-table/0", "format"),
@@ -225,6 +233,19 @@ def test_expected_tokens_per_s_adds_draft_and_tree_costs() -> None:
     assert expected_tokens_per_s(rows17, profile, Candidate("ddtree", budget=16), 4) == pytest.approx(16 / 0.018)
     with pytest.raises(BlockdraftError, match="budget 8"):
         expected_tokens_per_s(rows17, profile, Candidate("ddtree", budget=8), 4)
+
+
+def test_a_steps_host_work_counts_for_every_method_and_favours_committing_more() -> None:
+    """commit_s is added to every candidate's step: AR, which wins on the device alone, loses once each step also
+    pays the host work that a chain spreads over more tokens."""
+    table = costs({64: {1: 0.002, 8: 0.010}}, {64: 0.002})
+    profile = AcceptanceProfile([0.5, 0.5] + [0.0] * 5, {}, "m")  # a 7-token chain commits 2 per step
+    chain = Candidate("dflash", 7)
+    assert expected_tokens_per_s(table, profile, AR, 64) > expected_tokens_per_s(table, profile, chain, 64)
+    table.commit_s = {64: 0.020}
+    assert expected_tokens_per_s(table, profile, AR, 64) == pytest.approx(64 / 0.022)
+    assert expected_tokens_per_s(table, profile, chain, 64) == pytest.approx(64 * 2 / 0.032)
+    assert expected_tokens_per_s(table, profile, chain, 64) > expected_tokens_per_s(table, profile, AR, 64)
 
 
 # --- choosing ---------------------------------------------------------------------------------------------------

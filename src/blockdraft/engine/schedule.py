@@ -74,11 +74,13 @@ class _Check:
             raise self.fail(f"{name} = {raw!r} must be a{'n' if empty_ok else ' non-empty'} object")
         return raw
 
-    def seconds(self, raw: dict[Any, Any], name: str, key_must: str) -> dict[int, float]:
-        """{count: positive seconds}, keys converted to int (JSON writes them as strings)."""
+    def seconds(self, raw: dict[Any, Any], name: str, key_must: str, zero_ok: bool = False) -> dict[int, float]:
+        """{count: positive (or, with `zero_ok`, non-negative) seconds}, keys converted to int (JSON writes them as
+        strings)."""
+        must = "a number of seconds >= 0" if zero_ok else "a positive number of seconds"
         return {
             self.count(key, f"a key of {name}", key_must): self.number(
-                value, f"{name}[{key!r}]", "a positive number of seconds", open_low=True
+                value, f"{name}[{key!r}]", must, open_low=not zero_ok
             )
             for key, value in raw.items()
         }
@@ -132,8 +134,10 @@ class CostTable:
     """Step costs measured on one device at one KV length: what `blockdraft tune` writes.
 
     `verify_s[batch][rows]`: one target forward over batch x rows; `draft_s[batch]`: one drafter forward over every
-    sequence's block; `tree_build_s[budget]`: host time to build one sequence's DDTree. `where` names the table in
-    errors (the file it came from).
+    sequence's block; `tree_build_s[budget]`: host time to build one sequence's DDTree; `commit_s[batch]`: the rest
+    of a step for `batch` sequences, whatever the method (reading the verdicts back, each sequence's commit and
+    cache bookkeeping; empty in tables from before it was measured: then nothing). `where` names the table in errors
+    (the file it came from).
     """
 
     device: str
@@ -144,6 +148,7 @@ class CostTable:
     verify_s: dict[int, dict[int, float]]
     draft_s: dict[int, float]
     tree_build_s: dict[int, float] = field(default_factory=dict)
+    commit_s: dict[int, float] = field(default_factory=dict)
     where: InitVar[str] = "cost table"
 
     def __post_init__(self, where: str) -> None:
@@ -164,6 +169,8 @@ class CostTable:
         self.draft_s = check.seconds(check.mapping(self.draft_s, "draft_s", empty_ok=True), "draft_s", batch_must)
         budgets = check.mapping(self.tree_build_s, "tree_build_s", empty_ok=True)
         self.tree_build_s = check.seconds(budgets, "tree_build_s", "a DDTree budget (a positive integer)")
+        self.commit_s = check.seconds(check.mapping(self.commit_s, "commit_s", empty_ok=True), "commit_s", batch_must,
+                                      zero_ok=True)  # a step's host work can vanish in the timing noise
 
     def _name(self) -> str:
         return f"cost table for {self.target} on {self.device}"
@@ -204,6 +211,16 @@ class CostTable:
             raise self._outside("drafter batch size", batch, sorted(self.draft_s), "--batch-sizes")
         return seconds
 
+    def commit_time(self, batch: int) -> float:
+        """Seconds of a step's host work for `batch` sequences: measured, else linear between measured batch sizes;
+        0 for a table that did not measure it."""
+        if not self.commit_s:
+            return 0.0
+        seconds = _interpolate(self.commit_s, batch)
+        if seconds is None:
+            raise self._outside("commit batch size", batch, sorted(self.commit_s), "--batch-sizes")
+        return seconds
+
     def to_json(self) -> dict[str, Any]:
         """JSON-ready, keys as strings (JSON has no integer keys)."""
         return {
@@ -216,6 +233,7 @@ class CostTable:
             "verify_s": {str(b): _keyed(rows) for b, rows in sorted(self.verify_s.items())},
             "draft_s": _keyed(self.draft_s),
             "tree_build_s": _keyed(self.tree_build_s),
+            "commit_s": _keyed(self.commit_s),
         }
 
     @classmethod
@@ -224,7 +242,7 @@ class CostTable:
         raw = _check_format(data, _Check(where, _RETUNE), COST_FORMAT)
         required = ("device", "dtype", "target", "drafter", "context_tokens", "verify_s")  # checked in __post_init__
         return cls(**{name: raw.get(name) for name in required}, draft_s=raw.get("draft_s", {}),
-                   tree_build_s=raw.get("tree_build_s", {}), where=where)
+                   tree_build_s=raw.get("tree_build_s", {}), commit_s=raw.get("commit_s", {}), where=where)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
@@ -366,10 +384,12 @@ class Estimate:
 
 
 def estimate(costs: CostTable, profile: AcceptanceProfile, candidate: Candidate, batch: int) -> Estimate:
-    """Tokens per step and step time: verify, plus the drafter unless AR, plus each sequence's tree if DDTree."""
+    """Tokens per step and step time: verify and the step's host work, plus the drafter unless AR, plus each
+    sequence's tree if DDTree. The host work is the same per step for every method, so it favours the methods that
+    commit more per step: at batch 64 it was most of an AR step on the H200 (benchmarks/RESULTS.md, session 15)."""
     if batch < 1:
         raise BlockdraftError(f"batch size {batch} must be >= 1")
-    step_s = costs.verify_time(batch, candidate.rows)
+    step_s = costs.verify_time(batch, candidate.rows) + costs.commit_time(batch)
     if candidate.method == "ar":
         tau = 1.0
     else:

@@ -5,7 +5,9 @@ Costs are the batched engine's own operations, timed after a warm-up (median of 
 around each): one verify forward over B sequences x R rows at `context` tokens of cache each (batch 1: the target's
 own batch-1 forward, which a lone sequence runs; more: `BatchForward`, CUDA graphs per batch bucket), one batched
 drafter step for B sequences (`BatchDrafter`: the pass over every block, then the context extension of a whole
-block per sequence, the most a step commits), and one DDTree build per budget.
+block per sequence, the most a step commits), one DDTree build per budget, and the rest of a step (an AR step of
+the batched engine itself over B sequences, less its verify forward: reading the verdicts back, the commits, the
+cache bookkeeping).
 Acceptance is measured by decoding the prompts greedily: the DFlash chain over the whole block (per-position rates)
 and DDTree at each budget (tau).
 """
@@ -22,6 +24,7 @@ from blockdraft.decoding.ddtree import DDTreeProposer, build_tree
 from blockdraft.decoding.draft import DFlashProposer
 from blockdraft.decoding.generate import generate
 from blockdraft.decoding.sampling import SamplingParams
+from blockdraft.engine.batch import BatchDecoder, Request
 from blockdraft.engine.schedule import AR, AcceptanceProfile, Candidate, CostTable, Schedule, choose
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.drafter import DFlashDrafter
@@ -79,11 +82,22 @@ def measure_costs(target: Target, drafter: DFlashDrafter, target_name: str, draf
                    (lambda: batched(ids, positions, own, taps)))
             verify_s[batch][r] = _seconds(run, device, repeats)
     draft_s = _draft_costs(target, drafter, batch_sizes, context, repeats)
+    commit_s = {batch: max(0.0, _ar_step(target, batch, context, repeats) - verify_s[batch][1])
+                for batch in batch_sizes if 1 in verify_s[batch]}
     log_probs = torch.randn(drafter.cfg.block_size - 1, target.vocab_size, device=device).log_softmax(-1)
     tree_build_s = {b: _seconds(lambda b=b: build_tree(log_probs, b), device, repeats) for b in budgets}
     return CostTable(device=device.type, dtype=str(target.dtype).removeprefix("torch."), target=target_name,
                      drafter=drafter_name, context_tokens=context, verify_s=verify_s,
-                     draft_s=draft_s, tree_build_s=tree_build_s)
+                     draft_s=draft_s, tree_build_s=tree_build_s, commit_s=commit_s)
+
+
+def _ar_step(target: FastTarget, batch: int, context: int, repeats: int) -> float:
+    """Seconds of one AR step of the batched engine over `batch` sequences of `context` prompt tokens."""
+    decoder = BatchDecoder(target, lambda: None, batch)
+    prompt = torch.randint(0, target.vocab_size, (context,)).tolist()
+    decoder.join_many([Request(prompt, repeats + 4)] * batch)
+    decoder.step()  # graphs for this shape, off the clock
+    return _seconds(decoder.step, target.device, repeats)
 
 
 def _draft_costs(target: FastTarget, drafter: DFlashDrafter, batch_sizes: list[int], context: int,
