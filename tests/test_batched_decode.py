@@ -375,3 +375,14 @@ def test_a_batch_whose_kv_cannot_fit_is_refused_with_the_numbers() -> None:
 
     hybrid = Target(make_hybrid("qwen3_5"))  # one attention layer of four
     assert kv_cache_bytes(hybrid, 1, 10) == 10 * 1 * 2 * 2 * 8 * 4
+
+
+def test_the_default_batch_is_what_the_memory_holds_on_the_fast_engine_and_one_elsewhere() -> None:
+    from blockdraft.engine.batch import DEFAULT_MAX_NUM_SEQS, default_max_num_seqs
+
+    target = FastTarget(make_target_model("qwen3"))  # 512 bytes of K/V a position
+    assert default_max_num_seqs(target, 100, free_bytes=10**9) == DEFAULT_MAX_NUM_SEQS
+    assert default_max_num_seqs(target, 100, free_bytes=int(5 * 100 * 512 / 0.9) + 1) == 5  # 90% of it holds 5
+    assert default_max_num_seqs(target, 100, free_bytes=100 * 512) == 1  # not even two: one at a time
+    assert default_max_num_seqs(target, 100) == 1  # a CPU
+    assert default_max_num_seqs(Target(make_target_model("qwen3")), 100, free_bytes=10**9) == 1  # the HF engine

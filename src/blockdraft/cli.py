@@ -389,10 +389,11 @@ def serve(
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="Default: the --target value."),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Prompt + output limit (default: the target's)."),
     max_queue: int = typer.Option(256, "--max-queue", help="Requests that may wait while others decode; more get a 429."),
-    max_num_seqs: int = typer.Option(
-        1, "--max-num-seqs",
+    max_num_seqs: Optional[int] = typer.Option(
+        None, "--max-num-seqs",
         help="Requests decoded together (continuous batching: one shared verify forward on the fast engine, "
-        "interleaved steps on the HF engine); 1: one at a time.",
+        "interleaved steps on the HF engine); 1: one at a time. Default: up to 64 on a GPU with the fast engine "
+        "(as many as the KV cache holds at --max-model-len), 1 elsewhere.",
     ),
     schedule: str = typer.Option(
         "off", "--schedule",

@@ -70,7 +70,6 @@ class EngineClient:
         command_end.close()
         reply_end.close()
         self.max_queue = settings.max_queue
-        self.max_num_seqs = settings.max_num_seqs
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self._in_flight: dict[int, _InFlight] = {}
@@ -87,6 +86,7 @@ class EngineClient:
         except BaseException:
             self._end_process()
             raise
+        self.max_num_seqs = self.info.max_num_seqs
 
     def _handshake(self, say: Callable[[str], None]) -> EngineInfo:
         while True:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from blockdraft.decoding.draft import Proposer, check_draft_tokens
 from blockdraft.decoding.methods import GPU_BUDGET, build_proposer, device_settings
-from blockdraft.engine.batch import check_kv_room
+from blockdraft.engine.batch import check_kv_room, default_max_num_seqs
 from blockdraft.engine.schedule import Schedule
 from blockdraft.engine.switching import SwitchingProposer
 from blockdraft.engine.tune import auto_schedule
@@ -76,20 +76,21 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
         return build_proposer(method, target, loaded.drafter, budget, served_depth)
 
     stops = loaded.stops([], False)
+    model_len = max_model_len(settings.max_model_len, target.max_positions)
+    seqs = settings.max_num_seqs or default_max_num_seqs(target, model_len)
     schedule = None
     if settings.schedule != "off":
-        if settings.max_num_seqs < 2 or loaded.drafter is None or depth is None:
+        if seqs < 2 or loaded.drafter is None or depth is None:
             raise BlockdraftError("--schedule needs continuous batching and a drafter: add --max-num-seqs N (N > 1) "
                                   "and serve --method dflash or ddtree, or pass --schedule off")
-        schedule = _schedule(settings, drafter_dir or "", loaded, depth, tree_budget, stops, say)
+        schedule = _schedule(settings, seqs, drafter_dir or "", loaded, depth, tree_budget, stops, say)
         depth = loaded.drafter.cfg.block_size - 1  # what a scheduled step may draft, as the metrics count it
     info = EngineInfo(
-        tokenizer=loaded.tokenizer, vocab_size=target.embedding_weight.shape[0],
-        max_model_len=max_model_len(settings.max_model_len, target.max_positions), eos_ids=stops,
-        sampling_defaults=generation_defaults(target.model), method=method, num_spec_tokens=depth,
+        tokenizer=loaded.tokenizer, vocab_size=target.embedding_weight.shape[0], max_model_len=model_len, eos_ids=stops,
+        sampling_defaults=generation_defaults(target.model), method=method, num_spec_tokens=depth, max_num_seqs=seqs,
     )
-    if settings.max_num_seqs > 1:
-        check_kv_room(target, settings.max_num_seqs, info.max_model_len)
+    if seqs > 1:
+        check_kv_room(target, seqs, info.max_model_len)
     dtype = str(target.dtype).removeprefix("torch.")
     sizes = {"ar": "", "dflash": f", {depth} drafted tokens per step",
              "ddtree": f", trees of {budget} nodes, {depth} drafted tokens deep"}[method]
@@ -103,27 +104,27 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
     if schedule is not None:
         largest = max((e.choice.budget or 0 for e in schedule.entries), default=0) or 1
         drafter = loaded.drafter
-        engine = BatchedEngine(target, lambda: SwitchingProposer(drafter, target, largest), loaded.tokenizer,
-                               settings.max_num_seqs, schedule)
-    elif settings.max_num_seqs > 1:
-        engine = BatchedEngine(target, new_proposer, loaded.tokenizer, settings.max_num_seqs)
+        engine = BatchedEngine(target, lambda: SwitchingProposer(drafter, target, largest), loaded.tokenizer, seqs,
+                               schedule)
+    elif seqs > 1:
+        engine = BatchedEngine(target, new_proposer, loaded.tokenizer, seqs)
     else:
         engine = SequentialEngine(target, new_proposer(), loaded.tokenizer)
-    if settings.max_num_seqs > 1:
-        say(f"continuous batching: up to {settings.max_num_seqs} requests decode together (--max-num-seqs)")
+    if seqs > 1:
+        say(f"continuous batching: up to {seqs} requests decode together (--max-num-seqs)")
     worker = Worker(engine, lambda job: outbox.send(Started(job.spec.job_id)))
     worker.start(warmup_ids=check_prompts(loaded.tokenizer, target.vocab_size)[0])
     return worker, info
 
 
-def _schedule(settings: ServeSettings, drafter_dir: str, loaded: Loaded, depth: int, budget: int,
+def _schedule(settings: ServeSettings, seqs: int, drafter_dir: str, loaded: Loaded, depth: int, budget: int,
               stops: tuple[int, ...], say: Callable[[str], None]) -> Schedule:
     """--schedule FILE (from `blockdraft tune`, checked against this pair and device) or auto (tuned now)."""
     target, drafter = loaded.target, loaded.drafter
     assert drafter is not None
     if settings.schedule == "auto":
         say("--schedule auto: timing batched steps and measuring acceptance ...")
-        schedule = auto_schedule(target, drafter, settings.target, drafter_dir, settings.max_num_seqs, depth, budget,
+        schedule = auto_schedule(target, drafter, settings.target, drafter_dir, seqs, depth, budget,
                                  check_prompts(loaded.tokenizer, target.vocab_size), stops)
         source = "measured at start-up"
     else:

@@ -46,6 +46,7 @@ class EngineInfo:
     sampling_defaults: dict[str, float]
     method: str
     num_spec_tokens: int | None
+    max_num_seqs: int  # --max-num-seqs, resolved for this pair and device
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,7 @@ class BlockdraftServer:
         method = settings.method
         if method not in METHODS:
             raise BlockdraftError(f"--method {method!r} is not one of {', '.join(METHODS)}")
-        if settings.max_num_seqs < 1:
+        if settings.max_num_seqs is not None and settings.max_num_seqs < 1:
             raise BlockdraftError(f"--max-num-seqs {settings.max_num_seqs} must be >= 1 (1: one request at a time)")
         if settings.stream_interval_ms < 0:
             raise BlockdraftError(f"--stream-interval-ms {settings.stream_interval_ms:g} must be >= 0 (0: every commit)")

@@ -23,7 +23,7 @@ class ServeSettings:
     served_model_name: str | None = None
     max_model_len: int | None = None
     max_queue: int = 256
-    max_num_seqs: int = 1
+    max_num_seqs: int | None = None
     schedule: str = "off"
     device: str | None = None
     dtype: str | None = None
