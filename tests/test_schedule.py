@@ -129,6 +129,7 @@ def test_cost_table_round_trips(tmp_path: Path) -> None:
     assert again.verify_time(64, 33) == 0.31 and again.tree_build_s == {32: 3e-4}
     assert again.commit_time(64) == 0.0  # not measured: nothing
     table.commit_s = {1: 1e-4, 64: 2.1e-3}
+    table.trees_s = {1: {32: 3e-4}, 64: {32: 4e-3}}
     table.save(tmp_path / "costs.json")
     again = CostTable.load(tmp_path / "costs.json")
     assert again == table and again.commit_time(64) == 2.1e-3 and again.commit_time(32) == pytest.approx(1e-4 + 2e-3 * 31 / 63)
@@ -155,6 +156,7 @@ _DELETE = object()
     (["draft_s", "x"], 0.1, "a key of draft_s = 'x'"),
     (["tree_build_s", "32"], None, "tree_build_s['32']"),
     (["commit_s"], {"1": -0.5}, "commit_s['1'] = -0.5 must be a number of seconds >= 0"),
+    (["trees_s"], {"4": {"32": 0}}, "trees_s['4']['32'] = 0 must be a positive number of seconds"),
     (["context_tokens"], -5, "context_tokens"),
     (["device"], _DELETE, "device"),
     (["format"], "blockdraft-cost-table/0", "format"),
@@ -233,6 +235,13 @@ def test_expected_tokens_per_s_adds_draft_and_tree_costs() -> None:
     assert expected_tokens_per_s(rows17, profile, Candidate("ddtree", budget=16), 4) == pytest.approx(16 / 0.018)
     with pytest.raises(BlockdraftError, match="budget 8"):
         expected_tokens_per_s(rows17, profile, Candidate("ddtree", budget=8), 4)
+    # the batch's trees built together, where measured, instead of batch x one tree
+    table.trees_s = {1: {32: 0.001}, 8: {32: 0.0018}}
+    together = 4 * 5.0 / (0.020 + 0.003 + 0.001 + 0.0008 * 3 / 7)
+    assert expected_tokens_per_s(table, profile, Candidate("ddtree", budget=32), 4) == pytest.approx(together)
+    table.trees_s = {8: {32: 0.0018}}
+    with pytest.raises(BlockdraftError, match="tree batch size 4 is outside"):
+        expected_tokens_per_s(table, profile, Candidate("ddtree", budget=32), 4)
 
 
 def test_a_steps_host_work_counts_for_every_method_and_favours_committing_more() -> None:

@@ -26,6 +26,7 @@ def test_tune_writes_costs_and_a_consistent_schedule(trained_pairs: dict[str, tu
     assert sorted(costs.draft_s) == [1, 3] and all(t > 0 for t in costs.draft_s.values())  # times: never compared
     assert list(costs.tree_build_s) == [4]
     assert sorted(costs.commit_s) == [1, 3] and all(t >= 0 for t in costs.commit_s.values())
+    assert {b: sorted(budgets) for b, budgets in costs.trees_s.items()} == {1: [4], 3: [4]}
     schedule = Schedule.load(out / "schedule.json")
     data = json.loads((out / "schedule.json").read_text())
     assert [entry.batch for entry in schedule.entries] == [1, 3]

@@ -134,7 +134,9 @@ class CostTable:
     """Step costs measured on one device at one KV length: what `blockdraft tune` writes.
 
     `verify_s[batch][rows]`: one target forward over batch x rows; `draft_s[batch]`: one drafter forward over every
-    sequence's block; `tree_build_s[budget]`: host time to build one sequence's DDTree; `commit_s[batch]`: the rest
+    sequence's block; `tree_build_s[budget]`: host time to build one sequence's DDTree; `trees_s[batch][budget]`: to
+    build every sequence's DDTree of a batch together, as the batched engine does (one top-k and one read for all;
+    where measured it replaces batch x tree_build_s); `commit_s[batch]`: the rest
     of a step for `batch` sequences, whatever the method (reading the verdicts back, each sequence's commit and
     cache bookkeeping; empty in tables from before it was measured: then nothing). `where` names the table in errors
     (the file it came from).
@@ -149,6 +151,7 @@ class CostTable:
     draft_s: dict[int, float]
     tree_build_s: dict[int, float] = field(default_factory=dict)
     commit_s: dict[int, float] = field(default_factory=dict)
+    trees_s: dict[int, dict[int, float]] = field(default_factory=dict)
     where: InitVar[str] = "cost table"
 
     def __post_init__(self, where: str) -> None:
@@ -171,6 +174,12 @@ class CostTable:
         self.tree_build_s = check.seconds(budgets, "tree_build_s", "a DDTree budget (a positive integer)")
         self.commit_s = check.seconds(check.mapping(self.commit_s, "commit_s", empty_ok=True), "commit_s", batch_must,
                                       zero_ok=True)  # a step's host work can vanish in the timing noise
+        self.trees_s = {
+            check.count(batch, "a key of trees_s", batch_must): check.seconds(
+                check.mapping(budgets, f"trees_s[{batch!r}]"), f"trees_s[{batch!r}]", "a DDTree budget (a positive integer)"
+            )
+            for batch, budgets in check.mapping(self.trees_s, "trees_s", empty_ok=True).items()
+        }
 
     def _name(self) -> str:
         return f"cost table for {self.target} on {self.device}"
@@ -221,6 +230,18 @@ class CostTable:
             raise self._outside("commit batch size", batch, sorted(self.commit_s), "--batch-sizes")
         return seconds
 
+    def tree_time(self, batch: int, budget: int) -> float:
+        """Seconds to build `batch` sequences' DDTrees of `budget` nodes: built together where `trees_s` measured
+        the budget (linear between measured batch sizes), else batch x one tree; a budget never timed on the host
+        (a tree built on the device, inside draft_s) adds nothing."""
+        together = {b: budgets[budget] for b, budgets in self.trees_s.items() if budget in budgets}
+        seconds = _interpolate(together, batch) if together else None
+        if seconds is not None:
+            return seconds
+        if together:
+            raise self._outside("tree batch size", batch, sorted(together), "--batch-sizes")
+        return batch * self.tree_build_s.get(budget, 0.0)
+
     def to_json(self) -> dict[str, Any]:
         """JSON-ready, keys as strings (JSON has no integer keys)."""
         return {
@@ -234,6 +255,7 @@ class CostTable:
             "draft_s": _keyed(self.draft_s),
             "tree_build_s": _keyed(self.tree_build_s),
             "commit_s": _keyed(self.commit_s),
+            "trees_s": {str(b): _keyed(budgets) for b, budgets in sorted(self.trees_s.items())},
         }
 
     @classmethod
@@ -242,7 +264,8 @@ class CostTable:
         raw = _check_format(data, _Check(where, _RETUNE), COST_FORMAT)
         required = ("device", "dtype", "target", "drafter", "context_tokens", "verify_s")  # checked in __post_init__
         return cls(**{name: raw.get(name) for name in required}, draft_s=raw.get("draft_s", {}),
-                   tree_build_s=raw.get("tree_build_s", {}), commit_s=raw.get("commit_s", {}), where=where)
+                   tree_build_s=raw.get("tree_build_s", {}), commit_s=raw.get("commit_s", {}),
+                   trees_s=raw.get("trees_s", {}), where=where)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
@@ -405,8 +428,7 @@ def estimate(costs: CostTable, profile: AcceptanceProfile, candidate: Candidate,
                     f"`blockdraft bench --methods ddtree --budget {budget}`"
                 )
             tau = profile.tree_tau[budget]
-            # A budget that tune did not time on the host (a tree built on the device, inside draft_s) adds nothing.
-            step_s += batch * costs.tree_build_s.get(budget, 0.0)
+            step_s += costs.tree_time(batch, budget)
     return Estimate(candidate, batch, tau, 1000.0 * step_s)
 
 

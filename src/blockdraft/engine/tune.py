@@ -5,7 +5,8 @@ Costs are the batched engine's own operations, timed after a warm-up (median of 
 around each): one verify forward over B sequences x R rows at `context` tokens of cache each (batch 1: the target's
 own batch-1 forward, which a lone sequence runs; more: `BatchForward`, CUDA graphs per batch bucket), one batched
 drafter step for B sequences (`BatchDrafter`: the pass over every block, then the context extension of a whole
-block per sequence, the most a step commits), one DDTree build per budget, and the rest of a step (an AR step of
+block per sequence, the most a step commits), one DDTree build per budget (and a whole batch's, built together),
+and the rest of a step (an AR step of
 the batched engine itself over B sequences, less its verify forward: reading the verdicts back, the commits, the
 cache bookkeeping).
 Acceptance is measured by decoding the prompts greedily: the DFlash chain over the whole block (per-position rates)
@@ -20,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from blockdraft.decoding.ddtree import DDTreeProposer, build_tree
+from blockdraft.decoding.ddtree import DDTreeProposer, build_tree, build_trees
 from blockdraft.decoding.draft import DFlashProposer
 from blockdraft.decoding.generate import generate
 from blockdraft.decoding.sampling import SamplingParams
@@ -86,9 +87,11 @@ def measure_costs(target: Target, drafter: DFlashDrafter, target_name: str, draf
                 for batch in batch_sizes if 1 in verify_s[batch]}
     log_probs = torch.randn(drafter.cfg.block_size - 1, target.vocab_size, device=device).log_softmax(-1)
     tree_build_s = {b: _seconds(lambda b=b: build_tree(log_probs, b), device, repeats) for b in budgets}
+    trees_s = {batch: {b: _seconds(lambda b=b, rows=log_probs.expand(batch, -1, -1): build_trees(
+        rows, [rows.shape[1]] * batch, b), device, repeats) for b in budgets} for batch in batch_sizes}
     return CostTable(device=device.type, dtype=str(target.dtype).removeprefix("torch."), target=target_name,
                      drafter=drafter_name, context_tokens=context, verify_s=verify_s,
-                     draft_s=draft_s, tree_build_s=tree_build_s, commit_s=commit_s)
+                     draft_s=draft_s, tree_build_s=tree_build_s, commit_s=commit_s, trees_s=trees_s)
 
 
 def _ar_step(target: FastTarget, batch: int, context: int, repeats: int) -> float:
