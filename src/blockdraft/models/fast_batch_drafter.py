@@ -9,7 +9,9 @@ positions (`batched_context_bias`). Sequences 0..n-1 of a pass are slots 0..n-1 
 sequence i in slot i). On CUDA the pass is replayed from a graph per (batch bucket, key capacity), padding
 sequences in free slots as the batched verify does, and an extension of up to a block's rows from a graph per
 (batch bucket, rows): eagerly, its few dozen small launches cost more than the pass itself (H200, embedded pair:
-2.3 ms per step at batch 1 against a 1.3 ms verify). The head runs after the graphs, so no graph holds logits.
+2.3 ms per step at batch 1 against a 1.3 ms verify). The head runs after the graphs, so no graph holds logits,
+and every pass graph writes its states into one shared buffer, so they hold no memory of their own (as the batched
+verify's: fast_batch.BATCH_GRAPHS of them are kept).
 """
 
 from __future__ import annotations
@@ -22,10 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from blockdraft.models.drafter import DFlashDrafter, apply_rope
-from blockdraft.models.fast_batch import BatchKV, batch_bucket
+from blockdraft.models.fast_batch import BATCH_GRAPHS, BatchKV, batch_bucket
 from blockdraft.models.fast_drafter import batched_context_bias, capture, fast_drafter_problem, packed_layers
 from blockdraft.models.fast_ops import rms_norm
-from blockdraft.models.fast_target import MAX_GRAPHS, FastTarget, attend, graph_rows, layer_tail
+from blockdraft.models.fast_target import FastTarget, attend, graph_rows, layer_tail
 from blockdraft.models.static_cache import round_up
 
 
@@ -38,7 +40,6 @@ class _PassGraph:
     valid: torch.Tensor
     lengths: torch.Tensor
     graph: Any = None
-    hidden: torch.Tensor | None = None
 
 
 @dataclass
@@ -73,6 +74,7 @@ class BatchDrafter:
         self.use_graphs = target.use_graphs
         self.pad = self.use_graphs  # tests set it on a CPU to run the graphs' padded shapes eagerly
         self.entries: OrderedDict[tuple[int, int], _PassGraph] = OrderedDict()
+        self.hidden_out = torch.empty(slots, self.block_size - 1, cfg.hidden_size, dtype=self.dtype, device=self.device)
         self.extensions: dict[tuple[int, int], _ExtendGraph] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.version = self.store.version
@@ -168,7 +170,7 @@ class BatchDrafter:
                                lengths=torch.empty(bucket, dtype=torch.long, device=self.device))
             if self.pad:
                 self.entries[(bucket, cap)] = entry
-                if len(self.entries) > MAX_GRAPHS:
+                if len(self.entries) > BATCH_GRAPHS:
                     self.entries.popitem(last=False)
         if self.pad:
             self.entries.move_to_end((bucket, cap))
@@ -182,17 +184,16 @@ class BatchDrafter:
         entry.valid.copy_(host[2])
         entry.lengths.copy_(host[3])
         if not self.use_graphs:
-            hidden = self._run(entry, cap)
+            self._run(entry, cap)
         else:
             if fresh:  # warm-up runs write each block after its context, where replays write it too
-                entry.graph, entry.hidden = capture(lambda: self._run(entry, cap), self.device, self.pool)
+                entry.graph, _ = capture(lambda: self._run(entry, cap), self.device, self.pool)
             entry.graph.replay()
-            assert entry.hidden is not None
-            hidden = entry.hidden
-        return self.drafter.logits(hidden[:n], self.target.lm_head)
+        return self.drafter.logits(self.hidden_out[:n], self.target.lm_head)
 
-    def _run(self, entry: _PassGraph, cap: int) -> torch.Tensor:
-        """The batched pass itself, final-normed states of rows 1 .. B-1: only device work on fixed buffers."""
+    def _run(self, entry: _PassGraph, cap: int) -> None:
+        """The batched pass itself, final-normed states of rows 1 .. B-1 written into the output buffer every graph
+        shares (so the graphs hold no memory of their own): only device work on fixed buffers."""
         ops, kv = self.ops, self.store.kv
         ids, positions = entry.ids, entry.positions
         n, t = ids.shape
@@ -213,4 +214,4 @@ class BatchDrafter:
                                       self.heads, self.kv_heads, self.eps, kv[i, 0], kv[i, 1], seq, cols)
             out = attend(ops, layer, q, kv[i, 0, :n, :, :cap], kv[i, 1, :n, :, :cap], biases[rule], t)
             x, h = layer_tail(ops, layer, x, ops.merge_heads(out, self.heads, t), following, self.eps, self.act)
-        return h[:, 1:]
+        self.hidden_out[:n].copy_(h[:, 1:])
