@@ -1,6 +1,7 @@
 """On a GPU, batched decoding from CUDA graphs (models/fast_batch.BatchForward) gives every sequence its batch-1 ids:
 the CPU tests run the same padded shapes eagerly, this runs the captured graphs. Tiny random fp32 pair from the
-tests' builders; AR, the DFlash chain and DDTree, sequences joining and leaving (7 prompts, 4 slots).
+tests' builders; AR, the DFlash chain and DDTree, sequences joining (those waiting prefilled together) and leaving
+(7 prompts, 4 slots).
 
     python3 benchmarks/gpu/check_batch_graphs.py        # exits 1 on any difference
 """
@@ -17,7 +18,7 @@ from conftest import make_drafter, make_target_model  # noqa: E402  (the tests' 
 
 from blockdraft.decoding.generate import generate  # noqa: E402
 from blockdraft.decoding.methods import build_proposer  # noqa: E402
-from blockdraft.engine.batch import BatchDecoder  # noqa: E402
+from blockdraft.engine.batch import BatchDecoder, Request  # noqa: E402
 from blockdraft.models.fast_target import FastTarget  # noqa: E402
 
 
@@ -38,9 +39,9 @@ def main() -> int:
         owner: dict[int, int] = {}
         waiting = list(enumerate(prompts))
         while waiting or decoder.running:
-            if waiting and decoder.free:
-                i, ids = waiting.pop(0)
-                owner[id(decoder.join(ids, 24))] = i
+            joining, waiting = waiting[: decoder.free], waiting[decoder.free :]
+            for (i, _), seq in zip(joining, decoder.join_many([Request(ids, 24) for _, ids in joining])):
+                owner[id(seq)] = i
             for seq in decoder.step():
                 got[owner.pop(id(seq))] = seq.tokens
         same = sum(got[i] == ids for i, ids in enumerate(alone))
