@@ -44,3 +44,23 @@ def test_tune_writes_costs_and_a_consistent_schedule(trained_pairs: dict[str, tu
 def test_tune_needs_a_drafter(tiny_dirs: tuple[Path, Path]) -> None:
     result = CliRunner().invoke(app, ["tune", "--target", str(tiny_dirs[0]), "--device", "cpu"])
     assert result.exit_code != 0 and "tune needs --drafter PATH" in str(result.exception)
+
+
+def test_commit_costs_time_the_servers_commit_work_on_every_sequence() -> None:
+    """measure_costs gives each timed sequence its own hook from `commit_work` and runs it on every commit."""
+    from conftest import make_drafter, make_target_model
+
+    from blockdraft.engine.tune import measure_costs
+    from blockdraft.models.fast_target import FastTarget
+
+    target = FastTarget(make_target_model("qwen3"))
+    hooks: list[list[list[int]]] = []
+
+    def commit_work():  # noqa: ANN202
+        seen: list[list[int]] = []
+        hooks.append(seen)
+        return lambda tokens: seen.append(tokens) and False
+
+    costs = measure_costs(target, make_drafter("all_full"), "t", "d", [1, 3], [1], [4], 8, 2, commit_work)
+    assert sorted(costs.commit_s) == [1, 3]
+    assert len(hooks) == 4 and all(len(seen) == 5 for seen in hooks)  # the first token, a warm-up, 3 timed steps

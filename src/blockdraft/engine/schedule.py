@@ -137,8 +137,8 @@ class CostTable:
     sequence's block; `tree_build_s[budget]`: host time to build one sequence's DDTree; `trees_s[batch][budget]`: to
     build every sequence's DDTree of a batch together, as the batched engine does (one top-k and one read for all;
     where measured it replaces batch x tree_build_s); `commit_s[batch]`: the rest
-    of a step for `batch` sequences, whatever the method (reading the verdicts back, each sequence's commit and
-    cache bookkeeping; empty in tables from before it was measured: then nothing). `where` names the table in errors
+    of a step for `batch` sequences, whatever the method (reading the verdicts back, each sequence's commit, cache
+    bookkeeping and the server's text work; empty in tables from before it was measured: then nothing). `where` names the table in errors
     (the file it came from).
     """
 

@@ -8,7 +8,7 @@ drafter step for B sequences (`BatchDrafter`: the pass over every block, then th
 block per sequence, the most a step commits), one DDTree build per budget (and a whole batch's, built together),
 and the rest of a step (an AR step of
 the batched engine itself over B sequences, less its verify forward: reading the verdicts back, the commits, the
-cache bookkeeping).
+cache bookkeeping, and, given the server's per-commit hook, the text each commit adds).
 Acceptance is measured by decoding the prompts greedily: the DFlash chain over the whole block (per-position rates)
 and DDTree at each budget (tau).
 """
@@ -23,7 +23,7 @@ import torch
 
 from blockdraft.decoding.ddtree import DDTreeProposer, build_tree, build_trees
 from blockdraft.decoding.draft import DFlashProposer
-from blockdraft.decoding.generate import generate
+from blockdraft.decoding.generate import OnCommit, generate
 from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.engine.batch import BatchDecoder, Request
 from blockdraft.engine.schedule import AR, AcceptanceProfile, Candidate, CostTable, Schedule, choose
@@ -55,8 +55,9 @@ def _seconds(run: Callable[[], object], device: torch.device, repeats: int) -> f
 @torch.inference_mode()
 def measure_costs(target: Target, drafter: DFlashDrafter, target_name: str, drafter_name: str,
                   batch_sizes: list[int], rows: list[int], budgets: list[int], context: int,
-                  repeats: int) -> CostTable:
-    """The cost table of the batched engine on this device (see the module docstring)."""
+                  repeats: int, commit_work: Callable[[], OnCommit] | None = None) -> CostTable:
+    """The cost table of the batched engine on this device (see the module docstring); `commit_work()` gives each
+    timed sequence the hook the server runs on its commits (its text), so commit_s is the server's."""
     if not isinstance(target, FastTarget):
         raise BlockdraftError("tune times the batched engine, which needs the fast engine; pass --engine fast")
     device = target.device
@@ -83,7 +84,7 @@ def measure_costs(target: Target, drafter: DFlashDrafter, target_name: str, draf
                    (lambda: batched(ids, positions, own, taps)))
             verify_s[batch][r] = _seconds(run, device, repeats)
     draft_s = _draft_costs(target, drafter, batch_sizes, context, repeats)
-    commit_s = {batch: max(0.0, _ar_step(target, batch, context, repeats) - verify_s[batch][1])
+    commit_s = {batch: max(0.0, _ar_step(target, batch, context, repeats, commit_work) - verify_s[batch][1])
                 for batch in batch_sizes if 1 in verify_s[batch]}
     log_probs = torch.randn(drafter.cfg.block_size - 1, target.vocab_size, device=device).log_softmax(-1)
     tree_build_s = {b: _seconds(lambda b=b: build_tree(log_probs, b), device, repeats) for b in budgets}
@@ -94,11 +95,13 @@ def measure_costs(target: Target, drafter: DFlashDrafter, target_name: str, draf
                      draft_s=draft_s, tree_build_s=tree_build_s, commit_s=commit_s, trees_s=trees_s)
 
 
-def _ar_step(target: FastTarget, batch: int, context: int, repeats: int) -> float:
+def _ar_step(target: FastTarget, batch: int, context: int, repeats: int,
+             commit_work: Callable[[], OnCommit] | None) -> float:
     """Seconds of one AR step of the batched engine over `batch` sequences of `context` prompt tokens."""
     decoder = BatchDecoder(target, lambda: None, batch)
     prompt = torch.randint(0, target.vocab_size, (context,)).tolist()
-    decoder.join_many([Request(prompt, repeats + 4)] * batch)
+    decoder.join_many([Request(prompt, repeats + 4, on_commit=commit_work() if commit_work else None)
+                       for _ in range(batch)])
     decoder.step()  # graphs for this shape, off the clock
     return _seconds(decoder.step, target.device, repeats)
 
@@ -146,12 +149,13 @@ def measure_acceptance(target: Target, drafter: DFlashDrafter, prompts: list[lis
 
 
 def auto_schedule(target: Target, drafter: DFlashDrafter, target_name: str, drafter_name: str, max_num_seqs: int,
-                  depth: int, budget: int, prompts: list[list[int]], stop_token_ids: tuple[int, ...]) -> Schedule:
+                  depth: int, budget: int, prompts: list[list[int]], stop_token_ids: tuple[int, ...],
+                  commit_work: Callable[[], OnCommit] | None = None) -> Schedule:
     """`--schedule auto`: a short tune at start-up over the served sizes (AR, the chain of `depth`, the tree of
     `budget`) at batch sizes 1, 2, 4, ... up to `max_num_seqs`."""
     sizes = sorted({min(1 << i, max_num_seqs) for i in range(max_num_seqs.bit_length() + 1)})
     candidates = [AR, Candidate("dflash", depth), Candidate("ddtree", budget=budget)]
     costs = measure_costs(target, drafter, target_name, drafter_name, sizes, sorted({c.rows for c in candidates}),
-                          [budget], context=128, repeats=3)
+                          [budget], context=128, repeats=3, commit_work=commit_work)
     profile = measure_acceptance(target, drafter, prompts, [budget], 32, stop_token_ids, "start-up decodes")
     return choose(costs, profile, candidates, sizes)

@@ -34,6 +34,7 @@ from blockdraft.serve.messages import (
     Started,
     StartFailed,
 )
+from blockdraft.serve.output import commit_work
 from blockdraft.serve.prepare import generation_defaults
 from blockdraft.serve.relay import Outbox
 from blockdraft.serve.batched import BatchedEngine
@@ -125,7 +126,7 @@ def _schedule(settings: ServeSettings, seqs: int, drafter_dir: str, loaded: Load
     if settings.schedule == "auto":
         say("--schedule auto: timing batched steps and measuring acceptance ...")
         schedule = auto_schedule(target, drafter, settings.target, drafter_dir, seqs, depth, budget,
-                                 check_prompts(loaded.tokenizer, target.vocab_size), stops)
+                                 check_prompts(loaded.tokenizer, target.vocab_size), stops, commit_work(loaded.tokenizer))
         source = "measured at start-up"
     else:
         schedule = Schedule.load(settings.schedule)

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,3 +128,18 @@ class OutputText:
         piece = self.text[self._sent:visible]
         self._sent = visible
         return piece
+
+
+def commit_work(tokenizer: Any) -> Callable[[], Callable[[list[int]], bool]]:
+    """New per-sequence commit hooks doing the server's text work on each commit (incremental detokenizing), so
+    `tune` times a step as the server runs it: at batch 64 on the H200 that work was a large share of a step."""
+    def new() -> Callable[[list[int]], bool]:
+        output = OutputText(tokenizer, StopRules())
+
+        def on_commit(tokens: list[int]) -> bool:
+            output.push(tokens)
+            return False
+
+        return on_commit
+
+    return new
