@@ -86,11 +86,13 @@ def verify(
     return walk(draft, both[:rows], both[rows:])
 
 
-def verify_greedy(drafts: list[Draft], logits: list[torch.Tensor]) -> list[Verdict]:
+def verify_greedy(drafts: list[Draft], logits: list[torch.Tensor],
+                  picks: list[torch.Tensor] | None = None) -> list[Verdict]:
     """`verify` at T=0 for several drafts (a batch's sequences) with one wait for the device: every sequence's
     target tokens and draft tokens read back in one transfer. One read per sequence cost a batch of 64 a device
-    round trip each, every step."""
-    picks = [rows.argmax(dim=-1) for rows in logits]
+    round trip each, every step. `picks`: the rows' argmax when the caller took it for the whole batch at once."""
+    if picks is None:
+        picks = [rows.argmax(dim=-1) for rows in logits]
     device = picks[0].device
     read = torch.cat([*picks, *(draft.tokens.to(device) for draft in drafts)]).tolist()
     verdicts: list[Verdict] = []

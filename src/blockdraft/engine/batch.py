@@ -28,7 +28,7 @@ from blockdraft.decoding.sampling import SamplingParams, pick
 from blockdraft.decoding.verify import Verdict, verify, verify_greedy
 from blockdraft.engine.schedule import Schedule
 from blockdraft.engine.switching import SwitchingProposer
-from blockdraft.engine.verifiers import LoopVerifier, SlotVerifier
+from blockdraft.engine.verifiers import LoopVerifier, SlotVerifier, Verified
 from blockdraft.errors import BlockdraftError
 from blockdraft.metrics import SpecStats
 from blockdraft.models.fast_batch_drafter import BatchDrafter
@@ -285,9 +285,9 @@ class BatchDecoder:
         verified = self.verifier.forward([seq.tokens[-1] for seq in self.running], drafts, starts, tap_layers)
         extended: list[int] = []
         kept_taps: list[torch.Tensor] = []
-        verdicts = self._verdicts(drafts, [logits for logits, _ in verified])
+        verdicts = self._verdicts(drafts, verified)
         for slot, (seq, draft, start, verdict, (_, taps)) in enumerate(
-                zip(self.running, drafts, starts, verdicts, verified)):
+                zip(self.running, drafts, starts, verdicts, verified.rows)):
             produced = len(seq.commit(verdict.tokens + [verdict.bonus]))
             rows = None if draft.is_chain else long_tensor(
                 [0] + [node + 1 for node in verdict.accepted][: produced - 1], device)
@@ -304,13 +304,20 @@ class BatchDecoder:
                 proposer.add_context(taps)
         return self._leave()
 
-    def _verdicts(self, drafts: list[Draft], logits: list[torch.Tensor]) -> list[Verdict]:
-        """Each sequence's verdict: the greedy ones read back together (one wait for the device per step), the
-        sampled ones each with its own generator, as alone."""
+    def _verdicts(self, drafts: list[Draft], verified: Verified) -> list[Verdict]:
+        """Each sequence's verdict: the greedy ones read back together (one wait for the device per step; one
+        argmax for the batch when its logits are one tensor), the sampled ones each with its own generator, as
+        alone."""
+        logits = [rows for rows, _ in verified.rows]
         verdicts: list[Verdict | None] = [None] * len(drafts)
         greedy = [b for b, seq in enumerate(self.running) if seq.sampling.greedy]
         if greedy:
-            for b, verdict in zip(greedy, verify_greedy([drafts[b] for b in greedy], [logits[b] for b in greedy])):
+            picks = None
+            if verified.logits is not None:
+                every = verified.logits.argmax(dim=-1)
+                picks = [every[b, : logits[b].shape[0]] for b in greedy]
+            chosen = verify_greedy([drafts[b] for b in greedy], [logits[b] for b in greedy], picks)
+            for b, verdict in zip(greedy, chosen):
                 verdicts[b] = verdict
         for b, seq in enumerate(self.running):
             if verdicts[b] is None:

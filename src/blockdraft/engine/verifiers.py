@@ -13,6 +13,8 @@ cache keeps its accepted rows.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from blockdraft.decoding.draft import Draft
@@ -22,7 +24,14 @@ from blockdraft.models.fast_target import FastTarget
 from blockdraft.models.static_cache import StaticTargetCache
 from blockdraft.models.target import Target, TargetCache
 
-Verified = list[tuple[torch.Tensor, torch.Tensor | None]]  # per sequence: logits [n, V], taps [1, n, *]
+@dataclass
+class Verified:
+    """A verify forward's results: per sequence its logits [n, V] and taps [1, n, *]; `logits` [B, R, V] too when
+    every sequence's rows are rows of that one tensor (the batched forward), so the greedy picks of the whole batch
+    take one argmax instead of one per sequence."""
+
+    rows: list[tuple[torch.Tensor, torch.Tensor | None]]
+    logits: torch.Tensor | None = None
 
 
 class SlotVerifier:
@@ -64,11 +73,11 @@ class SlotVerifier:
             if self.single is None:  # alone again: back to the batch-1 path
                 self.single = self.target.new_cache()
                 self.single.load_rows(self.store.kv[:, :, 0], self.store.lengths[0])
-            return [_forward_one(self.target, self.single, anchors[0], drafts[0], starts[0], tap_layers)]
+            return Verified([_forward_one(self.target, self.single, anchors[0], drafts[0], starts[0], tap_layers)])
         ids, positions, own = pack_rows(anchors, drafts, starts, self.target.device)
         logits, taps = self.batched(ids, positions, own, tap_layers)
-        return [(logits[b, : len(d) + 1], None if taps is None else taps[b : b + 1, : len(d) + 1])
-                for b, d in enumerate(drafts)]
+        return Verified([(logits[b, : len(d) + 1], None if taps is None else taps[b : b + 1, : len(d) + 1])
+                         for b, d in enumerate(drafts)], logits)
 
     def keep(self, slot: int, start: int, rows: torch.Tensor | None, produced: int) -> None:
         """Commit: the first `produced` rows of a chain, or the tree's accepted `rows`."""
@@ -142,11 +151,11 @@ class LoopVerifier:
 
     def forward(self, anchors: list[int], drafts: list[Draft], starts: list[int],
                 tap_layers: tuple[int, ...] | None) -> Verified:
-        verified: Verified = []
+        verified = Verified([])
         for slot, (anchor, draft, start) in enumerate(zip(anchors, drafts, starts)):
             cache = self.caches[slot]
             assert cache is not None
-            verified.append(_forward_one(self.target, cache, anchor, draft, start, tap_layers))
+            verified.rows.append(_forward_one(self.target, cache, anchor, draft, start, tap_layers))
         return verified
 
     def keep(self, slot: int, start: int, rows: torch.Tensor | None, produced: int) -> None:
