@@ -82,7 +82,11 @@ class DFlash2Proposer(OverChain):
         planned = self.chain.plan(max_depth)
         if planned is None:
             return Draft.empty(self.chain.target.device)
-        candidates, scores = self.candidates(anchor, start, *planned)
+        return self.from_candidates(*self.candidates(anchor, start, *planned), sampling, generator)
+
+    def from_candidates(self, candidates: torch.Tensor, scores: torch.Tensor, sampling: SamplingParams,
+                        generator: torch.Generator | None) -> Draft:
+        """The step's draft from the pass's candidates and edge scores: the selector's walk."""
         tokens, q = walk(scores, candidates, sampling, generator, self.chain.target.vocab_size)
         return Draft.chain(tokens, draft_probs=q)
 
@@ -134,14 +138,9 @@ class SelectorTreeProposer(DFlash2Proposer):
         target.check_tree_attention()
         super().__init__(drafter, target, draft_tokens)
 
-    @torch.inference_mode()
-    def propose(
-        self, anchor: int, start: int, max_depth: int, sampling: SamplingParams, generator: torch.Generator | None
-    ) -> Draft:
-        planned = self.chain.plan(max_depth)
-        if planned is None:
-            return Draft.empty(self.chain.target.device)
-        candidates, scores = self.candidates(anchor, start, *planned)
+    def from_candidates(self, candidates: torch.Tensor, scores: torch.Tensor, sampling: SamplingParams,
+                        generator: torch.Generator | None) -> Draft:
+        """The tree of the best walks under the pass's edge scores."""
         if scores.device.type == "cuda":
             torch.cuda.synchronize(scores.device)  # the drafter pass is not tree-building time
         t0 = time.perf_counter()
