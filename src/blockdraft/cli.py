@@ -204,8 +204,8 @@ def tune(
     from blockdraft.bench.prompts import load_prompt_set
     from blockdraft.engine.schedule import AR, Candidate, choose, render
     from blockdraft.engine.tune import measure_acceptance, measure_costs
-    from blockdraft.serve.output import commit_work
     from blockdraft.prompting import parse_ids
+    from blockdraft.serve.output import commit_work
     from blockdraft.serve.self_check import check_prompts
 
     sizes = sorted(set(parse_ids(batch_sizes, "--batch-sizes")))

@@ -46,13 +46,7 @@ def build_tree(log_probs: torch.Tensor, budget: int) -> Draft:
     Prefixes of score -inf (probability 0 under q) are never added, so the tree can be smaller than the budget;
     it is also smaller when fewer than `budget` prefixes exist (tiny vocabularies).
     """
-    check_budget(budget)
-    slots, vocab = log_probs.shape
-    if slots == 0:
-        return Draft.empty(log_probs.device)
-    top = torch.topk(log_probs, min(budget, vocab), dim=-1)
-    parents, depths, flat = best_prefixes(top.values.double().cpu().tolist(), budget)
-    return Draft(tokens=top.indices.reshape(-1)[long_tensor(flat, log_probs.device)], parents=parents, depths=depths)
+    return build_trees(log_probs.unsqueeze(0), [log_probs.shape[0]], budget)[0]
 
 
 def build_trees(log_probs: torch.Tensor, slots: list[int], budget: int) -> list[Draft]:

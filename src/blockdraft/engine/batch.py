@@ -214,12 +214,7 @@ class BatchDecoder:
             return seq
         slot = len(self.running)
         if proposer:
-            drafting = self._batch_drafter(proposer)
-            if drafting is None:
-                proposer.add_context(out.taps)
-            else:
-                drafting.reset(slot)
-                drafting.extend([slot], [out.taps])
+            self._start_contexts([slot], [proposer], [out.taps])
         self.verifier.load(slot, cache)
         self.running.append(seq)
         return seq
@@ -236,6 +231,7 @@ class BatchDecoder:
         logits, taps = self.verifier.prefill(first, [request.prompt_ids for request in group], tap_layers)
         seqs: list[Sequence] = []
         extended: list[int] = []
+        drafting: list[Proposer] = []
         contexts: list[torch.Tensor] = []
         for b, (request, proposer, generator) in enumerate(zip(group, proposers, generators)):
             token = int(pick(logits[b], request.sampling, generator).item())
@@ -248,20 +244,24 @@ class BatchDecoder:
                 self.verifier.move(first + b, slot)
             if proposer and taps is not None:
                 extended.append(slot)
+                drafting.append(proposer)
                 contexts.append(taps[b : b + 1, : len(request.prompt_ids)])
             self.running.append(seq)
         if extended:
-            drafting = self._batch_drafter(self.running[extended[0]].proposer)
-            if drafting is None:
-                for slot, context in zip(extended, contexts):
-                    proposer = self.running[slot].proposer
-                    assert proposer is not None
-                    proposer.add_context(context)
-            else:
-                for slot in extended:
-                    drafting.reset(slot)
-                drafting.extend(extended, contexts)
+            self._start_contexts(extended, drafting, contexts)
         return seqs
+
+    def _start_contexts(self, slots: list[int], proposers: list[Proposer], contexts: list[torch.Tensor]) -> None:
+        """New sequences' drafter contexts from their prompts' taps: in the batch's drafter, one extension for all
+        (the batched pass runs), else each proposer its own."""
+        batch_drafter = self._batch_drafter(proposers[0])
+        if batch_drafter is None:
+            for proposer, context in zip(proposers, contexts):
+                proposer.add_context(context)
+            return
+        for slot in slots:
+            batch_drafter.reset(slot)
+        batch_drafter.extend(slots, contexts)
 
     @torch.inference_mode()
     def step(self) -> list[Sequence]:

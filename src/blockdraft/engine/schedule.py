@@ -136,10 +136,10 @@ class CostTable:
     `verify_s[batch][rows]`: one target forward over batch x rows; `draft_s[batch]`: one drafter forward over every
     sequence's block; `tree_build_s[budget]`: host time to build one sequence's DDTree; `trees_s[batch][budget]`: to
     build every sequence's DDTree of a batch together, as the batched engine does (one top-k and one read for all;
-    where measured it replaces batch x tree_build_s); `commit_s[batch]`: the rest
-    of a step for `batch` sequences, whatever the method (reading the verdicts back, each sequence's commit, cache
-    bookkeeping and the server's text work; empty in tables from before it was measured: then nothing). `where` names the table in errors
-    (the file it came from).
+    where measured it replaces batch x tree_build_s); `commit_s[batch]`: the rest of a step for `batch` sequences,
+    whatever the method (reading the verdicts back, each sequence's commit, cache bookkeeping and the server's text
+    work; empty in tables from before it was measured: then nothing). `where` names the table in errors (the file
+    it came from).
     """
 
     device: str
@@ -170,13 +170,14 @@ class CostTable:
         }
         batch_must = "a batch size (a positive integer)"
         self.draft_s = check.seconds(check.mapping(self.draft_s, "draft_s", empty_ok=True), "draft_s", batch_must)
+        budget_must = "a DDTree budget (a positive integer)"
         budgets = check.mapping(self.tree_build_s, "tree_build_s", empty_ok=True)
-        self.tree_build_s = check.seconds(budgets, "tree_build_s", "a DDTree budget (a positive integer)")
+        self.tree_build_s = check.seconds(budgets, "tree_build_s", budget_must)
         self.commit_s = check.seconds(check.mapping(self.commit_s, "commit_s", empty_ok=True), "commit_s", batch_must,
                                       zero_ok=True)  # a step's host work can vanish in the timing noise
         self.trees_s = {
             check.count(batch, "a key of trees_s", batch_must): check.seconds(
-                check.mapping(budgets, f"trees_s[{batch!r}]"), f"trees_s[{batch!r}]", "a DDTree budget (a positive integer)"
+                check.mapping(budgets, f"trees_s[{batch!r}]"), f"trees_s[{batch!r}]", budget_must
             )
             for batch, budgets in check.mapping(self.trees_s, "trees_s", empty_ok=True).items()
         }

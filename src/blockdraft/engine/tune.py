@@ -6,9 +6,9 @@ around each): one verify forward over B sequences x R rows at `context` tokens o
 own batch-1 forward, which a lone sequence runs; more: `BatchForward`, CUDA graphs per batch bucket), one batched
 drafter step for B sequences (`BatchDrafter`: the pass over every block, then the context extension of a whole
 block per sequence, the most a step commits), one DDTree build per budget (and a whole batch's, built together),
-and the rest of a step (an AR step of
-the batched engine itself over B sequences, less its verify forward: reading the verdicts back, the commits, the
-cache bookkeeping, and, given the server's per-commit hook, the text each commit adds).
+and the rest of a step (an AR step of the batched engine itself over B sequences, less its verify forward: reading
+the verdicts back, the commits, the cache bookkeeping, and, given the server's per-commit hook, the text each commit
+adds).
 Acceptance is measured by decoding the prompts greedily: the DFlash chain over the whole block (per-position rates)
 and DDTree at each budget (tau).
 """

@@ -1,8 +1,8 @@
 """The engine behind `--max-num-seqs N > 1`: continuous batching over `engine.batch.BatchDecoder`.
 
 Jobs join the batch at step boundaries while it has free slots (those waiting prefilled together) and leave when
-done; every step drafts for each running job and verifies them all in one target forward. A job's ids at T=0 are still its
-batch-1 ids (the decoder's lossless tests).
+done; every step drafts for each running job and verifies them all in one target forward. A job's ids at T=0 are
+still its batch-1 ids (the decoder's lossless tests).
 """
 
 from __future__ import annotations
