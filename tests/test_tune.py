@@ -63,4 +63,5 @@ def test_commit_costs_time_the_servers_commit_work_on_every_sequence() -> None:
 
     costs = measure_costs(target, make_drafter("all_full"), "t", "d", [1, 3], [1], [4], 8, 2, commit_work)
     assert sorted(costs.commit_s) == [1, 3]
-    assert len(hooks) == 4 and all(len(seen) == 5 for seen in hooks)  # the first token, a warm-up, 3 timed steps
+    # the first token, a warm-up, 3 timed steps, then the step that ends each (drained before the next batch size)
+    assert len(hooks) == 4 and all(len(seen) == 6 for seen in hooks)

@@ -84,8 +84,8 @@ def measure_costs(target: Target, drafter: DFlashDrafter, target_name: str, draf
                    (lambda: batched(ids, positions, own, taps)))
             verify_s[batch][r] = _seconds(run, device, repeats)
     draft_s = _draft_costs(target, drafter, batch_sizes, context, repeats)
-    commit_s = {batch: max(0.0, _ar_step(target, batch, context, repeats, commit_work) - verify_s[batch][1])
-                for batch in batch_sizes if 1 in verify_s[batch]}
+    ar_steps = _ar_steps(target, batch_sizes, context, repeats, commit_work)
+    commit_s = {batch: max(0.0, ar_steps[batch] - verify_s[batch][1]) for batch in batch_sizes if 1 in verify_s[batch]}
     log_probs = torch.randn(drafter.cfg.block_size - 1, target.vocab_size, device=device).log_softmax(-1)
     tree_build_s = {b: _seconds(lambda b=b: build_tree(log_probs, b), device, repeats) for b in budgets}
     trees_s = {batch: {b: _seconds(lambda b=b, rows=log_probs.expand(batch, -1, -1): build_trees(
@@ -95,15 +95,21 @@ def measure_costs(target: Target, drafter: DFlashDrafter, target_name: str, draf
                      draft_s=draft_s, tree_build_s=tree_build_s, commit_s=commit_s, trees_s=trees_s)
 
 
-def _ar_step(target: FastTarget, batch: int, context: int, repeats: int,
-             commit_work: Callable[[], OnCommit] | None) -> float:
-    """Seconds of one AR step of the batched engine over `batch` sequences of `context` prompt tokens."""
-    decoder = BatchDecoder(target, lambda: None, batch)
+def _ar_steps(target: FastTarget, batch_sizes: list[int], context: int, repeats: int,
+              commit_work: Callable[[], OnCommit] | None) -> dict[int, float]:
+    """Seconds of one AR step of the batched engine over each batch size's sequences of `context` prompt tokens,
+    in one decoder with the largest batch's slots (as a server's, graphs and buffers shared across sizes)."""
+    decoder = BatchDecoder(target, lambda: None, max(batch_sizes))
     prompt = torch.randint(0, target.vocab_size, (context,)).tolist()
-    decoder.join_many([Request(prompt, repeats + 4, on_commit=commit_work() if commit_work else None)
-                       for _ in range(batch)])
-    decoder.step()  # graphs for this shape, off the clock
-    return _seconds(decoder.step, target.device, repeats)
+    seconds: dict[int, float] = {}
+    for batch in batch_sizes:
+        decoder.join_many([Request(prompt, repeats + 4, on_commit=commit_work() if commit_work else None)
+                           for _ in range(batch)])
+        decoder.step()  # graphs for this shape, off the clock
+        seconds[batch] = _seconds(decoder.step, target.device, repeats)
+        while decoder.running:
+            decoder.step()
+    return seconds
 
 
 def _draft_costs(target: FastTarget, drafter: DFlashDrafter, batch_sizes: list[int], context: int,
