@@ -4,18 +4,22 @@ in-process on the same prompts.
 For each method: the pair is loaded in this process and `python -m blockdraft serve` starts as its own process with
 the same method and sizes. First, at concurrency 1, each request runs in-process and through the server, in ABBA
 order (paired: drift of the machine hits both sides alike; the same prompt at T=0 must give the same token count on
-both); the closing table gives server tokens/s over in-process tokens/s (goal >= 0.95). Then for each
-concurrency level `--requests` streamed chat requests (T=0, `stream_options.include_usage`) run through a pool of
-that many clients. Reported per level: requests/s, output tokens/s (usage.completion_tokens over wall time), TTFT
+both); the closing table gives server tokens/s over in-process tokens/s (goal >= 0.95). With every server up, each
+concurrency level runs `--requests` streamed chat requests (T=0, `stream_options.include_usage`) per method through
+a pool of that many clients, in `--rounds` rounds that rotate the methods (ABBA: on the H200 the same method's
+tokens/s moved up to 26% between runs a day apart, more than the gaps being compared). Reported per level: requests/s, output tokens/s (usage.completion_tokens over wall time), TTFT
 and inter-chunk latency p50/p99 (the gap between streamed chunks: one per stream interval, which carries every
-token committed since), errors. Everything is bounded: levels, request counts and `--time-cap` (no new request after
-it; the run stops by itself).
+token committed since), errors. Everything is bounded: levels, request counts and `--time-cap` per method and level (no
+new request after it; the run stops by itself).
 
     python benchmarks/serve_load.py --methods ar,dflash,ddtree --concurrency 1,4 --requests 12 --max-tokens 64 \
         --device cpu --threads 1 --json-out serve_load.json
     python benchmarks/serve_load.py --device cuda --dtype bfloat16 --concurrency 1,4,16 --requests 64 --max-tokens 256
-    python benchmarks/serve_load.py --device cuda --dtype bfloat16 --methods ar,dflash,ddtree --concurrency 1,4,16,64 \
-        --requests 128 --max-tokens 256 --max-num-seqs 64 [--schedule auto]
+    python benchmarks/serve_load.py --device cuda --dtype bfloat16 --methods ar,dflash,ddtree,schedule \
+        --concurrency 1,4,16,64 --requests 128 --max-tokens 256 --max-num-seqs 64 [--schedule FILE]
+
+The method `schedule` is the server with `--method ddtree --schedule FILE|auto` (`--schedule`, default auto: it
+tunes at start-up), compared in-process with DDTree; the other methods run fixed, without a schedule.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ from rich.console import Console
 from rich.table import Table
 
 HOST = "127.0.0.1"
+SCHEDULE = "schedule"  # a --methods entry: the server with --method ddtree --schedule FILE|auto
+SAID = ("method ", "schedule", "the schedule", "continuous")  # the server's lines kept in the JSON (server_said)
 console = Console(stderr=True)
 out = Console(width=150)
 
@@ -66,6 +72,7 @@ class LevelResult:
     itl_p50_ms: float | None
     itl_p99_ms: float | None
     errors: int
+    error_messages: list[str] = field(default_factory=list)
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -159,12 +166,15 @@ class Server:
     """`python -m blockdraft serve` on 127.0.0.1, a free port; stopped with SIGTERM."""
 
     def __init__(self, args: argparse.Namespace, method: str, budget: int | None, draft_tokens: int | None) -> None:
+        scheduled = method == SCHEDULE
+        method = "ddtree" if scheduled else method
         command = [sys.executable, "-m", "blockdraft", "serve", "--target", args.target, "--host", HOST, "--port", "0",
                    "--no-self-check", "--max-queue", str(max(args.concurrency_levels) + 1),
                    *method_flags(method, budget, draft_tokens)]
         for flag, value in (("--drafter", args.drafter), ("--device", args.device), ("--dtype", args.dtype),
                             ("--engine", args.engine), ("--stream-interval-ms", args.stream_interval_ms),
-                            ("--max-num-seqs", args.max_num_seqs), ("--schedule", args.schedule)):
+                            ("--max-num-seqs", args.max_num_seqs),
+                            ("--schedule", args.schedule if scheduled else None)):
             if value is not None:
                 command += [flag, value]
         env = {**os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {})}
@@ -231,17 +241,19 @@ def one_request(client: httpx.Client, url: str, model: str, messages: list[dict]
     return record
 
 
-def load_level(url: str, model: str, method: str, concurrency: int, requests: int, prompts: list[list[dict]],
-               max_tokens: int, deadline: float) -> LevelResult:
+def run_requests(url: str, model: str, concurrency: int, indices: list[int], prompts: list[list[dict]],
+                 max_tokens: int, deadline: float) -> tuple[list[RequestRecord], float]:
+    """The requests of `indices` (prompts cycled) through a pool of `concurrency` clients; their records and the
+    wall time. No new request starts after `deadline`."""
     records: list[RequestRecord] = []
     lock = threading.Lock()
-    counter = iter(range(requests))
+    pending = iter(indices)
 
     def client_loop() -> None:
         with httpx.Client(timeout=600) as client:
             while time.monotonic() < deadline:
                 with lock:
-                    index = next(counter, None)
+                    index = next(pending, None)
                 if index is None:
                     return
                 record = one_request(client, url, model, prompts[index % len(prompts)], max_tokens)
@@ -252,7 +264,10 @@ def load_level(url: str, model: str, method: str, concurrency: int, requests: in
     with ThreadPoolExecutor(concurrency) as pool:
         for _ in range(concurrency):
             pool.submit(client_loop)
-    wall = time.perf_counter() - start
+    return records, time.perf_counter() - start
+
+
+def summarize(method: str, concurrency: int, records: list[RequestRecord], wall: float) -> LevelResult:
     done = [r for r in records if r.ok]
     ttfts = [r.ttft for r in done if r.ttft is not None]
     gaps = [g for r in done for g in r.gaps]
@@ -261,7 +276,27 @@ def load_level(url: str, model: str, method: str, concurrency: int, requests: in
         requests_per_s=len(done) / wall, output_tokens_per_s=sum(r.tokens for r in done) / wall,
         ttft_p50_ms=percentile(ttfts, 50), ttft_p99_ms=percentile(ttfts, 99), itl_p50_ms=percentile(gaps, 50),
         itl_p99_ms=percentile(gaps, 99), errors=len(records) - len(done),
+        error_messages=sorted({str(r.error) for r in records if not r.ok})[:5],
     )
+
+
+def rotate(methods: list[str], servers: dict[str, "Server"], args: argparse.Namespace, concurrency: int,
+           prompts: list[list[dict]]) -> list[LevelResult]:
+    """One concurrency level for every method, in `--rounds` rounds: each round gives every method the same slice
+    of the requests, the methods in turn and in reverse order every other round (ABBA), so that drift of the
+    machine over the level hits all methods alike."""
+    records: dict[str, list[RequestRecord]] = {m: [] for m in methods}
+    walls = dict.fromkeys(methods, 0.0)
+    bounds = [args.requests * r // args.rounds for r in range(args.rounds + 1)]
+    for r in range(args.rounds):
+        for method in methods if r % 2 == 0 else methods[::-1]:
+            url = servers[method].url
+            assert url is not None
+            got, wall = run_requests(url, args.target, concurrency, list(range(bounds[r], bounds[r + 1])), prompts,
+                                     args.max_tokens, time.monotonic() + args.time_cap / args.rounds)
+            records[method] += got
+            walls[method] += wall
+    return [summarize(m, concurrency, records[m], walls[m]) for m in methods]
 
 
 def fmt(value: float | None, spec: str = ".0f") -> str:
@@ -280,14 +315,17 @@ def main() -> None:
     parser.add_argument("--paired", type=int, default=None, help="Paired c=1 requests per side (default: --requests).")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompts", default="demo", help="A built-in prompt set or JSONL file (chat prompts).")
-    parser.add_argument("--time-cap", type=float, default=600, help="Seconds per method; no new request after it.")
+    parser.add_argument("--time-cap", type=float, default=300,
+                        help="Seconds per method and level; no new request after it.")
+    parser.add_argument("--rounds", type=int, default=2, help="Rounds per level, the methods in ABBA order.")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--engine", default="auto")
     parser.add_argument("--threads", type=int, default=None, help="torch threads, here and in the server.")
     parser.add_argument("--stream-interval-ms", default=None, help="The server's stream interval (default: its own).")
     parser.add_argument("--max-num-seqs", default=None, help="The server's continuous batch (default: its own, 1).")
-    parser.add_argument("--schedule", default=None, help="The server's --schedule FILE|auto (with --max-num-seqs).")
+    parser.add_argument("--schedule", default="auto",
+                        help="The schedule method's server --schedule FILE|auto (with --max-num-seqs).")
     parser.add_argument("--json-out", type=Path, default=None)
     args = parser.parse_args()
     args.concurrency_levels = [int(c) for c in args.concurrency.split(",")]
@@ -298,31 +336,37 @@ def main() -> None:
     prompts = [item.messages or [{"role": "user", "content": item.prompt}] for item in items]
     levels: list[LevelResult] = []
     ratios: list[dict[str, Any]] = []
-    for method in [m.strip() for m in args.methods.split(",") if m.strip()]:
-        console.print(f"# {method}: loading in-process ...")
-        local = InProcess(args, method)
-        local.run(prompts[0], 8)  # warm-up, as the server does before serving
-        console.print(f"# {method}: starting the server ...")
-        server = Server(args, method, local.budget, local.draft_tokens)
-        assert server.url is not None
-        deadline = time.monotonic() + args.time_cap
-        try:
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    servers: dict[str, Server] = {}
+    try:
+        for method in methods:  # every server up first: the levels then rotate between them
+            console.print(f"# {method}: loading in-process ...")
+            local = InProcess(args, "ddtree" if method == SCHEDULE else method)
+            local.run(prompts[0], 8)  # warm-up, as the server does before serving
+            console.print(f"# {method}: starting the server ...")
+            servers[method] = server = Server(args, method, local.budget, local.draft_tokens)
+            assert server.url is not None
             pair = paired(local, server.url, args.target, args.paired or args.requests, prompts, args.max_tokens)
-            said = [line.strip() for line in server.lines if line.startswith(("method ", "schedule", "continuous"))]
-            for line in said:
-                console.print(f"# {method} server: {line}")
-            ratios.append(dict(method=method, server_said=said, **pair))
+            ratios.append(dict(method=method, **pair))
             console.print(f"# {method} paired c=1: in-process {pair['in_process_tokens_per_s']:.1f} tok/s, server "
                           f"{pair['server_c1_tokens_per_s']:.1f} tok/s, ratio {pair['ratio']:.3f}")
-            for concurrency in args.concurrency_levels:
-                result = load_level(server.url, args.target, method, concurrency, args.requests, prompts,
-                                    args.max_tokens, deadline)
-                levels.append(result)
-                console.print(f"# {method} c={concurrency}: {result.output_tokens_per_s:.1f} tok/s, "
-                              f"{result.errors} errors")
-        finally:
-            server.stop()
             del local
+        for concurrency in args.concurrency_levels:
+            for result in rotate(methods, servers, args, concurrency, prompts):
+                levels.append(result)
+                console.print(f"# {result.method} c={concurrency}: {result.output_tokens_per_s:.1f} tok/s, "
+                              f"{result.errors} errors" + "".join(f"\n#   {m}" for m in result.error_messages))
+    finally:
+        for method, server in servers.items():
+            server.stop()
+            said = [line.strip() for line in server.lines if line.startswith(SAID)]
+            for line in said:
+                console.print(f"# {method} server: {line}")
+            for ratio in ratios:
+                if ratio["method"] == method:
+                    ratio["server_said"] = said
+            if any(r.errors for r in levels if r.method == method):
+                console.print(f"# {method} server's last lines:\n" + "".join(server.lines[-30:]))
 
     table = Table(title=f"blockdraft serve under load ({args.target}, {args.max_tokens} max tokens, T=0)")
     for column in ("method", "conc", "requests", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",

@@ -54,3 +54,30 @@ def test_each_sequence_drafts_what_it_drafts_alone(variant: str, padded: bool) -
     batch.move(2, 0)  # sequence 0 finished: the last one takes its slot
     alone[0] = alone[2]
     check([3], [block - 1])
+
+
+def test_dropping_every_graph_takes_a_new_pool(monkeypatch) -> None:
+    """When the K/V grows (or the verify's output buffers widen) every graph of a pool is dropped, and later
+    captures must go into a new pool: PyTorch asserts when capturing into one whose graphs are all gone while
+    memory taken in it lives on (H200, session 16). Pool handles are counted here, no GPU needed."""
+    from itertools import count
+
+    from blockdraft.models import fast_drafter
+    from blockdraft.models.fast_batch import BatchForward, BatchKV
+
+    handles = count()
+    monkeypatch.setattr(fast_drafter.torch.cuda, "graph_pool_handle", lambda: next(handles))
+    target = FastTarget(make_target_model("qwen3"))
+    target.use_graphs = True
+    batch = BatchDrafter(drafter_for(VARIANTS[0]), target, slots=2)
+    first = batch.pool
+    batch.entries[(1, 64)] = object()  # type: ignore[assignment]
+    batch._ensure(batch.store.kv.shape[4])  # room enough: nothing dropped
+    assert batch.pool == first and batch.entries
+    batch._ensure(4 * batch.store.kv.shape[4])
+    assert batch.pool != first and not batch.entries and not batch.extensions
+
+    verify = BatchForward(target, BatchKV.for_target(target, 2))
+    before = verify.pool
+    verify._outputs(1)
+    assert verify.pool != before and not verify.entries

@@ -1,7 +1,8 @@
 """On a GPU, batched decoding from CUDA graphs (models/fast_batch.BatchForward) gives every sequence its batch-1 ids:
 the CPU tests run the same padded shapes eagerly, this runs the captured graphs. Tiny random fp32 pair from the
 tests' builders; AR, the DFlash chain and DDTree, sequences joining (those waiting prefilled together) and leaving
-(7 prompts, 4 slots).
+(7 prompts, 4 slots); then a measured schedule switching between all three every two steps while the contexts
+grow (graphs dropped and captured into a new pool as the K/V grows).
 
     python3 benchmarks/gpu/check_batch_graphs.py        # exits 1 on any difference
 """
@@ -18,7 +19,11 @@ from conftest import make_drafter, make_target_model  # noqa: E402  (the tests' 
 
 from blockdraft.decoding.generate import generate  # noqa: E402
 from blockdraft.decoding.methods import build_proposer  # noqa: E402
+from blockdraft.engine import measured  # noqa: E402
 from blockdraft.engine.batch import BatchDecoder, Request  # noqa: E402
+from blockdraft.engine.measured import MeasuredSchedule  # noqa: E402
+from blockdraft.engine.schedule import AR, AcceptanceProfile, Candidate, CostTable, choose  # noqa: E402
+from blockdraft.engine.switching import SwitchingProposer  # noqa: E402
 from blockdraft.models.fast_target import FastTarget  # noqa: E402
 
 
@@ -28,19 +33,29 @@ def main() -> int:
     drafter = make_drafter("all_full").to(device)
     prompts = [[(7 * i + 3 * j + 1) % 63 for j in range(1 + (5 * i) % 23)] for i in range(7)]
     failures = 0
-    for method, budget in (("ar", None), ("dflash", None), ("ddtree", 12)):
+    cases = [(method, budget, None, 24) for method, budget in (("ar", None), ("dflash", None), ("ddtree", 12))]
+    measured.RUN_STEPS, measured.PHASE_ROUNDS, measured.PHASE_EVERY = 2, 4, 64
+    costs = CostTable(device="cuda", dtype="float32", target="t", drafter="d", context_tokens=64,
+                      verify_s={1: {1: 1.0, 4: 1.0, 13: 1.0}}, draft_s={1: 0.1})
+    table = choose(costs, AcceptanceProfile([0.9, 0.8, 0.7], {12: 3.0}), [AR, Candidate("dflash", 3),
+                                                                         Candidate("ddtree", budget=12)], [1])
+    cases.append(("scheduled", None, MeasuredSchedule(table), 200))
+    for method, budget, schedule, new_tokens in cases:
         def new_proposer():  # noqa: ANN202
+            if schedule is not None:
+                return SwitchingProposer(drafter, target, 12)
             return build_proposer(method, target, None if method == "ar" else drafter, budget)
 
-        alone = [generate(target, ids, new_proposer(), 24).token_ids for ids in prompts]
-        decoder = BatchDecoder(target, new_proposer, max_seqs=4)
+        alone_proposer = None if schedule is not None else new_proposer  # scheduled: against AR's own ids
+        alone = [generate(target, ids, alone_proposer and alone_proposer(), new_tokens).token_ids for ids in prompts]
+        decoder = BatchDecoder(target, new_proposer, max_seqs=4, schedule=schedule)
         assert decoder.verifier.batched.use_graphs
         got: dict[int, list[int]] = {}
         owner: dict[int, int] = {}
         waiting = list(enumerate(prompts))
         while waiting or decoder.running:
             joining, waiting = waiting[: decoder.free], waiting[decoder.free :]
-            for (i, _), seq in zip(joining, decoder.join_many([Request(ids, 24) for _, ids in joining])):
+            for (i, _), seq in zip(joining, decoder.join_many([Request(ids, new_tokens) for _, ids in joining])):
                 owner[id(seq)] = i
             for seq in decoder.step():
                 got[owner.pop(id(seq))] = seq.tokens

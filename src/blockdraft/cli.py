@@ -401,6 +401,11 @@ def serve(
         help="With --max-num-seqs > 1: the method per batch size from `blockdraft tune`'s schedule.json (FILE), "
         "measured at start-up (auto), or the fixed --method (off).",
     ),
+    schedule_adapt: bool = typer.Option(
+        True, "--schedule-adapt/--no-schedule-adapt",
+        help="With --schedule: correct the table with the server's own steps (each batch size's candidates timed in "
+        "turn every 1,024 steps, the fastest kept); off: the table as it is.",
+    ),
     device: Optional[str] = DeviceOpt,
     dtype: Optional[str] = DtypeOpt,
     engine: str = EngineOpt,
@@ -421,7 +426,7 @@ def serve(
     settings = ServeSettings(
         target, drafter, method, budget, draft_tokens, host, port, api_key, served_model_name, max_model_len,
         max_queue, max_num_seqs, schedule, device, dtype, engine, self_check, expect, drain_timeout,
-        stream_interval_ms,
+        stream_interval_ms, schedule_adapt,
     )
     BlockdraftServer(settings, lambda line: err.print(line, markup=False, highlight=False, soft_wrap=True)).run()
 

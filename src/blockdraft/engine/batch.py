@@ -26,6 +26,7 @@ from blockdraft.decoding.generate import GenerationResult, OnCommit, check_conte
 from blockdraft.decoding.host_to_device import long_tensor
 from blockdraft.decoding.sampling import SamplingParams, pick
 from blockdraft.decoding.verify import Verdict, verify, verify_greedy
+from blockdraft.engine.measured import MeasuredSchedule
 from blockdraft.engine.schedule import Schedule
 from blockdraft.engine.switching import SwitchingProposer
 from blockdraft.engine.verifiers import LoopVerifier, SlotVerifier, Verified
@@ -104,11 +105,11 @@ class Sequence:
 
 class BatchDecoder:
     """Up to `max_seqs` sequences decoded together; `new_proposer()` gives each joining sequence its own proposer
-    (None for AR). With a `schedule`, every step's method is the schedule's pick for the running batch size, and
-    the proposers must be SwitchingProposers."""
+    (None for AR). With a `schedule`, every step's method is the schedule's pick for the running batch size (a
+    MeasuredSchedule also hears how each step went), and the proposers must be SwitchingProposers."""
 
     def __init__(self, target: Target, new_proposer: Callable[[], Proposer | None], max_seqs: int,
-                 schedule: Schedule | None = None) -> None:
+                 schedule: Schedule | MeasuredSchedule | None = None) -> None:
         if max_seqs < 1:
             raise BlockdraftError(f"--batch-size {max_seqs} must be >= 1")
         self.target = target
@@ -268,9 +269,10 @@ class BatchDecoder:
         """One draft -> verify -> commit over every running sequence; returns those that finished (they left)."""
         if not self.running:
             return []
-        device = self.target.device
+        device, began, batch = self.target.device, time.perf_counter(), len(self.running)
+        candidate = None
         if self.schedule is not None:
-            candidate = self.schedule.pick(len(self.running))
+            candidate = self.schedule.pick(batch)
             for seq in self.running:
                 assert isinstance(seq.proposer, SwitchingProposer)
                 seq.proposer.use(candidate)
@@ -286,9 +288,11 @@ class BatchDecoder:
         extended: list[int] = []
         kept_taps: list[torch.Tensor] = []
         verdicts = self._verdicts(drafts, verified)
+        committed = 0
         for slot, (seq, draft, start, verdict, (_, taps)) in enumerate(
                 zip(self.running, drafts, starts, verdicts, verified.rows)):
             produced = len(seq.commit(verdict.tokens + [verdict.bonus]))
+            committed += produced
             rows = None if draft.is_chain else long_tensor(
                 [0] + [node + 1 for node in verdict.accepted][: produced - 1], device)
             self.verifier.keep(slot, start, rows, produced)
@@ -302,7 +306,10 @@ class BatchDecoder:
                 proposer = self.running[slot].proposer
                 assert proposer is not None
                 proposer.add_context(taps)
-        return self._leave()
+        finished = self._leave()
+        if isinstance(self.schedule, MeasuredSchedule) and candidate is not None:
+            self.schedule.observe(batch, candidate, time.perf_counter() - began, committed)
+        return finished
 
     def _verdicts(self, drafts: list[Draft], verified: Verified) -> list[Verdict]:
         """Each sequence's verdict: the greedy ones read back together (one wait for the device per step; one

@@ -512,12 +512,20 @@ class Schedule:
         if not sizes or len(set(sizes)) != len(sizes):
             raise BlockdraftError(f"a schedule needs one entry per batch size, got batch sizes {sizes}")
 
-    def pick(self, batch: int) -> Candidate:
-        """The choice at the largest scheduled batch size <= batch (the smallest one's below it)."""
+    @property
+    def candidates(self) -> list[Candidate]:
+        """Every candidate the table weighed (each entry weighs the same ones)."""
+        return [e.candidate for e in self.entries[0].estimates]
+
+    def entry(self, batch: int) -> ScheduleEntry:
+        """The entry at the largest scheduled batch size <= batch (the smallest one's below it)."""
         if batch < 1:
             raise BlockdraftError(f"batch size {batch} must be >= 1")
         i = bisect.bisect_right([e.batch for e in self.entries], batch) - 1
-        return self.entries[max(i, 0)].choice
+        return self.entries[max(i, 0)]
+
+    def pick(self, batch: int) -> Candidate:
+        return self.entry(batch).choice
 
     def vllm_settings(self, max_num_seqs: int) -> dict[str, Any]:
         """This schedule as vLLM 0.33's dynamic speculative decoding, plus notes for the reader.

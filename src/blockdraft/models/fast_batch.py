@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from blockdraft.models.fast_drafter import capture
+from blockdraft.models.fast_drafter import capture, graph_pool
 from blockdraft.models.fast_target import FastTarget, LayerWeights, attend, graph_rows, layer_tail
 from blockdraft.models.static_cache import StaticTargetCache, round_up
 
@@ -199,7 +199,7 @@ class BatchForward:
         self.use_graphs = target.use_graphs
         self.pad = self.use_graphs if pad is None else pad
         self.entries: OrderedDict[tuple, _BatchGraph] = OrderedDict()
-        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.pool = graph_pool(self.use_graphs)
         self.version = store.version
         self.hidden_out = torch.empty(0, target.hidden_size, dtype=target.dtype, device=target.device)
         self.taps_out = torch.empty(0, 0, dtype=target.dtype, device=target.device)
@@ -217,7 +217,7 @@ class BatchForward:
         cap = round_up(max(store.lengths[:batch]) + rows)
         store.ensure(cap)
         if self.version != store.version:  # the K/V buffer was reallocated: old graphs point at freed memory
-            self.entries.clear()
+            self._drop_graphs()
             self.version = store.version
         self._outputs(len(tap_layers or ()))
         key = (bucket, rows, cap, tap_layers)
@@ -258,7 +258,12 @@ class BatchForward:
                                       device=self.target.device)
         self.taps_out = torch.empty(GRAPH_MAX_ROWS, max(width, self.taps_out.shape[1]), dtype=self.target.dtype,
                                     device=self.target.device)
+        self._drop_graphs()
+
+    def _drop_graphs(self) -> None:
+        """Forget every graph; later ones are captured into a new pool (`graph_pool`)."""
         self.entries.clear()
+        self.pool = graph_pool(self.use_graphs)
 
     def _buffers(self, bucket: int, rows: int) -> _BatchGraph:
         device = self.target.device

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from blockdraft.models.drafter import DFlashDrafter, apply_rope
 from blockdraft.models.fast_batch import BATCH_GRAPHS, BatchKV, batch_bucket
-from blockdraft.models.fast_drafter import batched_context_bias, capture, fast_drafter_problem, packed_layers
+from blockdraft.models.fast_drafter import batched_context_bias, capture, fast_drafter_problem, graph_pool, packed_layers
 from blockdraft.models.fast_ops import rms_norm
 from blockdraft.models.fast_target import FastTarget, attend, graph_rows, layer_tail
 from blockdraft.models.static_cache import round_up
@@ -76,15 +76,17 @@ class BatchDrafter:
         self.entries: OrderedDict[tuple[int, int], _PassGraph] = OrderedDict()
         self.hidden_out = torch.empty(slots, self.block_size - 1, cfg.hidden_size, dtype=self.dtype, device=self.device)
         self.extensions: dict[tuple[int, int], _ExtendGraph] = {}
-        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.pool = graph_pool(self.use_graphs)
         self.version = self.store.version
 
     def _ensure(self, positions: int) -> None:
-        """Room for `positions` positions per slot; the graphs captured on a replaced buffer are dropped."""
+        """Room for `positions` positions per slot; the graphs captured on a replaced buffer are dropped (later ones
+        go into a new pool, `graph_pool`)."""
         self.store.ensure(positions)
         if self.version != self.store.version:
             self.entries.clear()
             self.extensions.clear()
+            self.pool = graph_pool(self.use_graphs)
             self.version = self.store.version
 
     def reset(self, slot: int) -> None:

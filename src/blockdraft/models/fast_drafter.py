@@ -113,6 +113,14 @@ def context_kv(
     return apply_rope(rms_norm(k, k_norm, eps).transpose(1, 2), cos, sin), v.transpose(1, 2)
 
 
+def graph_pool(use_graphs: bool) -> Any:
+    """A new memory pool for graphs that share one (None without graphs). Whoever drops every graph of a pool
+    takes a new one: capturing into a pool whose graphs are all gone while memory taken in it lives on (a library's
+    workspace allocated during a capture) fails inside PyTorch's allocator (`use_count > 0` INTERNAL ASSERT, torch
+    2.11 on the H200: served batch-16 steps failed after the drafter's K/V grew, benchmarks/RESULTS.md, session 16)."""
+    return torch.cuda.graph_pool_handle() if use_graphs else None
+
+
 def capture(run: Callable[[], T], device: torch.device, pool: Any = None) -> tuple[Any, T]:
     """A CUDA graph of `run` and its outputs (the graph's static outputs), after warm-up on a side stream (kernel
     selection, torch.compile) so the capture records only the steady state; `pool` shares memory between graphs

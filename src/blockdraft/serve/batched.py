@@ -12,6 +12,8 @@ from typing import Any
 
 from blockdraft.decoding.draft import Proposer
 from blockdraft.engine.batch import BatchDecoder, Request
+from blockdraft.engine.switching import SwitchingProposer
+from blockdraft.engine.measured import MeasuredSchedule
 from blockdraft.engine.schedule import Schedule
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.target import Target
@@ -26,7 +28,7 @@ class BatchedEngine:
     """Up to `max_seqs` jobs decoded together."""
 
     def __init__(self, target: Target, new_proposer: Callable[[], Proposer | None], tokenizer: Any,
-                 max_seqs: int, schedule: Schedule | None = None) -> None:
+                 max_seqs: int, schedule: Schedule | MeasuredSchedule | None = None) -> None:
         self.decoder = BatchDecoder(target, new_proposer, max_seqs, schedule)
         self.tokenizer = tokenizer
         self._runs: dict[int, JobRun] = {}
@@ -40,17 +42,29 @@ class BatchedEngine:
         return bool(self.decoder.running)
 
     def warm_up(self, prompt_ids: list[int]) -> None:
-        """Short decodes at every batch bucket (1, 2, 4, ... --max-num-seqs sequences at once), so the first
-        requests at each size do not pay for compiling and capturing its graphs (on the H200 the first batched
-        steps stalled concurrency 4 below concurrency 1 before this)."""
-        size = 1
-        while True:
-            self.decoder.join_many([Request(prompt_ids, _WARMUP_TOKENS)] * size)
-            while self.decoder.running:
-                self.decoder.step()
-            if size >= self.decoder.max_seqs:
-                return
-            size = min(2 * size, self.decoder.max_seqs)
+        """Short decodes at every batch bucket (1, 2, 4, ... --max-num-seqs sequences at once), with each method a
+        schedule may pick, so the first requests at each size do not pay for compiling and capturing its graphs (on
+        the H200 the first batched steps stalled concurrency 4 below concurrency 1 before this) and a measured
+        schedule does not time a capture. The schedule hears none of these steps."""
+        decoder, schedule = self.decoder, self.decoder.schedule
+        table = schedule.table if isinstance(schedule, MeasuredSchedule) else schedule
+        decoder.schedule = None
+        try:
+            for candidate in table.candidates if table is not None else [None]:
+                size = 1
+                while True:
+                    decoder.join_many([Request(prompt_ids, _WARMUP_TOKENS)] * size)
+                    for seq in decoder.running:
+                        if candidate is not None:
+                            assert isinstance(seq.proposer, SwitchingProposer)
+                            seq.proposer.use(candidate)
+                    while decoder.running:
+                        decoder.step()
+                    if size >= decoder.max_seqs:
+                        break
+                    size = min(2 * size, decoder.max_seqs)
+        finally:
+            decoder.schedule = schedule
 
     def admit(self, jobs: list[tuple[Job, Callable[[], bool]]]) -> None:
         """Prefill the jobs together and add them to the batch (each finished at once if its first token ends it);

@@ -18,6 +18,7 @@ from pathlib import Path
 from blockdraft.decoding.draft import Proposer, check_draft_tokens
 from blockdraft.decoding.methods import GPU_BUDGET, build_proposer, device_settings
 from blockdraft.engine.batch import check_kv_room, default_max_num_seqs
+from blockdraft.engine.measured import MeasuredSchedule
 from blockdraft.engine.schedule import Schedule
 from blockdraft.engine.switching import SwitchingProposer
 from blockdraft.engine.tune import auto_schedule
@@ -105,8 +106,13 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
     if schedule is not None:
         largest = max((e.choice.budget or 0 for e in schedule.entries), default=0) or 1
         drafter = loaded.drafter
+        plan: Schedule | MeasuredSchedule = schedule
+        if settings.schedule_adapt:
+            plan = MeasuredSchedule(schedule, say)
+            say("the schedule adapts: each batch size's candidates are timed in turn on the server's own steps and "
+                "the fastest kept (--no-schedule-adapt keeps the table)")
         engine = BatchedEngine(target, lambda: SwitchingProposer(drafter, target, largest), loaded.tokenizer, seqs,
-                               schedule)
+                               plan)
     elif seqs > 1:
         engine = BatchedEngine(target, new_proposer, loaded.tokenizer, seqs)
     else:

@@ -32,3 +32,4 @@ class ServeSettings:
     expect: Path | None = None
     drain_timeout: float = 30.0
     stream_interval_ms: float = 20.0
+    schedule_adapt: bool = True

@@ -1,0 +1,143 @@
+"""The speculation schedule corrected by the server's own steps.
+
+A tuned table (`blockdraft tune`, `--schedule auto`) predicts each method's tokens/s from step costs timed apart
+from serving; on the H200 it picked AR at batch 64 where the server's own DFlash steps were 1.3x faster, and two
+start-up tunes of the same pair disagreed at batch 16 (benchmarks/RESULTS.md, session 16). So the server measures:
+for each batch-size bucket (1, 2, 3-4, 5-8, ...), it runs every candidate of the table in turn for a few steps
+(a phase: short runs, alternating, so that all of them see the same requests and the same text), compares the
+tokens each committed per second of step, and decodes with the fastest until the next phase. The table only orders
+the candidates and decides before the first phase ends.
+
+Measured, not modelled: a step's seconds include the drafter, the tree builds, the verify and every sequence's commit
+(the streaming hook included), which is what the served tokens/s is made of. The first step of each run is not
+counted (it carries the previous run's queued device work), nor is a step far slower than its run's others (a graph
+captured on a new context length).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from blockdraft.engine.schedule import Candidate, Schedule
+
+RUN_STEPS = 8  # steps of one candidate in a row during a phase (the first not counted)
+PHASE_ROUNDS = 6  # runs of every candidate per phase
+PHASE_EVERY = 1024  # steps of a bucket from one phase's start to the next's
+KEEP_MARGIN = 0.02  # a new choice must beat the current one by this fraction (no flapping on noise)
+SLOW_STEP = 4.0  # a step slower than this many times its run's median is not counted
+
+
+def bucket_of(batch: int) -> int:
+    """The power of two at or above `batch`: the bucket whose measurements a step of `batch` sequences shares."""
+    return 1 << (batch - 1).bit_length()
+
+
+def bucket_label(bucket: int) -> str:
+    low = bucket // 2 + 1
+    return f"batch {bucket}" if low >= bucket else f"batch {low}-{bucket}"
+
+
+@dataclass
+class _Samples:
+    """One candidate's counted steps in the current phase."""
+
+    seconds: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+
+    def rate(self) -> float | None:
+        """Tokens per second over the counted steps, the outliers (SLOW_STEP) left out."""
+        if not self.seconds:
+            return None
+        cut = SLOW_STEP * statistics.median(self.seconds)
+        kept = [(s, t) for s, t in zip(self.seconds, self.tokens) if s <= cut]
+        return sum(t for _, t in kept) / sum(s for s, _ in kept)
+
+
+@dataclass
+class _Bucket:
+    """One bucket's choice and its phase: `plan` is the candidate of each phase step still to come."""
+
+    choice: Candidate
+    candidates: list[Candidate]
+    plan: list[Candidate] = field(default_factory=list)
+    samples: dict[Candidate, _Samples] = field(default_factory=dict)
+    steps: int = 0
+    measured: dict[Candidate, float] = field(default_factory=dict)
+
+    def start_phase(self) -> None:
+        order = [self.choice] + [c for c in self.candidates if c != self.choice]
+        self.plan = [c for _ in range(PHASE_ROUNDS) for c in order for _ in range(RUN_STEPS)]
+        self.samples = {c: _Samples() for c in order}
+
+    def next(self) -> tuple[Candidate, bool]:
+        """This step's candidate, and whether the step is counted (in a phase, past its run's first step)."""
+        if self.steps % PHASE_EVERY == 0:
+            self.start_phase()
+        self.steps += 1
+        if not self.plan:
+            return self.choice, False
+        index = len(self.plan)
+        candidate = self.plan.pop(0)
+        return candidate, index % RUN_STEPS != 0
+
+    def end_phase(self) -> Candidate | None:
+        """Choose from the phase just ended; returns the old choice when it changed."""
+        rates = {c: r for c, s in self.samples.items() if (r := s.rate()) is not None}
+        self.samples = {}
+        if self.choice not in rates:
+            return None
+        self.measured = rates
+        best = max(rates, key=lambda c: rates[c])
+        if best == self.choice or rates[best] <= (1 + KEEP_MARGIN) * rates[self.choice]:
+            return None
+        old, self.choice = self.choice, best
+        return old
+
+
+class MeasuredSchedule:
+    """`pick` the method for a step of `batch` sequences; `observe` the step once it ran (its seconds and the tokens
+    it committed). `say` hears each bucket's measured rates at the end of its first phase and whenever its choice
+    changes."""
+
+    def __init__(self, table: Schedule, say: Callable[[str], None] | None = None) -> None:
+        self.table = table
+        self.say = say
+        self.buckets: dict[int, _Bucket] = {}
+        self._counted: dict[int, tuple[Candidate, bool]] = {}
+
+    def _bucket(self, batch: int) -> tuple[int, _Bucket]:
+        key = bucket_of(batch)
+        if key not in self.buckets:
+            entry = self.table.entry(batch)
+            ranked = sorted(entry.estimates, key=lambda e: -e.tokens_per_s)
+            self.buckets[key] = _Bucket(entry.choice, [e.candidate for e in ranked])
+        return key, self.buckets[key]
+
+    def pick(self, batch: int) -> Candidate:
+        key, bucket = self._bucket(batch)
+        candidate, counted = bucket.next()
+        self._counted[key] = (candidate, counted)
+        return candidate
+
+    def observe(self, batch: int, candidate: Candidate, seconds: float, tokens: int) -> None:
+        key, bucket = self._bucket(batch)
+        picked, counted = self._counted.pop(key, (None, False))
+        if picked == candidate and counted and candidate in bucket.samples:
+            samples = bucket.samples[candidate]
+            samples.seconds.append(seconds)
+            samples.tokens.append(tokens)
+        if bucket.samples and not bucket.plan:
+            first = not bucket.measured
+            old = bucket.end_phase()
+            if self.say is not None and bucket.measured and (first or old is not None):
+                self.say(self.describe(key, old))
+
+    def describe(self, key: int, old: Candidate | None = None) -> str:
+        """One line: a bucket's choice and every candidate's measured tokens/s."""
+        bucket = self.buckets[key]
+        rates = ", ".join(f"{c.label} {r:,.0f}" for c, r in sorted(bucket.measured.items(), key=lambda cr: -cr[1]))
+        change = f" (was {old.label})" if old is not None else ""
+        return (f"schedule measured at {bucket_label(key)}: {bucket.choice.label}{change}; tokens/s of the server's "
+                f"own steps: {rates}")

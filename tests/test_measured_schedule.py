@@ -1,0 +1,124 @@
+"""The measured schedule: phases that time every candidate on the server's own steps, the choice they make, and a
+decoder that keeps every sequence's batch-1 ids while the method changes under it."""
+
+from __future__ import annotations
+
+import pytest
+
+from blockdraft.decoding.generate import generate
+from blockdraft.engine import measured
+from blockdraft.engine.batch import BatchDecoder
+from blockdraft.engine.measured import MeasuredSchedule, bucket_label, bucket_of
+from blockdraft.engine.schedule import AR, AcceptanceProfile, Candidate, CostTable, Schedule, choose
+from blockdraft.engine.switching import SwitchingProposer
+from blockdraft.models.fast_target import FastTarget
+
+from conftest import make_drafter, make_target_model
+
+CHAIN, TREE = Candidate("dflash", 3), Candidate("ddtree", budget=4)
+
+
+def table(choice_at_1: str = "ddtree@4") -> Schedule:
+    """A table choosing the tree alone and AR at batch 2 and up (extra rows cost 9x in a batch)."""
+    flat, steep = {1: 1.0, 4: 1.0, 5: 1.0}, {1: 1.0, 4: 9.0, 5: 9.0}
+    costs = CostTable(device="cpu", dtype="float32", target="t", drafter="d", context_tokens=64,
+                      verify_s={1: flat, 2: steep, 4: steep}, draft_s={1: 0.1, 2: 0.1, 4: 0.1})
+    schedule = choose(costs, AcceptanceProfile([0.9, 0.8, 0.7, 0.6, 0.5], {4: 3.5}), [AR, CHAIN, TREE], [1, 2, 4])
+    assert schedule.pick(1).label == choice_at_1 and schedule.pick(2) == AR
+    return schedule
+
+
+def serve(schedule: MeasuredSchedule, batch: int, steps: int, rate: dict[Candidate, float],
+          slow: dict[int, float] | None = None) -> list[Candidate]:
+    """Run `steps` steps of `batch` sequences; each step commits 10 tokens in 10 / rate seconds (step i takes
+    `slow[i]` times that when given)."""
+    picked = []
+    for i in range(steps):
+        candidate = schedule.pick(batch)
+        picked.append(candidate)
+        schedule.observe(batch, candidate, 10 / rate[candidate] * (slow or {}).get(i, 1.0), 10)
+    return picked
+
+
+def phase_steps(candidates: int) -> int:
+    return measured.PHASE_ROUNDS * candidates * measured.RUN_STEPS
+
+
+def test_buckets_are_powers_of_two() -> None:
+    assert [bucket_of(b) for b in (1, 2, 3, 4, 5, 8, 9, 64)] == [1, 2, 4, 4, 8, 8, 16, 64]
+    assert [bucket_label(b) for b in (1, 2, 4, 64)] == ["batch 1", "batch 2", "batch 3-4", "batch 33-64"]
+
+
+def test_a_phase_times_every_candidate_and_keeps_the_fastest() -> None:
+    said: list[str] = []
+    schedule = MeasuredSchedule(table(), said.append)
+    rates = {AR: 100.0, CHAIN: 150.0, TREE: 80.0}
+    picked = serve(schedule, 1, phase_steps(3), rates)
+    # the table's choice first, then the others in its order, in runs of RUN_STEPS, round after round
+    run = measured.RUN_STEPS
+    assert picked[:run] == [TREE] * run and {*picked} == {AR, CHAIN, TREE}
+    assert all(picked.count(c) == measured.PHASE_ROUNDS * run for c in (AR, CHAIN, TREE))
+    assert serve(schedule, 1, 50, rates) == [CHAIN] * 50
+    assert said == ["schedule measured at batch 1: dflash/3 (was ddtree@4); tokens/s of the server's own steps: "
+                    "dflash/3 150, ar 100, ddtree@4 80"]
+    # other buckets are measured on their own, starting from the table's choice there
+    assert serve(schedule, 3, 1, rates) == [AR]
+
+
+def test_a_close_call_keeps_the_current_choice_and_says_it_once() -> None:
+    said: list[str] = []
+    schedule = MeasuredSchedule(table(), said.append)
+    rates = {AR: 100.0, CHAIN: 100.0, TREE: 99.0}
+    serve(schedule, 2, phase_steps(3), rates)
+    assert serve(schedule, 2, 10, rates) == [AR] * 10
+    assert said == ["schedule measured at batch 2: ar; tokens/s of the server's own steps: ar 100, dflash/3 100, "
+                    "ddtree@4 99"]
+    serve(schedule, 2, 2 * measured.PHASE_EVERY, rates)
+    assert len(said) == 1  # later phases that change nothing say nothing
+
+
+def test_a_new_phase_follows_a_change_in_the_workload() -> None:
+    schedule = MeasuredSchedule(table(), None)
+    serve(schedule, 1, measured.PHASE_EVERY, {AR: 100.0, CHAIN: 150.0, TREE: 80.0})
+    serve(schedule, 1, phase_steps(3), {AR: 100.0, CHAIN: 50.0, TREE: 80.0})
+    assert schedule.pick(1) == AR
+
+
+def test_the_first_step_of_a_run_and_a_stalled_step_are_not_counted() -> None:
+    schedule = MeasuredSchedule(table(), None)
+    run = measured.RUN_STEPS
+    # every run's first step is 3x slower (the previous run's queued work) and one chain step stalls on a capture
+    first_steps = {i: 3.0 for i in range(0, phase_steps(3), run)}
+    stalled = {**first_steps, 2 * run + 3: 20.0}
+    serve(schedule, 1, phase_steps(3), {AR: 100.0, CHAIN: 150.0, TREE: 80.0}, stalled)
+    assert schedule.buckets[1].measured == pytest.approx({AR: 100.0, CHAIN: 150.0, TREE: 80.0})
+
+
+def test_a_step_that_never_reports_leaves_the_phase_consistent() -> None:
+    schedule = MeasuredSchedule(table(), None)
+    schedule.pick(1)  # the step failed: no observe
+    serve(schedule, 1, phase_steps(3), {AR: 100.0, CHAIN: 150.0, TREE: 80.0})
+    assert schedule.pick(1) == CHAIN
+
+
+def test_a_measured_schedule_keeps_every_sequence_lossless(monkeypatch) -> None:
+    monkeypatch.setattr(measured, "RUN_STEPS", 2)
+    monkeypatch.setattr(measured, "PHASE_ROUNDS", 2)
+    monkeypatch.setattr(measured, "PHASE_EVERY", 16)
+    target = FastTarget(make_target_model("qwen3"))
+    drafter = make_drafter("all_full")
+    said: list[str] = []
+    schedule = MeasuredSchedule(table(), said.append)
+    decoder = BatchDecoder(target, lambda: SwitchingProposer(drafter, target, 4), 4, schedule)
+    prompt_sets = [[(5 * i + j) % 90 + 2 for j in range(3 + i)] for i in range(3)]
+    seqs = [decoder.join(ids, 48) for ids in prompt_sets[:1]]
+    for _ in range(20):
+        decoder.step()
+    seqs += [decoder.join(ids, 30) for ids in prompt_sets[1:]]
+    while decoder.running:
+        decoder.step()
+    assert {key for key in schedule.buckets} >= {1, 4}
+    assert any(line.startswith("schedule measured at batch 1: ") for line in said)
+    assert {n > 0 for n in seqs[0].draft_lengths} == {True, False}  # it drafted in some steps and not in others
+    for seq, ids in zip(seqs, prompt_sets):
+        assert seq.tokens == generate(target, ids, None, seq.max_new_tokens).token_ids
