@@ -403,14 +403,35 @@ def test_a_schedule_serves_with_the_method_it_picks_per_batch_size(text_pair, se
         return reply["choices"][0]["token_ids"], reply["metrics"]["speculative_decoding"]["acceptance_lengths"]
 
     said: list[str] = []
-    with running(settings(*text_pair, served_model_name=MODEL, max_num_seqs=4, engine="fast", schedule=str(path)),
-                 said.append) as scheduled:
+    with running(settings(*text_pair, served_model_name=MODEL, max_num_seqs=4, engine="fast", schedule=str(path),
+                          schedule_adapt=False), said.append) as scheduled:
         alone = ask(scheduled.url, prompts[0])
         with ThreadPoolExecutor(8) as pool:
             together = list(pool.map(lambda p: ask(scheduled.url, p), prompts))
     assert any(line.startswith(f"schedule ({path}): batch 1: ddtree@4") and "batch 2: ar" in line for line in said)
+    assert not any("adapts" in line for line in said)
     assert [ids for ids, _ in together] == [ask(server.url, p)[0] for p in prompts]
     assert alone[0] == together[0][0]
+
+    # adapting (the default): one request at a time until batch 1's first phase has timed every candidate (144
+    # steps); the server prints what it measured, and every answer is still the plain server's
+    said.clear()
+    long = [[(7 * i + j) % 90 + 2 for j in range(4)] for i in range(12)]
+    with running(settings(*text_pair, served_model_name=MODEL, max_num_seqs=4, engine="fast", schedule=str(path)),
+                 said.append) as adapting:
+        answers = []
+        for prompt in long:
+            answers.append(httpx.post(f"{adapting.url}/v1/completions", json={
+                "model": MODEL, "prompt": prompt, "max_tokens": 40, "temperature": 0, "return_token_ids": True,
+                "ignore_eos": True}, timeout=60).json()["choices"][0]["token_ids"])
+            if any(line.startswith("schedule measured at batch 1: ") for line in said):
+                break
+    assert any("the schedule adapts" in line for line in said)
+    assert any(line.startswith("schedule measured at batch 1: ") and "tokens/s of the server's own steps: " in line
+               for line in said)
+    assert answers == [httpx.post(f"{server.url}/v1/completions", json={
+        "model": MODEL, "prompt": p, "max_tokens": 40, "temperature": 0, "return_token_ids": True,
+        "ignore_eos": True}, timeout=60).json()["choices"][0]["token_ids"] for p in long[: len(answers)]]
     with pytest.raises(BlockdraftError, match="--schedule needs continuous batching"):
         BlockdraftServer(settings(*text_pair, schedule=str(path)), print)
     costs.device = "cuda"

@@ -70,6 +70,7 @@ class EngineClient:
         command_end.close()
         reply_end.close()
         self.max_queue = settings.max_queue
+        self._say = say  # the engine speaks while serving too (a measured schedule's choices)
         self._send_lock = threading.Lock()
         self._lock = threading.Lock()
         self._in_flight: dict[int, _InFlight] = {}
@@ -187,6 +188,8 @@ class EngineClient:
                         self._publish()
             elif isinstance(reply, JobEvents):
                 self._deliver(reply)
+            elif isinstance(reply, Say):
+                self._say(reply.text)
         self._engine_gone()
 
     def _deliver(self, reply: JobEvents) -> None:
