@@ -325,3 +325,35 @@ def test_trees_built_together_are_each_sequences_own_tree() -> None:
             alone = build_tree(log_probs[b, :n], budget)
             assert torch.equal(together[b].tokens, alone.tokens), (budget, b)
             assert together[b].parents == alone.parents and together[b].depths == alone.depths, (budget, b)
+
+
+@settings(max_examples=150, deadline=None)
+@given(log_probs=distributions(), budget=st.integers(1, 40))
+def test_the_device_search_finds_the_n_best_prefixes_too(log_probs: torch.Tensor, budget: int) -> None:
+    """The tensor search (a beam per depth, run where the scores are on a GPU) on integer logits full of ties and
+    impossible tokens: the n best prefixes, best first, every parent before its children."""
+    from blockdraft.decoding.ddtree import build_trees
+
+    draft = build_trees(log_probs.unsqueeze(0), [log_probs.shape[0]], budget, on_device=True)[0]
+    best = brute_force_scores(log_probs)[:budget]
+    got = tree_scores(draft, log_probs)
+    assert len(got) == len(best)
+    assert sorted(got, reverse=True) == pytest.approx(best, abs=1e-9)
+    assert got == sorted(got, reverse=True)
+    assert all(p < i and (p == -1 or draft.depths[p] + 1 == d) and (p != -1 or d == 1)
+               for i, (p, d) in enumerate(zip(draft.parents, draft.depths)))
+
+
+def test_the_device_search_builds_the_host_heaps_trees() -> None:
+    """Without ties both searches order the same prefixes the same way: the same tokens, parents and depths for
+    every sequence of a batch (its own slot count, one with none), at budgets from 1 to past L x k."""
+    from blockdraft.decoding.ddtree import build_trees
+
+    log_probs = (3 * torch.randn(5, 7, 60, generator=torch.Generator().manual_seed(5))).log_softmax(-1)
+    slots = [7, 3, 0, 1, 6]
+    for budget in (1, 2, 9, 33, 300):
+        on_host = build_trees(log_probs, slots, budget, on_device=False)
+        on_device = build_trees(log_probs, slots, budget, on_device=True)
+        for b, (host, device) in enumerate(zip(on_host, on_device)):
+            assert torch.equal(host.tokens, device.tokens), (budget, b)
+            assert (host.parents, host.depths) == (device.parents, device.depths), (budget, b)

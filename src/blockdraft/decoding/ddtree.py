@@ -31,6 +31,10 @@ from blockdraft.models.drafter import DFlashDrafter
 from blockdraft.models.target import Target
 
 
+DEVICE_SEARCH_NODES = 256  # batch x budget from which a GPU searches on the device: an estimate, not yet measured
+# (the heap pays ~2 us of Python per node; the device search ~100 eager launches, ~0.5 ms, whatever the batch)
+
+
 def check_budget(budget: int | None) -> int:
     """A tree needs at least one node; refuse anything else before any compute."""
     if budget is None:
@@ -49,10 +53,14 @@ def build_tree(log_probs: torch.Tensor, budget: int) -> Draft:
     return build_trees(log_probs.unsqueeze(0), [log_probs.shape[0]], budget)[0]
 
 
-def build_trees(log_probs: torch.Tensor, slots: list[int], budget: int) -> list[Draft]:
+def build_trees(log_probs: torch.Tensor, slots: list[int], budget: int, on_device: bool | None = None
+                ) -> list[Draft]:
     """`build_tree` for each sequence b of a batch's [n, L, V] log-probabilities over its first `slots[b]` slots,
     with one top-k, one read back and one token gather for the whole batch: a read per sequence cost a batch of 64
-    a device round trip each per step (H200, embedded pair: 25 ms DDTree steps at batch 64, session 15)."""
+    a device round trip each per step (H200, embedded pair: 25 ms DDTree steps at batch 64, session 15). On a GPU
+    the search itself runs there too (`best_prefixes_on_device`: no Python heap per sequence, and what is read
+    back is the trees' shape, not the [n, L, k] scores) once the batch's nodes are many (DEVICE_SEARCH_NODES);
+    elsewhere the host heap is faster (module docstring). `on_device` forces either search (tests)."""
     check_budget(budget)
     n, most, vocab = log_probs.shape
     device = log_probs.device
@@ -60,8 +68,13 @@ def build_trees(log_probs: torch.Tensor, slots: list[int], budget: int) -> list[
         return [Draft.empty(device) for _ in slots]
     k = min(budget, vocab)
     top = torch.topk(log_probs, k, dim=-1)
-    values: list[list[list[float]]] = top.values.double().cpu().tolist()
-    shapes = [best_prefixes(values[b][: slots[b]], budget) if slots[b] else ([], [], []) for b in range(n)]
+    if on_device is None:
+        on_device = device.type == "cuda" and n * budget >= DEVICE_SEARCH_NODES
+    if on_device:
+        shapes = best_prefixes_on_device(top.values, slots, budget)
+    else:
+        values: list[list[list[float]]] = top.values.double().cpu().tolist()
+        shapes = [best_prefixes(values[b][: slots[b]], budget) if slots[b] else ([], [], []) for b in range(n)]
     flat = [b * most * k + i for b, (_, _, chosen) in enumerate(shapes) for i in chosen]
     tokens = top.indices.reshape(-1)[long_tensor(flat, device)]
     drafts: list[Draft] = []
@@ -96,6 +109,46 @@ def best_prefixes(values: list[list[float]], budget: int) -> tuple[list[int], li
         if depth + 1 < slots:
             heapq.heappush(heap, (neg - values[depth + 1][0], depth + 1, 0, node))
     return parents, depths, flat
+
+
+def best_prefixes_on_device(values: torch.Tensor, slots: list[int], budget: int
+                            ) -> list[tuple[list[int], list[int], list[int]]]:
+    """`best_prefixes` for every sequence of a batch's sorted top-k scores [n, L, k] (sequence b over its first
+    `slots[b]` slots), searched with tensors where the scores are, and read back once.
+
+    A beam per depth: the best `budget` prefixes of depth d are among the extensions of depth d-1's best `budget`
+    by depth d's top-k tokens (a prefix scores at most its parent, so a top prefix's parent is a top prefix). The
+    tree is then the best `budget` of all depths' beams, in descending score; the sort is stable over a depth-major
+    layout, so a child that ties its parent (a token of probability 1) still comes after it, as in the heap. Scores
+    are summed in float64, as on the host, so both searches order the same prefixes the same way."""
+    n, most, k = values.shape
+    device = values.device
+    scores = torch.full((n, most, budget), -math.inf, dtype=torch.float64, device=device)
+    parent = torch.zeros(n, most, budget, dtype=torch.long, device=device)
+    rank = torch.zeros(n, most, budget, dtype=torch.long, device=device)
+    depth_ok = torch.arange(most, device=device).unsqueeze(0) < torch.tensor(slots, device=device).unsqueeze(1)
+    first = min(k, budget)
+    scores[:, 0, :first] = values[:, 0, :first].double()
+    rank[:, 0, :first] = torch.arange(first, device=device)
+    for d in range(1, most):
+        extended = (scores[:, d - 1, :, None] + values[:, d, None, :].double()).reshape(n, budget * k)
+        best = torch.topk(extended, budget, dim=-1)
+        scores[:, d] = best.values
+        parent[:, d] = best.indices // k
+        rank[:, d] = best.indices % k
+    scores.masked_fill_(~depth_ok.unsqueeze(-1), -math.inf)
+    ordered, chosen = torch.sort(scores.view(n, most * budget), dim=-1, descending=True, stable=True)
+    ordered, chosen = ordered[:, :budget], chosen[:, :budget]
+    depth = chosen // budget
+    up = torch.where(depth > 0, (depth - 1) * budget + parent.view(n, -1).gather(1, chosen), -1)
+    position = torch.full((n, most * budget), -1, dtype=torch.long, device=device)
+    position.scatter_(1, chosen, torch.arange(budget, device=device).expand(n, budget))
+    parents = torch.where(up >= 0, position.gather(1, up.clamp(min=0)), -1)
+    table_index = depth * k + rank.view(n, -1).gather(1, chosen)
+    counts = (ordered > -math.inf).sum(dim=1, keepdim=True)
+    read = torch.cat([counts, parents, depth + 1, table_index], dim=1).tolist()
+    return [(row[1 : 1 + row[0]], row[1 + budget : 1 + budget + row[0]], row[1 + 2 * budget : 1 + 2 * budget + row[0]])
+            for row in read]
 
 
 def slot_log_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:

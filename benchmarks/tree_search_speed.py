@@ -1,0 +1,63 @@
+"""DDTree's search on the host heap against the tensor search on the device (`ddtree.build_trees`, `on_device`),
+per batch size and budget: milliseconds per batch of trees (top-k, search, read back, token gather), and whether
+both gave the same trees. Sets `ddtree.DEVICE_SEARCH_NODES`, the batch x budget from which a GPU searches there.
+
+    python3 benchmarks/tree_search_speed.py --device cuda --slots 15 --vocab 49152
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from blockdraft.decoding.ddtree import DEVICE_SEARCH_NODES, build_trees
+
+
+def seconds(run, device: torch.device, repeats: int) -> float:  # noqa: ANN001
+    run()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        run()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) / repeats
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--slots", type=int, default=15, help="Drafted positions L (block size - 1).")
+    parser.add_argument("--vocab", type=int, default=49152)
+    parser.add_argument("--batches", default="1,4,16,64")
+    parser.add_argument("--budgets", default="16,32,64,256")
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    table = Table(title=f"DDTree search, {args.slots} slots, vocabulary {args.vocab} on {device} "
+                        f"(DEVICE_SEARCH_NODES = {DEVICE_SEARCH_NODES})")
+    for column in ("batch", "budget", "host heap ms", "device search ms", "device / host", "same trees"):
+        table.add_column(column, justify="right")
+    generator = torch.Generator(device=device).manual_seed(0)
+    for n in [int(b) for b in args.batches.split(",")]:
+        logits = 4 * torch.randn(n, args.slots, args.vocab, device=device, generator=generator)
+        log_probs = logits.log_softmax(-1)
+        slots = [args.slots] * n
+        for budget in [int(b) for b in args.budgets.split(",")]:
+            host = seconds(lambda: build_trees(log_probs, slots, budget, on_device=False), device, args.repeats)
+            on_device = seconds(lambda: build_trees(log_probs, slots, budget, on_device=True), device, args.repeats)
+            same = all(torch.equal(a.tokens, b.tokens) and a.parents == b.parents for a, b in zip(
+                build_trees(log_probs, slots, budget, on_device=False),
+                build_trees(log_probs, slots, budget, on_device=True)))
+            table.add_row(str(n), str(budget), f"{1000 * host:.3f}", f"{1000 * on_device:.3f}",
+                          f"{on_device / host:.2f}", "yes" if same else "NO")
+    Console(width=140).print(table)
+
+
+if __name__ == "__main__":
+    main()
