@@ -126,8 +126,69 @@ class InProcess:
         return tokens, time.perf_counter() - start
 
 
+class Pins:
+    """`--pin DECODE,CLIENT`: both decodes on one core (the in-process one in this thread, the server's engine
+    process, every thread of it) and the rest on another (the server's HTTP process, and this thread while it is a
+    client), so the paired ratio compares the same core's decodes: on the H200 the same decode moved by up to 15%
+    with the core it landed on (benchmarks/RESULTS.md, session 15)."""
+
+    def __init__(self, spec: str | None) -> None:
+        cores = [int(c) for c in spec.split(",")] if spec else []
+        if spec and (len(cores) != 2 or not all(c in os.sched_getaffinity(0) for c in cores)):
+            raise SystemExit(f"--pin {spec}: give two cores this process may use, DECODE,CLIENT "
+                             f"(it may use {sorted(os.sched_getaffinity(0))})")
+        self.cores = cores
+        self.before = os.sched_getaffinity(0)
+
+    def server(self, pid: int) -> None:
+        """Pin the server's HTTP process to CLIENT and its engine process (its child) to DECODE, every thread."""
+        if not self.cores:
+            return
+        decode, client = self.cores
+        for child in _children(pid):
+            _pin_threads(child, {decode})
+        _pin_threads(pid, {client})
+
+    def decoding(self) -> None:
+        if self.cores:
+            os.sched_setaffinity(0, {self.cores[0]})
+
+    def client(self) -> None:
+        if self.cores:
+            os.sched_setaffinity(0, {self.cores[1]})
+
+    def release(self, pid: int) -> None:
+        """Every core again, here and in the server (the load levels run unpinned)."""
+        if self.cores:
+            os.sched_setaffinity(0, self.before)
+            for process in [pid, *_children(pid)]:
+                _pin_threads(process, self.before)
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _pin_threads(pid: int, cores: set[int]) -> None:
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), cores)
+        except (ProcessLookupError, PermissionError):
+            continue
+
+
 def paired(local: InProcess, url: str, model: str, requests: int, prompts: list[list[dict]],
-           max_tokens: int) -> dict[str, Any]:
+           max_tokens: int, pins: Pins) -> dict[str, Any]:
     """Concurrency 1, each request run in-process and through the server, alternately and in ABBA order (request
     i in-process first for even i, the server first for odd i), so drift of the machine and whatever the first of
     two back-to-back runs pays hit both sides alike. The ratio is of the two sides' tokens per second; the median
@@ -139,17 +200,22 @@ def paired(local: InProcess, url: str, model: str, requests: int, prompts: list[
         for index in range(requests):
             messages = prompts[index % len(prompts)]
 
+            def in_process() -> tuple[int, float]:
+                pins.decoding()
+                return local.run(messages)
+
             def through_server() -> tuple[RequestRecord, float]:
+                pins.client()
                 start = time.perf_counter()
                 record = one_request(client, url, model, messages, max_tokens)
                 return record, time.perf_counter() - start
 
             if index % 2 == 0:
-                tokens, seconds = local.run(messages)
+                tokens, seconds = in_process()
                 record, elapsed = through_server()
             else:
                 record, elapsed = through_server()
-                tokens, seconds = local.run(messages)
+                tokens, seconds = in_process()
             local_tokens, local_s = local_tokens + tokens, local_s + seconds
             server_s += elapsed
             server_tokens += record.tokens
@@ -326,6 +392,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", default=None, help="The server's continuous batch (default: its own, 1).")
     parser.add_argument("--schedule", default="auto",
                         help="The schedule method's server --schedule FILE|auto (with --max-num-seqs).")
+    parser.add_argument("--pin", default=None, help="DECODE,CLIENT cores for the paired c=1 runs (class Pins).")
     parser.add_argument("--json-out", type=Path, default=None)
     args = parser.parse_args()
     args.concurrency_levels = [int(c) for c in args.concurrency.split(",")]
@@ -338,6 +405,7 @@ def main() -> None:
     ratios: list[dict[str, Any]] = []
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     servers: dict[str, Server] = {}
+    pins = Pins(args.pin)
     try:
         for method in methods:  # every server up first: the levels then rotate between them
             console.print(f"# {method}: loading in-process ...")
@@ -346,7 +414,10 @@ def main() -> None:
             console.print(f"# {method}: starting the server ...")
             servers[method] = server = Server(args, method, local.budget, local.draft_tokens)
             assert server.url is not None
-            pair = paired(local, server.url, args.target, args.paired or args.requests, prompts, args.max_tokens)
+            pins.server(server.proc.pid)
+            pair = paired(local, server.url, args.target, args.paired or args.requests, prompts, args.max_tokens,
+                          pins)
+            pins.release(server.proc.pid)
             ratios.append(dict(method=method, **pair))
             console.print(f"# {method} paired c=1: in-process {pair['in_process_tokens_per_s']:.1f} tok/s, server "
                           f"{pair['server_c1_tokens_per_s']:.1f} tok/s, ratio {pair['ratio']:.3f}")

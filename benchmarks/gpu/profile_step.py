@@ -22,7 +22,8 @@ from gpu_speed import build_synthetic  # noqa: E402  (the benchmark's own target
 from blockdraft.models.fast_target import FastTarget  # noqa: E402
 
 STEPS = 5
-CONFIGS = {"plain": dict(compiled=False), "compiled": dict(compiled=True)}
+CONFIGS = {"plain": dict(compiled=False), "compiled": dict(compiled=True),
+           "compiled-kernels": dict(compiled=True, kernels=True)}
 
 
 def profile(target: FastTarget, rows: int, context: int, label: str) -> None:

@@ -138,7 +138,7 @@ def run_batch(target: FastTarget, kv: torch.Tensor, lengths: torch.Tensor, ids: 
 
     def step(i: int, layer: LayerWeights, x: torch.Tensor, h: torch.Tensor,
              following: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        q = ops.batched_qkv_heads(F.linear(h, layer.qkv, layer.qkv_bias), layer.q_norm, layer.k_norm, cos, sin,
+        q = ops.batched_qkv_heads(ops.linear(h, layer.qkv, layer.qkv_bias), layer.q_norm, layer.k_norm, cos, sin,
                                   target.heads, target.kv_heads, target.eps, kv[i, 0], kv[i, 1], seq, cols)
         keys, values = kv[i, 0, first : first + batch, :, :cap], kv[i, 1, first : first + batch, :, :cap]
         out = attend(ops, layer, q, keys, values, biases[layer.window], t)

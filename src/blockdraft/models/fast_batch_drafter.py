@@ -212,7 +212,7 @@ class BatchDrafter:
         h = ops.rms_norm(x, self.layers[0].norm_in, self.eps)
         for i, (layer, rule) in enumerate(zip(self.layers, self.rules)):
             following = self.layers[i + 1].norm_in if i + 1 < len(self.layers) else self.final_norm
-            q = ops.batched_qkv_heads(F.linear(h, layer.qkv, layer.qkv_bias), layer.q_norm, layer.k_norm, cos, sin,
+            q = ops.batched_qkv_heads(ops.linear(h, layer.qkv, layer.qkv_bias), layer.q_norm, layer.k_norm, cos, sin,
                                       self.heads, self.kv_heads, self.eps, kv[i, 0], kv[i, 1], seq, cols)
             out = attend(ops, layer, q, kv[i, 0, :n, :, :cap], kv[i, 1, :n, :, :cap], biases[rule], t)
             x, h = layer_tail(ops, layer, x, ops.merge_heads(out, self.heads, t), following, self.eps, self.act)

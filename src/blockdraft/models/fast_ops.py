@@ -14,6 +14,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from blockdraft.models.skinny_gemm import skinny_linear
+
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "swish": F.silu,
@@ -189,11 +191,14 @@ class _CompiledOrPlain:
 
 
 class LayerOps:
-    """The fusion units a FastTarget forward calls; compiled on request."""
+    """The fusion units a FastTarget forward calls; compiled on request; the weight products from the few-row
+    Triton kernel on request (`skinny_gemm`, `kernels`), else F.linear."""
 
-    def __init__(self, compiled: bool) -> None:
+    def __init__(self, compiled: bool, kernels: bool = False) -> None:
         wrap: Callable[[Callable[..., object]], Callable[..., object]] = _CompiledOrPlain if compiled else (lambda f: f)
         self.compiled = compiled
+        self.kernels = kernels
+        self.linear: Callable[..., torch.Tensor] = skinny_linear if kernels else F.linear
         self.rms_norm = wrap(rms_norm)
         self.add_rms_norm = wrap(add_rms_norm)
         self.qkv_heads = wrap(qkv_heads)

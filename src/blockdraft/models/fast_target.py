@@ -136,7 +136,7 @@ def layer_step(
     `kv` ([2, kv_heads, slots, d]), attention over its first `cap` slots under `bias`; returns the residual stream
     and its `next_norm`-ed copy, the next layer's input."""
     t = h.shape[1]
-    q = ops.qkv_heads(F.linear(h, layer.qkv, layer.qkv_bias), layer.q_norm, layer.k_norm, cos, sin,
+    q = ops.qkv_heads(ops.linear(h, layer.qkv, layer.qkv_bias), layer.q_norm, layer.k_norm, cos, sin,
                       heads, kv_heads, eps, kv[0], kv[1], slots)
     out = attend(ops, layer, q, kv[0, :, :cap].unsqueeze(0), kv[1, :, :cap].unsqueeze(0), bias, t)
     return layer_tail(ops, layer, x, ops.merge_heads(out, heads, t), next_norm, eps, act)
@@ -153,8 +153,9 @@ def attend(ops: LayerOps, layer: LayerWeights, q: torch.Tensor, keys: torch.Tens
 def layer_tail(ops: LayerOps, layer: LayerWeights, x: torch.Tensor, attended: torch.Tensor, next_norm: torch.Tensor,
                eps: float, act: str) -> tuple[torch.Tensor, torch.Tensor]:
     """After attention (heads merged): o_proj, residual and norm, the gated MLP, residual and the next norm."""
-    x, h = ops.add_rms_norm(x, layer.o_proj(attended), layer.norm_post, eps)
-    delta = layer.down(ops.glu(F.linear(h, layer.gate_up, layer.gate_up_bias), act))
+    x, h = ops.add_rms_norm(x, ops.linear(attended, layer.o_proj.weight, layer.o_proj.bias), layer.norm_post, eps)
+    delta = ops.glu(ops.linear(h, layer.gate_up, layer.gate_up_bias), act)
+    delta = ops.linear(delta, layer.down.weight, layer.down.bias)
     return ops.add_rms_norm(x, delta, next_norm, eps)
 
 
@@ -178,6 +179,7 @@ class FastTarget(Target):
         cache_slots: int | None = None,
         graphs: bool | None = None,
         compiled: bool | None = None,
+        kernels: bool = False,
     ) -> None:
         problem = fast_engine_problem(model)
         if problem is not None:
@@ -187,7 +189,7 @@ class FastTarget(Target):
         decoder = model.get_decoder()
         cuda = self.device.type == "cuda"
         self.use_graphs = cuda if graphs is None else graphs and cuda
-        self.ops = LayerOps(cuda if compiled is None else compiled)
+        self.ops = LayerOps(cuda if compiled is None else compiled, kernels)
         self.eps: float = text.rms_norm_eps
         self.act: str = getattr(text, "hidden_act", "silu")
         self.heads: int = text.num_attention_heads
