@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# What was built since the last GPU run, checked and timed on the GPU machine (no GGUF needed). From the repo root,
+# carrying .gpu/p3 and .gpu/p4 (pytest's wheels):
+#   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh correctness   # ~4 min
+#   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh speed         # ~7 min
+# Each step writes $OUT/<step>.log as it runs and has its own time limit, so a call cut short still returns every
+# step that finished (session 16 lost a 9-minute call whose output only went to stdout).
+set -u
+OUT=${OUT:-/tmp/bd/out}
+mkdir -p "$OUT"
+NOISE="warn|softmax|inductor|important use|split the reduction"
+
+step() {
+  local name=$1 limit=$2
+  shift 2
+  echo "## $name: $*"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "## $name: exit $?"
+  grep -v -i -E "$NOISE" "$OUT/$name.log" | tail -n 40
+}
+
+case "${1:-}" in
+  correctness)
+    step kernel_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_skinny_gemm.py
+    step batch_graphs 200 python3 benchmarks/gpu/check_batch_graphs.py
+    step tree_search 150 python3 benchmarks/tree_search_speed.py --device cuda --slots 15 --vocab 49152
+    ;;
+  speed)
+    step gpu_speed 330 python3 benchmarks/gpu_speed.py --engines fast,fast-kernels --budgets 32,64,256 \
+      --json "$OUT/speed.json"
+    step profile 200 python3 benchmarks/gpu/profile_step.py --rows 1,16 --configs compiled,compiled-kernels
+    ;;
+  *)
+    echo "usage: bash benchmarks/gpu/unmeasured.sh correctness|speed" >&2
+    exit 2
+    ;;
+esac
