@@ -1,7 +1,7 @@
 """The speculation schedule corrected by the server's own steps.
 
 A tuned table (`blockdraft tune`, `--schedule auto`) predicts each method's tokens/s from step costs timed apart
-from serving; on the H200 it picked AR at batch 64 where the server's own DFlash steps were 1.3x faster, and two
+from serving; on the H200 it picked AR at batch 64 where serving DFlash was 1.3x faster, and two
 start-up tunes of the same pair disagreed at batch 16 (benchmarks/RESULTS.md, session 16). So the server measures:
 for each batch-size bucket (1, 2, 3-4, 5-8, ...), it runs every candidate of the table in turn for a few steps
 (a phase: short runs, alternating, so that all of them see the same requests and the same text), compares the
@@ -10,8 +10,8 @@ the candidates and decides before the first phase ends.
 
 Measured, not modelled: a step's seconds include the drafter, the tree builds, the verify and every sequence's commit
 (the streaming hook included), which is what the served tokens/s is made of. The first step of each run is not
-counted (it carries the previous run's queued device work), nor is a step far slower than its run's others (a graph
-captured on a new context length).
+counted (it carries the previous run's queued device work), nor is a step far slower than the same candidate's
+others in the phase (a graph captured on a new context length).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ RUN_STEPS = 8  # steps of one candidate in a row during a phase (the first not c
 PHASE_ROUNDS = 6  # runs of every candidate per phase
 PHASE_EVERY = 1024  # steps of a bucket from one phase's start to the next's
 KEEP_MARGIN = 0.02  # a new choice must beat the current one by this fraction (no flapping on noise)
-SLOW_STEP = 4.0  # a step slower than this many times its run's median is not counted
+SLOW_STEP = 4.0  # a step slower than this many times its candidate's median in the phase is not counted
 
 
 def bucket_of(batch: int) -> int:
