@@ -21,7 +21,7 @@ step() {
 
 case "${1:-}" in
   correctness)
-    step kernel_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_skinny_gemm.py
+    step kernel_tests 150 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py
     step batch_graphs 200 python3 benchmarks/gpu/check_batch_graphs.py
     step tree_search 150 python3 benchmarks/tree_search_speed.py --device cuda --slots 15 --vocab 49152
     ;;

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from blockdraft.models.flash_decode import fits, flash_decode
 from blockdraft.models.skinny_gemm import skinny_linear
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -172,6 +173,15 @@ def decode_attention(
     return torch.matmul(scores.softmax(-1).to(v.dtype), v)
 
 
+def kernel_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """`decode_attention` from the flash-decoding kernels where they run (`flash_decode`), else the reference."""
+    if fits(q, k, v, bias):
+        return flash_decode(q, k, v, bias, scale)
+    return decode_attention(q, k, v, bias, scale)
+
+
 class _CompiledOrPlain:
     """torch.compile(fn), falling back to fn for good after the first failure (with one warning)."""
 
@@ -191,8 +201,8 @@ class _CompiledOrPlain:
 
 
 class LayerOps:
-    """The fusion units a FastTarget forward calls; compiled on request; the weight products from the few-row
-    Triton kernel on request (`skinny_gemm`, `kernels`), else F.linear."""
+    """The fusion units a FastTarget forward calls; compiled on request; with `kernels`, the weight products and the
+    few-row attention from Triton kernels (`skinny_gemm`, `flash_decode`) where they run."""
 
     def __init__(self, compiled: bool, kernels: bool = False) -> None:
         wrap: Callable[[Callable[..., object]], Callable[..., object]] = _CompiledOrPlain if compiled else (lambda f: f)
@@ -206,4 +216,4 @@ class LayerOps:
         self.merge_heads = wrap(merge_heads)
         self.glu = wrap(glu)
         self.attention_bias = wrap(attention_bias)
-        self.decode_attention = wrap(decode_attention)
+        self.decode_attention = kernel_attention if kernels else wrap(decode_attention)

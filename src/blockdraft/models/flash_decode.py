@@ -1,0 +1,135 @@
+"""Attention for a few query rows (decode, chain verify, small trees) as two Triton kernels instead of three
+library calls: the keys split across programs (flash-decoding), each split's softmax kept online, then one combine.
+
+`fast_ops.decode_attention` (Q.K^T, a float32 softmax with the additive mask, P.V) cost ~11 us a layer on the H200
+at batch 1 over 1K keys, 0.41 ms of a 5 ms 8B step, for ~2 MB of K/V a layer (benchmarks/RESULTS.md, 2026-11-30
+session 4): launches, not reads. Here one program per (sequence, KV head, block of 16 query rows, split of the keys)
+streams its keys once for all the query heads folded into its rows (GQA), and a second kernel merges the splits.
+Scores stay in float32 from the dot to the softmax (the reference rounds them to the input dtype first), so results
+agree to the input dtype's rounding, not bit for bit. `fast_ops.decode_attention` stays the reference and the path
+wherever the kernels do not run (`fits`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from blockdraft.models.skinny_gemm import kernel_available, triton
+
+BLOCK_ROWS = 16  # query rows per program (tl.dot's smallest tile)
+BLOCK_KEYS = 64  # keys per inner step
+TARGET_PROGRAMS = 512  # enough programs in flight for an H200's 132 SMs; fewer splits when the batch gives them
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _split_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, acc_ptr, m_ptr, l_ptr,
+                      R, S, D, heads, keys_per_split, scale,
+                      sq_b, sq_h, sq_r, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sbias_b, sbias_r,
+                      F32_DOT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+        bh, rblock, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        b, h = bh // heads, bh % heads
+        rows = rblock * BLOCK_R + tl.arange(0, BLOCK_R)
+        dims = tl.arange(0, BLOCK_D)
+        q = tl.load(q_ptr + b * sq_b + h * sq_h + rows[:, None] * sq_r + dims[None, :],
+                    mask=(rows[:, None] < R) & (dims[None, :] < D), other=0.0)
+        if F32_DOT:
+            q = q.to(tl.float32)
+        m = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
+        l = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
+        first = split * keys_per_split
+        last = tl.minimum(first + keys_per_split, S)
+        for start in range(first, last, BLOCK_S):
+            keys = start + tl.arange(0, BLOCK_S)
+            inside = keys < last
+            k = tl.load(k_ptr + b * sk_b + h * sk_h + keys[:, None] * sk_s + dims[None, :],
+                        mask=inside[:, None] & (dims[None, :] < D), other=0.0)
+            v = tl.load(v_ptr + b * sv_b + h * sv_h + keys[:, None] * sv_s + dims[None, :],
+                        mask=inside[:, None] & (dims[None, :] < D), other=0.0)
+            if F32_DOT:
+                scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                scores = tl.dot(q, tl.trans(k))
+            bias = tl.load(bias_ptr + b * sbias_b + rows[:, None] * sbias_r + keys[None, :],
+                           mask=(rows[:, None] < R) & inside[None, :], other=float("-inf")).to(tl.float32)
+            scores = scores * scale + bias
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(scores - shift[:, None])
+            keep = tl.exp(m - shift)
+            l = l * keep + tl.sum(p, axis=1)
+            if F32_DOT:
+                acc = acc * keep[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * keep[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        row_index = (bh * tl.num_programs(2) + split) * R + rows
+        tl.store(m_ptr + row_index, m, mask=rows < R)
+        tl.store(l_ptr + row_index, l, mask=rows < R)
+        tl.store(acc_ptr + row_index[:, None] * BLOCK_D + dims[None, :], acc, mask=(rows[:, None] < R))
+
+    @triton.jit
+    def _combine_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, R, D, heads, splits, so_b, so_h, so_r,
+                        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        bh, rblock = tl.program_id(0), tl.program_id(1)
+        b, h = bh // heads, bh % heads
+        rows = rblock * BLOCK_R + tl.arange(0, BLOCK_R)
+        dims = tl.arange(0, BLOCK_D)
+        top = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
+        for split in range(0, splits):
+            top = tl.maximum(top, tl.load(m_ptr + (bh * splits + split) * R + rows, mask=rows < R,
+                                          other=float("-inf")))
+        top = tl.where(top == float("-inf"), 0.0, top)  # padding rows: every split empty
+        total = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
+        for split in range(0, splits):
+            index = (bh * splits + split) * R + rows
+            m = tl.load(m_ptr + index, mask=rows < R, other=float("-inf"))
+            weight = tl.exp(m - top)  # 0 for a split that saw no visible key (m = -inf)
+            total += weight * tl.load(l_ptr + index, mask=rows < R, other=0.0)
+            acc += weight[:, None] * tl.load(acc_ptr + index[:, None] * BLOCK_D + dims[None, :],
+                                             mask=rows[:, None] < R, other=0.0)
+        out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+        tl.store(out_ptr + b * so_b + h * so_h + rows[:, None] * so_r + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < R) & (dims[None, :] < D))
+
+
+def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> bool:
+    """Whether `flash_decode` runs these: the kernels available, one half or float32 dtype, unit last strides, a
+    [B or 1, 1, R, S] bias, no autograd."""
+    rows, keys = q.shape[2], k.shape[2]
+    return (kernel_available(q.device) and q.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and k.dtype == q.dtype == v.dtype and tuple(bias.shape[-2:]) == (rows, keys) and bias.shape[1] == 1
+            and bias.shape[0] in (1, q.shape[0]) and min(q.stride(-1), k.stride(-1), v.stride(-1), bias.stride(-1)) == 1
+            and not torch.is_grad_enabled())
+
+
+def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
+                 ) -> torch.Tensor:
+    """`fast_ops.decode_attention(q, k, v, bias, scale)` from the kernels (the caller checked `fits`): q [B, G, R, d]
+    (query heads folded into rows), keys and values [B, G, S, d] (views of the cache are fine), bias [B or 1, 1, R,
+    S] additive (0 visible, -inf hidden)."""
+    batch, heads, rows, dim = q.shape
+    keys = k.shape[2]
+    block_d = max(16, 1 << (dim - 1).bit_length())
+    row_blocks = triton.cdiv(rows, BLOCK_ROWS)
+    most = triton.cdiv(keys, BLOCK_KEYS)
+    splits = max(1, min(most, TARGET_PROGRAMS // max(batch * heads * row_blocks, 1)))
+    keys_per_split = triton.cdiv(most, splits) * BLOCK_KEYS
+    splits = triton.cdiv(keys, keys_per_split)
+    partial = torch.empty(batch * heads * splits * rows, block_d, dtype=torch.float32, device=q.device)
+    m = torch.empty(batch * heads * splits * rows, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    f32 = q.dtype == torch.float32 or not q.is_cuda  # the interpreter's half-precision dot is wrong
+    _split_kernel[(batch * heads, row_blocks, splits)](
+        q, k, v, bias, partial, m, l, rows, keys, dim, heads, keys_per_split, scale,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+        v.stride(2), bias.stride(0) if bias.shape[0] > 1 else 0, bias.stride(2),
+        F32_DOT=f32, BLOCK_R=BLOCK_ROWS, BLOCK_S=BLOCK_KEYS, BLOCK_D=block_d)
+    out = torch.empty(batch, heads, rows, dim, dtype=q.dtype, device=q.device)
+    _combine_kernel[(batch * heads, row_blocks)](
+        partial, m, l, out, rows, dim, heads, splits, out.stride(0), out.stride(1), out.stride(2),
+        BLOCK_R=BLOCK_ROWS, BLOCK_D=block_d)
+    return out

@@ -1,0 +1,156 @@
+"""The fast engine's Triton kernels against their PyTorch references: the few-row GEMM (models/skinny_gemm.py)
+against F.linear, the flash-decoding attention (models/flash_decode.py) against fast_ops.decode_attention.
+
+The kernels run on a GPU, or on a CPU under Triton's interpreter (`TRITON_INTERPRET=1` with Triton installed:
+`pip install triton`); those tests skip elsewhere, as in CI. Run them on the GPU machine with
+`python3 -m pytest tests/test_kernels.py` (benchmarks/gpu/unmeasured.sh; benchmarks/RESULTS.md records the run).
+What runs everywhere: the fallbacks are the references exactly, and a fast target built with kernels on gives the
+same ids as one without.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from blockdraft.decoding.generate import generate
+from blockdraft.models.fast_ops import attention_bias, decode_attention, kernel_attention
+from blockdraft.models.fast_target import FastTarget
+from blockdraft.models.flash_decode import fits
+from blockdraft.models.skinny_gemm import MAX_ROWS, kernel_available, skinny_linear
+
+from conftest import make_target_model
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+needs_kernel = pytest.mark.skipif(not kernel_available(DEVICE),
+                                  reason="the kernel needs a GPU, or TRITON_INTERPRET=1 with Triton installed")
+SHAPES = [(1, 48, 64), (3, 40, 70), (16, 64, 128), (17, 33, 200), (64, 96, 48)]
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows, n, k", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_kernel_is_f_linear(rows: int, n: int, k: int, dtype: torch.dtype, bias: bool) -> None:
+    generator = torch.Generator().manual_seed(rows * 1000 + n + k)
+    x = torch.randn(rows, k, generator=generator).to(DEVICE, dtype)
+    w = torch.randn(n, k, generator=generator).to(DEVICE, dtype)
+    b = torch.randn(n, generator=generator).to(DEVICE, dtype) if bias else None
+    with torch.inference_mode():
+        got = skinny_linear(x, w, b)
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert got.dtype == dtype and got.shape == (rows, n)
+    scale = want.abs().max().item()
+    assert (got.double() - want).abs().max().item() <= TOLERANCE[dtype] * scale
+
+
+@needs_kernel
+def test_the_kernel_takes_leading_dims_and_a_weight_slice() -> None:
+    """[batch, rows, K] inputs and a row slice of a packed weight (the drafter's k|v part of q|k|v)."""
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(4, 3, 64, generator=generator).to(DEVICE)
+    packed = torch.randn(96, 64, generator=generator).to(DEVICE)
+    with torch.inference_mode():
+        got = skinny_linear(x, packed[32:])
+    torch.testing.assert_close(got, F.linear(x, packed[32:]), rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+def test_a_target_on_kernels_decodes_the_same_ids_in_float32() -> None:
+    model = make_target_model("qwen3").to(DEVICE)
+    plain, kernels = FastTarget(model), FastTarget(model, kernels=True)
+    assert kernels.ops.linear is skinny_linear
+    ids = [5, 17, 2, 40, 33]
+    assert generate(kernels, ids, None, 12).token_ids == generate(plain, ids, None, 12).token_ids
+
+
+def test_where_the_kernel_does_not_apply_it_is_f_linear_exactly() -> None:
+    """More rows than MAX_ROWS, a dtype mismatch, gradients on, or no kernel at all: F.linear's own result."""
+    generator = torch.Generator().manual_seed(2)
+    w = torch.randn(24, 32, generator=generator)
+    cases = [torch.randn(MAX_ROWS + 1, 32, generator=generator), torch.randn(2, 32, generator=generator).double()]
+    with torch.inference_mode():
+        assert torch.equal(skinny_linear(cases[0], w), F.linear(cases[0], w))
+        assert torch.equal(skinny_linear(cases[1], w.double()[:, :], None), F.linear(cases[1], w.double()))
+    x = torch.randn(2, 32, generator=generator, requires_grad=True)
+    out = skinny_linear(x, w)
+    assert out.requires_grad and torch.equal(out, F.linear(x, w))
+    if not kernel_available(torch.device("cpu")):
+        with torch.inference_mode():
+            assert torch.equal(skinny_linear(x.detach(), w), F.linear(x.detach(), w))
+
+
+def test_a_target_built_with_kernels_decodes_what_one_without_does() -> None:
+    """On a CPU without the interpreter the kernel path is F.linear; with it, float32 products agree to ~1e-6: the
+    greedy ids match either way on the tiny target."""
+    model = make_target_model("qwen3")
+    ids = [3, 9, 27, 4]
+    assert (generate(FastTarget(model, kernels=True), ids, None, 10).token_ids
+            == generate(FastTarget(model), ids, None, 10).token_ids)
+
+
+def random_attention(batch: int, heads: int, rows: int, keys: int, dim: int, dtype: torch.dtype, seed: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [B, G, R, d] and keys/values [B, G, S, d] as views into a longer cache (the engine's layout)."""
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, rows, dim, generator=generator).to(DEVICE, dtype)
+    cache = torch.randn(2, batch, heads, keys + 9, dim, generator=generator).to(DEVICE, dtype)
+    return q, cache[0, :, :, :keys], cache[1, :, :, :keys]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch, heads, rows, keys, dim, per_sequence", [
+    (1, 8, 4, 1024, 128, False), (1, 2, 1, 7, 64, False), (3, 2, 20, 300, 32, True), (2, 1, 64, 130, 80, True),
+    (64, 3, 12, 257, 64, True)])
+def test_flash_decoding_is_decode_attention(batch: int, heads: int, rows: int, keys: int, dim: int,
+                                            per_sequence: bool, dtype: torch.dtype) -> None:
+    """Random visibility (every row sees its first key), one mask for the batch or one per sequence."""
+    q, k, v = random_attention(batch, heads, rows, keys, dim, dtype, seed=batch * rows + keys)
+    visible = torch.rand(batch if per_sequence else 1, 1, rows, keys, generator=torch.Generator().manual_seed(7)) < 0.5
+    visible[..., 0] = True
+    bias = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, float("-inf")).to(DEVICE)
+    with torch.inference_mode():
+        assert fits(q, k, v, bias)
+        got = kernel_attention(q, k, v, bias, dim**-0.5)
+        want = decode_attention(q.double(), k.double(), v.double(), bias.double(), dim**-0.5)
+    assert got.dtype == dtype and got.shape == q.shape
+    assert (got.double() - want).abs().max().item() <= TOLERANCE[dtype] * 4
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [None, 5])
+def test_flash_decoding_under_the_engines_tree_and_window_masks(window: int | None) -> None:
+    """The engine's own mask (`attention_bias`): 40 committed keys, then a 9-node tree's rows (ancestors only), GQA
+    groups folded into rows, with and without a sliding window."""
+    parents = [-1, 0, 0, 1, 1, 2, 3, 3, 6]
+    t, length, groups, dim = len(parents), 40, 3, 64
+    own = torch.eye(t, dtype=torch.bool)
+    depth = [0] * t
+    for node, parent in enumerate(parents):
+        if parent >= 0:
+            own[node] |= own[parent]
+            depth[node] = depth[parent] + 1
+    positions = length + torch.tensor(depth)
+    cap = length + t + 7
+    bias = attention_bias(torch.tensor(length), torch.arange(cap), positions, own, window, groups, torch.float32)
+    q, k, v = random_attention(1, 2, groups * t, cap, dim, torch.float32, seed=11)
+    with torch.inference_mode():
+        got = kernel_attention(q, k, v, bias.to(DEVICE), dim**-0.5)
+        want = decode_attention(q, k, v, bias.to(DEVICE), dim**-0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_where_flash_decoding_does_not_run_it_is_decode_attention_exactly() -> None:
+    q, k, v = random_attention(1, 2, 4, 50, 32, torch.float32, seed=3)
+    bias = torch.zeros(1, 1, 4, 50)
+    with torch.inference_mode():
+        wrong_shape = torch.zeros(1, 1, 4, 49)
+        assert not fits(q, k, v, wrong_shape)
+        assert not fits(q.double(), k.double(), v.double(), bias.double())
+        assert torch.equal(kernel_attention(q.double(), k.double(), v.double(), bias.double(), 0.2),
+                           decode_attention(q.double(), k.double(), v.double(), bias.double(), 0.2))
+        if not kernel_available(q.device):
+            assert torch.equal(kernel_attention(q, k, v, bias, 0.2), decode_attention(q, k, v, bias, 0.2))
