@@ -114,7 +114,7 @@ def test_flash_decoding_is_decode_attention(batch: int, heads: int, rows: int, k
     bias = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, float("-inf")).to(DEVICE)
     with torch.inference_mode():
         assert fits(q, k, v, bias)
-        got = kernel_attention(q, k, v, bias, dim**-0.5)
+        got = kernel_attention(decode_attention, q, k, v, bias, dim**-0.5)
         want = decode_attention(q.double(), k.double(), v.double(), bias.double(), dim**-0.5)
     assert got.dtype == dtype and got.shape == q.shape
     assert (got.double() - want).abs().max().item() <= TOLERANCE[dtype] * 4
@@ -138,7 +138,7 @@ def test_flash_decoding_under_the_engines_tree_and_window_masks(window: int | No
     bias = attention_bias(torch.tensor(length), torch.arange(cap), positions, own, window, groups, torch.float32)
     q, k, v = random_attention(1, 2, groups * t, cap, dim, torch.float32, seed=11)
     with torch.inference_mode():
-        got = kernel_attention(q, k, v, bias.to(DEVICE), dim**-0.5)
+        got = kernel_attention(decode_attention, q, k, v, bias.to(DEVICE), dim**-0.5)
         want = decode_attention(q, k, v, bias.to(DEVICE), dim**-0.5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -150,7 +150,37 @@ def test_where_flash_decoding_does_not_run_it_is_decode_attention_exactly() -> N
         wrong_shape = torch.zeros(1, 1, 4, 49)
         assert not fits(q, k, v, wrong_shape)
         assert not fits(q.double(), k.double(), v.double(), bias.double())
-        assert torch.equal(kernel_attention(q.double(), k.double(), v.double(), bias.double(), 0.2),
-                           decode_attention(q.double(), k.double(), v.double(), bias.double(), 0.2))
+        wide = [t.double() for t in (q, k, v, bias)]
+        assert torch.equal(kernel_attention(decode_attention, *wide, 0.2), decode_attention(*wide, 0.2))
         if not kernel_available(q.device):
-            assert torch.equal(kernel_attention(q, k, v, bias, 0.2), decode_attention(q, k, v, bias, 0.2))
+            assert torch.equal(kernel_attention(decode_attention, q, k, v, bias, 0.2),
+                               decode_attention(q, k, v, bias, 0.2))
+
+
+def test_a_kernel_runs_a_shape_only_where_it_was_timed_faster(monkeypatch) -> None:
+    """`kernel_choice.kernel_wins` on a GPU: both sides timed once per shape, the faster kept and never timed again;
+    while a CUDA graph is being captured an untimed shape keeps the library call. (Timings are faked: no GPU here.)"""
+    from blockdraft.models import kernel_choice
+
+    timed: list[str] = []
+    speeds = {"kernel": 1.0, "library": 2.0}
+
+    def fake_milliseconds(run) -> float:  # noqa: ANN001
+        name = run()
+        timed.append(name)
+        return speeds[name]
+
+    monkeypatch.setattr(kernel_choice, "_milliseconds", fake_milliseconds)
+    monkeypatch.setattr(kernel_choice, "_WINS", {})
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    gpu = torch.device("cuda")
+    assert kernel_choice.kernel_wins("linear", (64, 32), gpu, lambda: "kernel", lambda: "library")
+    speeds["kernel"] = 3.0
+    assert kernel_choice.kernel_wins("linear", (64, 32), gpu, lambda: "kernel", lambda: "library")  # kept
+    assert not kernel_choice.kernel_wins("linear", (128, 32), gpu, lambda: "kernel", lambda: "library")
+    assert timed == ["kernel", "library", "kernel", "library"]
+    assert kernel_choice.choices() == {"linear (64, 32)": "kernel", "linear (128, 32)": "library"}
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not kernel_choice.kernel_wins("attention", (1,), gpu, lambda: "kernel", lambda: "library")
+    assert "attention (1,)" not in kernel_choice.choices() and len(timed) == 4
+    assert kernel_choice.kernel_wins("attention", (1,), torch.device("cpu"), lambda: "kernel", lambda: "library")

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_speed import build_synthetic  # noqa: E402  (the benchmark's own target, so the numbers line up)
 
 from blockdraft.models.fast_target import FastTarget  # noqa: E402
-from blockdraft.models.skinny_gemm import choices  # noqa: E402
+from blockdraft.models.kernel_choice import choices  # noqa: E402
 
 STEPS = 5
 CONFIGS = {"plain": dict(compiled=False), "compiled": dict(compiled=True),
@@ -75,7 +75,7 @@ def main() -> None:
         for rows in map(int, args.rows.split(",")):
             profile(target, rows, args.context, f"fast engine, {config} ops, eager")
         if target.ops.kernels:
-            print("GEMM shapes, kernel or F.linear (timed on first use):", flush=True)
+            print("shapes, kernel or library call (timed on first use):", flush=True)
             for shape, runs_on in choices().items():
                 print(f"  {shape}: {runs_on}", flush=True)
         del target

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from blockdraft.models.flash_decode import fits, flash_decode
+from blockdraft.models.kernel_choice import kernel_wins
 from blockdraft.models.skinny_gemm import skinny_linear
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -174,12 +176,18 @@ def decode_attention(
 
 
 def kernel_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
+    reference: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+    scale: float,
 ) -> torch.Tensor:
-    """`decode_attention` from the flash-decoding kernels where they run (`flash_decode`), else the reference."""
+    """`decode_attention` from the flash-decoding kernels where they run (`flash_decode`) and were timed faster at
+    this shape than `reference` (decode_attention as the engine runs it, compiled or not; `kernel_choice`: key
+    lengths by power of two), else `reference`."""
     if fits(q, k, v, bias):
-        return flash_decode(q, k, v, bias, scale)
-    return decode_attention(q, k, v, bias, scale)
+        shape = (*q.shape[:3], 1 << (k.shape[2] - 1).bit_length(), q.shape[3], q.dtype, bias.shape[0])
+        if kernel_wins("attention", shape, q.device, lambda: flash_decode(q, k, v, bias, scale),
+                       lambda: reference(q, k, v, bias, scale)):
+            return flash_decode(q, k, v, bias, scale)
+    return reference(q, k, v, bias, scale)
 
 
 class _CompiledOrPlain:
@@ -216,4 +224,5 @@ class LayerOps:
         self.merge_heads = wrap(merge_heads)
         self.glu = wrap(glu)
         self.attention_bias = wrap(attention_bias)
-        self.decode_attention = kernel_attention if kernels else wrap(decode_attention)
+        attention = wrap(decode_attention)
+        self.decode_attention = partial(kernel_attention, attention) if kernels else attention

@@ -13,10 +13,11 @@ CPU for the tests.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from blockdraft.models.kernel_choice import kernel_wins
 
 MAX_ROWS = 64  # more rows than this are compute, not weight reads: cuBLAS
 
@@ -74,47 +75,14 @@ def _fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> b
             and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous())))
 
 
-_KERNEL_WINS: dict[tuple[int, int, int, torch.dtype, bool], bool] = {}
-
-
-def choices() -> dict[str, str]:
-    """Which of kernel and F.linear each GEMM shape met so far runs on ("N x K, R rows, dtype" -> name)."""
-    return {f"{n} x {k}, {rows} rows, {str(dtype).removeprefix('torch.')}{', bias' if bias else ''}":
-            "kernel" if wins else "F.linear" for (n, k, rows, dtype, bias), wins in _KERNEL_WINS.items()}
-
-
-def _seconds(run: Callable[[], object], repeats: int = 20) -> float:
-    for _ in range(3):
-        run()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        run()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
-
-
-def _kernel_wins(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether the kernel is faster than F.linear at this shape on this GPU, timed once per shape (on the first
-    call, which a CUDA graph's warm-up makes before its capture; a shape first met while capturing keeps F.linear),
-    so turning kernels on never makes a product slower. Under the interpreter: always the kernel (tests)."""
-    if not x.is_cuda:
-        return True
-    rows = x.numel() // x.shape[-1]
-    key = (weight.shape[0], weight.shape[1], max(16, 1 << (rows - 1).bit_length()), x.dtype, bias is not None)
-    if key not in _KERNEL_WINS:
-        if torch.cuda.is_current_stream_capturing():
-            return False
-        _KERNEL_WINS[key] = (_seconds(lambda: _launch(x, weight, bias))
-                             < _seconds(lambda: F.linear(x, weight, bias)))
-    return _KERNEL_WINS[key]
-
-
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for inputs of at most MAX_ROWS rows, from the kernel where it runs and is faster
-    (float32 inputs multiply in full float32, not TF32, as F.linear does by default)."""
-    if not (_fits(x, weight, bias) and _kernel_wins(x, weight, bias)):
+    """`F.linear(x, weight, bias)` for inputs of at most MAX_ROWS rows, from the kernel where it runs and was timed
+    faster (`kernel_choice`; float32 inputs multiply in full float32, not TF32, as F.linear does by default)."""
+    if not _fits(x, weight, bias):
+        return F.linear(x, weight, bias)
+    rows = x.numel() // x.shape[-1]
+    shape = (weight.shape[0], weight.shape[1], max(16, 1 << (rows - 1).bit_length()), x.dtype, bias is not None)
+    if not kernel_wins("linear", shape, x.device, lambda: _launch(x, weight, bias), lambda: F.linear(x, weight, bias)):
         return F.linear(x, weight, bias)
     return _launch(x, weight, bias)
 

@@ -1,0 +1,46 @@
+"""Which of a Triton kernel and the library call it replaces runs a shape: timed once per shape on the GPU.
+
+A kernel is only worth its place where it is faster on the device at hand, and that depends on the shape (cuBLAS
+runs the largest decode GEMMs of an 8B model at 96% of copy bandwidth, the narrow ones at 73%; benchmarks/RESULTS.md,
+2026-11-30 session 4). So each kernel call site asks `kernel_wins` with a key naming the shape; the first time, both
+run a few times under CUDA events and the faster is kept, so turning kernels on never makes a step slower. The
+first call comes from a CUDA graph's warm-up, before its capture; a shape first met while capturing keeps the
+library call. Off a GPU (Triton's interpreter, the tests) the kernel always runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+
+import torch
+
+_WINS: dict[tuple[str, Hashable], bool] = {}
+
+
+def _milliseconds(run: Callable[[], object], repeats: int = 20) -> float:
+    for _ in range(3):
+        run()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def kernel_wins(kind: str, key: Hashable, device: torch.device, kernel: Callable[[], object],
+                library: Callable[[], object]) -> bool:
+    """Whether `kernel` runs this `kind` of call at shape `key` (timed against `library` the first time)."""
+    if device.type != "cuda":
+        return True
+    if (kind, key) not in _WINS:
+        if torch.cuda.is_current_stream_capturing():
+            return False
+        _WINS[(kind, key)] = _milliseconds(kernel) < _milliseconds(library)
+    return _WINS[(kind, key)]
+
+
+def choices() -> dict[str, str]:
+    """Every shape timed so far: "kind key" -> "kernel" or "library"."""
+    return {f"{kind} {key}": "kernel" if wins else "library" for (kind, key), wins in _WINS.items()}
