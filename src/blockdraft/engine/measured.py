@@ -24,7 +24,7 @@ from blockdraft.engine.schedule import Candidate, Schedule
 
 RUN_STEPS = 8  # steps of one candidate in a row during a phase (the first not counted)
 PHASE_ROUNDS = 6  # runs of every candidate per phase
-PHASE_EVERY = 1024  # steps of a bucket from one phase's start to the next's
+PHASE_EVERY = 4096  # steps of a bucket from one phase's start to the next's (~3.5% of steps in phases)
 KEEP_MARGIN = 0.02  # a new choice must beat the current one by this fraction (no flapping on noise)
 SLOW_STEP = 4.0  # a step slower than this many times its candidate's median in the phase is not counted
 
