@@ -12,9 +12,9 @@ from typing import Any
 
 from blockdraft.decoding.draft import Proposer
 from blockdraft.engine.batch import BatchDecoder, Request
-from blockdraft.engine.switching import SwitchingProposer
 from blockdraft.engine.measured import MeasuredSchedule
 from blockdraft.engine.schedule import Schedule
+from blockdraft.engine.switching import SwitchingProposer
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.target import Target
 from blockdraft.serve.errors import ApiError
@@ -51,18 +51,13 @@ class BatchedEngine:
         decoder.schedule = None
         try:
             for candidate in table.candidates if table is not None else [None]:
-                size = 1
-                while True:
+                for size in _bucket_sizes(decoder.max_seqs):
                     decoder.join_many([Request(prompt_ids, _WARMUP_TOKENS)] * size)
-                    for seq in decoder.running:
-                        if candidate is not None:
-                            assert isinstance(seq.proposer, SwitchingProposer)
-                            seq.proposer.use(candidate)
+                    for seq in decoder.running if candidate is not None else []:
+                        assert isinstance(seq.proposer, SwitchingProposer)
+                        seq.proposer.use(candidate)
                     while decoder.running:
                         decoder.step()
-                    if size >= decoder.max_seqs:
-                        break
-                    size = min(2 * size, decoder.max_seqs)
         finally:
             decoder.schedule = schedule
 
@@ -102,3 +97,11 @@ class BatchedEngine:
         old = self.decoder
         self.decoder = BatchDecoder(old.target, old.new_proposer, old.max_seqs, old.schedule)
         return jobs
+
+
+def _bucket_sizes(most: int) -> list[int]:
+    """1, 2, 4, ... up to `most` (which ends the list whether a power of two or not): the batch graphs' buckets."""
+    sizes = [1]
+    while sizes[-1] < most:
+        sizes.append(min(2 * sizes[-1], most))
+    return sizes
