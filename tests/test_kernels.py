@@ -184,3 +184,30 @@ def test_a_kernel_runs_a_shape_only_where_it_was_timed_faster(monkeypatch) -> No
     assert not kernel_choice.kernel_wins("attention", (1,), gpu, lambda: "kernel", lambda: "library")
     assert "attention (1,)" not in kernel_choice.choices() and len(timed) == 4
     assert kernel_choice.kernel_wins("attention", (1,), torch.device("cpu"), lambda: "kernel", lambda: "library")
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, n, k, bias", [(1, 48, 64, False), (5, 40, 96, True), (33, 64, 80, False)])
+def test_the_fused_add_norm_product_is_the_engines_composition(rows: int, n: int, k: int, bias: bool,
+                                                               dtype: torch.dtype) -> None:
+    """(x + delta, rms_norm(x + delta) @ W^T) from one kernel against the engine's units (HF's RMSNorm numerics):
+    the new residual exactly on a GPU, the product to the dtype's rounding."""
+    from blockdraft.models.fast_ops import add_norm_linear, add_rms_norm
+    from blockdraft.models.skinny_gemm import skinny_add_norm_linear
+
+    generator = torch.Generator().manual_seed(rows + n + k)
+    x, delta = (torch.randn(rows, k, generator=generator).to(DEVICE, dtype) for _ in range(2))
+    norm_weight = (1 + 0.1 * torch.randn(k, generator=generator)).to(DEVICE, dtype)
+    w = torch.randn(n, k, generator=generator).to(DEVICE, dtype)
+    b = torch.randn(n, generator=generator).to(DEVICE, dtype) if bias else None
+    with torch.inference_mode():
+        residual, product = skinny_add_norm_linear(
+            lambda *args: add_norm_linear(add_rms_norm, F.linear, *args), x, delta, norm_weight, 1e-6, w, b)
+        want_residual, want_product = add_norm_linear(add_rms_norm, F.linear, x, delta, norm_weight, 1e-6, w, b)
+    if DEVICE.type == "cuda":
+        assert torch.equal(residual, want_residual)
+    else:  # the interpreter rounds float32 to bfloat16 toward zero, the GPU (and torch) to nearest
+        torch.testing.assert_close(residual, want_residual, rtol=2 ** -7, atol=0)
+    scale = want_product.abs().max().item()
+    assert (product.double() - want_product.double()).abs().max().item() <= 2 * TOLERANCE[dtype] * scale

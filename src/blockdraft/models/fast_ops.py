@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from blockdraft.models.flash_decode import fits, flash_decode
 from blockdraft.models.kernel_choice import kernel_wins
-from blockdraft.models.skinny_gemm import skinny_linear
+from blockdraft.models.skinny_gemm import skinny_add_norm_linear, skinny_linear
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -175,6 +175,16 @@ def decode_attention(
     return torch.matmul(scores.softmax(-1).to(v.dtype), v)
 
 
+def add_norm_linear(
+    add_rms_norm_unit: Callable[..., tuple[torch.Tensor, torch.Tensor]], linear: Callable[..., torch.Tensor],
+    x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+    bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual add, the norm and the product that follows it: (x + delta, linear(rms_norm(x + delta)))."""
+    x, h = add_rms_norm_unit(x, delta, norm_weight, eps)
+    return x, linear(h, weight, bias)
+
+
 def kernel_attention(
     reference: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
     scale: float,
@@ -226,3 +236,5 @@ class LayerOps:
         self.attention_bias = wrap(attention_bias)
         attention = wrap(decode_attention)
         self.decode_attention = partial(kernel_attention, attention) if kernels else attention
+        composed = partial(add_norm_linear, self.add_rms_norm, self.linear)
+        self.add_norm_linear = partial(skinny_add_norm_linear, composed) if kernels else composed

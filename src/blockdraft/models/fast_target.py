@@ -153,9 +153,9 @@ def attend(ops: LayerOps, layer: LayerWeights, q: torch.Tensor, keys: torch.Tens
 def layer_tail(ops: LayerOps, layer: LayerWeights, x: torch.Tensor, attended: torch.Tensor, next_norm: torch.Tensor,
                eps: float, act: str) -> tuple[torch.Tensor, torch.Tensor]:
     """After attention (heads merged): o_proj, residual and norm, the gated MLP, residual and the next norm."""
-    x, h = ops.add_rms_norm(x, ops.linear(attended, layer.o_proj.weight, layer.o_proj.bias), layer.norm_post, eps)
-    delta = ops.glu(ops.linear(h, layer.gate_up, layer.gate_up_bias), act)
-    delta = ops.linear(delta, layer.down.weight, layer.down.bias)
+    x, gate_up = ops.add_norm_linear(x, ops.linear(attended, layer.o_proj.weight, layer.o_proj.bias),
+                                     layer.norm_post, eps, layer.gate_up, layer.gate_up_bias)
+    delta = ops.linear(ops.glu(gate_up, act), layer.down.weight, layer.down.bias)
     return ops.add_rms_norm(x, delta, next_norm, eps)
 
 

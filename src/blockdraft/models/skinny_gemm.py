@@ -13,6 +13,7 @@ CPU for the tests.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -38,16 +39,35 @@ def kernel_available(device: torch.device) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                       HAS_BIAS: tl.constexpr, F32_DOT: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
+    def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, d_ptr, nw_ptr, xo_ptr, M, N, K, eps, stride_xm, stride_wn,
+                       stride_ym, stride_dm, stride_xom, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+                       F32_DOT: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.arange(0, ROWS)
+        dtype = x_ptr.dtype.element_ty
+        if NORM:  # the input is rms_norm(x + d) * nw, HF's numerics: the sum rounded, normed in float32
+            squares = tl.zeros((ROWS,), dtype=tl.float32)
+            for start in range(0, K, BLOCK_K):
+                ks = start + tl.arange(0, BLOCK_K)
+                inside = (rows[:, None] < M) & (ks[None, :] < K)
+                total = (tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=inside, other=0.0).to(tl.float32)
+                         + tl.load(d_ptr + rows[:, None] * stride_dm + ks[None, :], mask=inside, other=0.0)
+                         .to(tl.float32)).to(dtype)
+                if tl.program_id(0) == 0:  # one program writes the new residual stream
+                    tl.store(xo_ptr + rows[:, None] * stride_xom + ks[None, :], total, mask=inside)
+                squares += tl.sum(total.to(tl.float32) * total.to(tl.float32), axis=1)
+            scale = tl.rsqrt(squares / K + eps)
         acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
         for start in range(0, K, BLOCK_K):
             ks = start + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :],
-                        mask=(rows[:, None] < M) & (ks[None, :] < K), other=0.0)
+            inside = (rows[:, None] < M) & (ks[None, :] < K)
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=inside, other=0.0)
+            if NORM:
+                total = (x.to(tl.float32) + tl.load(d_ptr + rows[:, None] * stride_dm + ks[None, :], mask=inside,
+                                                    other=0.0).to(tl.float32)).to(dtype)
+                normed = (total.to(tl.float32) * scale[:, None]).to(dtype)
+                weight = tl.load(nw_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+                x = (weight[None, :] * normed.to(tl.float32)).to(dtype)
             w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :],
                         mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0)
             if F32_DOT:  # float32 inputs (full precision, not TF32), and the interpreter, whose bf16 dot is wrong
@@ -63,7 +83,7 @@ if triton is not None:
         configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
                  for n, k, w, s in ((16, 256, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3), (32, 128, 4, 4),
                                     (64, 128, 4, 3), (16, 1024, 8, 2), (32, 512, 8, 3))],
-        key=["N", "K", "ROWS"],
+        key=["N", "K", "ROWS", "NORM"],
     )(_skinny_kernel)
 
 
@@ -84,22 +104,48 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     shape = (weight.shape[0], weight.shape[1], max(16, 1 << (rows - 1).bit_length()), x.dtype, bias is not None)
     if not kernel_wins("linear", shape, x.device, lambda: _launch(x, weight, bias), lambda: F.linear(x, weight, bias)):
         return F.linear(x, weight, bias)
-    return _launch(x, weight, bias)
+    return _launch(x, weight, bias)[0]
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel on x [..., K] (with `norm` = (delta, norm weight, eps): on rms_norm(x + delta)); returns the
+    product and the new residual x + delta (x itself without `norm`)."""
     n, k = weight.shape
     flat = x.reshape(-1, k)
     if flat.stride(1) != 1:
         flat = flat.contiguous()
     m = flat.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    args = (flat, weight, bias if bias is not None else out, out, m, n, k, flat.stride(0), weight.stride(0),
-            out.stride(0))
-    flags = dict(HAS_BIAS=bias is not None, F32_DOT=x.dtype == torch.float32 or not x.is_cuda,
+    delta, norm_weight, eps = norm if norm is not None else (flat, flat, 0.0)
+    delta = delta.reshape(-1, k)
+    residual = torch.empty_like(flat) if norm is not None else flat
+    args = (flat, weight, bias if bias is not None else out, out, delta, norm_weight, residual, m, n, k, eps,
+            flat.stride(0), weight.stride(0), out.stride(0), delta.stride(0), residual.stride(0))
+    flags = dict(HAS_BIAS=bias is not None, NORM=norm is not None, F32_DOT=x.dtype == torch.float32 or not x.is_cuda,
                  ROWS=max(16, 1 << (m - 1).bit_length()))
     if x.is_cuda:
         _tuned_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
     else:  # Triton's interpreter (tests): no autotuning there, small tiles
         _skinny_kernel[(triton.cdiv(n, 16),)](*args, **flags, BLOCK_N=16, BLOCK_K=32)
-    return out.view(*x.shape[:-1], n)
+    return out.view(*x.shape[:-1], n), residual.view(x.shape)
+
+
+def skinny_add_norm_linear(
+    reference: Callable[..., tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor, delta: torch.Tensor,
+    norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference(x, delta, norm_weight, eps, weight, bias)` = (x + delta, linear(rms_norm(x + delta) *
+    norm_weight)) (`fast_ops.add_norm_linear`, the engine's own units) from one kernel where it runs and was timed
+    faster: the norm's pass and launch folded into the product's."""
+    args = (x, delta, norm_weight, eps, weight, bias)
+    if not (_fits(x, weight, bias) and delta.shape == x.shape and delta.dtype == x.dtype == norm_weight.dtype
+            and delta.stride(-1) == 1 and norm_weight.is_contiguous()):
+        return reference(*args)
+    rows = x.numel() // x.shape[-1]
+    shape = (weight.shape[0], weight.shape[1], max(16, 1 << (rows - 1).bit_length()), x.dtype, bias is not None)
+    if not kernel_wins("add_norm_linear", shape, x.device, lambda: _launch(x, weight, bias, (delta, norm_weight, eps)),
+                       lambda: reference(*args)):
+        return reference(*args)
+    product, residual = _launch(x, weight, bias, (delta, norm_weight, eps))
+    return residual, product
