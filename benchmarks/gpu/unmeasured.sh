@@ -3,6 +3,7 @@
 # carrying .gpu/p3 and .gpu/p4 (pytest's wheels):
 #   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh correctness   # ~4 min
 #   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh speed         # ~7 min
+#   (after the GGUF is assembled, as in RESULTS) bash benchmarks/gpu/unmeasured.sh e2e   # ~4 min
 # Each step writes $OUT/<step>.log as it runs and has its own time limit, so a call cut short still returns every
 # step that finished (session 16 lost a 9-minute call whose output only went to stdout).
 set -u
@@ -30,8 +31,13 @@ case "${1:-}" in
       --json "$OUT/speed.json"
     step profile 200 python3 benchmarks/gpu/profile_step.py --rows 1,16 --configs compiled,compiled-kernels
     ;;
+  e2e)  # the embedded pair in float32: every engine must give the same ids, kernels on or off
+    step e2e 400 python3 benchmarks/gpu_speed.py --skip-synthetic --target smollm2-135m-instruct \
+      --drafter src/blockdraft/drafters/smollm2-135m-instruct-dflash --prompts demo --max-new-tokens 256 --budget 32 \
+      --e2e-engines hf,fast,fast-kernels --e2e-dtype float32 --json "$OUT/e2e.json"
+    ;;
   *)
-    echo "usage: bash benchmarks/gpu/unmeasured.sh correctness|speed" >&2
+    echo "usage: bash benchmarks/gpu/unmeasured.sh correctness|speed|e2e" >&2
     exit 2
     ;;
 esac
