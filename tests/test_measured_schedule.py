@@ -77,10 +77,27 @@ def test_a_close_call_keeps_the_current_choice_and_says_it_once() -> None:
     assert len(said) == 1  # later phases that change nothing say nothing
 
 
-def test_a_new_phase_follows_a_change_in_the_workload() -> None:
+def test_phases_come_at_doubling_gaps_and_remember_the_earlier_ones() -> None:
+    """Phases start at a bucket's steps 0, FIRST_GAP, 3 x FIRST_GAP, ... (each gap doubling, up to PHASE_EVERY);
+    each folds into running totals, so one phase against a long record does not flip the choice, but a lasting
+    change in the workload does."""
     schedule = MeasuredSchedule(table(), None)
-    serve(schedule, 1, measured.PHASE_EVERY, {AR: 100.0, CHAIN: 150.0, TREE: 80.0})
-    serve(schedule, 1, phase_steps(3), {AR: 100.0, CHAIN: 50.0, TREE: 80.0})
+    fast_chain = {AR: 100.0, CHAIN: 150.0, TREE: 80.0}
+    starts = []
+    for i in range(4 * measured.PHASE_EVERY):
+        candidate = schedule.pick(1)
+        if len(schedule.buckets[1].plan) == phase_steps(3) - 1:
+            starts.append(i)
+        schedule.observe(1, candidate, 10 / fast_chain[candidate], 10)
+    gaps = [measured.FIRST_GAP * 2**k for k in range(10)]
+    expected = [0]
+    for gap in gaps:
+        expected.append(expected[-1] + min(gap, measured.PHASE_EVERY))
+    assert starts == [s for s in expected if s < 4 * measured.PHASE_EVERY]
+    slow_chain = {AR: 100.0, CHAIN: 50.0, TREE: 80.0}
+    serve(schedule, 1, phase_steps(3), slow_chain)
+    assert schedule.pick(1) == CHAIN  # one phase of a slow chain against four of a fast one
+    serve(schedule, 1, 12 * measured.PHASE_EVERY, slow_chain)
     assert schedule.pick(1) == AR
 
 
@@ -105,6 +122,7 @@ def test_a_measured_schedule_keeps_every_sequence_lossless(monkeypatch) -> None:
     monkeypatch.setattr(measured, "RUN_STEPS", 2)
     monkeypatch.setattr(measured, "PHASE_ROUNDS", 2)
     monkeypatch.setattr(measured, "PHASE_EVERY", 16)
+    monkeypatch.setattr(measured, "FIRST_GAP", 16)
     target = FastTarget(make_target_model("qwen3"))
     drafter = make_drafter("all_full")
     said: list[str] = []

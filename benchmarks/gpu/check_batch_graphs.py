@@ -34,7 +34,7 @@ def main() -> int:
     prompts = [[(7 * i + 3 * j + 1) % 63 for j in range(1 + (5 * i) % 23)] for i in range(7)]
     failures = 0
     cases = [(method, budget, None, 24) for method, budget in (("ar", None), ("dflash", None), ("ddtree", 12))]
-    measured.RUN_STEPS, measured.PHASE_ROUNDS, measured.PHASE_EVERY = 2, 4, 64
+    measured.RUN_STEPS, measured.PHASE_ROUNDS, measured.PHASE_EVERY, measured.FIRST_GAP = 2, 4, 64, 64
     costs = CostTable(device="cuda", dtype="float32", target="t", drafter="d", context_tokens=64,
                       verify_s={1: {1: 1.0, 4: 1.0, 13: 1.0}}, draft_s={1: 0.1})
     table = choose(costs, AcceptanceProfile([0.9, 0.8, 0.7], {12: 3.0}), [AR, Candidate("dflash", 3),

@@ -404,7 +404,7 @@ def serve(
     schedule_adapt: bool = typer.Option(
         True, "--schedule-adapt/--no-schedule-adapt",
         help="With --schedule: correct the table with the server's own steps (each batch size's candidates timed in "
-        "turn every 4,096 steps, the fastest kept); off: the table as it is.",
+        "turn, often at first, then every 4,096 steps; the fastest so far kept); off: the table as it is.",
     ),
     device: Optional[str] = DeviceOpt,
     dtype: Optional[str] = DtypeOpt,

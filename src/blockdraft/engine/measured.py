@@ -5,8 +5,11 @@ from serving; on the H200 it picked AR at batch 64 where serving DFlash was 1.3x
 start-up tunes of the same pair disagreed at batch 16 (benchmarks/RESULTS.md, session 16). So the server measures:
 for each batch-size bucket (1, 2, 3-4, 5-8, ...), it runs every candidate of the table in turn for a few steps
 (a phase: short runs, alternating, so that all of them see the same requests and the same text), compares the
-tokens each committed per second of step, and decodes with the fastest until the next phase. The table only orders
-the candidates and decides before the first phase ends.
+tokens each committed per second of step over this and the earlier phases (older ones weighing less), and decodes
+with the fastest until the next phase. Phases come often at first and then every PHASE_EVERY steps: a step's
+committed tokens vary so much that one phase picks a candidate 10% slower than the best about one time in three
+(benchmarks/schedule_simulation.py); the running totals get that down over the phases. The table only orders the
+candidates and decides before the first phase ends.
 
 Measured, not modelled: a step's seconds include the drafter, the tree builds, the verify and every sequence's commit
 (the streaming hook included), which is what the served tokens/s is made of. The first step of each run is not
@@ -24,7 +27,9 @@ from blockdraft.engine.schedule import Candidate, Schedule
 
 RUN_STEPS = 8  # steps of one candidate in a row during a phase (the first not counted)
 PHASE_ROUNDS = 6  # runs of every candidate per phase
-PHASE_EVERY = 4096  # steps of a bucket from one phase's start to the next's (~3.5% of steps in phases)
+FIRST_GAP = 256  # steps of a bucket from its first phase's start to the second's; each gap doubles ...
+PHASE_EVERY = 4096  # ... up to this (then ~3.5% of a bucket's steps are in phases)
+MEMORY = 0.9  # each phase's weight in the running totals falls by this factor per later phase
 KEEP_MARGIN = 0.02  # a new choice must beat the current one by this fraction (no flapping on noise)
 SLOW_STEP = 4.0  # a step slower than this many times its candidate's median in the phase is not counted
 
@@ -46,13 +51,28 @@ class _Samples:
     seconds: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
 
-    def rate(self) -> float | None:
-        """Tokens per second over the counted steps, the outliers (SLOW_STEP) left out."""
-        if not self.seconds:
-            return None
+    def sums(self) -> tuple[float, float]:
+        """(tokens, seconds) over the counted steps, the outliers (SLOW_STEP) left out."""
         cut = SLOW_STEP * statistics.median(self.seconds)
         kept = [(s, t) for s, t in zip(self.seconds, self.tokens) if s <= cut]
-        return sum(t for _, t in kept) / sum(s for s, _ in kept)
+        return float(sum(t for _, t in kept)), sum(s for s, _ in kept)
+
+
+@dataclass
+class _Totals:
+    """One candidate's counted steps over every phase so far, older phases weighing less (MEMORY): a step's
+    committed tokens vary far more than the gaps between candidates, so one phase alone is not enough to choose."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+
+    def add(self, tokens: float, seconds: float) -> None:
+        self.tokens = MEMORY * self.tokens + tokens
+        self.seconds = MEMORY * self.seconds + seconds
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds
 
 
 @dataclass
@@ -63,17 +83,22 @@ class _Bucket:
     candidates: list[Candidate]
     plan: list[Candidate] = field(default_factory=list)
     samples: dict[Candidate, _Samples] = field(default_factory=dict)
+    totals: dict[Candidate, _Totals] = field(default_factory=dict)
     steps: int = 0
+    next_phase: int = 0
+    gap: int = FIRST_GAP
     measured: dict[Candidate, float] = field(default_factory=dict)
 
     def start_phase(self) -> None:
         order = [self.choice] + [c for c in self.candidates if c != self.choice]
         self.plan = [c for _ in range(PHASE_ROUNDS) for c in order for _ in range(RUN_STEPS)]
         self.samples = {c: _Samples() for c in order}
+        self.next_phase = self.steps + self.gap
+        self.gap = min(2 * self.gap, PHASE_EVERY)
 
     def next(self) -> tuple[Candidate, bool]:
         """This step's candidate, and whether the step is counted (in a phase, past its run's first step)."""
-        if self.steps % PHASE_EVERY == 0:
+        if self.steps == self.next_phase:
             self.start_phase()
         self.steps += 1
         if not self.plan:
@@ -83,9 +108,12 @@ class _Bucket:
         return candidate, index % RUN_STEPS != 0
 
     def end_phase(self) -> Candidate | None:
-        """Choose from the phase just ended; returns the old choice when it changed."""
-        rates = {c: r for c, s in self.samples.items() if (r := s.rate()) is not None}
+        """Fold the phase just ended into the totals and choose from them; returns the old choice when it changed."""
+        for candidate, samples in self.samples.items():
+            if samples.seconds:
+                self.totals.setdefault(candidate, _Totals()).add(*samples.sums())
         self.samples = {}
+        rates = {c: t.rate for c, t in self.totals.items() if t.seconds > 0}
         if self.choice not in rates:
             return None
         self.measured = rates
