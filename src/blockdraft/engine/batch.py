@@ -418,6 +418,15 @@ def kv_cache_bytes(target: Target, sequences: int, length: int) -> int:
     return sequences * length * attention * 2 * kv_heads * head_dim * element
 
 
+def bucket_sizes(most: int) -> list[int]:
+    """1, 2, 4, ... up to `most` (which ends the list whether a power of two or not): the batch sizes the batched
+    engine's graphs are captured for, and those a schedule is tuned at."""
+    sizes = [1]
+    while sizes[-1] < most:
+        sizes.append(min(2 * sizes[-1], most))
+    return sizes
+
+
 DEFAULT_MAX_NUM_SEQS = 64  # serve's continuous batch when not given, on a GPU with the fast engine
 
 

@@ -87,7 +87,11 @@ class _Bucket:
     steps: int = 0
     next_phase: int = 0
     gap: int = FIRST_GAP
-    measured: dict[Candidate, float] = field(default_factory=dict)
+
+    @property
+    def measured(self) -> dict[Candidate, float]:
+        """Every candidate's tokens per second over the phases so far."""
+        return {c: t.rate for c, t in self.totals.items() if t.seconds > 0}
 
     def start_phase(self) -> None:
         order = [self.choice] + [c for c in self.candidates if c != self.choice]
@@ -113,10 +117,9 @@ class _Bucket:
             if samples.seconds:
                 self.totals.setdefault(candidate, _Totals()).add(*samples.sums())
         self.samples = {}
-        rates = {c: t.rate for c, t in self.totals.items() if t.seconds > 0}
+        rates = self.measured
         if self.choice not in rates:
             return None
-        self.measured = rates
         best = max(rates, key=lambda c: rates[c])
         if best == self.choice or rates[best] <= (1 + KEEP_MARGIN) * rates[self.choice]:
             return None

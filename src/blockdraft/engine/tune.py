@@ -25,7 +25,7 @@ from blockdraft.decoding.ddtree import DDTreeProposer, build_tree, build_trees
 from blockdraft.decoding.draft import DFlashProposer
 from blockdraft.decoding.generate import OnCommit, generate
 from blockdraft.decoding.sampling import SamplingParams
-from blockdraft.engine.batch import BatchDecoder, Request
+from blockdraft.engine.batch import BatchDecoder, Request, bucket_sizes
 from blockdraft.engine.schedule import AR, AcceptanceProfile, Candidate, CostTable, Schedule, choose
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.drafter import DFlashDrafter
@@ -159,7 +159,7 @@ def auto_schedule(target: Target, drafter: DFlashDrafter, target_name: str, draf
                   commit_work: Callable[[], OnCommit] | None = None) -> Schedule:
     """`--schedule auto`: a short tune at start-up over the served sizes (AR, the chain of `depth`, the tree of
     `budget`) at batch sizes 1, 2, 4, ... up to `max_num_seqs`."""
-    sizes = sorted({min(1 << i, max_num_seqs) for i in range(max_num_seqs.bit_length() + 1)})
+    sizes = bucket_sizes(max_num_seqs)
     candidates = [AR, Candidate("dflash", depth), Candidate("ddtree", budget=budget)]
     costs = measure_costs(target, drafter, target_name, drafter_name, sizes, sorted({c.rows for c in candidates}),
                           [budget], context=128, repeats=3, commit_work=commit_work)

@@ -95,14 +95,23 @@ def _fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> b
             and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous())))
 
 
+def _row_tile(rows: int) -> int:
+    """The kernel's row tile for `rows` input rows: 16, 32 or 64 (tl.dot's smallest is 16)."""
+    return max(16, 1 << (rows - 1).bit_length())
+
+
+def _shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int, int, torch.dtype, bool]:
+    """What `kernel_choice` times a product once for: N, K, the row tile, the dtype, whether biased."""
+    return weight.shape[0], weight.shape[1], _row_tile(x.numel() // x.shape[-1]), x.dtype, bias is not None
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for inputs of at most MAX_ROWS rows, from the kernel where it runs and was timed
     faster (`kernel_choice`; float32 inputs multiply in full float32, not TF32, as F.linear does by default)."""
     if not _fits(x, weight, bias):
         return F.linear(x, weight, bias)
-    rows = x.numel() // x.shape[-1]
-    shape = (weight.shape[0], weight.shape[1], max(16, 1 << (rows - 1).bit_length()), x.dtype, bias is not None)
-    if not kernel_wins("linear", shape, x.device, lambda: _launch(x, weight, bias), lambda: F.linear(x, weight, bias)):
+    if not kernel_wins("linear", _shape(x, weight, bias), x.device, lambda: _launch(x, weight, bias),
+                       lambda: F.linear(x, weight, bias)):
         return F.linear(x, weight, bias)
     return _launch(x, weight, bias)[0]
 
@@ -123,7 +132,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     args = (flat, weight, bias if bias is not None else out, out, delta, norm_weight, residual, m, n, k, eps,
             flat.stride(0), weight.stride(0), out.stride(0), delta.stride(0), residual.stride(0))
     flags = dict(HAS_BIAS=bias is not None, NORM=norm is not None, F32_DOT=x.dtype == torch.float32 or not x.is_cuda,
-                 ROWS=max(16, 1 << (m - 1).bit_length()))
+                 ROWS=_row_tile(m))
     if x.is_cuda:
         _tuned_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
     else:  # Triton's interpreter (tests): no autotuning there, small tiles
@@ -142,10 +151,9 @@ def skinny_add_norm_linear(
     if not (_fits(x, weight, bias) and delta.shape == x.shape and delta.dtype == x.dtype == norm_weight.dtype
             and delta.stride(-1) == 1 and norm_weight.is_contiguous()):
         return reference(*args)
-    rows = x.numel() // x.shape[-1]
-    shape = (weight.shape[0], weight.shape[1], max(16, 1 << (rows - 1).bit_length()), x.dtype, bias is not None)
-    if not kernel_wins("add_norm_linear", shape, x.device, lambda: _launch(x, weight, bias, (delta, norm_weight, eps)),
+    norm = (delta, norm_weight, eps)
+    if not kernel_wins("add_norm_linear", _shape(x, weight, bias), x.device, lambda: _launch(x, weight, bias, norm),
                        lambda: reference(*args)):
         return reference(*args)
-    product, residual = _launch(x, weight, bias, (delta, norm_weight, eps))
+    product, residual = _launch(x, weight, bias, norm)
     return residual, product

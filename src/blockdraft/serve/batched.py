@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from blockdraft.decoding.draft import Proposer
-from blockdraft.engine.batch import BatchDecoder, Request
+from blockdraft.engine.batch import BatchDecoder, Request, bucket_sizes
 from blockdraft.engine.measured import MeasuredSchedule
 from blockdraft.engine.schedule import Schedule
 from blockdraft.engine.switching import SwitchingProposer
@@ -51,7 +51,7 @@ class BatchedEngine:
         decoder.schedule = None
         try:
             for candidate in table.candidates if table is not None else [None]:
-                for size in _bucket_sizes(decoder.max_seqs):
+                for size in bucket_sizes(decoder.max_seqs):
                     decoder.join_many([Request(prompt_ids, _WARMUP_TOKENS)] * size)
                     for seq in decoder.running if candidate is not None else []:
                         assert isinstance(seq.proposer, SwitchingProposer)
@@ -98,10 +98,3 @@ class BatchedEngine:
         self.decoder = BatchDecoder(old.target, old.new_proposer, old.max_seqs, old.schedule)
         return jobs
 
-
-def _bucket_sizes(most: int) -> list[int]:
-    """1, 2, 4, ... up to `most` (which ends the list whether a power of two or not): the batch graphs' buckets."""
-    sizes = [1]
-    while sizes[-1] < most:
-        sizes.append(min(2 * sizes[-1], most))
-    return sizes

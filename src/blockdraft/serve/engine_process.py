@@ -104,7 +104,7 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
         say(f"self-check passed: {check.summary}")
     engine: SequentialEngine | BatchedEngine
     if schedule is not None:
-        largest = max((e.choice.budget or 0 for e in schedule.entries), default=0) or 1
+        largest = max((c.budget or 0 for c in schedule.candidates), default=0) or 1
         drafter = loaded.drafter
         plan: Schedule | MeasuredSchedule = schedule
         if settings.schedule_adapt:
