@@ -1,12 +1,15 @@
 """How often the measured schedule (engine/measured.py) picks the best candidate, and what it serves against the best
 fixed method, on simulated steps: no GPU, the real MeasuredSchedule.
 
-Each candidate commits a random number of tokens a step (1 + a geometric count around its tau, scaled by the text's
-difficulty, which changes every 80 steps, as a new request would) in a step time with +-5% noise. The defaults are
-the H200's concurrency-1 figures for the embedded pair (benchmarks/RESULTS.md, session 16): AR 657 tokens/s, the
-DFlash chain 860, DDTree@32 769.
+Each sequence commits a random number of tokens a step (1 + a geometric count around its method's tau, scaled by the
+text's difficulty, which changes every 80 steps, as a new request would) in a step time with +-5% noise. Two
+scenarios from the H200 (embedded pair, bf16, benchmarks/RESULTS.md): `c1`, batch 1 as served at concurrency 1 in
+session 16 (AR 657 tokens/s, the DFlash chain 860, DDTree@32 769), and `c16`, batch 16 at the rates the server's own
+steps measured in session 17 (AR 5,569, DFlash 7,357, DDTree@32 4,280). The start-up table prefers the tree in both
+(as session 16's tunes did at batch 1), so the schedule has to find the chain. Short horizons matter: a load level of
+32 requests at concurrency 16 is ~100 steps of batch 16.
 
-    python benchmarks/schedule_simulation.py --steps 1000,4000,16000 --runs 200
+    python benchmarks/schedule_simulation.py --scenario c1,c16 --steps 150,300,1000,4000,16000 --runs 200
 """
 
 from __future__ import annotations
@@ -15,11 +18,15 @@ import argparse
 import random
 import statistics
 
-from blockdraft.engine.measured import MeasuredSchedule
+from blockdraft.engine.measured import MeasuredSchedule, bucket_of
 from blockdraft.engine.schedule import AR, AcceptanceProfile, Candidate, CostTable, Schedule, choose
 
 CHAIN, TREE = Candidate("dflash", 15), Candidate("ddtree", budget=32)
-STEPS = {AR: (1.0, 1.52e-3), CHAIN: (2.24, 2.6e-3), TREE: (3.0, 3.9e-3)}  # tau, seconds a step: 657 / 860 / 769 tok/s
+TAU = {AR: 1.0, CHAIN: 2.24, TREE: 3.0}
+SCENARIOS = {  # batch, and each candidate's tokens/s: a step of `batch` sequences takes batch x tau / rate seconds
+    "c1": (1, {AR: 657.0, CHAIN: 860.0, TREE: 769.0}),
+    "c16": (16, {AR: 5569.0, CHAIN: 7357.0, TREE: 4280.0}),
+}
 
 
 def table() -> Schedule:
@@ -30,38 +37,42 @@ def table() -> Schedule:
                   [AR, CHAIN, TREE], [1])
 
 
-def serve(seed: int, steps: int, fixed: Candidate | None = None) -> tuple[float, Candidate]:
-    """Tokens per second over `steps` simulated steps at batch 1, and the schedule's choice at the end."""
+def serve(scenario: str, seed: int, steps: int, fixed: Candidate | None = None) -> tuple[float, Candidate]:
+    """Tokens per second over `steps` simulated steps, and the schedule's choice at the end."""
+    batch, rates = SCENARIOS[scenario]
     rng = random.Random(seed)
     schedule = MeasuredSchedule(table())
     difficulty, tokens, seconds = 1.0, 0, 0.0
     for step in range(steps):
         if step % 80 == 0:
             difficulty = rng.uniform(0.6, 1.4)
-        candidate = fixed or schedule.pick(1)
-        tau, step_s = STEPS[candidate]
-        committed = 1 if candidate == AR else min(16, 1 + round(rng.expovariate(1 / max(tau * difficulty - 1, 0.01))))
-        elapsed = step_s * rng.uniform(0.95, 1.05)
+        candidate = fixed or schedule.pick(batch)
+        tau = TAU[candidate]
+        committed = batch if candidate == AR else sum(
+            min(16, 1 + round(rng.expovariate(1 / max(tau * difficulty - 1, 0.01)))) for _ in range(batch))
+        elapsed = batch * tau / rates[candidate] * rng.uniform(0.95, 1.05)
         if fixed is None:
-            schedule.observe(1, candidate, elapsed, committed)
+            schedule.observe(batch, candidate, elapsed, committed)
         tokens, seconds = tokens + committed, seconds + elapsed
-    return tokens / seconds, schedule.pick(1) if fixed is None else fixed
+    return tokens / seconds, fixed or schedule.buckets[bucket_of(batch)].choice
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", default="1000,4000,16000")
+    parser.add_argument("--scenario", default="c1,c16")
+    parser.add_argument("--steps", default="150,300,1000,4000,16000")
     parser.add_argument("--runs", type=int, default=200)
     args = parser.parse_args()
-    print("| steps | choice at the end: dflash/15 / ddtree@32 / ar | served / DFlash alone: mean (min) |")
-    print("|---|---|---|")
-    for steps in map(int, args.steps.split(",")):
-        runs = [serve(seed, steps) for seed in range(args.runs)]
-        alone = [serve(seed, steps, CHAIN)[0] for seed in range(args.runs)]
-        picks = [choice for _, choice in runs]
-        ratios = [rate / best for (rate, _), best in zip(runs, alone)]
-        print(f"| {steps} | {picks.count(CHAIN)} / {picks.count(TREE)} / {picks.count(AR)} | "
-              f"{statistics.mean(ratios):.3f} ({min(ratios):.3f}) |")
+    print("| scenario | steps | choice at the end: dflash/15 / ddtree@32 / ar | served / DFlash alone: mean (min) |")
+    print("|---|---|---|---|")
+    for scenario in args.scenario.split(","):
+        for steps in map(int, args.steps.split(",")):
+            runs = [serve(scenario, seed, steps) for seed in range(args.runs)]
+            alone = [serve(scenario, seed, steps, CHAIN)[0] for seed in range(args.runs)]
+            picks = [choice for _, choice in runs]
+            ratios = [rate / best for (rate, _), best in zip(runs, alone)]
+            print(f"| {scenario} | {steps} | {picks.count(CHAIN)} / {picks.count(TREE)} / {picks.count(AR)} | "
+                  f"{statistics.mean(ratios):.3f} ({min(ratios):.3f}) |")
 
 
 if __name__ == "__main__":

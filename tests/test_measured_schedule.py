@@ -53,16 +53,34 @@ def test_a_phase_times_every_candidate_and_keeps_the_fastest() -> None:
     said: list[str] = []
     schedule = MeasuredSchedule(table(), said.append)
     rates = {AR: 100.0, CHAIN: 150.0, TREE: 80.0}
-    picked = serve(schedule, 1, phase_steps(3), rates)
+    run, rounds = measured.RUN_STEPS, measured.ELIMINATE_AFTER
+    picked = serve(schedule, 1, rounds * 3 * run, rates)
     # the table's choice first, then the others in its order, in runs of RUN_STEPS, round after round
-    run = measured.RUN_STEPS
-    assert picked[:run] == [TREE] * run and {*picked} == {AR, CHAIN, TREE}
-    assert all(picked.count(c) == measured.PHASE_ROUNDS * run for c in (AR, CHAIN, TREE))
+    assert picked[:3 * run] == [TREE] * run + [CHAIN] * run + [AR] * run
+    assert all(picked.count(c) == rounds * run for c in (AR, CHAIN, TREE))
+    # steps that never vary leave no doubt: the slower two leave the phase, which ends
+    assert not schedule.buckets[1].plan
     assert serve(schedule, 1, 50, rates) == [CHAIN] * 50
     assert said == ["schedule measured at batch 1: dflash/3 (was ddtree@4); tokens/s of the server's own steps: "
                     "dflash/3 150, ar 100, ddtree@4 80"]
     # other buckets are measured on their own, starting from the table's choice there
     assert serve(schedule, 3, 1, rates) == [AR]
+
+
+def test_only_a_clearly_slower_candidate_leaves_the_phase() -> None:
+    """Steps whose committed tokens vary: a candidate 5% slower stays for every round, one 40% slower leaves."""
+    schedule = MeasuredSchedule(table(), None)
+    rates = {AR: 60.0, CHAIN: 100.0, TREE: 95.0}
+    run, picked = measured.RUN_STEPS, []
+    for i in range((2 * measured.PHASE_ROUNDS + measured.ELIMINATE_AFTER) * run):
+        candidate = schedule.pick(1)
+        picked.append(candidate)
+        tokens = 4 + 3 * (i % 3)  # 4, 7, 10 tokens, in turn
+        schedule.observe(1, candidate, tokens / rates[candidate] * (1.2 if i % 2 else 0.8), tokens)
+    assert picked.count(AR) == measured.ELIMINATE_AFTER * run
+    assert picked.count(CHAIN) == picked.count(TREE) == measured.PHASE_ROUNDS * run
+    assert not schedule.buckets[1].plan
+    assert schedule.pick(1) == CHAIN
 
 
 def test_a_close_call_keeps_the_current_choice_and_says_it_once() -> None:

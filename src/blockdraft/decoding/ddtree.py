@@ -31,8 +31,9 @@ from blockdraft.models.drafter import DFlashDrafter
 from blockdraft.models.target import Target
 
 
-DEVICE_SEARCH_NODES = 256  # batch x budget from which a GPU searches on the device: an estimate, not yet measured
-# (the heap pays ~2 us of Python per node; the device search ~100 eager launches, ~0.5 ms, whatever the batch)
+DEVICE_SEARCH_NODES = 4096  # batch x budget from which a GPU searches on the device (H200, RESULTS session 17:
+# the device search takes 2.2-4.6 ms of eager launches whatever the batch, the heap ~2 us of Python per node; even at
+# 16 x 256 and 64 x 32 nodes, 0.58x the heap at 64 x 64)
 
 
 def check_budget(budget: int | None) -> int:

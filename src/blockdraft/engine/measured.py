@@ -6,7 +6,10 @@ start-up tunes of the same pair disagreed at batch 16 (benchmarks/RESULTS.md, se
 for each batch-size bucket (1, 2, 3-4, 5-8, ...), it runs every candidate of the table in turn for a few steps
 (a phase: short runs, alternating, so that all of them see the same requests and the same text), compares the
 tokens each committed per second of step over this and the earlier phases (older ones weighing less), and decodes
-with the fastest until the next phase. Phases come often at first and then every PHASE_EVERY steps: a step's
+with the fastest until the next phase. A candidate clearly slower than the phase's best (their confidence intervals
+apart, ELIMINATE_Z standard errors each) leaves the phase at the end of its run: on the H200 a full phase at batch
+9-16 spent two thirds of its steps on candidates 24% and 42% slower than DFlash, and a short load level ran inside
+that phase throughout (the schedule served 0.69x DFlash at concurrency 16; RESULTS, session 17). Phases come often at first and then every PHASE_EVERY steps: a step's
 committed tokens vary so much that one phase picks a candidate 10% slower than the best about one time in three
 (benchmarks/schedule_simulation.py); the running totals get that down over the phases. The table only orders the
 candidates and decides before the first phase ends.
@@ -32,6 +35,8 @@ PHASE_EVERY = 4096  # ... up to this (then ~3.5% of a bucket's steps are in phas
 MEMORY = 0.9  # each phase's weight in the running totals falls by this factor per later phase
 KEEP_MARGIN = 0.02  # a new choice must beat the current one by this fraction (no flapping on noise)
 SLOW_STEP = 4.0  # a step slower than this many times its candidate's median in the phase is not counted
+ELIMINATE_Z = 2.0  # standard errors each side of two candidates' rates that must not overlap to drop the slower
+ELIMINATE_AFTER = 2  # runs of a candidate before it can be dropped (or drop another)
 
 
 def bucket_of(batch: int) -> int:
@@ -51,11 +56,27 @@ class _Samples:
     seconds: list[float] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
 
-    def sums(self) -> tuple[float, float]:
-        """(tokens, seconds) over the counted steps, the outliers (SLOW_STEP) left out."""
+    def kept(self) -> list[tuple[float, int]]:
+        """The counted steps, the outliers (SLOW_STEP) left out."""
         cut = SLOW_STEP * statistics.median(self.seconds)
-        kept = [(s, t) for s, t in zip(self.seconds, self.tokens) if s <= cut]
+        return [(s, t) for s, t in zip(self.seconds, self.tokens) if s <= cut]
+
+    def sums(self) -> tuple[float, float]:
+        """(tokens, seconds) over the kept steps."""
+        kept = self.kept()
         return float(sum(t for _, t in kept)), sum(s for s, _ in kept)
+
+    def interval(self) -> tuple[float, float]:
+        """The tokens/s over the kept steps, ELIMINATE_Z standard errors down and up (the ratio estimator's error:
+        a step's committed tokens vary far more than its seconds)."""
+        kept = self.kept()
+        tokens, seconds = self.sums()
+        rate = tokens / seconds
+        if len(kept) < 2:
+            return 0.0, float("inf")
+        spread = sum((t - rate * s) ** 2 for s, t in kept) / (len(kept) - 1)
+        error = ELIMINATE_Z * (spread / len(kept)) ** 0.5 / (seconds / len(kept))
+        return rate - error, rate + error
 
 
 @dataclass
@@ -111,6 +132,21 @@ class _Bucket:
         candidate = self.plan.pop(0)
         return candidate, index % RUN_STEPS != 0
 
+    def eliminate(self) -> None:
+        """At a run's end: drop from the phase's remaining runs every candidate whose interval lies wholly below the
+        best one's (each having run ELIMINATE_AFTER runs); with one candidate left the phase is over."""
+        if len(self.plan) % RUN_STEPS:
+            return
+        least = ELIMINATE_AFTER * (RUN_STEPS - 1)
+        intervals = {c: s.interval() for c, s in self.samples.items() if len(s.seconds) >= least}
+        if len(intervals) < 2:
+            return
+        floor = max(low for low, _ in intervals.values())
+        slower = {c for c, (_, high) in intervals.items() if high < floor}
+        self.plan = [c for c in self.plan if c not in slower]
+        if len({*self.plan}) < 2:
+            self.plan = []
+
     def end_phase(self) -> Candidate | None:
         """Fold the phase just ended into the totals and choose from them; returns the old choice when it changed."""
         for candidate, samples in self.samples.items():
@@ -159,6 +195,7 @@ class MeasuredSchedule:
             samples = bucket.samples[candidate]
             samples.seconds.append(seconds)
             samples.tokens.append(tokens)
+            bucket.eliminate()
         if bucket.samples and not bucket.plan:
             first = not bucket.measured
             old = bucket.end_phase()
