@@ -44,6 +44,12 @@ def phase_steps(candidates: int) -> int:
     return measured.PHASE_ROUNDS * candidates * measured.RUN_STEPS
 
 
+@pytest.fixture(autouse=True)
+def phase_at_once(monkeypatch) -> None:
+    """Buckets start measuring at their first step (the delay has its own test)."""
+    monkeypatch.setattr(measured, "FIRST_PHASE_AT", 0)
+
+
 def test_buckets_are_powers_of_two() -> None:
     assert [bucket_of(b) for b in (1, 2, 3, 4, 5, 8, 9, 64)] == [1, 2, 4, 4, 8, 8, 16, 64]
     assert [bucket_label(b) for b in (1, 2, 4, 64)] == ["batch 1", "batch 2", "batch 3-4", "batch 33-64"]
@@ -63,8 +69,8 @@ def test_a_phase_times_every_candidate_and_keeps_the_fastest() -> None:
     assert serve(schedule, 1, 50, rates) == [CHAIN] * 50
     assert said == ["schedule measured at batch 1: dflash/3 (was ddtree@4); tokens/s of the server's own steps: "
                     "dflash/3 150, ar 100, ddtree@4 80"]
-    # other buckets are measured on their own, starting from the table's choice there
-    assert serve(schedule, 3, 1, rates) == [AR]
+    # other buckets are measured on their own (starting from batch 1's choice)
+    assert serve(schedule, 3, 1, rates) == [CHAIN] and schedule.buckets[4].plan
 
 
 def test_only_a_clearly_slower_candidate_leaves_the_phase() -> None:
@@ -81,6 +87,19 @@ def test_only_a_clearly_slower_candidate_leaves_the_phase() -> None:
     assert picked.count(CHAIN) == picked.count(TREE) == measured.PHASE_ROUNDS * run
     assert not schedule.buckets[1].plan
     assert schedule.pick(1) == CHAIN
+
+
+def test_a_new_bucket_starts_from_the_nearest_measured_choice_and_measures_later(monkeypatch) -> None:
+    monkeypatch.setattr(measured, "FIRST_PHASE_AT", 32)
+    schedule = MeasuredSchedule(table(), None)
+    rates = {AR: 100.0, CHAIN: 150.0, TREE: 80.0}
+    assert serve(schedule, 1, 32, rates) == [TREE] * 32  # nothing measured yet: the table's choice
+    serve(schedule, 1, phase_steps(3), rates)
+    assert schedule.buckets[1].choice == CHAIN
+    # batch 3-4: the table says AR, batch 1 (the nearest measured) says the chain, until its own phase
+    picked = serve(schedule, 4, 32 + phase_steps(3), rates)
+    assert picked[:32] == [CHAIN] * 32 and {*picked[32:]} == {AR, CHAIN, TREE}
+    assert schedule.buckets[4].choice == CHAIN
 
 
 def test_a_close_call_keeps_the_current_choice_and_says_it_once() -> None:

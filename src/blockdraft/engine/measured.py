@@ -15,7 +15,9 @@ committed tokens vary so much that one phase picks a candidate 10% slower than t
 candidates and decides before the first phase ends.
 
 Measured, not modelled: a step's seconds include the drafter, the tree builds, the verify and every sequence's commit
-(the streaming hook included), which is what the served tokens/s is made of. The first step of each run is not
+(the streaming hook included), which is what the served tokens/s is made of. A bucket starts from the choice of
+the nearest bucket already measured (the table's only while none is) and holds its first phase back FIRST_PHASE_AT
+steps. The first step of each run is not
 counted (it carries the previous run's queued device work), nor is a step far slower than the same candidate's
 others in the phase (a graph captured on a new context length).
 """
@@ -28,6 +30,8 @@ from dataclasses import dataclass, field
 
 from blockdraft.engine.schedule import Candidate, Schedule
 
+FIRST_PHASE_AT = 32  # a bucket's steps before its first phase: a batch size passed through briefly (requests ending
+# one by one) is served with the nearest measured bucket's choice instead of being spent on measuring
 RUN_STEPS = 8  # steps of one candidate in a row during a phase (the first not counted)
 PHASE_ROUNDS = 6  # runs of every candidate per phase
 FIRST_GAP = 256  # steps of a bucket from its first phase's start to the second's; each gap doubles ...
@@ -179,7 +183,10 @@ class MeasuredSchedule:
         if key not in self.buckets:
             entry = self.table.entry(batch)
             ranked = sorted(entry.estimates, key=lambda e: -e.tokens_per_s)
-            self.buckets[key] = _Bucket(entry.choice, [e.candidate for e in ranked])
+            measured = [k for k, b in self.buckets.items() if b.measured]
+            nearest = min(measured, key=lambda k: abs(k.bit_length() - key.bit_length()), default=None)
+            choice = entry.choice if nearest is None else self.buckets[nearest].choice
+            self.buckets[key] = _Bucket(choice, [e.candidate for e in ranked], next_phase=FIRST_PHASE_AT)
         return key, self.buckets[key]
 
     def pick(self, batch: int) -> Candidate:
