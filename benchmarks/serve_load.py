@@ -7,10 +7,13 @@ order (paired: drift of the machine hits both sides alike; the same prompt at T=
 both); the closing table gives server tokens/s over in-process tokens/s (goal >= 0.95). With every server up, each
 concurrency level runs `--requests` streamed chat requests (T=0, `stream_options.include_usage`) per method through
 a pool of that many clients, in `--rounds` rounds that rotate the methods (ABBA: on the H200 the same method's
-tokens/s moved up to 26% between runs a day apart, more than the gaps being compared). Reported per level: requests/s, output tokens/s (usage.completion_tokens over wall time), TTFT
-and inter-chunk latency p50/p99 (the gap between streamed chunks: one per stream interval, which carries every
-token committed since), errors. Everything is bounded: levels, request counts and `--time-cap` per method and level (no
-new request after it; the run stops by itself).
+tokens/s moved up to 26% between runs a day apart, more than the gaps being compared). Reported per level:
+requests/s, output tokens/s (usage.completion_tokens over wall time), TTFT and inter-chunk latency p50/p99 (the gap
+between streamed chunks: one per stream interval, which carries every token committed since), errors, and the
+server's own account of its decode thread from /metrics (`blockdraft:engine_*`): the share of the wall time in
+decode steps and in admissions (prefill), the steps by method (a schedule's mix) and the steps over STALL_S.
+Everything is bounded: levels, request counts and `--time-cap` per method and level (no new request after it; the
+run stops by itself).
 
     python benchmarks/serve_load.py --methods ar,dflash,ddtree --concurrency 1,4 --requests 12 --max-tokens 64 \
         --device cpu --threads 1 --json-out serve_load.json
@@ -73,6 +76,7 @@ class LevelResult:
     itl_p99_ms: float | None
     errors: int
     error_messages: list[str] = field(default_factory=list)
+    engine: dict[str, Any] = field(default_factory=dict)  # EngineShare.delta: where the server's decode thread went
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -307,6 +311,61 @@ def one_request(client: httpx.Client, url: str, model: str, messages: list[dict]
     return record
 
 
+STALL_S = 0.25  # a decode step longer than this is a stall (a capture, a compile), not a step
+
+
+@dataclass
+class EngineShare:
+    """The server's own account of its decode thread (`blockdraft:engine_*` on /metrics), read before and after a
+    level: the seconds in steps (by method) and in admissions, and the steps over STALL_S."""
+
+    admit_s: float = 0.0
+    step_s: dict[str, float] = field(default_factory=dict)
+    steps: dict[str, int] = field(default_factory=dict)
+    stalls: int = 0
+
+    @classmethod
+    def read(cls, url: str) -> "EngineShare":
+        from prometheus_client.parser import text_string_to_metric_families
+
+        time.sleep(0.3)  # the engine reports its time when it goes idle: let the last report land
+        share = cls()
+        text = httpx.get(url.removesuffix("/v1") + "/metrics", timeout=30).text
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                method = sample.labels.get("method", "")
+                if sample.name == "blockdraft:engine_admit_seconds_total":
+                    share.admit_s += sample.value
+                elif sample.name == "blockdraft:engine_step_seconds_sum":
+                    share.step_s[method] = sample.value
+                elif sample.name == "blockdraft:engine_step_seconds_count":
+                    share.steps[method] = int(sample.value)
+                    share.stalls += int(sample.value)
+                elif sample.name == "blockdraft:engine_step_seconds_bucket" and sample.labels["le"] == str(STALL_S):
+                    share.stalls -= int(sample.value)
+        return share
+
+    def minus(self, before: "EngineShare") -> "EngineShare":
+        return EngineShare(self.admit_s - before.admit_s,
+                           {m: s - before.step_s.get(m, 0.0) for m, s in self.step_s.items()},
+                           {m: n - before.steps.get(m, 0) for m, n in self.steps.items()},
+                           self.stalls - before.stalls)
+
+    def plus(self, other: "EngineShare") -> "EngineShare":
+        methods = {*self.steps, *other.steps}
+        return EngineShare(self.admit_s + other.admit_s,
+                           {m: self.step_s.get(m, 0.0) + other.step_s.get(m, 0.0) for m in methods},
+                           {m: self.steps.get(m, 0) + other.steps.get(m, 0) for m in methods},
+                           self.stalls + other.stalls)
+
+    def delta(self, wall: float) -> dict[str, Any]:
+        """For the level's record: shares of its wall time, steps by method, stalls."""
+        return {"step_share": sum(self.step_s.values()) / wall, "admit_share": self.admit_s / wall,
+                "steps": {m: n for m, n in self.steps.items() if n}, "step_s": {m: s for m, s in self.step_s.items()
+                                                                                  if self.steps.get(m)},
+                "stalls": self.stalls}
+
+
 def run_requests(url: str, model: str, concurrency: int, indices: list[int], prompts: list[list[dict]],
                  max_tokens: int, deadline: float) -> tuple[list[RequestRecord], float]:
     """The requests of `indices` (prompts cycled) through a pool of `concurrency` clients; their records and the
@@ -333,7 +392,8 @@ def run_requests(url: str, model: str, concurrency: int, indices: list[int], pro
     return records, time.perf_counter() - start
 
 
-def summarize(method: str, concurrency: int, records: list[RequestRecord], wall: float) -> LevelResult:
+def summarize(method: str, concurrency: int, records: list[RequestRecord], wall: float,
+              engine: EngineShare) -> LevelResult:
     done = [r for r in records if r.ok]
     ttfts = [r.ttft for r in done if r.ttft is not None]
     gaps = [g for r in done for g in r.gaps]
@@ -342,7 +402,7 @@ def summarize(method: str, concurrency: int, records: list[RequestRecord], wall:
         requests_per_s=len(done) / wall, output_tokens_per_s=sum(r.tokens for r in done) / wall,
         ttft_p50_ms=percentile(ttfts, 50), ttft_p99_ms=percentile(ttfts, 99), itl_p50_ms=percentile(gaps, 50),
         itl_p99_ms=percentile(gaps, 99), errors=len(records) - len(done),
-        error_messages=sorted({str(r.error) for r in records if not r.ok})[:5],
+        error_messages=sorted({str(r.error) for r in records if not r.ok})[:5], engine=engine.delta(wall),
     )
 
 
@@ -353,16 +413,19 @@ def rotate(methods: list[str], servers: dict[str, "Server"], args: argparse.Name
     machine over the level hits all methods alike."""
     records: dict[str, list[RequestRecord]] = {m: [] for m in methods}
     walls = dict.fromkeys(methods, 0.0)
+    engines = {m: EngineShare() for m in methods}
     bounds = [args.requests * r // args.rounds for r in range(args.rounds + 1)]
     for r in range(args.rounds):
         for method in methods if r % 2 == 0 else methods[::-1]:
             url = servers[method].url
             assert url is not None
+            before = EngineShare.read(url)
             got, wall = run_requests(url, args.target, concurrency, list(range(bounds[r], bounds[r + 1])), prompts,
                                      args.max_tokens, time.monotonic() + args.time_cap / args.rounds)
+            engines[method] = engines[method].plus(EngineShare.read(url).minus(before))
             records[method] += got
             walls[method] += wall
-    return [summarize(m, concurrency, records[m], walls[m]) for m in methods]
+    return [summarize(m, concurrency, records[m], walls[m], engines[m]) for m in methods]
 
 
 def fmt(value: float | None, spec: str = ".0f") -> str:
@@ -425,8 +488,11 @@ def main() -> None:
         for concurrency in args.concurrency_levels:
             for result in rotate(methods, servers, args, concurrency, prompts):
                 levels.append(result)
+                engine = result.engine
+                mix = ", ".join(f"{m} {n}" for m, n in sorted(engine["steps"].items(), key=lambda mn: -mn[1]))
                 console.print(f"# {result.method} c={concurrency}: {result.output_tokens_per_s:.1f} tok/s, "
-                              f"{result.errors} errors" + "".join(f"\n#   {m}" for m in result.error_messages))
+                              f"{result.errors} errors; steps by method: {mix or '-'}"
+                              + "".join(f"\n#   {m}" for m in result.error_messages))
     finally:
         for method, server in servers.items():
             server.stop()
@@ -441,12 +507,13 @@ def main() -> None:
 
     table = Table(title=f"blockdraft serve under load ({args.target}, {args.max_tokens} max tokens, T=0)")
     for column in ("method", "conc", "requests", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
-                   "ITL p99 ms", "errors"):
+                   "ITL p99 ms", "errors", "steps % wall", "admit % wall", f"steps > {STALL_S} s"):
         table.add_column(column, justify="right")
     for r in levels:
         table.add_row(r.method, str(r.concurrency), str(r.requests), fmt(r.requests_per_s, ".2f"),
                       fmt(r.output_tokens_per_s, ".1f"), fmt(r.ttft_p50_ms), fmt(r.ttft_p99_ms), fmt(r.itl_p50_ms),
-                      fmt(r.itl_p99_ms), str(r.errors))
+                      fmt(r.itl_p99_ms), str(r.errors), fmt(100 * r.engine["step_share"]),
+                      fmt(100 * r.engine["admit_share"]), str(r.engine["stalls"]))
     out.print(table)
     summary = Table(title="server at concurrency 1 vs in-process, paired request by request (goal >= 0.95)")
     for column in ("method", "requests", "same token counts", "in-process tok/s", "server c=1 tok/s", "ratio",

@@ -408,13 +408,17 @@ def test_a_schedule_serves_with_the_method_it_picks_per_batch_size(text_pair, se
         alone = ask(scheduled.url, prompts[0])
         with ThreadPoolExecutor(8) as pool:
             together = list(pool.map(lambda p: ask(scheduled.url, p), prompts))
+        time.sleep(0.5)  # the engine reports its busy time when it goes idle
+        steps = {labels[0][1]: n for (name, labels), n in metric_values(scheduled.url).items()
+                 if name == "blockdraft:engine_step_seconds_count"}
+        assert steps.keys() == {"ddtree@4", "ar"} and min(steps.values()) > 0  # /metrics: each step by its method
     assert any(line.startswith(f"schedule ({path}): batch 1: ddtree@4") and "batch 2: ar" in line for line in said)
     assert not any("adapts" in line for line in said)
     assert [ids for ids, _ in together] == [ask(server.url, p)[0] for p in prompts]
     assert alone[0] == together[0][0]
 
-    # adapting (the default): one request at a time until batch 1's first phase has timed every candidate (144
-    # steps); the server prints what it measured, and every answer is still the plain server's
+    # adapting (the default): one request at a time until batch 1's first phase (from its 32nd step) has timed the
+    # candidates; the server prints what it measured, and every answer is still the plain server's
     said.clear()
     long = [[(7 * i + j) % 90 + 2 for j in range(4)] for i in range(12)]
     with running(settings(*text_pair, served_model_name=MODEL, max_num_seqs=4, engine="fast", schedule=str(path)),

@@ -322,6 +322,22 @@ def test_every_metric_we_export_is_vllms_own() -> None:
         assert family == vllm[name], name
 
 
+def test_the_engines_busy_time_is_exposed_by_method() -> None:
+    from blockdraft.serve.messages import EngineTime
+
+    metrics = ServeMetrics("m", 2048, 15)
+    metrics.engine_time(EngineTime(0.5, {"dflash/15": [0.004, 0.3], "ar": [0.002]}))
+    metrics.engine_time(EngineTime(0.25, {"dflash/15": [0.006]}))
+    samples = {(s.name, s.labels.get("method"), s.labels.get("le")): s.value
+               for family in text_string_to_metric_families(metrics.exposition()[0].decode())
+               if family.name.startswith("blockdraft:") for s in family.samples}
+    assert samples[("blockdraft:engine_admit_seconds_total", None, None)] == 0.75
+    assert samples[("blockdraft:engine_step_seconds_count", "dflash/15", None)] == 3
+    assert samples[("blockdraft:engine_step_seconds_sum", "dflash/15", None)] == pytest.approx(0.31)
+    assert samples[("blockdraft:engine_step_seconds_bucket", "dflash/15", "0.25")] == 2
+    assert samples[("blockdraft:engine_step_seconds_count", "ar", None)] == 1
+
+
 def test_outbox_sends_the_first_and_final_events_at_once_and_batches_the_rest() -> None:
     import pickle
 
@@ -376,12 +392,14 @@ def test_event_relay_delivers_batches_pushed_from_another_thread_in_order() -> N
 def test_waiting_jobs_join_together_and_a_bad_one_gets_its_own_400() -> None:
     """The worker admits every job waiting at a step boundary in one group (prefilled together by the batched
     engine); one that cannot run gets a 400 naming why, the others their batch-1 ids, each exactly one final
-    event."""
+    event. The engine's clock hears the admission and every step, by method."""
     import threading
 
     from blockdraft.models.fast_target import FastTarget
     from blockdraft.serve.batched import BatchedEngine
+    from blockdraft.serve.engine_clock import EngineClock
     from blockdraft.serve.jobs import Failed, Finished, Job, JobSpec
+    from blockdraft.serve.messages import EngineTime
     from blockdraft.serve.worker import Worker
 
     target = FastTarget(make_target_model("qwen3"))
@@ -395,6 +413,14 @@ def test_waiting_jobs_join_together_and_a_bad_one_gets_its_own_400() -> None:
         admit(jobs)
 
     engine.admit = counting_admit  # type: ignore[method-assign]
+    steps = [0]
+    step = engine.step
+
+    def counting_step() -> str:
+        steps[0] += 1
+        return step()
+
+    engine.step = counting_step  # type: ignore[method-assign]
     finals: dict[int, list] = {}
     done = threading.Event()
     prompts = [[1, 2, 3], [VOCAB + 3], [4, 5, 6, 7, 8], [9]]
@@ -407,7 +433,8 @@ def test_waiting_jobs_join_together_and_a_bad_one_gets_its_own_400() -> None:
                     done.set()
         return emit
 
-    worker = Worker(engine, lambda job: None)
+    reports: list[EngineTime] = []
+    worker = Worker(engine, lambda job: None, EngineClock(reports.append))
     jobs = [Job(JobSpec(i, ids, 12, SamplingParams(), 0, StopRules(), 0.0), emitter(i)) for i, ids in enumerate(prompts)]
     for job in jobs:  # queued before the thread starts: all four wait together
         worker.submit(job)
@@ -415,6 +442,9 @@ def test_waiting_jobs_join_together_and_a_bad_one_gets_its_own_400() -> None:
     assert done.wait(120)
     worker.stop()
     assert groups == [4]
+    assert sum(r.admit_s for r in reports) > 0 and {m for r in reports for m in r.steps} == {"dflash"}
+    step_seconds = [s for r in reports for s in r.steps["dflash"]]
+    assert len(step_seconds) == steps[0] > 0 and min(step_seconds) > 0
     assert all(len(events) == 1 for events in finals.values())
     error = finals[1][0]
     assert isinstance(error, Failed) and error.error.status == 400 and f"id {VOCAB + 3}" in error.error.message

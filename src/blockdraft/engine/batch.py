@@ -120,6 +120,7 @@ class BatchDecoder:
             SlotVerifier(target, max_seqs) if isinstance(target, FastTarget) else LoopVerifier(target, max_seqs))
         self.running: list[Sequence] = []  # sequence i lives in cache slot i (and drafter slot i)
         self.drafting: BatchDrafter | None = None  # made by the first sequence that drafts on the fast engine
+        self.last_method = ""  # the method the last step ran ("ar", "dflash", "ddtree", or a schedule's label)
 
     def _batch_drafter(self, proposer: Proposer | None) -> BatchDrafter | None:
         """The batch's drafter, when the proposers draft with a drafter the batched pass can run."""
@@ -276,6 +277,8 @@ class BatchDecoder:
             for seq in self.running:
                 assert isinstance(seq.proposer, SwitchingProposer)
                 seq.proposer.use(candidate)
+        proposer = self.running[0].proposer
+        self.last_method = candidate.label if candidate is not None else proposer.name if proposer else "ar"
         starts = [seq.prompt_len + len(seq.tokens) - 1 for seq in self.running]
         drafts = self._drafts(starts) if self.drafting is not None else [
             seq.proposer.propose(seq.tokens[-1], start, seq.max_new_tokens - len(seq.tokens), seq.sampling,
@@ -283,7 +286,7 @@ class BatchDecoder:
             for seq, start in zip(self.running, starts)]
         for seq, draft in zip(self.running, drafts):
             seq.draft_lengths.append(len(draft))
-        tap_layers = self.running[0].proposer.tap_layers if self.running[0].proposer else None
+        tap_layers = proposer.tap_layers if proposer else None
         verified = self.verifier.forward([seq.tokens[-1] for seq in self.running], drafts, starts, tap_layers)
         extended: list[int] = []
         kept_taps: list[torch.Tensor] = []

@@ -84,11 +84,12 @@ class BatchedEngine:
             else:
                 self._runs[id(seq)] = run
 
-    def step(self) -> None:
-        """One batched step; the jobs that finished in it get their Finished event."""
+    def step(self) -> str:
+        """One batched step; the jobs that finished in it get their Finished event. Returns the method it ran."""
         for seq in self.decoder.step():
             run = self._runs.pop(id(seq))
             run.job.emit(Finished(run.finish(seq.result())))
+        return self.decoder.last_method
 
     def abandon(self) -> list[Job]:
         """After a failed step: empty the batch and return its jobs (the worker answers them)."""

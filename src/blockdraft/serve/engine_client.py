@@ -26,6 +26,7 @@ from blockdraft.serve.messages import (
     Command,
     Drain,
     EngineInfo,
+    EngineTime,
     JobEvents,
     Ready,
     Say,
@@ -190,6 +191,8 @@ class EngineClient:
                 self._deliver(reply)
             elif isinstance(reply, Say):
                 self._say(reply.text)
+            elif isinstance(reply, EngineTime) and self.metrics is not None:
+                self.metrics.engine_time(reply)
         self._engine_gone()
 
     def _deliver(self, reply: JobEvents) -> None:

@@ -39,6 +39,7 @@ from blockdraft.serve.output import commit_work
 from blockdraft.serve.prepare import generation_defaults
 from blockdraft.serve.relay import Outbox
 from blockdraft.serve.batched import BatchedEngine
+from blockdraft.serve.engine_clock import EngineClock
 from blockdraft.serve.self_check import check_prompts, self_check
 from blockdraft.serve.sequential import SequentialEngine
 from blockdraft.serve.settings import ServeSettings
@@ -119,7 +120,7 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
         engine = SequentialEngine(target, new_proposer(), loaded.tokenizer)
     if seqs > 1:
         say(f"continuous batching: up to {seqs} requests decode together (--max-num-seqs)")
-    worker = Worker(engine, lambda job: outbox.send(Started(job.spec.job_id)))
+    worker = Worker(engine, lambda job: outbox.send(Started(job.spec.job_id)), EngineClock(outbox.send))
     worker.start(warmup_ids=check_prompts(loaded.tokenizer, target.vocab_size)[0])
     return worker, info
 

@@ -1,8 +1,8 @@
 """What crosses the pipes between the HTTP process and the engine process (all picklable, nothing else crosses).
 
 The HTTP process sends commands: a job to decode (jobs.JobSpec), a job to drop, drain, shut down. The engine process
-answers with start-up lines, one Ready (or StartFailed), and for each job a Started and batches of its events
-(jobs.Event).
+answers with start-up lines, one Ready (or StartFailed), for each job a Started and batches of its events
+(jobs.Event), and about once a second while busy, where its time went (EngineTime).
 """
 
 from __future__ import annotations
@@ -84,4 +84,13 @@ class JobEvents:
     events: list[Event]
 
 
-Reply = Say | Ready | StartFailed | Started | JobEvents
+@dataclass(frozen=True)
+class EngineTime:
+    """The decoding thread's busy time since its last report: seconds spent admitting jobs (prefill and joining the
+    batch; with --max-num-seqs 1 a job's whole decode), and each batched step's seconds by the method it ran."""
+
+    admit_s: float
+    steps: dict[str, list[float]]
+
+
+Reply = Say | Ready | StartFailed | Started | JobEvents | EngineTime

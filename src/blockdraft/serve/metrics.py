@@ -7,6 +7,9 @@ counter, each position pre-created). Counts follow vLLM's: a draft is a verify s
 accepted tokens exclude the bonus, per-position counts are unconditional (position i counts a step whose accepted
 run reached it). Generation tokens are what the loop produced (vLLM counts engine output before stop-string
 trimming); usage in a response counts the tokens kept.
+
+Ours beside them, under `blockdraft:` (vLLM has no equivalent): the engine's busy time (serve/engine_clock.py), each
+batched decode step's seconds by the method it ran and the seconds spent admitting requests.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
 from blockdraft.serve.jobs import JobOutput, Timing
+from blockdraft.serve.messages import EngineTime
 
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")  # vLLM v1/engine FINISH_REASON_STRINGS
 ENGINE = "0"
@@ -36,6 +40,7 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 40.0, 80.0, 160.0, 640.0, 2560.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
                80.0)
+STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 N_BUCKETS = (1, 2, 5, 10, 20)
 
@@ -61,6 +66,7 @@ class ServeMetrics:
         for collector in (ProcessCollector, PlatformCollector, GCCollector):
             collector(registry=self.registry)
         labels, values = ["model_name", "engine"], (model_name, ENGINE)
+        self._values = values
         reg = self.registry
 
         def gauge(name: str, doc: str) -> Gauge:
@@ -114,6 +120,11 @@ class ServeMetrics:
                                       "Histogram of time spent in PREFILL phase for request.", REQUEST_LATENCY_BUCKETS)
         self.decode_time = histogram("vllm:request_decode_time_seconds",
                                      "Histogram of time spent in DECODE phase for request.", REQUEST_LATENCY_BUCKETS)
+        self.step_seconds = Histogram(
+            "blockdraft:engine_step_seconds", "Seconds of each batched decode step, by the method it ran.",
+            [*labels, "method"], buckets=STEP_BUCKETS, registry=reg)
+        self.admit_seconds = counter("blockdraft:engine_admit_seconds",
+                                     "Seconds the engine spent admitting requests (prefill, joining the batch).")
         self.spec: tuple[Counter, Counter, Counter, list[Counter]] | None = None
         if num_spec_tokens:
             per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
@@ -135,6 +146,14 @@ class ServeMetrics:
 
     def reject(self) -> None:
         self.rejections.inc()
+
+    def engine_time(self, report: EngineTime) -> None:
+        """The engine's busy time since its last report."""
+        self.admit_seconds.inc(report.admit_s)
+        for method, seconds in report.steps.items():
+            histogram = self.step_seconds.labels(*self._values, method)
+            for value in seconds:
+                histogram.observe(value)
 
     def abandoned(self, timing: Timing, reason: str) -> None:
         """A request that ended without decoding (client gone while queued, drain deadline, an error)."""

@@ -47,8 +47,9 @@ class SequentialEngine:
             )
             job.emit(Finished(run.finish(result)))
 
-    def step(self) -> None:
+    def step(self) -> str:
         """Nothing runs between admissions."""
+        return ""
 
     def abandon(self) -> list[Job]:
         """Nothing runs between admissions."""

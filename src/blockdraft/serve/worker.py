@@ -18,6 +18,7 @@ from collections.abc import Callable
 from blockdraft.errors import BlockdraftError
 from blockdraft.serve.errors import ApiError
 from blockdraft.serve.batched import BatchedEngine
+from blockdraft.serve.engine_clock import EngineClock
 from blockdraft.serve.jobs import Failed, Job
 from blockdraft.serve.sequential import SequentialEngine
 
@@ -25,11 +26,14 @@ log = logging.getLogger("blockdraft.serve")
 
 
 class Worker:
-    """Decodes submitted jobs on its own thread; `started(job)` is called as each leaves the queue."""
+    """Decodes submitted jobs on its own thread; `started(job)` is called as each leaves the queue, and `clock`
+    hears where the thread's time went."""
 
-    def __init__(self, engine: SequentialEngine | BatchedEngine, started: Callable[[Job], None]) -> None:
+    def __init__(self, engine: SequentialEngine | BatchedEngine, started: Callable[[Job], None],
+                 clock: EngineClock | None = None) -> None:
         self.engine = engine
         self.started = started
+        self.clock = clock
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._deadline: float | None = None
         self._thread: threading.Thread | None = None
@@ -77,21 +81,35 @@ class Worker:
         """Admit the queued jobs the engine has room for (waiting for one only when nothing runs), then step."""
         engine = self.engine
         stopping = False
+        clock = self.clock
         while not stopping or engine.busy:
             jobs: list[Job] = []
             while len(jobs) < engine.room and not stopping:
+                idle = not engine.busy and not jobs
+                if idle and clock is not None:
+                    clock.flush(force=True)
                 try:
-                    job = self._jobs.get(block=not engine.busy and not jobs)
+                    job = self._jobs.get(block=idle)
                 except queue.Empty:
                     break
                 if job is None:
                     stopping = True
                 else:
                     jobs.append(job)
+            began = time.perf_counter()
             if jobs:
                 self._admit(jobs)
+                if clock is not None:
+                    clock.admitted(time.perf_counter() - began)
             if engine.busy:
-                self._step()
+                began = time.perf_counter()
+                method = self._step()
+                if clock is not None and method:
+                    clock.stepped(method, time.perf_counter() - began)
+            if clock is not None:
+                clock.flush()
+        if clock is not None:
+            clock.flush(force=True)
 
     def _admit(self, jobs: list[Job]) -> None:
         admitted: list[tuple[Job, Callable[[], bool]]] = []
@@ -115,10 +133,12 @@ class Worker:
             for job, _ in admitted:
                 job.emit(Failed(ApiError(500, f"decoding failed ({type(exc).__name__}: {exc})")))
 
-    def _step(self) -> None:
+    def _step(self) -> str:
+        """One step; the method it ran ("" when it failed)."""
         try:
-            self.engine.step()
+            return self.engine.step()
         except Exception as exc:  # every job of the failed step gets its answer; the batch starts afresh
             log.exception("a batched decode step failed")
             for job in self.engine.abandon():
                 job.emit(Failed(ApiError(500, f"decoding failed ({type(exc).__name__}: {exc})")))
+            return ""
