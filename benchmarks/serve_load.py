@@ -48,7 +48,7 @@ from rich.table import Table
 
 HOST = "127.0.0.1"
 SCHEDULE = "schedule"  # a --methods entry: the server with --method ddtree --schedule FILE|auto
-SAID = ("method ", "schedule", "the schedule", "continuous")  # the server's lines kept in the JSON (server_said)
+SAID = ("method ", "schedule", "the schedule", "continuous", "slow step")  # server lines kept (JSON: server_said)
 console = Console(stderr=True)
 out = Console(width=150)
 

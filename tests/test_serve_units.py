@@ -338,6 +338,35 @@ def test_the_engines_busy_time_is_exposed_by_method() -> None:
     assert samples[("blockdraft:engine_step_seconds_count", "ar", None)] == 1
 
 
+def test_a_slow_step_is_named_with_what_it_did(monkeypatch) -> None:
+    """A step over SLOW_STEP_S gets a line with the graphs it captured and the compilations it ran, at most one line
+    per SAY_EVERY_S (the others counted in the next); every step still reaches the report."""
+    from blockdraft.serve import engine_clock
+    from blockdraft.serve.engine_clock import EngineClock
+    from blockdraft.serve.messages import EngineTime
+
+    now = [100.0]
+    monkeypatch.setattr(engine_clock.time, "monotonic", lambda: now[0])
+    captured = [3]
+    monkeypatch.setattr(engine_clock, "graphs_captured", lambda: captured[0])
+    monkeypatch.setattr(engine_clock, "compilations", lambda: 7)
+    said: list[str] = []
+    reports: list[EngineTime] = []
+    clock = EngineClock(reports.append, said.append)
+    for seconds, graphs, later in ((0.01, 0, 0.1), (2.5, 4, 0.1), (0.4, 0, 1.0), (0.3, 1, 5.0), (0.5, 2, 0.1)):
+        clock.starting_step()
+        captured[0] += graphs
+        clock.stepped("ddtree@32", 4, seconds)
+        now[0] += later
+    clock.flush(force=True)
+    assert said == [
+        "slow step: 2.50 s at batch 4 running ddtree@32 (4 CUDA graphs captured, 0 torch.compile compilations in it)",
+        "slow step: 0.50 s at batch 4 running ddtree@32 (2 CUDA graphs captured, 0 torch.compile compilations in it; "
+        "2 more over 0.25 s since the last such line)",
+    ]
+    assert reports == [EngineTime(0.0, {"ddtree@32": [0.01, 2.5, 0.4, 0.3, 0.5]})]
+
+
 def test_outbox_sends_the_first_and_final_events_at_once_and_batches_the_rest() -> None:
     import pickle
 

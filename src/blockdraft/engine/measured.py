@@ -9,15 +9,15 @@ tokens each committed per second of step over this and the earlier phases (older
 with the fastest until the next phase. A candidate clearly slower than the phase's best (their confidence intervals
 apart, ELIMINATE_Z standard errors each) leaves the phase at the end of its run: on the H200 a full phase at batch
 9-16 spent two thirds of its steps on candidates 24% and 42% slower than DFlash, and a short load level ran inside
-that phase throughout (the schedule served 0.69x DFlash at concurrency 16; RESULTS, session 17). Phases come often at first and then every PHASE_EVERY steps: a step's
-committed tokens vary so much that one phase picks a candidate 10% slower than the best about one time in three
-(benchmarks/schedule_simulation.py); the running totals get that down over the phases. The table only orders the
-candidates and decides before the first phase ends.
+that phase throughout (the schedule served 0.69x DFlash at concurrency 16; RESULTS, session 17). Phases come
+often at first and then every PHASE_EVERY steps: a step's committed tokens vary so much that one phase picks a
+candidate 10% slower than the best about one time in three (benchmarks/schedule_simulation.py); the running totals
+get that down over the phases. A bucket starts from the choice of the nearest bucket already measured (the table's
+only while none is) and holds its first phase back FIRST_PHASE_AT steps; the table otherwise only orders the
+candidates.
 
 Measured, not modelled: a step's seconds include the drafter, the tree builds, the verify and every sequence's commit
-(the streaming hook included), which is what the served tokens/s is made of. A bucket starts from the choice of
-the nearest bucket already measured (the table's only while none is) and holds its first phase back FIRST_PHASE_AT
-steps. The first step of each run is not
+(the streaming hook included), which is what the served tokens/s is made of. The first step of each run is not
 counted (it carries the previous run's queued device work), nor is a step far slower than the same candidate's
 others in the phase (a graph captured on a new context length).
 """

@@ -41,6 +41,11 @@ class BatchedEngine:
     def busy(self) -> bool:
         return bool(self.decoder.running)
 
+    @property
+    def running(self) -> int:
+        """Sequences in the batch."""
+        return len(self.decoder.running)
+
     def warm_up(self, prompt_ids: list[int]) -> None:
         """Short decodes at every batch bucket (1, 2, 4, ... --max-num-seqs sequences at once), with each method a
         schedule may pick, so the first requests at each size do not pay for compiling and capturing its graphs (on

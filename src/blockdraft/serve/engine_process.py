@@ -120,7 +120,7 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
         engine = SequentialEngine(target, new_proposer(), loaded.tokenizer)
     if seqs > 1:
         say(f"continuous batching: up to {seqs} requests decode together (--max-num-seqs)")
-    worker = Worker(engine, lambda job: outbox.send(Started(job.spec.job_id)), EngineClock(outbox.send))
+    worker = Worker(engine, lambda job: outbox.send(Started(job.spec.job_id)), EngineClock(outbox.send, say))
     worker.start(warmup_ids=check_prompts(loaded.tokenizer, target.vocab_size)[0])
     return worker, info
 

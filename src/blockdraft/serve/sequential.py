@@ -24,6 +24,7 @@ class SequentialEngine:
 
     room = 1
     busy = False
+    running = 0
 
     def __init__(self, target: Target, proposer: Proposer | None, tokenizer: Any) -> None:
         self.target = target

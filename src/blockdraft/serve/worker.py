@@ -102,10 +102,13 @@ class Worker:
                 if clock is not None:
                     clock.admitted(time.perf_counter() - began)
             if engine.busy:
+                batch = engine.running
+                if clock is not None:
+                    clock.starting_step()
                 began = time.perf_counter()
                 method = self._step()
                 if clock is not None and method:
-                    clock.stepped(method, time.perf_counter() - began)
+                    clock.stepped(method, batch, time.perf_counter() - began)
             if clock is not None:
                 clock.flush()
         if clock is not None:
