@@ -459,6 +459,10 @@ def main() -> None:
     parser.add_argument("--json-out", type=Path, default=None)
     args = parser.parse_args()
     args.concurrency_levels = [int(c) for c in args.concurrency.split(",")]
+    if args.requests < args.rounds * max(args.concurrency_levels):
+        parser.error(f"--requests {args.requests} is under --rounds x the highest concurrency "
+                     f"({args.rounds * max(args.concurrency_levels)}): a round would never reach that concurrency "
+                     "(session 17's 32 requests in 2 rounds at concurrency 64 ran 16 at once)")
 
     from blockdraft.bench.prompts import load_prompt_set
 
