@@ -333,6 +333,56 @@ def test_a_schedule_switches_the_method_with_the_batch_size_losslessly() -> None
         assert seq.tokens == generate(target, ids, None, seq.max_new_tokens).token_ids
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_scheduled_ar_steps_leave_the_drafter_context_for_later_and_draft_the_same(monkeypatch, fast: bool) -> None:
+    """AR steps of a schedule leave their tokens out of the drafter context (at most PENDING_MAX of them); the next
+    drafting step writes them in one extension and drafts what it would have drafted had every step written them."""
+    from blockdraft.engine import batch
+    from blockdraft.engine.schedule import AR, Candidate
+    from blockdraft.engine.switching import SwitchingProposer
+
+    class Script:
+        """AR for the first 7 steps, then the chain for 3, then AR again."""
+
+        def __init__(self) -> None:
+            self.steps = 0
+
+        def pick(self, batch_size: int) -> Candidate:
+            self.steps += 1
+            return Candidate("dflash", 3) if 7 < self.steps <= 10 else AR
+
+    model = make_target_model("qwen3")
+    target = FastTarget(model) if fast else Target(model)
+    drafter = make_drafter("all_full")
+    finish = SwitchingProposer.finish
+
+    def run(pending_max: int) -> tuple[list, list]:
+        monkeypatch.setattr(batch, "PENDING_MAX", pending_max)
+        drafted: list[torch.Tensor] = []
+
+        def recording_finish(self, logits, sampling, generator):  # noqa: ANN001, ANN202
+            drafted.append(logits.clone())
+            return finish(self, logits, sampling, generator)
+
+        monkeypatch.setattr(SwitchingProposer, "finish", recording_finish)
+        decoder = BatchDecoder(target, lambda: SwitchingProposer(drafter, target, 4), 2, Script())  # type: ignore[arg-type]
+        seqs = [decoder.join(ids, 30) for ids in prompts(2)]
+        while decoder.running:
+            decoder.step()
+        return [(seq.tokens, seq.draft_lengths) for seq in seqs], drafted
+
+    deferred, deferred_logits = run(256)
+    at_once, at_once_logits = run(1)  # every AR step writes its context, as before deferral
+    capped, capped_logits = run(4)  # a sequence 4 tokens behind writes them at once
+    assert deferred == at_once == capped
+    assert [n > 0 for n in deferred[0][1][:11]] == [False] * 7 + [True] * 3 + [False]
+    assert len(deferred_logits) == len(at_once_logits) == len(capped_logits) == 6  # 2 sequences x 3 chain steps
+    for ours, theirs in zip(deferred_logits, at_once_logits):
+        torch.testing.assert_close(ours, theirs)
+    for ours, theirs in zip(capped_logits, at_once_logits):
+        torch.testing.assert_close(ours, theirs)
+
+
 def test_bench_batch_size_gives_the_same_ids_and_the_batch_wall_time(tiny_dirs, tmp_path) -> None:
     import json
 
