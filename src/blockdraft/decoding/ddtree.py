@@ -20,6 +20,7 @@ from __future__ import annotations
 import heapq
 import math
 import time
+from typing import Any
 
 import torch
 
@@ -28,12 +29,14 @@ from blockdraft.decoding.host_to_device import long_tensor
 from blockdraft.decoding.sampling import SamplingParams, probabilities
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.drafter import DFlashDrafter
+from blockdraft.models.fast_drafter import capture
 from blockdraft.models.target import Target
 
 
 DEVICE_SEARCH_NODES = 4096  # batch x budget from which a GPU searches on the device (H200, RESULTS session 17:
-# the device search takes 2.2-4.6 ms of eager launches whatever the batch, the heap ~2 us of Python per node; even at
-# 16 x 256 and 64 x 32 nodes, 0.58x the heap at 64 x 64)
+# the device search took 2.2-4.6 ms of eager launches whatever the batch, the heap ~2 us of Python per node; even at
+# 16 x 256 and 64 x 32 nodes, 0.58x the heap at 64 x 64). Measured before the search replayed a CUDA graph, which
+# should move the crossover down: `benchmarks/tree_search_speed.py` re-measures it.
 
 
 def check_budget(budget: int | None) -> int:
@@ -115,7 +118,21 @@ def best_prefixes(values: list[list[float]], budget: int) -> tuple[list[int], li
 def best_prefixes_on_device(values: torch.Tensor, slots: list[int], budget: int
                             ) -> list[tuple[list[int], list[int], list[int]]]:
     """`best_prefixes` for every sequence of a batch's sorted top-k scores [n, L, k] (sequence b over its first
-    `slots[b]` slots), searched with tensors where the scores are, and read back once.
+    `slots[b]` slots), searched with tensors where the scores are, and read back once. On a GPU the search is
+    replayed from a CUDA graph per shape (`_graphed_search`): eagerly it is ~100 small launches, 2.2-4.6 ms on the
+    H200 whatever the batch (benchmarks/RESULTS.md, session 17), nearly all launch time."""
+    host_slots = torch.tensor(slots, dtype=torch.long)
+    if values.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+        read = _graphed_search(values, host_slots, budget)
+    else:
+        read = _search(values, host_slots.to(values.device), budget)
+    return [(row[1 : 1 + row[0]], row[1 + budget : 1 + budget + row[0]], row[1 + 2 * budget : 1 + 2 * budget + row[0]])
+            for row in read.tolist()]
+
+
+def _search(values: torch.Tensor, slots: torch.Tensor, budget: int) -> torch.Tensor:
+    """The device search's tensor work, with static shapes and no host read: per sequence one row of the node count,
+    then `budget` parents, depths and [L, k]-table indices (padded past the count).
 
     A beam per depth: the best `budget` prefixes of depth d are among the extensions of depth d-1's best `budget`
     by depth d's top-k tokens (a prefix scores at most its parent, so a top prefix's parent is a top prefix). The
@@ -127,7 +144,7 @@ def best_prefixes_on_device(values: torch.Tensor, slots: list[int], budget: int
     scores = torch.full((n, most, budget), -math.inf, dtype=torch.float64, device=device)
     parent = torch.zeros(n, most, budget, dtype=torch.long, device=device)
     rank = torch.zeros(n, most, budget, dtype=torch.long, device=device)
-    depth_ok = torch.arange(most, device=device).unsqueeze(0) < torch.tensor(slots, device=device).unsqueeze(1)
+    depth_ok = torch.arange(most, device=device).unsqueeze(0) < slots.unsqueeze(1)
     first = min(k, budget)
     scores[:, 0, :first] = values[:, 0, :first].double()
     rank[:, 0, :first] = torch.arange(first, device=device)
@@ -147,9 +164,33 @@ def best_prefixes_on_device(values: torch.Tensor, slots: list[int], budget: int
     parents = torch.where(up >= 0, position.gather(1, up.clamp(min=0)), -1)
     table_index = depth * k + rank.view(n, -1).gather(1, chosen)
     counts = (ordered > -math.inf).sum(dim=1, keepdim=True)
-    read = torch.cat([counts, parents, depth + 1, table_index], dim=1).tolist()
-    return [(row[1 : 1 + row[0]], row[1 + budget : 1 + budget + row[0]], row[1 + 2 * budget : 1 + 2 * budget + row[0]])
-            for row in read]
+    return torch.cat([counts, parents, depth + 1, table_index], dim=1)
+
+
+SEARCH_GRAPHS = 64  # captured searches kept (a shape: batch bucket, slots, k, budget, dtype); past it all are dropped
+_search_graphs: dict[tuple, tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+
+def _graphed_search(values: torch.Tensor, slots: torch.Tensor, budget: int) -> torch.Tensor:
+    """`_search` replayed from a CUDA graph captured for this shape, the batch padded to a power of two (the padding
+    rows search zero slots and find nothing); the rows of the real sequences."""
+    n, most, k = values.shape
+    bucket = 1 << (n - 1).bit_length()
+    key = (bucket, most, k, budget, values.dtype, values.device)
+    entry = _search_graphs.get(key)
+    if entry is None:
+        if len(_search_graphs) >= SEARCH_GRAPHS:
+            _search_graphs.clear()
+        padded = torch.zeros(bucket, most, k, dtype=values.dtype, device=values.device)
+        padded_slots = torch.zeros(bucket, dtype=torch.long, device=values.device)
+        graph, out = capture(lambda: _search(padded, padded_slots, budget), values.device)
+        entry = _search_graphs[key] = (graph, padded, padded_slots, out)
+    graph, padded, padded_slots, out = entry
+    padded[:n].copy_(values)
+    padded_slots.zero_()
+    padded_slots[:n].copy_(slots, non_blocking=True)
+    graph.replay()
+    return out[:n]
 
 
 def slot_log_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
