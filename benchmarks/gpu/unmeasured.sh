@@ -5,6 +5,7 @@
 #   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh correctness   # ~3 min
 #   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh speed         # ~7 min
 #   (after the GGUF is assembled, as in RESULTS) bash benchmarks/gpu/unmeasured.sh e2e   # ~4 min
+#   (same) bash benchmarks/gpu/unmeasured.sh load   # ~7 min: issue 22's table with the engine's own time per level
 # Each step writes $OUT/<step>.log as it runs and has its own time limit, so a call cut short still returns every
 # step that finished (session 16 lost a 9-minute call whose output only went to stdout).
 set -u
@@ -39,8 +40,13 @@ case "${1:-}" in
       --drafter src/blockdraft/drafters/smollm2-135m-instruct-dflash --prompts demo --max-new-tokens 256 --budget 32 \
       --e2e-engines hf,fast,fast-kernels --e2e-dtype float32 --json "$OUT/e2e.json"
     ;;
+  load)  # 128 requests a level so that every round reaches concurrency 64 (session 17's 32 did not)
+    step load 540 python3 benchmarks/serve_load.py --device cuda --dtype bfloat16 --methods ar,dflash,ddtree,schedule \
+      --budget 32 --concurrency 1,4,16,64 --requests 128 --rounds 2 --paired 8 --max-num-seqs 64 --max-tokens 256 \
+      --time-cap 40 --pin 2,3 --json-out "$OUT/load.json"
+    ;;
   *)
-    echo "usage: bash benchmarks/gpu/unmeasured.sh kernels|correctness|speed|e2e" >&2
+    echo "usage: bash benchmarks/gpu/unmeasured.sh kernels|correctness|speed|e2e|load" >&2
     exit 2
     ;;
 esac
