@@ -46,6 +46,8 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from blockdraft.serve.engine_clock import SLOW_STEP_S
+
 HOST = "127.0.0.1"
 SCHEDULE = "schedule"  # a --methods entry: the server with --method ddtree --schedule FILE|auto
 SAID = ("method ", "schedule", "the schedule", "continuous", "slow step")  # server lines kept (JSON: server_said)
@@ -311,7 +313,7 @@ def one_request(client: httpx.Client, url: str, model: str, messages: list[dict]
     return record
 
 
-STALL_S = 0.25  # a decode step longer than this is a stall (a capture, a compile), not a step
+STALL_S = SLOW_STEP_S  # a decode step longer than this is a stall (a capture, a compile), as the server says
 
 
 @dataclass

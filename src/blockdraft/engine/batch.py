@@ -311,7 +311,7 @@ class BatchDecoder:
                     kept_taps.append(kept)
                     continue
                 seq.pending.append(kept.clone())  # a graph's taps are valid until its next replay
-                if sum(t.shape[1] for t in seq.pending) >= PENDING_MAX:
+                if len(seq.pending) >= PENDING_MAX:  # an AR step commits one token: one entry each
                     extended.append(slot)
                     kept_taps.append(torch.cat(seq.pending, dim=1))
                     seq.pending.clear()

@@ -105,4 +105,3 @@ class BatchedEngine:
         old = self.decoder
         self.decoder = BatchDecoder(old.target, old.new_proposer, old.max_seqs, old.schedule)
         return jobs
-

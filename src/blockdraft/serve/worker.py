@@ -30,10 +30,10 @@ class Worker:
     hears where the thread's time went."""
 
     def __init__(self, engine: SequentialEngine | BatchedEngine, started: Callable[[Job], None],
-                 clock: EngineClock | None = None) -> None:
+                 clock: EngineClock | None = None) -> None:  # no clock: the time is kept nowhere
         self.engine = engine
         self.started = started
-        self.clock = clock
+        self.clock = clock if clock is not None else EngineClock(lambda report: None)
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._deadline: float | None = None
         self._thread: threading.Thread | None = None
@@ -86,7 +86,7 @@ class Worker:
             jobs: list[Job] = []
             while len(jobs) < engine.room and not stopping:
                 idle = not engine.busy and not jobs
-                if idle and clock is not None:
+                if idle:
                     clock.flush(force=True)
                 try:
                     job = self._jobs.get(block=idle)
@@ -96,23 +96,19 @@ class Worker:
                     stopping = True
                 else:
                     jobs.append(job)
-            began = time.perf_counter()
             if jobs:
+                began = time.perf_counter()
                 self._admit(jobs)
-                if clock is not None:
-                    clock.admitted(time.perf_counter() - began)
+                clock.admitted(time.perf_counter() - began)
             if engine.busy:
                 batch = engine.running
-                if clock is not None:
-                    clock.starting_step()
+                clock.starting_step()
                 began = time.perf_counter()
                 method = self._step()
-                if clock is not None and method:
+                if method:
                     clock.stepped(method, batch, time.perf_counter() - began)
-            if clock is not None:
-                clock.flush()
-        if clock is not None:
-            clock.flush(force=True)
+            clock.flush()
+        clock.flush(force=True)
 
     def _admit(self, jobs: list[Job]) -> None:
         admitted: list[tuple[Job, Callable[[], bool]]] = []
