@@ -72,9 +72,9 @@ def test_dropping_every_graph_takes_a_new_pool(monkeypatch) -> None:
     batch = BatchDrafter(drafter_for(VARIANTS[0]), target, slots=2)
     first = batch.pool
     batch.entries[(1, 64)] = object()  # type: ignore[assignment]
-    batch._ensure(batch.store.kv.shape[4])  # room enough: nothing dropped
+    batch._ensure(batch.store.positions)  # room enough: nothing dropped
     assert batch.pool == first and batch.entries
-    batch._ensure(4 * batch.store.kv.shape[4])
+    batch._ensure(4 * batch.store.positions)
     assert batch.pool != first and not batch.entries and not batch.extensions
 
     verify = BatchForward(target, BatchKV.for_target(target, 2))

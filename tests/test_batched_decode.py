@@ -15,8 +15,8 @@ from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.engine.batch import BatchDecoder, Request, generate_batch
 from blockdraft.errors import BlockdraftError
 from blockdraft.decoding.draft import Draft
-from blockdraft.engine.verifiers import pack_rows
-from blockdraft.models.fast_batch import BatchForward, BatchKV, forward_batch, prefill_batch
+from blockdraft.engine.verifiers import SlotVerifier, pack_rows
+from blockdraft.models.fast_batch import BatchForward, BatchKV, forward_batch
 from blockdraft.models.fast_target import FastTarget
 from blockdraft.models.target import Target
 
@@ -175,19 +175,23 @@ def test_graph_shapes_share_their_output_buffers() -> None:
 
 @pytest.mark.parametrize("target_name", ["qwen3", "sliding-qwen2"])
 def test_prefill_together_matches_one_prompt_at_a_time(target_name: str) -> None:
-    """`prefill_batch` into slots 1..3 of a store (slot 0 holding another sequence, untouched): each prompt's
-    last-row logits, its taps and its K/V equal its own batch-1 prefill's, whatever the padding."""
+    """Prompts packed into one prefill (`SlotVerifier.prefill`) into slots 1..3 (slot 0 holding another sequence,
+    untouched): each prompt's last-row logits, its taps and its K/V equal its own batch-1 prefill's, sliding
+    windows included (each prompt's positions start at 0 inside the pack)."""
     target = TARGETS[target_name]()
     items = [list(range(3, 10)), [4, 5], list(range(20, 33))]
-    store = BatchKV.for_target(target, 5)
-    store.kv[:, :, 0].normal_()
+    verifier = SlotVerifier(target, 5)
+    store = verifier.store
+    with torch.inference_mode():  # the K/V buffers are inference tensors
+        store.kv[:, :, 0].normal_()
     other = store.kv[:, :, 0].clone()
-    logits, taps = prefill_batch(target, store, 1, items, (0, 2))
+    logits, taps = verifier.prefill(1, items, (0, 2))
+    assert taps is not None
     for b, ids in enumerate(items):
         cache = target.new_cache()
         single = target.forward(torch.tensor([ids]), torch.arange(len(ids)), cache, (0, 2))
         torch.testing.assert_close(logits[b], single.logits[0, -1], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(taps[b, : len(ids)], single.taps[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(taps[b][0], single.taps[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(store.kv[:, :, 1 + b, :, : len(ids)], cache.storage.kv[:, :, :, : len(ids)],
                                    rtol=1e-5, atol=1e-5)
         assert store.lengths[1 + b] == len(ids)

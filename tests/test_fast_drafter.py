@@ -177,7 +177,7 @@ def test_generate_on_the_fast_engine_matches_hf(monkeypatch: pytest.MonkeyPatch,
     model = make_target_model("qwen3")
     drafter = drafter_for(variant)
     fast = FastTarget(model)
-    fast.use_graphs, fast.captures = True, 0
+    fast.use_graphs, fast.captures = True, []
     runs, drafts = [], []
     for target in (Target(model), fast):
         drafts.append([])

@@ -17,8 +17,10 @@ from blockdraft.decoding.generate import generate
 from blockdraft.decoding.methods import build_proposer
 from blockdraft.errors import BlockdraftError
 from blockdraft.models import fast_target as fast_mod
-from blockdraft.models.fast_target import FastTarget, graph_rows
+from blockdraft.models.fast_target import FastTarget, graph_rows, pack_prompts, prefill_rows
+from blockdraft.models.fast_batch import BatchKV
 from blockdraft.models.loading import load_target, make_target
+from blockdraft.models.static_cache import KVStorage
 from blockdraft.models.target import Target, TargetOutput
 
 from conftest import HIDDEN, TARGET_LAYERS, VOCAB, make_drafter, make_target_model
@@ -167,49 +169,93 @@ class _EagerGraph:
         self.replay = replay
 
 
-def _eager_capture(self: FastTarget, rows: int, cap: int, tap_layers: tuple[int, ...] | None) -> fast_mod._Graph:
+def _eager_capture(self: FastTarget, rows: int, cap: int, tap_layers: tuple[int, ...] | None,
+                   head: bool) -> fast_mod._Graph:
     ids_ = torch.zeros(1, rows, dtype=torch.long)
     positions = torch.zeros(rows, dtype=torch.long)
     own = torch.eye(rows, dtype=torch.bool)
-    logits, taps = self._run(ids_, positions, own, cap, tap_layers, False)  # like the warm-up: writes past the length
+
+    def run() -> tuple[torch.Tensor, torch.Tensor | None]:
+        hidden, taps = self._run(ids_, positions, own, cap, tap_layers)  # like the warm-up: writes past the length
+        return (self.lm_head(hidden) if head else hidden), taps
+
+    out, taps = run()
 
     def replay() -> None:
-        new_logits, new_taps = self._run(ids_, positions, own, cap, tap_layers, False)
-        logits.copy_(new_logits)
+        new_out, new_taps = run()
+        out.copy_(new_out)
         if taps is not None:
             taps.copy_(new_taps)
 
-    self.captures += 1
-    return fast_mod._Graph(graph=_EagerGraph(replay), ids=ids_, positions=positions, own=own, logits=logits, taps=taps)
+    self.captures.append("verify" if head else "prefill")
+    return fast_mod._Graph(graph=_EagerGraph(replay), ids=ids_, positions=positions, own=own, out=out, taps=taps)
 
 
 def test_graph_path_pads_reuses_and_matches(monkeypatch: pytest.MonkeyPatch, qwen3_model: torch.nn.Module) -> None:
-    """The CUDA-graph bookkeeping (static buffers, padded rows, one graph per shape, re-capture after the cache
-    grows) checked on CPU by replaying eagerly into the same static buffers."""
+    """The CUDA-graph bookkeeping (static buffers, padded rows, one graph per shape, prefills in chunks from graphs
+    of their own, re-capture after the cache grows) checked on CPU by replaying eagerly into the same static
+    buffers."""
     monkeypatch.setattr(FastTarget, "_capture", _eager_capture)
+    monkeypatch.setattr(fast_mod, "PREFILL_ROWS", 64)
     pair = Pair(qwen3_model, cache_slots=256)
-    pair.fast.use_graphs, pair.fast.captures = True, 0
-    pair.forward(ids(10, 1), torch.arange(10), last_logits_only=True)  # prefill: eager, no graph
-    assert pair.fast.captures == 0
+    pair.fast.use_graphs, pair.fast.captures = True, []
+    pair.forward(ids(10, 1), torch.arange(10), last_logits_only=True)  # prefill: padded to 16 rows
+    assert pair.fast.captures == ["prefill"]
     pair.forward(ids(16, 2), torch.arange(10, 26))
     pair.forward(ids(5, 3), torch.arange(26, 31))  # padded to 8 rows
     pair.forward(ids(7, 4), torch.arange(31, 38))  # reuses the 8-row graph (fresh inputs, stale padding)
-    assert pair.fast.captures == 2
+    assert pair.fast.captures == ["prefill", "verify", "verify"]
     pair.crop(35)
     draft = tree_draft([-1, 0, 0, 1, -1, 4, 2, 3, 3, 5, 0, 6, 7, 8, 9, 10, 11], seed=5)  # 18 rows: exact
     pair.forward([3, *draft.tokens.tolist()], draft.positions(35, torch.device("cpu")),
                  mask=lambda n: draft.tree_mask(n, torch.device("cpu")))
     pair.compact(35, [0, 1, 2, 4])
     pair.forward(ids(1, 6), torch.arange(39, 40))
-    assert pair.fast.captures == 4
+    assert len(pair.fast.captures) == 5
     version = pair.fast.storage.version
-    pair.forward(ids(230, 7), torch.arange(40, 270), last_logits_only=True)  # grows the cache
+    pair.forward(ids(150, 7), torch.arange(40, 190), last_logits_only=True)  # chunks 64 + 64 (same graph) + 22
+    assert pair.fast.captures[5:] == ["prefill", "prefill"]
+    pair.forward(ids(80, 9), torch.arange(190, 270), last_logits_only=True)  # grows the cache
     pair.forward(ids(1, 8), torch.arange(270, 271))
-    assert pair.fast.storage.version > version and pair.fast.captures == 5
+    assert pair.fast.storage.version > version and pair.fast.captures[-1] == "verify"
+
+
+def test_packed_prompts_prefill_as_each_alone(qwen3_model: torch.nn.Module) -> None:
+    """`pack_prompts` + `FastTarget.prefill`: each prompt's states, taps and K/V equal its own prefill's."""
+    target = FastTarget(qwen3_model)
+    prompts = [ids(n, n) for n in (5, 1, 12)]
+    packed, positions, own, firsts = pack_prompts(prompts, torch.device("cpu"))
+    cache = target.new_cache()
+    hidden, taps = target.prefill(packed, positions, own, cache, (0, 1))
+    kv = cache.storage.kv.clone()
+    assert len(cache) == 18 and firsts == [0, 5, 6] and taps is not None
+    for first, prompt in zip(firsts, prompts):
+        alone = target.new_cache()
+        want, want_taps = target.prefill(torch.tensor([prompt]), torch.arange(len(prompt)), None, alone, (0, 1))
+        n = len(prompt)
+        torch.testing.assert_close(hidden[:, first : first + n], want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(taps[:, first : first + n], want_taps, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(kv[:, :, :, first : first + n], alone.storage.kv[:, :, :, :n], rtol=1e-5, atol=1e-5)
+
+
+def test_kv_buffers_give_attention_one_kind_of_key_view() -> None:
+    """Both K/V buffers are inference tensors from the start and after growing, and always hold room past what
+    attention reads, so its key views are never the whole (contiguous) buffer: each difference recompiled the
+    compiled fusion units in the middle of serving (seconds a step on the H200, session 18)."""
+    cpu = torch.device("cpu")
+    storage, batch = KVStorage(2, 2, 4, 256, torch.float32, cpu), BatchKV(2, 2, 4, 3, torch.float32, cpu)
+    for _ in range(2):
+        assert storage.kv.is_inference() and batch.kv.is_inference()
+        assert not storage.kv[0, 0, :, : storage.slots].is_contiguous()
+        assert not batch.kv[0, 0, :2, :, : batch.positions].is_contiguous()
+        storage.ensure(storage.slots + 1, 0)
+        batch.ensure(batch.positions + 1)
+    assert storage.slots >= 512 and batch.positions >= 512
 
 
 def test_graph_rows() -> None:
     assert [graph_rows(t) for t in (1, 2, 3, 5, 9, 16, 17, 257)] == [1, 2, 4, 8, 16, 16, 17, 257]
+    assert [prefill_rows(t) for t in (1, 16, 17, 100, 1024)] == [16, 16, 32, 128, 1024]
 
 
 def test_a_replaced_cache_refuses_to_run(qwen3_model: torch.nn.Module) -> None:

@@ -5,7 +5,9 @@
 #   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh correctness   # ~3 min
 #   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh speed         # ~7 min
 #   (after the GGUF is assembled, as in RESULTS) bash benchmarks/gpu/unmeasured.sh e2e   # ~4 min
-#   (same) bash benchmarks/gpu/unmeasured.sh load   # ~7 min: issue 22's table with the engine's own time per level
+#   (same) bash benchmarks/gpu/unmeasured.sh load   # ~8 min: issue 22's table with the engine's own time per level
+#   (same) bash benchmarks/gpu/unmeasured.sh steps  # ~3 min: why a batched DFlash step at batch 4 costs ~2x batch 1
+#   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh admit   # ~1.5 min: prefill and join costs
 # Each step writes $OUT/<step>.log as it runs and has its own time limit, so a call cut short still returns every
 # step that finished (session 16 lost a 9-minute call whose output only went to stdout).
 set -u
@@ -40,13 +42,22 @@ case "${1:-}" in
       --drafter src/blockdraft/drafters/smollm2-135m-instruct-dflash --prompts demo --max-new-tokens 256 --budget 32 \
       --e2e-engines hf,fast,fast-kernels --e2e-dtype float32 --json "$OUT/e2e.json"
     ;;
-  load)  # 128 requests a level so that every round reaches concurrency 64 (session 17's 32 did not)
-    step load 540 python3 benchmarks/serve_load.py --device cuda --dtype bfloat16 --methods ar,dflash,ddtree,schedule \
+  load)  # 128 requests a level so that every round reaches concurrency 64; session 18's run took 495 s
+    step load 530 python3 benchmarks/serve_load.py --device cuda --dtype bfloat16 --methods ar,dflash,ddtree,schedule \
       --budget 32 --concurrency 1,4,16,64 --requests 128 --rounds 2 --paired 8 --max-num-seqs 64 --max-tokens 256 \
-      --time-cap 40 --pin 2,3 --json-out "$OUT/load.json"
+      --time-cap 30 --pin 2,3 --json-out "$OUT/load.json"
+    ;;
+  steps)  # session 18: the server's own DFlash steps ran 1,250 tok/s at batch 1 and 2,646 at batch 3-4 (4 sequences)
+    for batch in 1 4 16; do
+      step "steps_dflash_$batch" 60 python3 benchmarks/batch_step_profile.py --device cuda --dtype bfloat16 \
+        --method dflash --batch "$batch" --steps 60
+    done
+    ;;
+  admit)  # session 18: prefill 31.8 -> 1.39 ms once graphed; joins of 1, 4 and 16 requests
+    step admit 200 python3 benchmarks/gpu/admit_profile.py --prompt-tokens 32,128 --joins 8
     ;;
   *)
-    echo "usage: bash benchmarks/gpu/unmeasured.sh kernels|correctness|speed|e2e|load" >&2
+    echo "usage: bash benchmarks/gpu/unmeasured.sh kernels|correctness|speed|e2e|load|steps|admit" >&2
     exit 2
     ;;
 esac

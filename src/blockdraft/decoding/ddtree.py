@@ -25,18 +25,17 @@ from typing import Any
 import torch
 
 from blockdraft.decoding.draft import Draft, OverChain
-from blockdraft.decoding.host_to_device import long_tensor
+from blockdraft.models.host_to_device import long_tensor
 from blockdraft.decoding.sampling import SamplingParams, probabilities
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.drafter import DFlashDrafter
-from blockdraft.models.fast_drafter import capture
+from blockdraft.models.graphs import capture, power_of_two_at_least
 from blockdraft.models.target import Target
 
 
-DEVICE_SEARCH_NODES = 4096  # batch x budget from which a GPU searches on the device (H200, RESULTS session 17:
-# the device search took 2.2-4.6 ms of eager launches whatever the batch, the heap ~2 us of Python per node; even at
-# 16 x 256 and 64 x 32 nodes, 0.58x the heap at 64 x 64). Measured before the search replayed a CUDA graph, which
-# should move the crossover down: `benchmarks/tree_search_speed.py` re-measures it.
+DEVICE_SEARCH_NODES = 1024  # batch x budget from which a GPU searches on the device (H200, RESULTS session 18,
+# the search replayed from a CUDA graph: 0.69-2.0 ms at batch 1 against the heap's 0.27-0.54; even at 512 nodes;
+# 0.67-0.78x the heap at 1,024 (16 x 64, 64 x 16) but 1.14x at 4 x 256; 0.28-0.52x from 4,096).
 
 
 def check_budget(budget: int | None) -> int:
@@ -175,7 +174,7 @@ def _graphed_search(values: torch.Tensor, slots: torch.Tensor, budget: int) -> t
     """`_search` replayed from a CUDA graph captured for this shape, the batch padded to a power of two (the padding
     rows search zero slots and find nothing); the rows of the real sequences."""
     n, most, k = values.shape
-    bucket = 1 << (n - 1).bit_length()
+    bucket = power_of_two_at_least(n)
     key = (bucket, most, k, budget, values.dtype, values.device)
     entry = _search_graphs.get(key)
     if entry is None:

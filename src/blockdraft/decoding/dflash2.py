@@ -23,7 +23,7 @@ import torch
 
 from blockdraft.decoding.ddtree import check_budget
 from blockdraft.decoding.draft import Draft, OverChain
-from blockdraft.decoding.host_to_device import long_tensor
+from blockdraft.models.host_to_device import long_tensor
 from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.drafter import CandidateSelector, DFlashDrafter

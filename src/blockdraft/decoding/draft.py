@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from blockdraft.decoding.host_to_device import long_tensor
+from blockdraft.models.host_to_device import long_tensor
 from blockdraft.decoding.sampling import SamplingParams, probabilities, sample
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.drafter import DFlashDrafter, DrafterContextCache

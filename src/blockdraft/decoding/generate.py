@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from blockdraft.decoding.draft import Draft, Proposer
-from blockdraft.decoding.host_to_device import long_tensor
+from blockdraft.models.host_to_device import long_tensor
 from blockdraft.decoding.sampling import SamplingParams, pick
 from blockdraft.decoding.verify import verify
 from blockdraft.errors import BlockdraftError

@@ -23,7 +23,7 @@ import torch
 from blockdraft.decoding.ddtree import DDTreeProposer, build_trees, slot_log_probs
 from blockdraft.decoding.draft import DFlashProposer, Draft, DrafterProposer, Proposer
 from blockdraft.decoding.generate import GenerationResult, OnCommit, check_context, check_prompt_ids
-from blockdraft.decoding.host_to_device import long_tensor
+from blockdraft.models.host_to_device import long_tensor
 from blockdraft.decoding.sampling import SamplingParams, pick
 from blockdraft.decoding.verify import Verdict, verify, verify_greedy
 from blockdraft.engine.measured import MeasuredSchedule
@@ -34,11 +34,10 @@ from blockdraft.errors import BlockdraftError
 from blockdraft.metrics import SpecStats
 from blockdraft.models.fast_batch_drafter import BatchDrafter
 from blockdraft.models.fast_drafter import fast_drafter_problem
-from blockdraft.models.fast_target import FastTarget
+from blockdraft.models.fast_target import PREFILL_ROWS, FastTarget
 from blockdraft.models.target import Target
 
 
-PREFILL_MAX_ROWS = 8192  # padded prompt rows prefilled in one forward (its attention mask grows with rows x keys)
 PENDING_MAX = 256  # committed tokens a scheduled AR step may leave out of a sequence's drafter context (see step)
 
 
@@ -151,7 +150,7 @@ class BatchDecoder:
     def join_many(self, requests: list[Request]) -> list[Sequence]:
         """Prefill new sequences (as `generate()` does) and add them to the batch; one that is done at its first
         token (a stop, max_new_tokens 1) is returned finished and never takes a slot. On the fast engine prompts
-        are prefilled together, up to PREFILL_MAX_ROWS padded rows per forward (a lone prompt, or one too long to
+        are prefilled together, packed into forwards of up to PREFILL_ROWS rows (a lone prompt, or one too long to
         share, takes the batch-1 prefill)."""
         if len(requests) > self.free:
             raise BlockdraftError(f"the batch is full: room for {self.free} more of {self.max_seqs} sequences, not "
@@ -169,20 +168,20 @@ class BatchDecoder:
         return joined
 
     def _prefill_groups(self, requests: list[Request]) -> list[list[Request]]:
-        """Requests in arrival order, cut into groups whose padded prefill fits PREFILL_MAX_ROWS (each its own
-        group where prompts cannot be prefilled together)."""
+        """Requests in arrival order, cut into groups whose packed prefill fits PREFILL_ROWS (each its own group
+        where prompts cannot be prefilled together)."""
         if not isinstance(self.verifier, SlotVerifier):
             return [[request] for request in requests]
         groups: list[list[Request]] = []
-        longest = 0
+        rows = 0
         for request in requests:
             n = len(request.prompt_ids)
-            if groups and (len(groups[-1]) + 1) * max(longest, n) <= PREFILL_MAX_ROWS:
+            if groups and rows + n <= PREFILL_ROWS:
                 groups[-1].append(request)
-                longest = max(longest, n)
+                rows += n
             else:
                 groups.append([request])
-                longest = n
+                rows = n
         return groups
 
     def _start(self, request: Request, first: int, ttft_s: float, joined: float, proposer: Proposer | None,
@@ -209,7 +208,7 @@ class BatchDecoder:
         joined = time.perf_counter()
         self.verifier.before_prefill()
         cache = target.new_cache()
-        prompt = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+        prompt = long_tensor(prompt_ids, device).unsqueeze(0)
         out = target.forward(prompt, torch.arange(len(prompt_ids), device=device), cache,
                              proposer.tap_layers if proposer else None, last_logits_only=True)
         first = int(pick(out.logits[0, -1], request.sampling, generator).item())
@@ -224,8 +223,8 @@ class BatchDecoder:
         return seq
 
     def _join_together(self, group: list[Request]) -> list[Sequence]:
-        """One prefill forward for the whole group, into the slots after the running ones; those that go on are
-        then packed into consecutive slots and their drafter contexts extended together."""
+        """One packed prefill forward for the whole group, into the slots after the running ones; those that go on
+        are then packed into consecutive slots and their drafter contexts extended together."""
         assert isinstance(self.verifier, SlotVerifier)
         device, first = self.target.device, len(self.running)
         proposers = [self._new_proposer() for _ in group]
@@ -249,7 +248,7 @@ class BatchDecoder:
             if proposer and taps is not None:
                 extended.append(slot)
                 drafting.append(proposer)
-                contexts.append(taps[b : b + 1, : len(request.prompt_ids)])
+                contexts.append(taps[b])
             self.running.append(seq)
         if extended:
             self._start_contexts(extended, drafting, contexts)

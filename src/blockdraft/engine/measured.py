@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from blockdraft.engine.schedule import Candidate, Schedule
+from blockdraft.models.graphs import power_of_two_at_least
 
 FIRST_PHASE_AT = 32  # a bucket's steps before its first phase: a batch size passed through briefly (requests ending
 # one by one) is served with the nearest measured bucket's choice instead of being spent on measuring
@@ -45,7 +46,7 @@ ELIMINATE_AFTER = 2  # runs of a candidate before it can be dropped (or drop ano
 
 def bucket_of(batch: int) -> int:
     """The power of two at or above `batch`: the bucket whose measurements a step of `batch` sequences shares."""
-    return 1 << (batch - 1).bit_length()
+    return power_of_two_at_least(batch)
 
 
 def bucket_label(bucket: int) -> str:

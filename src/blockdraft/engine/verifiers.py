@@ -4,7 +4,7 @@ cache keeps its accepted rows.
 - `SlotVerifier` (the fast engine): one forward over [B, R] rows (models/fast_batch.py, CUDA graphs per batch
   bucket on a GPU), the sequences' K/V in the slots of one BatchKV; a lone sequence runs the batch-1 path (static
   cache, CUDA graphs). The rows are packed with a few whole-batch copies, not per-sequence ones. Prompts joining
-  together are prefilled in one forward straight into their slots.
+  together are prefilled in one packed forward (`fast_target.pack_prompts`), then copied into their slots.
 - `LoopVerifier` (any HF model, hybrid ones included): each sequence keeps its own cache (a TargetCache, or the
   HybridCache that rolls linear-attention states back) and verifies with `generate()`'s own forward, one sequence
   after another. No faster than one at a time, but requests interleave step by step (a short request is not stuck
@@ -18,11 +18,12 @@ from dataclasses import dataclass
 import torch
 
 from blockdraft.decoding.draft import Draft
-from blockdraft.decoding.host_to_device import long_tensor
-from blockdraft.models.fast_batch import BatchForward, BatchKV, prefill_batch
-from blockdraft.models.fast_target import FastTarget
+from blockdraft.models.host_to_device import long_tensor
+from blockdraft.models.fast_batch import BatchForward, BatchKV
+from blockdraft.models.fast_target import FastTarget, pack_prompts
 from blockdraft.models.static_cache import StaticTargetCache
 from blockdraft.models.target import Target, TargetCache
+
 
 @dataclass
 class Verified:
@@ -53,10 +54,19 @@ class SlotVerifier:
             self.single = None
 
     def prefill(self, first: int, prompts: list[list[int]],
-                tap_layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Several prompts prefilled together straight into slots first.. (`fast_batch.prefill_batch`)."""
+                tap_layers: tuple[int, ...] | None) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """Several prompts (at most PREFILL_ROWS tokens in all) prefilled in one packed forward into the target's
+        own cache, then each one's K/V into slots first..: each prompt's last-row logits [k, V] and taps [1, t, *]."""
         self.before_prefill()
-        return prefill_batch(self.target, self.store, first, prompts, tap_layers)
+        cache = self.target.new_cache()
+        ids, positions, own, firsts = pack_prompts(prompts, self.target.device)
+        hidden, taps = self.target.prefill(ids, positions, own, cache, tap_layers)
+        lasts = long_tensor([start + len(prompt) - 1 for start, prompt in zip(firsts, prompts)], self.target.device)
+        for b, (start, prompt) in enumerate(zip(firsts, prompts)):
+            self.store.load(first + b, cache, start, len(prompt))
+        contexts = None if taps is None else [taps[:, start : start + len(prompt)]
+                                              for start, prompt in zip(firsts, prompts)]
+        return self.target.lm_head(hidden[0, lasts]), contexts
 
     def load(self, slot: int, cache: StaticTargetCache) -> None:
         if slot == 0:  # alone: stay where the prefill put it
@@ -96,8 +106,8 @@ def pack_rows(anchors: list[int], drafts: list[Draft], starts: list[int],
     them; trees: it is nobody's ancestor)."""
     batch, rows = len(drafts), 1 + max(len(d) for d in drafts)
     flat_ids = [b * rows + 1 + i for b, d in enumerate(drafts) for i in range(len(d))]
-    positions = torch.tensor([[start, *(start + depth for depth in d.depths), *[start] * (rows - 1 - len(d))]
-                              for d, start in zip(drafts, starts)], dtype=torch.long).to(device)
+    positions = long_tensor([[start, *(start + depth for depth in d.depths), *[start] * (rows - 1 - len(d))]
+                             for d, start in zip(drafts, starts)], device)
     ids = torch.zeros(batch * rows, dtype=torch.long, device=device)
     ids[::rows] = long_tensor(anchors, device)
     if flat_ids:
@@ -105,8 +115,8 @@ def pack_rows(anchors: list[int], drafts: list[Draft], starts: list[int],
     if all(d.is_chain for d in drafts):
         own = torch.ones(rows, rows, dtype=torch.bool, device=device).tril().expand(batch, rows, rows)
         return ids.view(batch, rows), positions, own
-    up = torch.tensor([[0, *(p + 1 for p in d.parents), *range(len(d) + 1, rows)] for d in drafts],
-                      dtype=torch.long).to(device)  # each row's parent; the root and padding rows: themselves
+    up = long_tensor([[0, *(p + 1 for p in d.parents), *range(len(d) + 1, rows)] for d in drafts],
+                     device)  # each row's parent; the root and padding rows: themselves
     own = torch.eye(rows, dtype=torch.bool, device=device).repeat(batch, 1, 1)
     ancestor = torch.arange(rows, device=device).expand(batch, rows)
     for _ in range(max(max(d.depths, default=0) for d in drafts)):

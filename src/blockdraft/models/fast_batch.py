@@ -26,9 +26,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from blockdraft.models.fast_drafter import capture, graph_pool
+from blockdraft.models.graphs import capture, graph_pool, power_of_two_at_least
+from blockdraft.models.host_to_device import long_tensor
 from blockdraft.models.fast_target import FastTarget, LayerWeights, attend, graph_rows, layer_tail
-from blockdraft.models.static_cache import StaticTargetCache, round_up
+from blockdraft.models.static_cache import SLOT_STEP, StaticTargetCache, kv_buffer, round_up
 
 GRAPH_MAX_ROWS = 8192  # bucket x rows past this run eagerly (compute-bound there, whatever the model)
 BATCH_GRAPHS = 256  # batched verify graphs kept (least recently used dropped): they share their memory
@@ -40,8 +41,7 @@ class BatchKV:
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, slots: int, dtype: torch.dtype,
                  device: torch.device, positions: int = 0) -> None:
-        self.kv = torch.zeros(layers, 2, slots, kv_heads, round_up(max(positions, 1)), head_dim, dtype=dtype,
-                              device=device)
+        self.kv = kv_buffer((layers, 2, slots, kv_heads, 0, head_dim), 4, positions, dtype, device)
         self.lengths = [0] * slots
         self.version = 0  # bumped when `kv` is reallocated: graphs captured on the old buffer must not run again
 
@@ -53,24 +53,29 @@ class BatchKV:
     def slots(self) -> int:
         return self.kv.shape[2]
 
+    @property
+    def positions(self) -> int:
+        """Positions a forward may use in each slot (the buffer holds one SLOT_STEP more, `kv_buffer`)."""
+        return self.kv.shape[4] - SLOT_STEP
+
     @torch.inference_mode()
     def ensure(self, positions: int) -> None:
         """Room for `positions` positions in every slot (doubling), keeping what is stored."""
-        have = self.kv.shape[4]
+        have = self.positions
         if positions <= have:
             return
-        grown = torch.zeros(*self.kv.shape[:4], round_up(max(positions, 2 * have)), self.kv.shape[5],
-                            dtype=self.kv.dtype, device=self.kv.device)
-        grown[..., :have, :] = self.kv
+        grown = kv_buffer(self.kv.shape, 4, max(positions, 2 * have), self.kv.dtype, self.kv.device)
+        grown[..., :have, :] = self.kv[..., :have, :]
         self.kv = grown
         self.version += 1
 
     @torch.inference_mode()
-    def load(self, slot: int, cache: StaticTargetCache) -> None:
-        """Take a prefilled batch-1 cache's K/V into `slot`."""
-        n = len(cache)
+    def load(self, slot: int, cache: StaticTargetCache, first: int = 0, length: int | None = None) -> None:
+        """Take `length` positions of a prefilled batch-1 cache's K/V from position `first` (by default all it
+        holds) into `slot` (a packed prefill holds several prompts one after another)."""
+        n = len(cache) - first if length is None else length
         self.ensure(n)
-        self.kv[:, :, slot, :, :n] = cache.storage.kv[:, :, :, :n]
+        self.kv[:, :, slot, :, :n] = cache.storage.kv[:, :, :, first : first + n]
         self.lengths[slot] = n
 
     @torch.inference_mode()
@@ -113,7 +118,7 @@ def forward_batch(target: FastTarget, store: BatchKV, ids: torch.Tensor, positio
     [B, t] seeing each other by `own` [B, t, t]; their K/V are written after each sequence's length, which stays
     as it was (the caller commits)."""
     batch, t = ids.shape
-    lengths = torch.tensor(store.lengths[:batch], dtype=torch.long, device=target.device)
+    lengths = long_tensor(store.lengths[:batch], target.device)
     cap = round_up(max(store.lengths[:batch]) + t)
     store.ensure(cap)
     h, taps = run_batch(target, store.kv, lengths, ids, positions, own, cap, tap_layers)
@@ -147,34 +152,10 @@ def run_batch(target: FastTarget, kv: torch.Tensor, lengths: torch.Tensor, ids: 
     return target.run_layers(F.embedding(ids, target.embedding_weight), step, tap_layers)
 
 
-@torch.inference_mode()
-def prefill_batch(target: FastTarget, store: BatchKV, first: int, prompts: list[list[int]],
-                  tap_layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Prefill `prompts` into slots first..first+k-1 in one forward (padded to the longest prompt; a padding row
-    comes after its prompt's rows, so none of them sees it): each prompt's last-row logits [k, V] and the taps
-    [k, longest, *]; each slot's length becomes its prompt's. One forward instead of one per prompt: prefills one at
-    a time queued 64 requests behind each other (H200, embedded pair: TTFT p50 662 ms at concurrency 64)."""
-    k, t = len(prompts), max(len(p) for p in prompts)
-    device = target.device
-    ids = torch.zeros(k, t, dtype=torch.long)
-    for b, prompt in enumerate(prompts):
-        ids[b, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-    positions = torch.arange(t, device=device).expand(k, t)
-    own = torch.ones(t, t, dtype=torch.bool, device=device).tril().expand(k, t, t)
-    cap = round_up(t)
-    store.ensure(cap)
-    lengths = torch.zeros(k, dtype=torch.long, device=device)
-    hidden, taps = run_batch(target, store.kv, lengths, ids.to(device), positions, own, cap, tap_layers, first)
-    last = torch.tensor([len(p) - 1 for p in prompts], dtype=torch.long).to(device)
-    for b, prompt in enumerate(prompts):
-        store.lengths[first + b] = len(prompt)
-    return target.lm_head(hidden[torch.arange(k, device=device), last]), taps
-
-
 def batch_bucket(batch: int, slots: int) -> int:
     """Sequences a graph is captured for: the next power of two, at most the slots (a padded sequence writes only
     into a free slot, past nothing)."""
-    return min(1 << (batch - 1).bit_length(), slots)
+    return min(power_of_two_at_least(batch), slots)
 
 
 @dataclass
@@ -235,8 +216,7 @@ class BatchForward:
         entry.positions[:batch, :t].copy_(positions)
         entry.own.copy_(torch.eye(rows, dtype=torch.bool, device=own.device).expand(bucket, rows, rows))
         entry.own[:batch, :t, :t].copy_(own)
-        entry.lengths.copy_(torch.tensor(store.lengths[:batch] + [0] * (bucket - batch), dtype=torch.long),
-                            non_blocking=True)
+        entry.lengths.copy_(long_tensor(store.lengths[:batch] + [0] * (bucket - batch), entry.lengths.device))
         if not self.use_graphs:
             self._run(entry, cap, tap_layers)
         else:

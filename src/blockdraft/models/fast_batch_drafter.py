@@ -25,7 +25,9 @@ import torch.nn.functional as F
 
 from blockdraft.models.drafter import DFlashDrafter, apply_rope
 from blockdraft.models.fast_batch import BATCH_GRAPHS, BatchKV, batch_bucket
-from blockdraft.models.fast_drafter import batched_context_bias, capture, fast_drafter_problem, graph_pool, packed_layers
+from blockdraft.models.fast_drafter import batched_context_bias, fast_drafter_problem, packed_layers
+from blockdraft.models.graphs import capture, graph_pool
+from blockdraft.models.host_to_device import long_tensor
 from blockdraft.models.fast_ops import rms_norm
 from blockdraft.models.fast_target import FastTarget, attend, graph_rows, layer_tail
 from blockdraft.models.static_cache import round_up
@@ -125,8 +127,8 @@ class BatchDrafter:
                 self.extensions[(bucket, rows)] = entry
         flat = [b * rows + j for b, count in enumerate(counts) for j in range(count)]
         entry.taps.view(bucket * rows, -1).index_copy_(
-            0, torch.tensor(flat, dtype=torch.long).to(self.device), torch.cat([tap[0] for tap in taps]).to(self.dtype))
-        host = torch.tensor([slots + [slots[0]] * (bucket - n), starts], dtype=torch.long).to(self.device)
+            0, long_tensor(flat, self.device), torch.cat([tap[0] for tap in taps]).to(self.dtype))
+        host = long_tensor([slots + [slots[0]] * (bucket - n), starts], self.device)
         entry.seq.copy_(host[0])
         entry.starts.copy_(host[1])
         if graphed and self.use_graphs:
@@ -177,9 +179,8 @@ class BatchDrafter:
         if self.pad:
             self.entries.move_to_end((bucket, cap))
         pad = bucket - n  # padding sequences: empty contexts in free slots, every row present
-        host = torch.tensor([[*anchors, *[self.mask_token_id] * pad], [*starts, *[0] * pad],
-                             [*(v + 1 for v in visibles), *[rows] * pad], [*lengths, *[0] * pad]], dtype=torch.long)
-        host = host.to(self.device)
+        host = long_tensor([[*anchors, *[self.mask_token_id] * pad], [*starts, *[0] * pad],
+                            [*(v + 1 for v in visibles), *[rows] * pad], [*lengths, *[0] * pad]], self.device)
         entry.ids.fill_(self.mask_token_id)
         entry.ids[:, 0] = host[0]
         torch.add(host[1].unsqueeze(1), torch.arange(rows, device=self.device), out=entry.positions)

@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -28,9 +27,8 @@ from blockdraft.models.fast_ops import ACTIVATIONS, rms_norm
 from blockdraft.models.fast_target import (
     LENGTH_DEPENDENT_ROPE, MAX_GRAPHS, FastTarget, LayerWeights, graph_rows, layer_step, pack_layer,
 )
+from blockdraft.models.graphs import capture
 from blockdraft.models.static_cache import KVStorage, round_up
-
-T = TypeVar("T")
 
 
 def fast_drafter_problem(drafter: DFlashDrafter) -> str | None:
@@ -111,39 +109,6 @@ def context_kv(
     t, d = kv.shape[1], cos.shape[-1]
     k, v = kv.view(1, t, 2, kv_heads, d).unbind(2)
     return apply_rope(rms_norm(k, k_norm, eps).transpose(1, 2), cos, sin), v.transpose(1, 2)
-
-
-def graph_pool(use_graphs: bool) -> Any:
-    """A new memory pool for graphs that share one (None without graphs). Whoever drops every graph of a pool
-    takes a new one: capturing into a pool whose graphs are all gone while memory taken in it lives on (a library's
-    workspace allocated during a capture) fails inside PyTorch's allocator (`use_count > 0` INTERNAL ASSERT, torch
-    2.11 on the H200: served batch-16 steps failed after the drafter's K/V grew, benchmarks/RESULTS.md, session 16)."""
-    return torch.cuda.graph_pool_handle() if use_graphs else None
-
-
-_CAPTURED = [0]
-
-
-def graphs_captured() -> int:
-    """CUDA graphs captured by this process so far (a server names them when a step stalls)."""
-    return _CAPTURED[0]
-
-
-def capture(run: Callable[[], T], device: torch.device, pool: Any = None) -> tuple[Any, T]:
-    """A CUDA graph of `run` and its outputs (the graph's static outputs), after warm-up on a side stream (kernel
-    selection, torch.compile) so the capture records only the steady state; `pool` shares memory between graphs
-    that never run at the same time."""
-    _CAPTURED[0] += 1
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            run()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = run()
-    return graph, out
 
 
 @dataclass

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from blockdraft.models.flash_decode import fits, flash_decode
+from blockdraft.models.graphs import power_of_two_at_least
 from blockdraft.models.kernel_choice import kernel_wins
 from blockdraft.models.skinny_gemm import skinny_add_norm_linear, skinny_linear
 
@@ -193,7 +194,7 @@ def kernel_attention(
     this shape than `reference` (decode_attention as the engine runs it, compiled or not; `kernel_choice`: key
     lengths by power of two), else `reference`."""
     if fits(q, k, v, bias):
-        shape = (*q.shape[:3], 1 << (k.shape[2] - 1).bit_length(), q.shape[3], q.dtype, bias.shape[0])
+        shape = (*q.shape[:3], power_of_two_at_least(k.shape[2]), q.shape[3], q.dtype, bias.shape[0])
         if kernel_wins("attention", shape, q.device, lambda: flash_decode(q, k, v, bias, scale),
                        lambda: reference(q, k, v, bias, scale)):
             return flash_decode(q, k, v, bias, scale)

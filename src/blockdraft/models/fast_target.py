@@ -21,6 +21,8 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from blockdraft.models.fast_ops import ACTIVATIONS, LayerOps
+from blockdraft.models.graphs import capture, graph_pool, power_of_two_at_least
+from blockdraft.models.host_to_device import long_tensor
 from blockdraft.models.static_cache import KVStorage, StaticTargetCache, round_up
 from blockdraft.models.target import Target, TargetOutput
 
@@ -28,8 +30,10 @@ SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 # RoPE variants whose frequencies depend on the sequence length cannot use one precomputed table.
 LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
-GRAPH_MAX_TOKENS = 1024  # larger forwards (prefill) run eagerly: they are compute-bound anyway
+GRAPH_MAX_TOKENS = 1024  # larger forwards (not prefills: they go in chunks) run eagerly: compute-bound anyway
 MAX_GRAPHS = 32
+PREFILL_ROWS = 1024  # rows per prefill forward: longer prompts go in chunks, shorter ones can be packed together
+PREFILL_GRAPHS = 16  # prefill graphs kept (least recently used dropped): they share one memory pool
 # Forwards of up to this many new tokens (decode, chain verify, small trees) attend with two matmuls, which suit
 # few query rows; longer ones (prefill, large trees) use the fused SDPA kernels.
 DECODE_ATTENTION_MAX_TOKENS = 64
@@ -111,7 +115,7 @@ class _Graph:
     ids: torch.Tensor
     positions: torch.Tensor
     own: torch.Tensor
-    logits: torch.Tensor
+    out: torch.Tensor  # logits (a verify graph) or final-normed states (a prefill graph)
     taps: torch.Tensor | None
 
 
@@ -165,7 +169,13 @@ LayerStep = Callable[[int, LayerWeights, torch.Tensor, torch.Tensor, torch.Tenso
 def graph_rows(t: int) -> int:
     """Rows a graph is captured for: short forwards round up to a power of two (they cost the same on a GPU,
     and the chain's shorter last steps then reuse one graph); longer ones (trees) are captured exactly."""
-    return 1 << (t - 1).bit_length() if t <= 16 else t
+    return power_of_two_at_least(t) if t <= 16 else t
+
+
+def prefill_rows(t: int) -> int:
+    """Rows a prefill graph is captured for: the next power of two from 16, so prompts of every length share a few
+    graphs (and `FastTarget.warm_prefill` can capture them all up front)."""
+    return max(16, power_of_two_at_least(t))
 
 
 class FastTarget(Target):
@@ -206,6 +216,8 @@ class FastTarget(Target):
         self.storage = KVStorage(self.num_layers, self.kv_heads, self.head_dim, slots, self.dtype, self.device)
         self._tables_for = -1
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self._prefill_graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self._prefill_pool: object = None  # the prefill graphs' shared memory pool, made by their first capture
         self._graphs_version = self.storage.version
         self._masks: dict[tuple[str, int], torch.Tensor] = {}
 
@@ -253,19 +265,61 @@ class FastTarget(Target):
 
         `attention_mask` ([1, 1, t, len(cache) + t] bool, for trees) is read for its last t columns, how the
         new rows see each other; every row sees the whole committed cache, as in every tree the loop builds.
+        `last_logits_only` (a prefill) runs in chunks of PREFILL_ROWS (`prefill`).
         """
         t = input_ids.shape[1]
+        if last_logits_only and attention_mask is None:
+            hidden, taps = self.prefill(input_ids, positions, None, cache, tap_layers)
+            return TargetOutput(logits=self.lm_head(hidden[:, -1:]), taps=taps)
         with cache.running(input_ids, attention_mask):
             own = None if attention_mask is None else attention_mask[0, 0, :, -t:]
-            if self.use_graphs and not last_logits_only and t <= GRAPH_MAX_TOKENS:
-                logits, taps = self._replay(input_ids, positions, own, cache, tap_layers)
+            if self.use_graphs and t <= GRAPH_MAX_TOKENS and not last_logits_only:
+                logits, taps = self._replay(input_ids, positions, own, cache, tap_layers, graph_rows(t), True)
             else:
-                cache.reserve(t)
-                self._tables()
-                own = self._fixed_mask("tril", t) if own is None else own
-                cap = round_up(len(cache) + t)
-                logits, taps = self._run(input_ids, positions, own, cap, tap_layers, last_logits_only)
+                hidden, taps = self._eager(input_ids, positions, own, cache, tap_layers)
+                logits = self.lm_head(hidden[:, -1:] if last_logits_only else hidden)
         return TargetOutput(logits=logits, taps=taps)
+
+    @torch.inference_mode()
+    def prefill(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        own: torch.Tensor | None,
+        cache: StaticTargetCache,
+        tap_layers: tuple[int, ...] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Append [1, t] prompt rows to the cache in chunks of up to PREFILL_ROWS, each replayed from a graph of
+        `prefill_rows` rows on CUDA; returns the final-normed states [1, t, hidden] (the caller applies the head to
+        the rows it needs, so no graph holds logits) and the taps. `own` [t, t] (t <= PREFILL_ROWS) is how the rows
+        see each other, causal when None: `pack_prompts` packs several prompts into one forward with it. Run
+        eagerly, a prefill was launch-bound: ~30 ms for the embedded 135M target on the H200 whatever the prompt's
+        length, 25x its GPU time (benchmarks/RESULTS.md, session 18)."""
+        t = input_ids.shape[1]
+        if own is not None and t > PREFILL_ROWS:
+            raise ValueError(f"a prefill with its own mask takes at most {PREFILL_ROWS} rows, not {t}")
+        states: list[torch.Tensor] = []
+        tapped: list[torch.Tensor] = []
+        for begin in range(0, t, PREFILL_ROWS):
+            ids, at = input_ids[:, begin : begin + PREFILL_ROWS], positions[begin : begin + PREFILL_ROWS]
+            with cache.running(ids, None):
+                if self.use_graphs:
+                    hidden, taps = self._replay(ids, at, own, cache, tap_layers, prefill_rows(ids.shape[1]), False)
+                else:
+                    hidden, taps = self._eager(ids, at, own, cache, tap_layers)
+            states.append(hidden)
+            if taps is not None:
+                tapped.append(taps)
+        return torch.cat(states, dim=1), torch.cat(tapped, dim=1) if tapped else None
+
+    def _eager(self, ids: torch.Tensor, positions: torch.Tensor, own: torch.Tensor | None, cache: StaticTargetCache,
+               tap_layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward run directly (a CPU, or rows past what graphs are captured for)."""
+        t = ids.shape[1]
+        cache.reserve(t)
+        self._tables()
+        own = self._fixed_mask("tril", t) if own is None else own
+        return self._run(ids, positions, own, round_up(len(cache) + t), tap_layers)
 
     def _run(
         self,
@@ -274,9 +328,9 @@ class FastTarget(Target):
         own: torch.Tensor,
         cap: int,
         tap_layers: tuple[int, ...] | None,
-        last_logits_only: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The forward itself: only device work on fixed buffers, so a CUDA graph can capture it."""
+        """The forward itself up to the final norm (states, taps): only device work on fixed buffers, so a CUDA
+        graph can capture it."""
         ops, kv = self.ops, self.storage.kv
         t = ids.shape[1]
         groups = self.heads // self.kv_heads
@@ -292,8 +346,7 @@ class FastTarget(Target):
             return layer_step(ops, layer, x, h, cos, sin, kv[i], slots, cap, biases[layer.window], following,
                               self.heads, self.kv_heads, self.eps, self.act)
 
-        h, tapped = self.run_layers(F.embedding(ids, self.embedding_weight), step, tap_layers)
-        return self.lm_head(h[:, -1:] if last_logits_only else h), tapped
+        return self.run_layers(F.embedding(ids, self.embedding_weight), step, tap_layers)
 
     def run_layers(self, x: torch.Tensor, step: LayerStep,
                    tap_layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -318,24 +371,31 @@ class FastTarget(Target):
         own: torch.Tensor | None,
         cache: StaticTargetCache,
         tap_layers: tuple[int, ...] | None,
+        rows: int,
+        head: bool,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Copy the inputs into the captured graph for this shape (capturing it on first use) and replay it."""
+        """Copy the inputs into the captured graph for this shape (`rows` >= t rows; capturing it on first use),
+        replay it and return its logits (`head`: a verify) or final-normed states (a prefill) and taps. Verify
+        graphs each keep their own memory; prefill graphs share one pool (only one runs at a time, and their
+        outputs are copied out at once)."""
         t = input_ids.shape[1]
-        rows = graph_rows(t)
         cache.reserve(rows)
         self._tables()
         if self._graphs_version != self.storage.version:  # the cache grew: old graphs point at freed buffers
             self._graphs.clear()
+            self._prefill_graphs.clear()
+            self._prefill_pool = None  # a new pool for the graphs to come (`graph_pool`)
             self._graphs_version = self.storage.version
         cap = round_up(len(cache) + rows)
+        graphs, limit = (self._graphs, MAX_GRAPHS) if head else (self._prefill_graphs, PREFILL_GRAPHS)
         key = (rows, cap, tap_layers)
-        entry = self._graphs.get(key)
+        entry = graphs.get(key)
         if entry is None:
-            entry = self._capture(rows, cap, tap_layers)
-            self._graphs[key] = entry
-            if len(self._graphs) > MAX_GRAPHS:
-                self._graphs.popitem(last=False)
-        self._graphs.move_to_end(key)
+            entry = self._capture(rows, cap, tap_layers, head)
+            graphs[key] = entry
+            if len(graphs) > limit:
+                graphs.popitem(last=False)
+        graphs.move_to_end(key)
         entry.ids[:, :t].copy_(input_ids)
         entry.positions[:t].copy_(positions)
         if own is None:
@@ -345,21 +405,46 @@ class FastTarget(Target):
             entry.own[:t, :t].copy_(own)
         entry.graph.replay()
         taps = None if entry.taps is None else entry.taps[:, :t].clone()
-        return entry.logits[:, :t].clone(), taps
+        return entry.out[:, :t].clone(), taps
 
-    def _capture(self, rows: int, cap: int, tap_layers: tuple[int, ...] | None) -> _Graph:
+    def _capture(self, rows: int, cap: int, tap_layers: tuple[int, ...] | None, head: bool) -> _Graph:
         """Capture the forward for one shape. Warm-up runs write only slots past the cache length (rows nobody
         has committed yet), which the real replay then overwrites, so capturing never disturbs the cache."""
+        if not head and self._prefill_pool is None:
+            self._prefill_pool = graph_pool(True)
         ids = torch.zeros(1, rows, dtype=torch.long, device=self.device)
         positions = torch.zeros(rows, dtype=torch.long, device=self.device)
         own = torch.eye(rows, dtype=torch.bool, device=self.device)
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._run(ids, positions, own, cap, tap_layers, False)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits, taps = self._run(ids, positions, own, cap, tap_layers, False)
-        return _Graph(graph=graph, ids=ids, positions=positions, own=own, logits=logits, taps=taps)
+
+        def run() -> tuple[torch.Tensor, torch.Tensor | None]:
+            hidden, taps = self._run(ids, positions, own, cap, tap_layers)
+            return (self.lm_head(hidden) if head else hidden), taps
+
+        graph, (out, taps) = capture(run, self.device, None if head else self._prefill_pool)
+        return _Graph(graph=graph, ids=ids, positions=positions, own=own, out=out, taps=taps)
+
+    def warm_prefill(self, tap_layers: tuple[int, ...] | None) -> None:
+        """Capture the prefill graph of every size up to PREFILL_ROWS (a server's warm-up), so that no request's
+        first token waits for a capture."""
+        if not self.use_graphs:
+            return
+        rows = 16
+        while rows <= min(PREFILL_ROWS, self.max_positions or PREFILL_ROWS):
+            self.forward(torch.zeros(1, rows, dtype=torch.long, device=self.device),
+                         torch.arange(rows, device=self.device), self.new_cache(), tap_layers, last_logits_only=True)
+            rows *= 2
+
+
+def pack_prompts(prompts: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                            list[int]]:
+    """Several prompts as one prefill (`FastTarget.prefill`): ids [1, total], positions (each prompt's from 0),
+    the block-causal mask [total, total] (each prompt sees only its own earlier rows) and each prompt's first row.
+    Prompts prefilled one per forward queued behind each other (H200, embedded pair: TTFT p50 662 ms at
+    concurrency 64, session 14); packed, k prompts cost one forward."""
+    lengths = [len(prompt) for prompt in prompts]
+    firsts = [sum(lengths[:b]) for b in range(len(prompts))]
+    host = long_tensor([[token for prompt in prompts for token in prompt], [j for n in lengths for j in range(n)],
+                        [b for b, n in enumerate(lengths) for _ in range(n)]], device)
+    ids, positions, segment = host[0].unsqueeze(0), host[1], host[2]
+    own = (segment.unsqueeze(1) == segment.unsqueeze(0)).tril()
+    return ids, positions, own, firsts

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from blockdraft.models.graphs import power_of_two_at_least
 from blockdraft.models.skinny_gemm import kernel_available, triton
 
 BLOCK_ROWS = 16  # query rows per program (tl.dot's smallest tile)
@@ -113,7 +114,7 @@ def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.
     S] additive (0 visible, -inf hidden)."""
     batch, heads, rows, dim = q.shape
     keys = k.shape[2]
-    block_d = max(16, 1 << (dim - 1).bit_length())
+    block_d = max(16, power_of_two_at_least(dim))
     row_blocks = triton.cdiv(rows, BLOCK_ROWS)
     most = triton.cdiv(keys, BLOCK_KEYS)
     splits = max(1, min(most, TARGET_PROGRAMS // max(batch * heads * row_blocks, 1)))

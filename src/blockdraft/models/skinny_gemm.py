@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from blockdraft.models.graphs import power_of_two_at_least
 from blockdraft.models.kernel_choice import kernel_wins
 
 MAX_ROWS = 64  # more rows than this are compute, not weight reads: cuBLAS
@@ -97,7 +98,7 @@ def _fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> b
 
 def _row_tile(rows: int) -> int:
     """The kernel's row tile for `rows` input rows: 16, 32 or 64 (tl.dot's smallest is 16)."""
-    return max(16, 1 << (rows - 1).bit_length())
+    return max(16, power_of_two_at_least(rows))
 
 
 def _shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int, int, torch.dtype, bool]:

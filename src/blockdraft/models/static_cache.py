@@ -23,31 +23,44 @@ def round_up(n: int, step: int = SLOT_STEP) -> int:
     return -(-n // step) * step
 
 
+def kv_buffer(shape: tuple[int, ...], positions_dim: int, positions: int, dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
+    """A zeroed K/V buffer with room for `positions` positions plus one SLOT_STEP, made in inference mode.
+
+    Both so that the compiled attention units see one kind of key view all along: a view of the first `cap`
+    positions that were the whole buffer is contiguous and one of a grown buffer is not, and tensors made outside
+    inference mode carry other dispatch keys than those made inside (as every grown buffer is); each difference
+    recompiled the units in the middle of serving, 2.5-8.5 s stalls on the H200 (benchmarks/RESULTS.md, session
+    18). One step of room is never read: attention reads at most `positions`."""
+    with torch.inference_mode():
+        sizes = list(shape)
+        sizes[positions_dim] = round_up(max(positions, 1)) + SLOT_STEP
+        return torch.zeros(sizes, dtype=dtype, device=device)
+
+
 class KVStorage:
     """The buffers one FastTarget owns, reused by every cache it hands out so captured graphs stay valid."""
 
     def __init__(
         self, layers: int, kv_heads: int, head_dim: int, slots: int, dtype: torch.dtype, device: torch.device
     ) -> None:
-        self.kv = torch.zeros(layers, 2, kv_heads, round_up(slots), head_dim, dtype=dtype, device=device)
+        self.kv = kv_buffer((layers, 2, kv_heads, 0, head_dim), 3, slots, dtype, device)
         self.length = torch.zeros((), dtype=torch.long, device=device)
         self.version = 0  # bumped on reallocation: graphs captured on the old buffers must not run again
         self.owner: StaticTargetCache | None = None
 
     @property
     def slots(self) -> int:
-        return self.kv.shape[3]
+        """Positions a forward may use (the buffer holds one SLOT_STEP more, `kv_buffer`)."""
+        return self.kv.shape[3] - SLOT_STEP
 
     @torch.inference_mode()
     def ensure(self, slots: int, keep: int) -> None:
-        """Make room for `slots` rows (doubling), keeping the first `keep` rows. (Buffers made here are inference
+        """Make room for `slots` rows (doubling), keeping the first `keep` rows. (The buffers are inference
         tensors, so every in-place edit of them runs in inference mode.)"""
         if slots <= self.slots:
             return
-        grown = torch.zeros(
-            *self.kv.shape[:3], round_up(max(slots, 2 * self.slots)), self.kv.shape[4],
-            dtype=self.kv.dtype, device=self.kv.device,
-        )
+        grown = kv_buffer(self.kv.shape, 3, max(slots, 2 * self.slots), self.kv.dtype, self.kv.device)
         grown[:, :, :, :keep] = self.kv[:, :, :, :keep]
         self.kv = grown
         self.version += 1

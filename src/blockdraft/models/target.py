@@ -113,6 +113,10 @@ class Target:
             return HybridCache(self.model)
         return TargetCache(self.model)
 
+    def warm_prefill(self, tap_layers: tuple[int, ...] | None) -> None:
+        """What a server's warm-up prepares for prefills: nothing here (HF's forward runs eagerly; FastTarget
+        captures its prefill graphs)."""
+
     def embed(self, ids: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
         """Raw input embeddings (no model-specific scaling): what the drafter is trained on."""
         out = F.embedding(ids, self.embedding_weight)

@@ -47,14 +47,17 @@ class BatchedEngine:
         return len(self.decoder.running)
 
     def warm_up(self, prompt_ids: list[int]) -> None:
-        """Short decodes at every batch bucket (1, 2, 4, ... --max-num-seqs sequences at once), with each method a
-        schedule may pick, so the first requests at each size do not pay for compiling and capturing its graphs (on
-        the H200 the first batched steps stalled concurrency 4 below concurrency 1 before this). Only at the warm-up
-        prompt's context capacity and its short drafts: a longer context (graphs are keyed by capacity, in steps of
-        256 positions) or a chain's full-depth verify still captures when first met, a step the measured schedule
-        leaves out as stalled and the server names when it is slow. The schedule hears none of these steps."""
+        """The prefill graphs of every size, then short decodes at every batch bucket (1, 2, 4, ... --max-num-seqs
+        sequences at once), with each method a schedule may pick, so the first requests at each size do not pay for
+        compiling and capturing its graphs (on the H200 the first batched steps stalled concurrency 4 below
+        concurrency 1 before this). Only at the warm-up prompt's context capacity and its short drafts: a longer
+        context (graphs are keyed by capacity, in steps of 256 positions) or a chain's full-depth verify still
+        captures when first met, a step the measured schedule leaves out as stalled and the server names when it is
+        slow. The schedule hears none of these steps."""
         decoder, schedule = self.decoder, self.decoder.schedule
         table = schedule.table if isinstance(schedule, MeasuredSchedule) else schedule
+        proposer = decoder.new_proposer()
+        decoder.target.warm_prefill(proposer.tap_layers if proposer else None)
         decoder.schedule = None
         try:
             for candidate in table.candidates if table is not None else [None]:

@@ -15,7 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from blockdraft.models.fast_drafter import graphs_captured
+from blockdraft.models.graphs import graphs_captured
 from blockdraft.serve.messages import EngineTime
 
 REPORT_EVERY_S = 1.0  # at most one report a second while busy (and one whenever the thread goes idle)

@@ -32,7 +32,9 @@ class SequentialEngine:
         self.tokenizer = tokenizer
 
     def warm_up(self, prompt_ids: list[int]) -> None:
-        """One short decode, so the first request does not pay for first-call costs (kernels, graphs)."""
+        """The prefill graphs and one short decode, so the first request does not pay for first-call costs (kernels,
+        graphs)."""
+        self.target.warm_prefill(self.proposer.tap_layers if self.proposer else None)
         generate(self.target, prompt_ids, self.proposer, _WARMUP_TOKENS)
 
     def admit(self, jobs: list[tuple[Job, Callable[[], bool]]]) -> None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 
 
-def long_tensor(values: list[int], device: torch.device) -> torch.Tensor:
-    """values as a 1-D long tensor on `device`, queued without a host sync on CUDA."""
+def long_tensor(values: list[int] | list[list[int]], device: torch.device) -> torch.Tensor:
+    """values (a list, or a table of equal rows) as a long tensor on `device`, queued without a host sync on CUDA."""
     if device.type != "cuda":
         return torch.tensor(values, dtype=torch.long, device=device)
     return torch.tensor(values, dtype=torch.long, pin_memory=True).to(device, non_blocking=True)

@@ -1,0 +1,53 @@
+"""CUDA graph capture shared by the fast engine's forwards (target, drafter, batched verify, tree search).
+
+One warm-up-then-capture routine and one count of captures, so a server can say how many graphs a slow step
+captured whichever part captured them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+def power_of_two_at_least(n: int) -> int:
+    """The smallest power of two >= n (n >= 1): graph shapes (rows, batch buckets) are padded to these, so a few
+    graphs serve every size."""
+    return 1 << (n - 1).bit_length()
+
+
+def graph_pool(use_graphs: bool) -> Any:
+    """A new memory pool for graphs that share one (None without graphs). Whoever drops every graph of a pool
+    takes a new one: capturing into a pool whose graphs are all gone while memory taken in it lives on (a library's
+    workspace allocated during a capture) fails inside PyTorch's allocator (`use_count > 0` INTERNAL ASSERT, torch
+    2.11 on the H200: served batch-16 steps failed after the drafter's K/V grew, benchmarks/RESULTS.md, session 16)."""
+    return torch.cuda.graph_pool_handle() if use_graphs else None
+
+
+_CAPTURED = [0]
+
+
+def graphs_captured() -> int:
+    """CUDA graphs captured by this process so far (a server names them when a step stalls)."""
+    return _CAPTURED[0]
+
+
+def capture(run: Callable[[], T], device: torch.device, pool: Any = None) -> tuple[Any, T]:
+    """A CUDA graph of `run` and its outputs (the graph's static outputs), after warm-up on a side stream (kernel
+    selection, torch.compile) so the capture records only the steady state; `pool` shares memory between graphs
+    that never run at the same time."""
+    _CAPTURED[0] += 1
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = run()
+    return graph, out
