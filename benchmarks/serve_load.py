@@ -133,10 +133,13 @@ class InProcess:
 
 
 class Pins:
-    """`--pin DECODE,CLIENT`: both decodes on one core (the in-process one in this thread, the server's engine
-    process, every thread of it) and the rest on another (the server's HTTP process, and this thread while it is a
-    client), so the paired ratio compares the same core's decodes: on the H200 the same decode moved by up to 15%
-    with the core it landed on (benchmarks/RESULTS.md, session 15)."""
+    """`--pin DECODE,CLIENT`: both decodes on one core, every thread of the process that decodes (this process
+    while it decodes in-process, the server's engine process) and the rest on another (the server's HTTP process,
+    and this process while it is a client), so the paired ratio compares the same core's decodes: on the H200 the
+    same decode moved by up to 15% with the core it landed on (benchmarks/RESULTS.md, session 15). Every thread on
+    both sides: pinning only this thread left the in-process side its helper threads on every core while the
+    server's were confined to one (session 18: DFlash paired 0.76 while the unpinned server outran the in-process
+    decode)."""
 
     def __init__(self, spec: str | None) -> None:
         cores = [int(c) for c in spec.split(",")] if spec else []
@@ -157,17 +160,16 @@ class Pins:
 
     def decoding(self) -> None:
         if self.cores:
-            os.sched_setaffinity(0, {self.cores[0]})
+            _pin_threads(os.getpid(), {self.cores[0]})
 
     def client(self) -> None:
         if self.cores:
-            os.sched_setaffinity(0, {self.cores[1]})
+            _pin_threads(os.getpid(), {self.cores[1]})
 
     def release(self, pid: int) -> None:
         """Every core again, here and in the server (the load levels run unpinned)."""
         if self.cores:
-            os.sched_setaffinity(0, self.before)
-            for process in [pid, *_children(pid)]:
+            for process in [os.getpid(), pid, *_children(pid)]:
                 _pin_threads(process, self.before)
 
 

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+import torch
+
 from blockdraft.decoding.draft import Proposer, check_draft_tokens
 from blockdraft.decoding.methods import GPU_BUDGET, build_proposer, device_settings
 from blockdraft.engine.batch import check_kv_room, default_max_num_seqs
@@ -66,6 +68,11 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
     say(f"loading target {settings.target}" + (f" and drafter {drafter_dir}" if drafter_dir else "") + " ...")
     loaded = Loaded(settings.target, drafter_dir, settings.device, settings.dtype, settings.engine)
     target = loaded.target
+    if target.device.type == "cuda":
+        # The GPU does the work; the host only launches. One intra-op thread, as vLLM's processes run (OMP_NUM_THREADS
+        # 1 by default): a pool of one thread per core competes with the HTTP process for the cores, and when the
+        # engine process is confined to one core (containers, `serve_load.py --pin`) the pool's threads spin on it.
+        torch.set_num_threads(1)
     depth = budget = None
     tree_budget = GPU_BUDGET
     if loaded.drafter is not None:
