@@ -90,7 +90,8 @@ def test_sigterm_answers_every_request_and_exits_0(text_pair, drain_timeout: flo
         replies = [f.result(timeout=60) for f in futures]
     assert server.proc.wait(timeout=drain_timeout + 30) == 0, "".join(server.lines)
     if drain_timeout > 10:  # everything finished within the drain bound
-        assert all(r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length" for r in replies)
+        assert all(r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length" for r in replies), (
+            [(r.status_code, r.text[:300]) for r in replies], "".join(server.lines)[-2000:])
         assert all(r.json()["usage"]["completion_tokens"] == max_tokens for r in replies)
     else:  # past the bound: the running request ends with what it has, the queued ones get a 503
         first, *queued = sorted(replies, key=lambda r: r.status_code)

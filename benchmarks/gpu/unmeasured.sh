@@ -6,7 +6,7 @@
 #   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh speed         # ~7 min
 #   (after the GGUF is assembled, as in RESULTS) bash benchmarks/gpu/unmeasured.sh e2e   # ~4 min
 #   (same) bash benchmarks/gpu/unmeasured.sh load   # ~8 min: issue 22's table with the engine's own time per level
-#   (same) bash benchmarks/gpu/unmeasured.sh steps  # ~3 min: why a batched DFlash step at batch 4 costs ~2x batch 1
+#   (same) bash benchmarks/gpu/unmeasured.sh steps  # ~5 min: batched DFlash steps at 1/4/16; schedule vs fixed steps
 #   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh admit   # ~1.5 min: prefill and join costs
 # Each step writes $OUT/<step>.log as it runs and has its own time limit, so a call cut short still returns every
 # step that finished (session 16 lost a 9-minute call whose output only went to stdout).
@@ -47,10 +47,17 @@ case "${1:-}" in
       --budget 32 --concurrency 1,4,16,64 --requests 128 --rounds 2 --paired 8 --max-num-seqs 64 --max-tokens 256 \
       --time-cap 30 --pin 2,3 --json-out "$OUT/load.json"
     ;;
-  steps)  # session 18: the server's own DFlash steps ran 1,250 tok/s at batch 1 and 2,646 at batch 3-4 (4 sequences)
+  steps)  # session 18: the server's own DFlash steps ran 1,250 tok/s at batch 1 and 2,646 at batch 3-4 (4 sequences);
+    # inside the schedule server AR and DDTree@32 steps ran 0.8x and 0.6x the fixed servers' at batch 1
     for batch in 1 4 16; do
       step "steps_dflash_$batch" 60 python3 benchmarks/batch_step_profile.py --device cuda --dtype bfloat16 \
         --method dflash --batch "$batch" --steps 60
+    done
+    for method in ar ddtree; do
+      for how in "" --scheduled; do
+        step "steps_${method}_1${how}" 60 python3 benchmarks/batch_step_profile.py --device cuda --dtype bfloat16 \
+          --method "$method" --batch 1 --steps 60 $how
+      done
     done
     ;;
   admit)  # session 18: prefill 31.8 -> 1.39 ms once graphed; joins of 1, 4 and 16 requests
