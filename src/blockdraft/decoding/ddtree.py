@@ -25,11 +25,11 @@ from typing import Any
 import torch
 
 from blockdraft.decoding.draft import Draft, OverChain
-from blockdraft.models.host_to_device import long_tensor
 from blockdraft.decoding.sampling import SamplingParams, probabilities
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.drafter import DFlashDrafter
 from blockdraft.models.graphs import capture, power_of_two_at_least
+from blockdraft.models.host_to_device import long_tensor
 from blockdraft.models.target import Target
 
 

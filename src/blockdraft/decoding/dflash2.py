@@ -23,10 +23,10 @@ import torch
 
 from blockdraft.decoding.ddtree import check_budget
 from blockdraft.decoding.draft import Draft, OverChain
-from blockdraft.models.host_to_device import long_tensor
 from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.drafter import CandidateSelector, DFlashDrafter
+from blockdraft.models.host_to_device import long_tensor
 from blockdraft.models.target import Target
 
 

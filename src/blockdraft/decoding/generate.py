@@ -15,11 +15,11 @@ from typing import Any
 import torch
 
 from blockdraft.decoding.draft import Draft, Proposer
-from blockdraft.models.host_to_device import long_tensor
 from blockdraft.decoding.sampling import SamplingParams, pick
 from blockdraft.decoding.verify import verify
 from blockdraft.errors import BlockdraftError
 from blockdraft.metrics import SpecStats
+from blockdraft.models.host_to_device import long_tensor
 from blockdraft.models.target import Target
 
 

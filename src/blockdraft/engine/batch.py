@@ -23,7 +23,6 @@ import torch
 from blockdraft.decoding.ddtree import DDTreeProposer, build_trees, slot_log_probs
 from blockdraft.decoding.draft import DFlashProposer, Draft, DrafterProposer, Proposer
 from blockdraft.decoding.generate import GenerationResult, OnCommit, check_context, check_prompt_ids
-from blockdraft.models.host_to_device import long_tensor
 from blockdraft.decoding.sampling import SamplingParams, pick
 from blockdraft.decoding.verify import Verdict, verify, verify_greedy
 from blockdraft.engine.measured import MeasuredSchedule
@@ -35,6 +34,7 @@ from blockdraft.metrics import SpecStats
 from blockdraft.models.fast_batch_drafter import BatchDrafter
 from blockdraft.models.fast_drafter import fast_drafter_problem
 from blockdraft.models.fast_target import PREFILL_ROWS, FastTarget
+from blockdraft.models.host_to_device import long_tensor
 from blockdraft.models.target import Target
 
 

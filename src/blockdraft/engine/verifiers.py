@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from blockdraft.decoding.draft import Draft
-from blockdraft.models.host_to_device import long_tensor
 from blockdraft.models.fast_batch import BatchForward, BatchKV
 from blockdraft.models.fast_target import FastTarget, pack_prompts
+from blockdraft.models.host_to_device import long_tensor
 from blockdraft.models.static_cache import StaticTargetCache
 from blockdraft.models.target import Target, TargetCache
 

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from blockdraft.models.fast_target import FastTarget, LayerWeights, attend, graph_rows, layer_tail
 from blockdraft.models.graphs import capture, graph_pool, power_of_two_at_least
 from blockdraft.models.host_to_device import long_tensor
-from blockdraft.models.fast_target import FastTarget, LayerWeights, attend, graph_rows, layer_tail
 from blockdraft.models.static_cache import SLOT_STEP, StaticTargetCache, kv_buffer, round_up
 
 GRAPH_MAX_ROWS = 8192  # bucket x rows past this run eagerly (compute-bound there, whatever the model)

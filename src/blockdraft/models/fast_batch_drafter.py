@@ -26,10 +26,10 @@ import torch.nn.functional as F
 from blockdraft.models.drafter import DFlashDrafter, apply_rope
 from blockdraft.models.fast_batch import BATCH_GRAPHS, BatchKV, batch_bucket
 from blockdraft.models.fast_drafter import batched_context_bias, fast_drafter_problem, packed_layers
-from blockdraft.models.graphs import capture, graph_pool
-from blockdraft.models.host_to_device import long_tensor
 from blockdraft.models.fast_ops import rms_norm
 from blockdraft.models.fast_target import FastTarget, attend, graph_rows, layer_tail
+from blockdraft.models.graphs import capture, graph_pool
+from blockdraft.models.host_to_device import long_tensor
 from blockdraft.models.static_cache import round_up
 
 

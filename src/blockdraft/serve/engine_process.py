@@ -37,11 +37,11 @@ from blockdraft.serve.messages import (
     Started,
     StartFailed,
 )
+from blockdraft.serve.batched import BatchedEngine
+from blockdraft.serve.engine_clock import EngineClock
 from blockdraft.serve.output import commit_work
 from blockdraft.serve.prepare import generation_defaults
 from blockdraft.serve.relay import Outbox
-from blockdraft.serve.batched import BatchedEngine
-from blockdraft.serve.engine_clock import EngineClock
 from blockdraft.serve.self_check import check_prompts, self_check
 from blockdraft.serve.sequential import SequentialEngine
 from blockdraft.serve.settings import ServeSettings
