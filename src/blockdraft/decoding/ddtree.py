@@ -120,11 +120,10 @@ def best_prefixes_on_device(values: torch.Tensor, slots: list[int], budget: int
     `slots[b]` slots), searched with tensors where the scores are, and read back once. On a GPU the search is
     replayed from a CUDA graph per shape (`_graphed_search`): eagerly it is ~100 small launches, 2.2-4.6 ms on the
     H200 whatever the batch (benchmarks/RESULTS.md, session 17), nearly all launch time."""
-    host_slots = torch.tensor(slots, dtype=torch.long)
     if values.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
-        read = _graphed_search(values, host_slots, budget)
+        read = _graphed_search(values, long_tensor(slots, values.device), budget)
     else:
-        read = _search(values, host_slots.to(values.device), budget)
+        read = _search(values, torch.tensor(slots, dtype=torch.long, device=values.device), budget)
     return [(row[1 : 1 + row[0]], row[1 + budget : 1 + budget + row[0]], row[1 + 2 * budget : 1 + 2 * budget + row[0]])
             for row in read.tolist()]
 
@@ -187,7 +186,7 @@ def _graphed_search(values: torch.Tensor, slots: torch.Tensor, budget: int) -> t
     graph, padded, padded_slots, out = entry
     padded[:n].copy_(values)
     padded_slots.zero_()
-    padded_slots[:n].copy_(slots, non_blocking=True)
+    padded_slots[:n].copy_(slots)
     graph.replay()
     return out[:n]
 

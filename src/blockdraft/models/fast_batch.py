@@ -126,14 +126,13 @@ def forward_batch(target: FastTarget, store: BatchKV, ids: torch.Tensor, positio
 
 
 def run_batch(target: FastTarget, kv: torch.Tensor, lengths: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
-              own: torch.Tensor, cap: int, tap_layers: tuple[int, ...] | None,
-              first: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+              own: torch.Tensor, cap: int, tap_layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The batched forward itself up to the final norm (states [B, t, hidden], taps) of the sequences in slots
-    first..first+B-1: only device work on fixed buffers, so a CUDA graph can capture it."""
+    0..B-1: only device work on fixed buffers, so a CUDA graph can capture it."""
     batch, t = ids.shape
     device = target.device
     ops, groups = target.ops, target.heads // target.kv_heads
-    seq = torch.arange(first, first + batch, device=device).unsqueeze(1).expand(batch, t)
+    seq = torch.arange(batch, device=device).unsqueeze(1).expand(batch, t)
     cols = lengths.unsqueeze(1) + torch.arange(t, device=device)
     cos, sin = target.rotary(torch.empty(0, dtype=target.dtype, device=device), positions)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
@@ -145,7 +144,7 @@ def run_batch(target: FastTarget, kv: torch.Tensor, lengths: torch.Tensor, ids: 
              following: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q = ops.batched_qkv_heads(ops.linear(h, layer.qkv, layer.qkv_bias), layer.q_norm, layer.k_norm, cos, sin,
                                   target.heads, target.kv_heads, target.eps, kv[i, 0], kv[i, 1], seq, cols)
-        keys, values = kv[i, 0, first : first + batch, :, :cap], kv[i, 1, first : first + batch, :, :cap]
+        keys, values = kv[i, 0, :batch, :, :cap], kv[i, 1, :batch, :, :cap]
         out = attend(ops, layer, q, keys, values, biases[layer.window], t)
         return layer_tail(ops, layer, x, ops.merge_heads(out, target.heads, t), following, target.eps, target.act)
 
