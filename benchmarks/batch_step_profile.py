@@ -18,8 +18,10 @@ import argparse
 import cProfile
 import multiprocessing
 import pstats
+import statistics
 import time
 from multiprocessing.connection import Connection
+from typing import Any, Callable
 
 
 def drain(replies: Connection) -> None:
@@ -29,6 +31,66 @@ def drain(replies: Connection) -> None:
             replies.recv()
         except EOFError:
             return
+
+
+PHASES = ("_catch_up", "_drafts", "verifier.forward", "_verdicts", "verifier.keep", "_extend", "_leave")
+
+
+def print_phases(decoder: Any, steps: Callable[[], list[float]], cuda: bool) -> None:
+    """Median ms per step of each part of BatchDecoder.step, each run alone (the device drained before and after
+    it, so a part's own device work counts in it and nowhere else); "rest": the step's other host work and the
+    server's (commits' text, the outbox)."""
+    import torch
+
+    totals: dict[str, float] = {}
+
+    def timed(owner: Any, name: str, label: str) -> None:
+        original = getattr(owner, name)
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if cuda:
+                torch.cuda.synchronize()
+            began = time.perf_counter()
+            out = original(*args, **kwargs)
+            if cuda:
+                torch.cuda.synchronize()
+            totals[label] = totals.get(label, 0.0) + 1000 * (time.perf_counter() - began)
+            return out
+
+        setattr(owner, name, run)
+
+    wrapped = [((decoder.verifier, label.split(".")[1]) if label.startswith("verifier.") else (decoder, label), label)
+               for label in PHASES]
+    for (owner, name), label in wrapped:
+        timed(owner, name, label)
+    per_step: dict[str, list[float]] = {label: [] for label in (*PHASES, "rest", "step")}
+    for _ in range(3):  # three rounds of steps, each split into its parts; the median round of each part
+        totals.clear()
+        times = steps()
+        count = len(times)
+        for label in PHASES:
+            per_step[label].append(totals.get(label, 0.0) / count)
+        per_step["step"].append(sum(times) / count)
+        per_step["rest"].append(per_step["step"][-1] - sum(per_step[label][-1] for label in PHASES))
+    for (owner, name), _ in wrapped:  # the methods themselves again (the wrappers were instance attributes)
+        del owner.__dict__[name]
+    print("parts of a step, each alone (ms per step, median of 3 rounds): " + ", ".join(
+        f"{label} {statistics.median(values):.2f}" for label, values in per_step.items()))
+
+
+def print_device_time(steps: Callable[[], list[float]], count: int) -> None:
+    """GPU-busy time per step (kernels and copies, graph replays included) against the step's wall time: a step whose
+    device time is far under its wall time is bound by the host, and the cProfile table above says where."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as trace:
+        wall = sum(steps()) / count
+    device = [event for event in trace.events() if event.device_type == DeviceType.CUDA]
+    busy = sum(event.time_range.elapsed_us() for event in device) / 1000 / count
+    print(f"device busy {busy:.2f} ms per step of {wall:.2f} ms wall under the profiler ({100 * busy / wall:.0f}%)")
+    print(f"{len(device) / count:.0f} device activities per step")
+    print(trace.key_averages().table(sort_by="self_device_time_total", row_limit=15))
 
 
 def main() -> None:
@@ -41,6 +103,7 @@ def main() -> None:
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--stream-interval-ms", type=float, default=20.0)
+    parser.add_argument("--engine", default="auto", choices=("auto", "hf", "fast"))
     parser.add_argument("--scheduled", action="store_true", help="Run the method through a SwitchingProposer.")
     args = parser.parse_args()
 
@@ -50,6 +113,7 @@ def main() -> None:
     from blockdraft.decoding.sampling import SamplingParams
     from blockdraft.engine.schedule import AR, Candidate
     from blockdraft.engine.switching import SwitchingProposer
+    from blockdraft.models.graphs import graphs_captured
     from blockdraft.pair import Loaded, default_drafter
     from blockdraft.prompting import encode_messages
     from blockdraft.serve.batched import BatchedEngine
@@ -58,7 +122,7 @@ def main() -> None:
     from blockdraft.serve.relay import Outbox
 
     drafter = None if args.method == "ar" and not args.scheduled else default_drafter(args.target, None)
-    loaded = Loaded(args.target, drafter, args.device, args.dtype, "auto")
+    loaded = Loaded(args.target, drafter, args.device, args.dtype, args.engine)
     target = loaded.target
     depth = None
     if loaded.drafter is not None:
@@ -84,35 +148,46 @@ def main() -> None:
     prompts = [encode_messages([{"role": "user", "content": f"Write a long story about the number {i}."}],
                                loaded.tokenizer) for i in range(args.batch)]
     engine.warm_up(prompts[0])
-    limit = 16 * (3 * args.steps + 8)  # no job may finish within the timed steps, whatever it accepts
+    limit = 16 * (7 * args.steps + 8)  # no job may finish within the timed steps, whatever it accepts
     jobs = [Job(JobSpec(i, ids, limit, SamplingParams(), 0, StopRules(), time.monotonic()), outbox.emitter(i))
             for i, ids in enumerate(prompts)]
     engine.admit([(job, lambda: False) for job in jobs])
+    cuda = target.device.type == "cuda"
 
-    def steps() -> float:
-        if target.device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
+    def steps() -> list[float]:
+        """Each step's wall time in ms, the device drained after each (a step reads its verdicts back anyway)."""
+        times = []
         for _ in range(args.steps):
+            began = time.perf_counter()
             engine.step()
-        if target.device.type == "cuda":
-            torch.cuda.synchronize()
-        return 1000 * (time.perf_counter() - start) / args.steps
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(1000 * (time.perf_counter() - began))
+        return times
 
     steps()  # warm
     running = len(engine.decoder.running)
     committed = sum(len(seq.tokens) for seq in engine.decoder.running)
+    captured = graphs_captured()
     plain = steps()
+    captured = graphs_captured() - captured
     committed = sum(len(seq.tokens) for seq in engine.decoder.running) - committed
+    median = statistics.median(plain)
+    per_step = committed / args.steps
+    label = f"{args.method} (scheduled)" if args.scheduled else args.method
+    print(f"{label} batch {running}: median {median:.2f} ms per step (mean {statistics.mean(plain):.2f}, max "
+          f"{max(plain):.2f}; {captured} graphs captured in these {args.steps} steps), {per_step / running:.2f} "
+          f"tokens committed per sequence and step, {1000 * per_step / median:,.0f} tokens/s at the median step")
+    print_phases(engine.decoder, steps, cuda)
     profile = cProfile.Profile()
     profile.enable()
     profiled = steps()
     profile.disable()
-    label = f"{args.method} (scheduled)" if args.scheduled else args.method
-    print(f"{label} batch {running}: {plain:.2f} ms per step ({profiled:.2f} under cProfile), "
-          f"{committed / args.steps / running:.2f} tokens committed per sequence and step, "
-          f"{1000 * committed / (plain * args.steps):,.0f} tokens/s")
+    print(f"under cProfile: median {statistics.median(profiled):.2f} ms per step")
     pstats.Stats(profile).sort_stats("tottime").print_stats(25)
+    pstats.Stats(profile).sort_stats("cumulative").print_stats(40)
+    if cuda:
+        print_device_time(steps, args.steps)
     send.close()
     reader.join()
 

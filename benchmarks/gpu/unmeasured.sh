@@ -47,17 +47,12 @@ case "${1:-}" in
       --budget 32 --concurrency 1,4,16,64 --requests 128 --rounds 2 --paired 8 --max-num-seqs 64 --max-tokens 256 \
       --time-cap 30 --pin 2,3 --json-out "$OUT/load.json"
     ;;
-  steps)  # session 18: the server's own DFlash steps ran 1,250 tok/s at batch 1 and 2,646 at batch 3-4 (4 sequences);
-    # inside the schedule server AR and DDTree@32 steps ran 0.8x and 0.6x the fixed servers' at batch 1
-    for batch in 1 4 16; do
-      step "steps_dflash_$batch" 60 python3 benchmarks/batch_step_profile.py --device cuda --dtype bfloat16 \
-        --method dflash --batch "$batch" --steps 60
-    done
-    for method in ar ddtree; do
-      for how in "" --scheduled; do
-        step "steps_${method}_1${how}" 60 python3 benchmarks/batch_step_profile.py --device cuda --dtype bfloat16 \
-          --method "$method" --batch 1 --steps 60 $how
-      done
+  steps)  # session 18: the server's own DFlash steps ran 1,250 tok/s at batch 1 and 2,646 at batch 3-4 (AR 651 and
+    # 2,293); session 19's first profile had graph captures inside its timed steps, now counted and left out (medians)
+    for run in "dflash 1" "dflash 4" "dflash 16" "ar 1" "ar 4" "ddtree 1"; do
+      set -- $run
+      step "steps_$1_$2" 90 python3 benchmarks/batch_step_profile.py --device cuda --dtype bfloat16 --method "$1" \
+        --batch "$2" --steps 40
     done
     ;;
   admit)  # session 18: prefill 31.8 -> 1.39 ms once graphed; joins of 1, 4 and 16 requests
