@@ -3,7 +3,7 @@
 Every way a tensor's value reaches Python (`tolist`, `item`, `int()`, `bool()`, `float()`, `.cpu()`, `.numpy()`)
 is a host sync on a GPU. A torch-function mode counts them during whole generations on CPU, where the same code
 runs: AR and the DFlash chain (greedy or sampled) must read once per step on both engines; DDTree reads the
-drafter's top-k once more, to build its tree on the host.
+drafter's top-k once more, to build its tree on the host, except in the batch decoder on the fast engine.
 """
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ from torch.overrides import TorchFunctionMode
 from blockdraft.decoding.generate import generate
 from blockdraft.decoding.methods import build_proposer
 from blockdraft.decoding.sampling import SamplingParams
+from blockdraft.engine.batch import BatchDecoder
+from blockdraft.engine.schedule import Candidate
+from blockdraft.engine.switching import SwitchingProposer
 from blockdraft.models.fast_target import FastTarget
 from blockdraft.models.target import Target
 
@@ -60,3 +63,30 @@ def test_one_read_per_step(engine: type, method: str, temperature: float, per_st
     expected = Counter({name: n * steps for name, n in per_step.items()})
     expected["item"] += 1  # the prefill's first token
     assert mode.reads == expected
+
+
+@pytest.mark.parametrize("scheduled", [False, True], ids=["ddtree", "schedule"])
+def test_a_batched_ddtree_step_reads_once(scheduled: bool) -> None:
+    """The batch decoder on the fast engine searches the batch's trees and lays them out as verify rows on the
+    device (ddtree.DeviceTrees), so its DDTree steps read once, at batch 3 down to 1 (the batch-1 path), fixed or
+    as a schedule's pick; the trees built on the host read the drafter's top-k too."""
+    target = FastTarget(make_target_model("qwen3"))
+    drafter = make_drafter()
+
+    def new_proposer():  # noqa: ANN202
+        if not scheduled:
+            return build_proposer("ddtree", target, drafter, budget=8)
+        switching = SwitchingProposer(drafter, target, 8)
+        switching.use(Candidate("ddtree", budget=8))
+        return switching
+
+    decoder = BatchDecoder(target, new_proposer, max_seqs=4)
+    for ids, most in (([3, 4, 5, 6], 40), ([7, 8], 12), ([9, 10, 11], 25)):
+        decoder.join(ids, most)
+    steps = 0
+    with CountHostReads() as mode:
+        while decoder.running:
+            decoder.step()
+            steps += 1
+    assert steps > 5
+    assert mode.reads == Counter({"tolist": steps})

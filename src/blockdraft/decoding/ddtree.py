@@ -20,7 +20,9 @@ from __future__ import annotations
 import heapq
 import math
 import time
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 
@@ -32,6 +34,8 @@ from blockdraft.models.graphs import capture, power_of_two_at_least
 from blockdraft.models.host_to_device import long_tensor
 from blockdraft.models.target import Target
 
+
+T = TypeVar("T")
 
 DEVICE_SEARCH_NODES = 1024  # batch x budget from which a GPU searches on the device (H200, RESULTS session 18,
 # the search replayed from a CUDA graph: 0.69-2.0 ms at batch 1 against the heap's 0.27-0.54; even at 512 nodes;
@@ -166,29 +170,100 @@ def _search(values: torch.Tensor, slots: torch.Tensor, budget: int) -> torch.Ten
 
 
 SEARCH_GRAPHS = 64  # captured searches kept (a shape: batch bucket, slots, k, budget, dtype); past it all are dropped
-_search_graphs: dict[tuple, tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+_search_graphs: dict[tuple, tuple[Any, list[torch.Tensor], Any]] = {}
 
 
-def _graphed_search(values: torch.Tensor, slots: torch.Tensor, budget: int) -> torch.Tensor:
-    """`_search` replayed from a CUDA graph captured for this shape, the batch padded to a power of two (the padding
-    rows search zero slots and find nothing); the rows of the real sequences."""
-    n, most, k = values.shape
+def _graphed(run: Callable[..., T], inputs: list[torch.Tensor], n: int, key: tuple) -> T:
+    """`run(*inputs)` replayed from a CUDA graph captured for this shape, the batch (dimension 0 of every input)
+    padded to a power of two with zeros (padding rows search zero slots and find nothing); its static outputs,
+    whose first `n` rows are the real sequences'. Callers slice them, so they are valid until the next replay."""
     bucket = power_of_two_at_least(n)
-    key = (bucket, most, k, budget, values.dtype, values.device)
+    key = (bucket, *key, *((x.dtype, tuple(x.shape[1:])) for x in inputs), inputs[0].device)
     entry = _search_graphs.get(key)
     if entry is None:
         if len(_search_graphs) >= SEARCH_GRAPHS:
             _search_graphs.clear()
-        padded = torch.zeros(bucket, most, k, dtype=values.dtype, device=values.device)
-        padded_slots = torch.zeros(bucket, dtype=torch.long, device=values.device)
-        graph, out = capture(lambda: _search(padded, padded_slots, budget), values.device)
-        entry = _search_graphs[key] = (graph, padded, padded_slots, out)
-    graph, padded, padded_slots, out = entry
-    padded[:n].copy_(values)
-    padded_slots.zero_()
-    padded_slots[:n].copy_(slots)
+        padded = [torch.zeros(bucket, *x.shape[1:], dtype=x.dtype, device=x.device) for x in inputs]
+        graph, out = capture(lambda: run(*padded), inputs[0].device)
+        entry = _search_graphs[key] = (graph, padded, out)
+    graph, padded, out = entry
+    for static, x in zip(padded, inputs):
+        static[n:].zero_()
+        static[:n].copy_(x)
     graph.replay()
-    return out[:n]
+    return out
+
+
+def _graphed_search(values: torch.Tensor, slots: torch.Tensor, budget: int) -> torch.Tensor:
+    """`_search` replayed from a CUDA graph per shape (`_graphed`); the rows of the real sequences."""
+    n = values.shape[0]
+    return _graphed(lambda v, s: _search(v, s, budget), [values, slots], n, ("search", budget))[:n]
+
+
+@dataclass
+class DeviceTrees:
+    """A batch's DDTrees built and laid out as verify rows on the device, read back only with the verify's result:
+    the step launches draft, search and verify without waiting for the device in between. With the trees built on
+    the host, each DDTree step waited for the drafter's scores, searched, and only then launched the verify (the
+    device idle all the while): on the H200 a batch-1 DDTree@32 step of the embedded pair took ~4.5 ms for ~1.8 ms
+    of device work (benchmarks/RESULTS.md, session 19).
+
+    ids, positions [n, 1 + m]: the anchor then m = budget node rows (rows past a tree's count are padding, children
+    of the anchor that no real row sees); own [n, 1 + m, 1 + m]: each row sees its ancestors and itself; shape
+    [n, 1 + 2m]: each tree's node count, parents (-1: the anchor), depths, in pop order, as `build_trees` gives."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    own: torch.Tensor
+    shape: torch.Tensor
+
+    @property
+    def budget(self) -> int:
+        return self.ids.shape[1] - 1
+
+    def drafts(self, rows: list[list[int]]) -> list[Draft]:
+        """Each tree as a Draft, from its row of `shape` read back (tokens stay on the device)."""
+        m = self.budget
+        return [Draft(tokens=self.ids[b, 1 : 1 + row[0]], parents=row[1 : 1 + row[0]],
+                      depths=row[1 + m : 1 + m + row[0]]) for b, row in enumerate(rows)]
+
+
+def trees_on_device(log_probs: torch.Tensor, slots: list[int], budget: int, anchors: list[int],
+                    starts: list[int]) -> DeviceTrees:
+    """`build_trees`'s trees for a batch's [n, L, V] log-probabilities (sequence b over its first `slots[b]` slots,
+    its anchor `anchors[b]` at position `starts[b]`), searched and laid out as verify rows on the device with no
+    read back (`DeviceTrees`); on a GPU one top-k, then one graph replay for everything else."""
+    check_budget(budget)
+    n, _, vocab = log_probs.shape
+    top = torch.topk(log_probs, min(budget, vocab), dim=-1)
+    host = long_tensor([list(row) for row in zip(slots, anchors, starts)], log_probs.device)
+    inputs = [top.values, top.indices, host]
+    if log_probs.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+        return DeviceTrees(*(x[:n] for x in _graphed(lambda *x: _tree_rows(*x, budget), inputs, n, ("rows", budget))))
+    return DeviceTrees(*_tree_rows(*inputs, budget))
+
+
+def _tree_rows(values: torch.Tensor, indices: torch.Tensor, host: torch.Tensor, budget: int
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`_search`, then the verify rows of its trees (DeviceTrees' fields): static shapes, no host read."""
+    n, most, k = values.shape
+    device = values.device
+    slots, anchors, starts = host.unbind(1)
+    found = _search(values, slots, budget)
+    count, parents, depths, table_index = found[:, :1], *found[:, 1:].split(budget, dim=1)
+    real = torch.arange(budget, device=device) < count
+    parents = torch.where(real, parents, -1)
+    depths = torch.where(real, depths, 1)
+    tokens = indices.reshape(n, most * k).gather(1, table_index.clamp(0, most * k - 1))
+    ids = torch.cat([anchors.unsqueeze(1), tokens], dim=1)
+    positions = starts.unsqueeze(1) + torch.cat([torch.zeros_like(count), depths], dim=1)
+    up = torch.cat([torch.zeros_like(count), parents + 1], dim=1)  # each row's parent row; the anchor: itself
+    own = torch.eye(budget + 1, dtype=torch.bool, device=device).repeat(n, 1, 1)
+    ancestor = torch.arange(budget + 1, device=device).expand(n, budget + 1)
+    for _ in range(most):
+        ancestor = up.gather(1, ancestor)
+        own.scatter_(2, ancestor.unsqueeze(2), True)
+    return ids, positions, own, torch.cat([count, parents, depths], dim=1)
 
 
 def slot_log_probs(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from blockdraft.decoding.ddtree import DDTreeProposer, build_trees, slot_log_probs
+from blockdraft.decoding.ddtree import DDTreeProposer, DeviceTrees, build_trees, slot_log_probs, trees_on_device
 from blockdraft.decoding.draft import DFlashProposer, Draft, DrafterProposer, Proposer
 from blockdraft.decoding.generate import GenerationResult, OnCommit, check_context, check_prompt_ids
 from blockdraft.decoding.sampling import SamplingParams, pick
-from blockdraft.decoding.verify import Verdict, verify, verify_greedy
+from blockdraft.decoding.verify import Verdict, verify, verify_greedy, walk
 from blockdraft.engine.measured import MeasuredSchedule
 from blockdraft.engine.schedule import Schedule
 from blockdraft.engine.switching import SwitchingProposer
@@ -284,17 +284,22 @@ class BatchDecoder:
         if candidate is not None and not deferring:
             self._catch_up()
         starts = [seq.prompt_len + len(seq.tokens) - 1 for seq in self.running]
-        drafts = self._drafts(starts) if self.drafting is not None else [
-            seq.proposer.propose(seq.tokens[-1], start, seq.max_new_tokens - len(seq.tokens), seq.sampling,
-                                 seq.generator) if seq.proposer else Draft.empty(device)
-            for seq, start in zip(self.running, starts)]
+        tap_layers = proposer.tap_layers if proposer else None
+        trees = self._trees_on_device(starts)
+        if trees is not None:
+            verified = self.verifier.forward_rows(trees.ids, trees.positions, trees.own, tap_layers)
+            drafts, verdicts = _tree_verdicts(trees, verified)
+        else:
+            drafts = self._drafts(starts) if self.drafting is not None else [
+                seq.proposer.propose(seq.tokens[-1], start, seq.max_new_tokens - len(seq.tokens), seq.sampling,
+                                     seq.generator) if seq.proposer else Draft.empty(device)
+                for seq, start in zip(self.running, starts)]
+            verified = self.verifier.forward([seq.tokens[-1] for seq in self.running], drafts, starts, tap_layers)
+            verdicts = self._verdicts(drafts, verified)
         for seq, draft in zip(self.running, drafts):
             seq.draft_lengths.append(len(draft))
-        tap_layers = proposer.tap_layers if proposer else None
-        verified = self.verifier.forward([seq.tokens[-1] for seq in self.running], drafts, starts, tap_layers)
         extended: list[int] = []
         kept_taps: list[torch.Tensor] = []
-        verdicts = self._verdicts(drafts, verified)
         committed = 0
         for slot, (seq, draft, start, verdict, (_, taps)) in enumerate(
                 zip(self.running, drafts, starts, verdicts, verified.rows)):
@@ -363,11 +368,31 @@ class BatchDecoder:
                 verdicts[b] = verify(drafts[b], logits[b], seq.sampling, seq.generator)
         return [verdict for verdict in verdicts if verdict is not None]
 
+    def _plans(self) -> list[tuple[int, int] | None]:
+        """Each running sequence's (slots drafted, mask rows seen) this step, None where it drafts nothing."""
+        return [seq.proposer.plan(seq.max_new_tokens - len(seq.tokens)) for seq in self.running]  # type: ignore
+
+    def _trees_on_device(self, starts: list[int]) -> DeviceTrees | None:
+        """This step's trees searched and laid out as verify rows on the device (ddtree.DeviceTrees: no read back
+        between the drafter pass and the verify), when every running sequence builds a greedy DDTree of one budget
+        from the batch's drafter; None otherwise, and the drafts are made on the host."""
+        if self.drafting is None or not isinstance(self.verifier, SlotVerifier):
+            return None
+        budgets = {_tree_budget(seq.proposer) if seq.sampling.greedy else None for seq in self.running}
+        budget = budgets.pop() if len(budgets) == 1 else None
+        plans = self._plans() if budget is not None else []
+        if budget is None or all(plan is None for plan in plans):
+            return None
+        anchors = [seq.tokens[-1] for seq in self.running]
+        logits = self.drafting.draft(anchors, starts, [0 if plan is None else plan[1] for plan in plans])
+        return trees_on_device(slot_log_probs(logits, SamplingParams()), [0 if plan is None else plan[0]
+                                                                          for plan in plans], budget, anchors, starts)
+
     def _drafts(self, starts: list[int]) -> list[Draft]:
         """Every running sequence's draft from one batched drafter pass (none when this step's method is AR)."""
         assert self.drafting is not None
         proposers: list[DrafterProposer] = [seq.proposer for seq in self.running]  # type: ignore[misc]
-        plans = [proposer.plan(seq.max_new_tokens - len(seq.tokens)) for proposer, seq in zip(proposers, self.running)]
+        plans = self._plans()
         device = self.target.device
         if all(plan is None for plan in plans):
             return [Draft.empty(device) for _ in plans]
@@ -408,6 +433,16 @@ class BatchDecoder:
                 self.running[slot] = self.running[last]
             self.running.pop()
         return finished
+
+
+def _tree_verdicts(trees: DeviceTrees, verified: Verified) -> tuple[list[Draft], list[Verdict]]:
+    """The one read of a step whose trees were built on the device: every sequence's target picks, tree tokens and
+    tree shape in one transfer, then each tree as a Draft and its greedy walk (`verify_greedy`'s, per sequence)."""
+    assert verified.logits is not None
+    m = trees.budget
+    read = torch.cat([verified.logits.argmax(dim=-1), trees.ids[:, 1:], trees.shape], dim=1).tolist()
+    drafts = trees.drafts([row[1 + 2 * m :] for row in read])
+    return drafts, [walk(draft, row[: 1 + m], row[1 + m : 1 + m + len(draft)]) for draft, row in zip(drafts, read)]
 
 
 def _tree_budget(proposer: Proposer | None) -> int | None:
