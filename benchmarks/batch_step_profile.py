@@ -33,7 +33,8 @@ def drain(replies: Connection) -> None:
             return
 
 
-PHASES = ("_catch_up", "_drafts", "verifier.forward", "_verdicts", "verifier.keep", "_extend", "_leave")
+PHASES = ("_catch_up", "_drafts", "_trees_on_device", "verifier.forward", "verifier.forward_rows", "_verdicts",
+          "verifier.keep", "_extend", "_leave")
 
 
 def print_phases(decoder: Any, steps: Callable[[], list[float]], cuda: bool) -> None:
