@@ -3,7 +3,7 @@
 Every way a tensor's value reaches Python (`tolist`, `item`, `int()`, `bool()`, `float()`, `.cpu()`, `.numpy()`)
 is a host sync on a GPU. A torch-function mode counts them during whole generations on CPU, where the same code
 runs: AR and the DFlash chain (greedy or sampled) must read once per step on both engines; DDTree reads the
-drafter's top-k once more, to build its tree on the host, except in the batch decoder on the fast engine.
+drafter's top-k once more to build its tree on the host, except greedy DDTree on the fast engine.
 """
 
 from __future__ import annotations
@@ -47,13 +47,14 @@ class CountHostReads(TorchFunctionMode):
         return result
 
 
-@pytest.mark.parametrize("engine", [Target, FastTarget], ids=["hf", "fast"])
-@pytest.mark.parametrize(("method", "temperature", "per_step"), [
-    ("ar", 0.0, {"tolist": 1}), ("dflash", 0.0, {"tolist": 1}), ("dflash", 0.8, {"tolist": 1}),
-    ("ddtree", 0.0, {"tolist": 1, "cpu": 1}),
-])
+@pytest.mark.parametrize(("engine", "method", "temperature", "per_step"), [
+    (engine, *case) for engine in (Target, FastTarget) for case in (
+        ("ar", 0.0, {"tolist": 1}), ("dflash", 0.0, {"tolist": 1}), ("dflash", 0.8, {"tolist": 1}),
+        ("ddtree", 0.8, {"tolist": 1, "cpu": 1}))
+] + [(Target, "ddtree", 0.0, {"tolist": 1, "cpu": 1}), (FastTarget, "ddtree", 0.0, {"tolist": 1})])
 def test_one_read_per_step(engine: type, method: str, temperature: float, per_step: dict[str, int]) -> None:
-    """T=0.8 covers speculative sampling (accept test, residual and bonus decided on the device)."""
+    """T=0.8 covers speculative sampling (accept test, residual and bonus decided on the device). Greedy DDTree on
+    the fast engine builds its tree on the device (ddtree.DeviceTrees) and reads it back with the verify's picks."""
     target = engine(make_target_model("qwen3"))
     proposer = build_proposer(method, target, make_drafter(), budget=8)
     with CountHostReads() as mode:

@@ -28,6 +28,7 @@ import torch
 
 from blockdraft.decoding.draft import Draft, OverChain
 from blockdraft.decoding.sampling import SamplingParams, probabilities
+from blockdraft.decoding.verify import Verdict, walk
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.drafter import DFlashDrafter
 from blockdraft.models.graphs import capture, power_of_two_at_least
@@ -221,11 +222,21 @@ class DeviceTrees:
     def budget(self) -> int:
         return self.ids.shape[1] - 1
 
-    def drafts(self, rows: list[list[int]]) -> list[Draft]:
-        """Each tree as a Draft, from its row of `shape` read back (tokens stay on the device)."""
+    def verdicts(self, logits: torch.Tensor) -> tuple[list[Draft], list[Verdict]]:
+        """The step's one read, given the verify's logits [n, 1 + m, V] of these rows: every sequence's target
+        picks, tree tokens and tree shape in one transfer; then each tree as a Draft (tokens left on the device)
+        and its greedy walk, as `verify_greedy` walks it."""
         m = self.budget
-        return [Draft(tokens=self.ids[b, 1 : 1 + row[0]], parents=row[1 : 1 + row[0]],
-                      depths=row[1 + m : 1 + m + row[0]]) for b, row in enumerate(rows)]
+        read = torch.cat([logits.argmax(dim=-1), self.ids[:, 1:], self.shape], dim=1).tolist()
+        drafts: list[Draft] = []
+        verdicts: list[Verdict] = []
+        for b, row in enumerate(read):
+            count = row[1 + 2 * m]
+            shape = row[2 + 2 * m :]
+            draft = Draft(tokens=self.ids[b, 1 : 1 + count], parents=shape[:count], depths=shape[m : m + count])
+            drafts.append(draft)
+            verdicts.append(walk(draft, row[: 1 + m], row[1 + m : 1 + m + count]))
+        return drafts, verdicts
 
 
 def trees_on_device(log_probs: torch.Tensor, slots: list[int], budget: int, anchors: list[int],
@@ -303,6 +314,16 @@ class DDTreeProposer(OverChain):
         draft = build_tree(slot_log_probs(logits, sampling), self.budget if budget is None else budget)
         self.build_s += time.perf_counter() - t0
         return draft
+
+    def propose_on_device(self, anchor: int, start: int, max_depth: int) -> DeviceTrees | None:
+        """A greedy step's tree as verify rows on the device (DeviceTrees), not read back before the verify; None
+        when there is nothing to draft."""
+        planned = self.plan(max_depth)
+        if planned is None:
+            return None
+        logits = self.chain.slot_logits(anchor, start, *planned)
+        return trees_on_device(slot_log_probs(logits, SamplingParams()).unsqueeze(0), [planned[0]], self.budget,
+                               [anchor], [start])
 
     @torch.inference_mode()
     def propose(

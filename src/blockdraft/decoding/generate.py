@@ -14,11 +14,13 @@ from typing import Any
 
 import torch
 
+from blockdraft.decoding.ddtree import DDTreeProposer
 from blockdraft.decoding.draft import Draft, Proposer
 from blockdraft.decoding.sampling import SamplingParams, pick
 from blockdraft.decoding.verify import verify
 from blockdraft.errors import BlockdraftError
 from blockdraft.metrics import SpecStats
+from blockdraft.models.fast_target import FastTarget
 from blockdraft.models.host_to_device import long_tensor
 from blockdraft.models.target import Target
 
@@ -157,6 +159,8 @@ def generate(
     ended_early = bool(on_commit and on_commit([first]))
     stopped_on = first if first in stops else None
     draft_lengths: list[int] = []
+    # greedy DDTree on the fast engine (which reads a tree mask's own rows only): the tree built on the device
+    trees_on_device = type(proposer) is DDTreeProposer and sampling.greedy and isinstance(target, FastTarget)
 
     t_decode = clock.now()
     while len(tokens) < max_new_tokens and stopped_on is None and not ended_early:
@@ -165,17 +169,22 @@ def generate(
         depth_left = max_new_tokens - len(tokens)
 
         t_draft = stages.mark()
-        draft = proposer.propose(anchor, start, depth_left, sampling, generator) if proposer else Draft.empty(device)
-        t_verify = stages.mark()
+        trees = proposer.propose_on_device(anchor, start, depth_left) if trees_on_device else None
+        if trees is not None:  # the tree stays on the device until the verify's read
+            t_verify = stages.mark()
+            out = target.forward(trees.ids, trees.positions[0], cache, tap_layers, attention_mask=trees.own[:, None])
+            (draft,), (verdict,) = trees.verdicts(out.logits)
+        else:
+            draft = proposer.propose(anchor, start, depth_left, sampling, generator) if proposer else Draft.empty(device)
+            t_verify = stages.mark()
+            ids = torch.cat([long_tensor([anchor], device), draft.tokens]).unsqueeze(0)
+            mask = None if draft.is_chain else draft.tree_mask(len(cache), device)
+            out = target.forward(ids, draft.positions(start, device), cache, tap_layers, attention_mask=mask)
+            verdict = verify(draft, out.logits[0], sampling, generator)
         stages.add("draft", t_draft, t_verify)
+        stages.add("verify", t_verify, stages.mark())
         stats.drafted_tokens += len(draft)
         draft_lengths.append(len(draft))
-
-        ids = torch.cat([long_tensor([anchor], device), draft.tokens]).unsqueeze(0)
-        mask = None if draft.is_chain else draft.tree_mask(len(cache), device)
-        out = target.forward(ids, draft.positions(start, device), cache, tap_layers, attention_mask=mask)
-        verdict = verify(draft, out.logits[0], sampling, generator)
-        stages.add("verify", t_verify, stages.mark())
 
         committed = verdict.tokens + [verdict.bonus]
         committed = committed[:depth_left]

@@ -24,7 +24,7 @@ from blockdraft.decoding.ddtree import DDTreeProposer, DeviceTrees, build_trees,
 from blockdraft.decoding.draft import DFlashProposer, Draft, DrafterProposer, Proposer
 from blockdraft.decoding.generate import GenerationResult, OnCommit, check_context, check_prompt_ids
 from blockdraft.decoding.sampling import SamplingParams, pick
-from blockdraft.decoding.verify import Verdict, verify, verify_greedy, walk
+from blockdraft.decoding.verify import Verdict, verify, verify_greedy
 from blockdraft.engine.measured import MeasuredSchedule
 from blockdraft.engine.schedule import Schedule
 from blockdraft.engine.switching import SwitchingProposer
@@ -288,7 +288,8 @@ class BatchDecoder:
         trees = self._trees_on_device(starts)
         if trees is not None:
             verified = self.verifier.forward_rows(trees.ids, trees.positions, trees.own, tap_layers)
-            drafts, verdicts = _tree_verdicts(trees, verified)
+            assert verified.logits is not None
+            drafts, verdicts = trees.verdicts(verified.logits)
         else:
             drafts = self._drafts(starts) if self.drafting is not None else [
                 seq.proposer.propose(seq.tokens[-1], start, seq.max_new_tokens - len(seq.tokens), seq.sampling,
@@ -433,16 +434,6 @@ class BatchDecoder:
                 self.running[slot] = self.running[last]
             self.running.pop()
         return finished
-
-
-def _tree_verdicts(trees: DeviceTrees, verified: Verified) -> tuple[list[Draft], list[Verdict]]:
-    """The one read of a step whose trees were built on the device: every sequence's target picks, tree tokens and
-    tree shape in one transfer, then each tree as a Draft and its greedy walk (`verify_greedy`'s, per sequence)."""
-    assert verified.logits is not None
-    m = trees.budget
-    read = torch.cat([verified.logits.argmax(dim=-1), trees.ids[:, 1:], trees.shape], dim=1).tolist()
-    drafts = trees.drafts([row[1 + 2 * m :] for row in read])
-    return drafts, [walk(draft, row[: 1 + m], row[1 + m : 1 + m + len(draft)]) for draft, row in zip(drafts, read)]
 
 
 def _tree_budget(proposer: Proposer | None) -> int | None:
