@@ -133,44 +133,56 @@ class InProcess:
 
 
 class Pins:
-    """`--pin DECODE,CLIENT`: both decodes on one core, every thread of the process that decodes (this process
-    while it decodes in-process, the server's engine process) and the rest on another (the server's HTTP process,
-    and this process while it is a client), so the paired ratio compares the same core's decodes: on the H200 the
-    same decode moved by up to 15% with the core it landed on (benchmarks/RESULTS.md, session 15). Every thread on
-    both sides: pinning only this thread left the in-process side its helper threads on every core while the
-    server's were confined to one (session 18: DFlash paired 0.76 while the unpinned server outran the in-process
-    decode)."""
+    """`--pin DECODE:HTTP:CLIENT`, three core lists ("2-5", "2,3"): both decodes on the same cores, every thread of
+    the process that decodes (this process while it decodes in-process, the server's engine process), the server's
+    HTTP process on its own, and this process on the last while it is a client, so the paired ratio compares
+    decodes on the same cores: on the H200 the same decode moved by up to 15% with the core it landed on
+    (benchmarks/RESULTS.md, session 15). Every thread on both sides: pinning only this thread left the in-process
+    side its helper threads on every core while the server's were confined (session 18). Core lists, not single
+    cores: with every thread of a decode on one core, in-process DFlash fell to AR's rate (764 tok/s both, session
+    19) while the unpinned server served 1,055; and an HTTP process sharing the client's core is a server no
+    deployment runs (its client is elsewhere)."""
 
     def __init__(self, spec: str | None) -> None:
-        cores = [int(c) for c in spec.split(",")] if spec else []
-        if spec and (len(cores) != 2 or not all(c in os.sched_getaffinity(0) for c in cores)):
-            raise SystemExit(f"--pin {spec}: give two cores this process may use, DECODE,CLIENT "
-                             f"(it may use {sorted(os.sched_getaffinity(0))})")
-        self.cores = cores
-        self.before = os.sched_getaffinity(0)
+        parts = [_cores(part) for part in spec.split(":")] if spec else []
+        allowed = os.sched_getaffinity(0)
+        if spec and (len(parts) != 3 or not all(part and part <= allowed for part in parts)):
+            raise SystemExit(f"--pin {spec}: give three core lists this process may use, DECODE:HTTP:CLIENT, e.g. "
+                             f"2-5:6-7:8 (it may use {sorted(allowed)})")
+        self.parts = parts
+        self.before = allowed
 
     def server(self, pid: int) -> None:
-        """Pin the server's HTTP process to CLIENT and its engine process (its child) to DECODE, every thread."""
-        if not self.cores:
+        """Pin the server's engine process (its child) to DECODE and its HTTP process to HTTP, every thread."""
+        if not self.parts:
             return
-        decode, client = self.cores
+        decode, http, _ = self.parts
         for child in _children(pid):
-            _pin_threads(child, {decode})
-        _pin_threads(pid, {client})
+            _pin_threads(child, decode)
+        _pin_threads(pid, http)
 
     def decoding(self) -> None:
-        if self.cores:
-            _pin_threads(os.getpid(), {self.cores[0]})
+        if self.parts:
+            _pin_threads(os.getpid(), self.parts[0])
 
     def client(self) -> None:
-        if self.cores:
-            _pin_threads(os.getpid(), {self.cores[1]})
+        if self.parts:
+            _pin_threads(os.getpid(), self.parts[2])
 
     def release(self, pid: int) -> None:
         """Every core again, here and in the server (the load levels run unpinned)."""
-        if self.cores:
+        if self.parts:
             for process in [os.getpid(), pid, *_children(pid)]:
                 _pin_threads(process, self.before)
+
+
+def _cores(spec: str) -> set[int]:
+    """A Linux core list: "2-5", "2,3", "2-3,8"."""
+    cores: set[int] = set()
+    for item in filter(None, spec.split(",")):
+        first, _, last = item.partition("-")
+        cores.update(range(int(first), int(last or first) + 1))
+    return cores
 
 
 def _children(pid: int) -> list[int]:
@@ -459,7 +471,7 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", default=None, help="The server's continuous batch (default: its own, 1).")
     parser.add_argument("--schedule", default="auto",
                         help="The schedule method's server --schedule FILE|auto (with --max-num-seqs).")
-    parser.add_argument("--pin", default=None, help="DECODE,CLIENT cores for the paired c=1 runs (class Pins).")
+    parser.add_argument("--pin", default=None, help="DECODE:HTTP:CLIENT core lists for the paired c=1 runs, e.g. 2-5:6-7:8 (class Pins).")
     parser.add_argument("--json-out", type=Path, default=None)
     args = parser.parse_args()
     args.concurrency_levels = [int(c) for c in args.concurrency.split(",")]

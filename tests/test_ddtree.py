@@ -357,3 +357,27 @@ def test_the_device_search_builds_the_host_heaps_trees() -> None:
         for b, (host, device) in enumerate(zip(on_host, on_device)):
             assert torch.equal(host.tokens, device.tokens), (budget, b)
             assert (host.parents, host.depths) == (device.parents, device.depths), (budget, b)
+
+
+def test_trees_laid_out_on_the_device_are_the_host_heaps_trees_as_verify_rows() -> None:
+    """`trees_on_device` (the batch decoder's and the fast engine's greedy DDTree steps): the host heap's trees, as
+    the rows `pack_rows` lays out for them, padding past a tree's nodes included, and read back as those Drafts."""
+    from blockdraft.decoding.ddtree import build_trees, trees_on_device
+    from blockdraft.engine.verifiers import pack_rows
+
+    log_probs = (3 * torch.randn(5, 7, 60, generator=torch.Generator().manual_seed(6))).log_softmax(-1)
+    slots, anchors, starts = [7, 3, 0, 1, 6], [11, 12, 13, 14, 15], [40, 3, 9, 0, 17]
+    for budget in (1, 9, 33, 300):
+        trees = trees_on_device(log_probs, slots, budget, anchors, starts)
+        on_host = build_trees(log_probs, slots, budget, on_device=False)
+        rows = 1 + budget
+        ids, positions, own = pack_rows(anchors, on_host, starts, torch.device("cpu"))
+        logits = torch.randn(5, rows, 60)  # any verify result: the drafts read back must not depend on it
+        drafts, _ = trees.verdicts(logits)
+        for b, (host, device) in enumerate(zip(on_host, drafts)):
+            n = 1 + len(host)
+            assert torch.equal(device.tokens, host.tokens), (budget, b)
+            assert (device.parents, device.depths) == (host.parents, host.depths), (budget, b)
+            assert torch.equal(trees.ids[b, :n], ids[b, :n]) and torch.equal(trees.positions[b, :n], positions[b, :n])
+            assert torch.equal(trees.own[b, :n, :n], own[b, :n, :n]), (budget, b)
+            assert not trees.own[b, :n, n:].any(), "a node row sees padding"

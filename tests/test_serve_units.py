@@ -481,3 +481,29 @@ def test_waiting_jobs_join_together_and_a_bad_one_gets_its_own_400() -> None:
         output = finals[i][0].output
         assert output.token_ids == generate(target, prompts[i], build_proposer("dflash", target, drafter, None, 3),
                                             12).token_ids
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_the_warm_up_decodes_full_depth_drafts_at_two_capacities_where_graphs_are_captured(monkeypatch,
+                                                                                          graphs: bool) -> None:
+    """With CUDA graphs the warm-up's decodes must reach a whole block's draft (the usual verify shape) and a
+    context past the first capacity step at every batch bucket: both shapes were otherwise captured by the first
+    requests. (Joins recorded, not run: a CPU cannot capture graphs.)"""
+    from blockdraft.models.fast_target import FastTarget
+    from blockdraft.models.static_cache import SLOT_STEP
+    from blockdraft.serve.batched import BatchedEngine
+
+    target = FastTarget(make_target_model("qwen3"))
+    drafter = make_drafter()
+    engine = BatchedEngine(target, lambda: build_proposer("dflash", target, drafter, None), None, 4)
+    monkeypatch.setattr(target, "use_graphs", graphs)
+    monkeypatch.setattr(target, "warm_prefill", lambda tap_layers: None)
+    joined: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(engine.decoder, "join_many", lambda requests: joined.append(
+        (len(requests), len(requests[0].prompt_ids), requests[0].max_new_tokens)) or [])
+    prompt = [3, 4, 5, 6, 7]
+    engine.warm_up(prompt)
+    block = drafter.cfg.block_size
+    lengths = [len(prompt), SLOT_STEP] if graphs else [len(prompt)]
+    tokens = 2 * block if graphs else 4
+    assert joined == [(size, length, tokens) for length in lengths for size in (1, 2, 4)]

@@ -45,7 +45,7 @@ case "${1:-}" in
   load)  # 128 requests a level so that every round reaches concurrency 64; session 18's run took 495 s
     step load 530 python3 benchmarks/serve_load.py --device cuda --dtype bfloat16 --methods ar,dflash,ddtree,schedule \
       --budget 32 --concurrency 1,4,16,64 --requests 128 --rounds 2 --paired 8 --max-num-seqs 64 --max-tokens 256 \
-      --time-cap 30 --pin 2,3 --json-out "$OUT/load.json"
+      --time-cap 30 --pin 2-5:6-7:8 --json-out "$OUT/load.json"
     ;;
   steps)  # session 18: the server's own DFlash steps ran 1,250 tok/s at batch 1 and 2,646 at batch 3-4 (AR 651 and
     # 2,293); session 19's first profile had graph captures inside its timed steps, now counted and left out (medians)
