@@ -144,19 +144,21 @@ def _search(values: torch.Tensor, slots: torch.Tensor, budget: int) -> torch.Ten
     are summed in float64, as on the host, so both searches order the same prefixes the same way."""
     n, most, k = values.shape
     device = values.device
-    scores = torch.full((n, most, budget), -math.inf, dtype=torch.float64, device=device)
-    parent = torch.zeros(n, most, budget, dtype=torch.long, device=device)
-    rank = torch.zeros(n, most, budget, dtype=torch.long, device=device)
+    wide = values.double()
+    first = torch.full((n, budget), -math.inf, dtype=torch.float64, device=device)
+    first[:, : min(k, budget)] = wide[:, 0, :budget]
+    beams = [first]  # depth d's best `budget` scores
+    picks = [torch.arange(budget, device=device).expand(n, budget)]  # and their flat (parent * k + rank) indices
+    for d in range(1, most):  # an add and a top-k per depth: launches, not work, are a small search's cost
+        best = torch.topk((beams[-1].unsqueeze(2) + wide[:, d].unsqueeze(1)).view(n, budget * k), budget, dim=-1)
+        beams.append(best.values)
+        picks.append(best.indices)
+    scores = torch.stack(beams, dim=1)
+    flat = torch.stack(picks, dim=1)
+    parent, rank = flat // k, flat % k
+    parent[:, 0] = 0
+    rank[:, 0] = torch.arange(budget, device=device).clamp(max=k - 1)
     depth_ok = torch.arange(most, device=device).unsqueeze(0) < slots.unsqueeze(1)
-    first = min(k, budget)
-    scores[:, 0, :first] = values[:, 0, :first].double()
-    rank[:, 0, :first] = torch.arange(first, device=device)
-    for d in range(1, most):
-        extended = (scores[:, d - 1, :, None] + values[:, d, None, :].double()).reshape(n, budget * k)
-        best = torch.topk(extended, budget, dim=-1)
-        scores[:, d] = best.values
-        parent[:, d] = best.indices // k
-        rank[:, d] = best.indices % k
     scores.masked_fill_(~depth_ok.unsqueeze(-1), -math.inf)
     ordered, chosen = torch.sort(scores.view(n, most * budget), dim=-1, descending=True, stable=True)
     ordered, chosen = ordered[:, :budget], chosen[:, :budget]
