@@ -344,6 +344,7 @@ def test_scheduled_ar_steps_leave_the_drafter_context_for_later_and_draft_the_sa
     from blockdraft.engine import batch
     from blockdraft.engine.schedule import AR, Candidate
     from blockdraft.engine.switching import SwitchingProposer
+    from blockdraft.models.fast_batch_drafter import BatchDrafter
 
     class Script:
         """AR for the first 7 steps, then the chain for 3, then AR again."""
@@ -358,7 +359,7 @@ def test_scheduled_ar_steps_leave_the_drafter_context_for_later_and_draft_the_sa
     model = make_target_model("qwen3")
     target = FastTarget(model) if fast else Target(model)
     drafter = make_drafter("all_full")
-    finish = SwitchingProposer.finish
+    finish, draft = SwitchingProposer.finish, BatchDrafter.draft
 
     def run(pending_max: int) -> tuple[list, list]:
         monkeypatch.setattr(batch, "PENDING_MAX", pending_max)
@@ -368,7 +369,15 @@ def test_scheduled_ar_steps_leave_the_drafter_context_for_later_and_draft_the_sa
             drafted.append(logits.clone())
             return finish(self, logits, sampling, generator)
 
+        def recording_draft(self, anchors, starts, visibles):  # noqa: ANN001, ANN202
+            logits = draft(self, anchors, starts, visibles)
+            drafted.extend(logits[b].clone() for b in range(len(anchors)))
+            return logits
+
+        # the HF engine drafts each sequence through its proposer; the fast engine drafts the batch at once and
+        # takes the greedy chains with one argmax
         monkeypatch.setattr(SwitchingProposer, "finish", recording_finish)
+        monkeypatch.setattr(BatchDrafter, "draft", recording_draft)
         decoder = BatchDecoder(target, lambda: SwitchingProposer(drafter, target, 4), 2, Script())  # type: ignore[arg-type]
         seqs = [decoder.join(ids, 30) for ids in prompts(2)]
         while decoder.running:

@@ -399,8 +399,13 @@ class BatchDecoder:
             return [Draft.empty(device) for _ in plans]
         logits = self.drafting.draft([seq.tokens[-1] for seq in self.running], starts,
                                      [0 if plan is None else plan[1] for plan in plans])
-        trees = self._trees(proposers, plans, logits)
-        return [trees[b] if b in trees else Draft.empty(device) if plan is None else
+        drafts = self._trees(proposers, plans, logits)
+        greedy = [b for b, (proposer, seq, plan) in enumerate(zip(proposers, self.running, plans))
+                  if plan is not None and b not in drafts and seq.sampling.greedy and _plain_chain(proposer)]
+        if greedy:  # one argmax for the batch's greedy chains (what each one's `finish` takes, one launch each)
+            picks = logits.argmax(dim=-1)
+            drafts.update((b, Draft.chain(picks[b, : plans[b][0]])) for b in greedy)  # type: ignore[index]
+        return [drafts[b] if b in drafts else Draft.empty(device) if plan is None else
                 proposer.finish(logits[b, : plan[0]], seq.sampling, seq.generator)
                 for b, (proposer, seq, plan) in enumerate(zip(proposers, self.running, plans))]
 
@@ -434,6 +439,13 @@ class BatchDecoder:
                 self.running[slot] = self.running[last]
             self.running.pop()
         return finished
+
+
+def _plain_chain(proposer: Proposer | None) -> bool:
+    """Whether this proposer's draft this step is the DFlash chain (its greedy `finish`: the argmax of each slot)."""
+    if isinstance(proposer, SwitchingProposer):
+        return proposer.candidate.method == "dflash"
+    return type(proposer) is DFlashProposer
 
 
 def _tree_budget(proposer: Proposer | None) -> int | None:
