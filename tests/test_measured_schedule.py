@@ -96,21 +96,22 @@ def test_a_new_bucket_starts_from_the_nearest_measured_choice_and_measures_later
     assert serve(schedule, 1, 32, rates) == [TREE] * 32  # nothing measured yet: the table's choice
     serve(schedule, 1, phase_steps(3), rates)
     assert schedule.buckets[1].choice == CHAIN
-    # batch 3-4: the table says AR, batch 1 (the nearest measured) says the chain, until its own phase
-    picked = serve(schedule, 4, 32 + phase_steps(3), rates)
-    assert picked[:32] == [CHAIN] * 32 and {*picked[32:]} == {AR, CHAIN, TREE}
+    # batch 3-4: the table says AR, batch 1 (the nearest measured) says the chain, until its own phase; the tree,
+    # predicted at 0.39x AR there, is not measured (PRIOR_FLOOR)
+    picked = serve(schedule, 4, 32 + phase_steps(2), rates)
+    assert picked[:32] == [CHAIN] * 32 and {*picked[32:]} == {AR, CHAIN}
     assert schedule.buckets[4].choice == CHAIN
 
 
 def test_a_close_call_keeps_the_current_choice_and_says_it_once() -> None:
     said: list[str] = []
     schedule = MeasuredSchedule(table(), said.append)
-    rates = {AR: 100.0, CHAIN: 100.0, TREE: 99.0}
-    serve(schedule, 2, phase_steps(3), rates)
-    assert serve(schedule, 2, 10, rates) == [AR] * 10
-    assert said == ["schedule measured at batch 2: ar; tokens/s of the server's own steps: ar 100, dflash/3 100, "
-                    "ddtree@4 99"]
-    serve(schedule, 2, 2 * measured.PHASE_EVERY, rates)
+    rates = {AR: 100.0, CHAIN: 101.0, TREE: 99.5}
+    serve(schedule, 1, phase_steps(3), rates)
+    assert serve(schedule, 1, 10, rates) == [TREE] * 10
+    assert said == ["schedule measured at batch 1: ddtree@4; tokens/s of the server's own steps: dflash/3 101, "
+                    "ar 100, ddtree@4 100"]
+    serve(schedule, 1, 2 * measured.PHASE_EVERY, rates)
     assert len(said) == 1  # later phases that change nothing say nothing
 
 
@@ -177,3 +178,12 @@ def test_a_measured_schedule_keeps_every_sequence_lossless(monkeypatch) -> None:
     assert {n > 0 for n in seqs[0].draft_lengths} == {True, False}  # it drafted in some steps and not in others
     for seq, ids in zip(seqs, prompt_sets):
         assert seq.tokens == generate(target, ids, None, seq.max_new_tokens).token_ids
+
+
+def test_a_candidate_predicted_far_slower_is_not_measured_but_ar_always_is() -> None:
+    """At batch 2 the table predicts both speculative candidates at 0.37-0.39x AR: only AR runs there. At batch 1 it
+    predicts AR at 0.31x the tree, and AR is measured anyway (and chosen, being the fastest on the steps)."""
+    schedule = MeasuredSchedule(table(), None)
+    assert {*serve(schedule, 2, phase_steps(3), {AR: 100.0, CHAIN: 150.0, TREE: 80.0})} == {AR}
+    picked = serve(schedule, 1, phase_steps(3), {AR: 200.0, CHAIN: 150.0, TREE: 80.0})
+    assert AR in picked and schedule.buckets[1].choice == AR

@@ -14,7 +14,7 @@ often at first and then every PHASE_EVERY steps: a step's committed tokens vary 
 candidate 10% slower than the best about one time in three (benchmarks/schedule_simulation.py); the running totals
 get that down over the phases. A bucket starts from the choice of the nearest bucket already measured (the table's
 only while none is) and holds its first phase back FIRST_PHASE_AT steps; the table otherwise only orders the
-candidates.
+candidates, and leaves out of a bucket's phases those it predicts far slower there (PRIOR_FLOOR).
 
 Measured, not modelled: a step's seconds include the drafter, the tree builds, the verify and every sequence's commit
 (the streaming hook included), which is what the served tokens/s is made of. The first step of each run is not
@@ -28,7 +28,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from blockdraft.engine.schedule import Candidate, Schedule
+from blockdraft.engine.schedule import AR, Candidate, Schedule
 from blockdraft.models.graphs import power_of_two_at_least
 
 FIRST_PHASE_AT = 32  # a bucket's steps before its first phase: a batch size passed through briefly (requests ending
@@ -42,6 +42,9 @@ KEEP_MARGIN = 0.02  # a new choice must beat the current one by this fraction (n
 SLOW_STEP = 4.0  # a step slower than this many times its candidate's median in the phase is not counted
 ELIMINATE_Z = 2.0  # standard errors each side of two candidates' rates that must not overlap to drop the slower
 ELIMINATE_AFTER = 2  # runs of a candidate before it can be dropped (or drop another)
+PRIOR_FLOOR = 0.5  # a candidate the table predicts under this fraction of its best at a bucket is not measured
+# there (AR always is: the schedule must find it where speculation loses, whatever the table says): the tables have been off by up to 1.3x (session 16), never 2x, while measuring DDTree@32 at batch 33-64
+# (2,000+ verify rows a step) cost the schedule ~10% of a short level (0.79x the best fixed method, session 19)
 
 
 def bucket_of(batch: int) -> int:
@@ -184,6 +187,8 @@ class MeasuredSchedule:
         if key not in self.buckets:
             entry = self.table.entry(batch)
             ranked = sorted(entry.estimates, key=lambda e: -e.tokens_per_s)
+            ranked = [e for e in ranked if e.tokens_per_s >= PRIOR_FLOOR * ranked[0].tokens_per_s
+                      or e.candidate in (entry.choice, AR)]
             measured = [k for k, b in self.buckets.items() if b.measured]
             nearest = min(measured, key=lambda k: abs(k.bit_length() - key.bit_length()), default=None)
             choice = entry.choice if nearest is None else self.buckets[nearest].choice
