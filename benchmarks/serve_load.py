@@ -5,7 +5,7 @@ For each method: the pair is loaded in this process and `python -m blockdraft se
 the same method and sizes. First, at concurrency 1, each request runs in-process and through the server, in ABBA
 order (paired: drift of the machine hits both sides alike; the same prompt at T=0 must give the same token count on
 both); the closing table gives server tokens/s over in-process tokens/s (goal >= 0.95). With every server up, each
-concurrency level runs `--requests` streamed chat requests (T=0, `stream_options.include_usage`) per method through
+concurrency level runs `--requests` (at least `--per-client` per client and round) streamed chat requests (T=0, `stream_options.include_usage`) per method through
 a pool of that many clients, in `--rounds` rounds that rotate the methods (ABBA: on the H200 the same method's
 tokens/s moved up to 26% between runs a day apart, more than the gaps being compared). Reported per level:
 requests/s, output tokens/s (usage.completion_tokens over wall time), TTFT and inter-chunk latency p50/p99 (the gap
@@ -430,7 +430,8 @@ def rotate(methods: list[str], servers: dict[str, "Server"], args: argparse.Name
     records: dict[str, list[RequestRecord]] = {m: [] for m in methods}
     walls = dict.fromkeys(methods, 0.0)
     engines = {m: EngineShare() for m in methods}
-    bounds = [args.requests * r // args.rounds for r in range(args.rounds + 1)]
+    total = max(args.requests, args.per_client * concurrency * args.rounds)
+    bounds = [total * r // args.rounds for r in range(args.rounds + 1)]
     for r in range(args.rounds):
         for method in methods if r % 2 == 0 else methods[::-1]:
             url = servers[method].url
@@ -457,7 +458,13 @@ def main() -> None:
     parser.add_argument("--draft-tokens", type=int, default=None, help="Drafted tokens (default: the server's).")
     parser.add_argument("--concurrency", default="1,4", help="Concurrency levels, e.g. 1,4,16.")
     parser.add_argument("--requests", type=int, default=12, help="Requests per level.")
-    parser.add_argument("--paired", type=int, default=None, help="Paired c=1 requests per side (default: --requests).")
+    parser.add_argument("--paired", type=int, default=None,
+                        help="Paired c=1 requests per side (default: --requests; 0: no paired runs).")
+    parser.add_argument("--per-client", type=int, default=1,
+                        help="Requests each client makes per round at least (a level runs the larger of --requests "
+                             "and this x concurrency x --rounds, within --time-cap): with one request per client a "
+                             "level is its ramp and its tail, not a full batch (session 19: every method served "
+                             "less at 64 than at 16).")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompts", default="demo", help="A built-in prompt set or JSONL file (chat prompts).")
     parser.add_argument("--time-cap", type=float, default=300,
@@ -497,13 +504,14 @@ def main() -> None:
             console.print(f"# {method}: starting the server ...")
             servers[method] = server = Server(args, method, local.budget, local.draft_tokens)
             assert server.url is not None
-            pins.server(server.proc.pid)
-            pair = paired(local, server.url, args.target, args.paired or args.requests, prompts, args.max_tokens,
-                          pins)
-            pins.release(server.proc.pid)
-            ratios.append(dict(method=method, **pair))
-            console.print(f"# {method} paired c=1: in-process {pair['in_process_tokens_per_s']:.1f} tok/s, server "
-                          f"{pair['server_c1_tokens_per_s']:.1f} tok/s, ratio {pair['ratio']:.3f}")
+            if args.paired != 0:
+                pins.server(server.proc.pid)
+                pair = paired(local, server.url, args.target, args.paired or args.requests, prompts,
+                              args.max_tokens, pins)
+                pins.release(server.proc.pid)
+                ratios.append(dict(method=method, **pair))
+                console.print(f"# {method} paired c=1: in-process {pair['in_process_tokens_per_s']:.1f} tok/s, "
+                              f"server {pair['server_c1_tokens_per_s']:.1f} tok/s, ratio {pair['ratio']:.3f}")
             del local
         for concurrency in args.concurrency_levels:
             for result in rotate(methods, servers, args, concurrency, prompts):
