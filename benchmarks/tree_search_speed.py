@@ -1,6 +1,8 @@
 """DDTree's search on the host heap against the tensor search on the device (`ddtree.build_trees`, `on_device`),
 per batch size and budget: milliseconds per batch of trees (top-k, search, read back, token gather), and whether
 both gave the same trees. Sets `ddtree.DEVICE_SEARCH_NODES`, the batch x budget from which a GPU searches there.
+"device rows": `ddtree.trees_on_device`, what a greedy DDTree step of the fast engine runs (top-k, search and the
+verify rows in one graph replay), with the read of the trees' shape it makes together with the verify's picks.
 
     python3 benchmarks/tree_search_speed.py --device cuda --slots 15 --vocab 49152
 """
@@ -14,7 +16,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from blockdraft.decoding.ddtree import DEVICE_SEARCH_NODES, build_trees
+from blockdraft.decoding.ddtree import DEVICE_SEARCH_NODES, build_trees, trees_on_device
 
 
 def seconds(run, device: torch.device, repeats: int) -> float:  # noqa: ANN001
@@ -41,7 +43,8 @@ def main() -> None:
     device = torch.device(args.device)
     table = Table(title=f"DDTree search, {args.slots} slots, vocabulary {args.vocab} on {device} "
                         f"(DEVICE_SEARCH_NODES = {DEVICE_SEARCH_NODES})")
-    for column in ("batch", "budget", "host heap ms", "device search ms", "device / host", "same trees"):
+    for column in ("batch", "budget", "host heap ms", "device search ms", "device / host", "device rows ms",
+                   "same trees"):
         table.add_column(column, justify="right")
     generator = torch.Generator(device=device).manual_seed(0)
     for n in [int(b) for b in args.batches.split(",")]:
@@ -51,11 +54,14 @@ def main() -> None:
         for budget in [int(b) for b in args.budgets.split(",")]:
             host = seconds(lambda: build_trees(log_probs, slots, budget, on_device=False), device, args.repeats)
             on_device = seconds(lambda: build_trees(log_probs, slots, budget, on_device=True), device, args.repeats)
+            anchors, starts = [0] * n, [100] * n
+            rows = seconds(lambda: trees_on_device(log_probs, slots, budget, anchors, starts).shape.tolist(), device,
+                           args.repeats)
             same = all(torch.equal(a.tokens, b.tokens) and a.parents == b.parents for a, b in zip(
                 build_trees(log_probs, slots, budget, on_device=False),
                 build_trees(log_probs, slots, budget, on_device=True)))
             table.add_row(str(n), str(budget), f"{1000 * host:.3f}", f"{1000 * on_device:.3f}",
-                          f"{on_device / host:.2f}", "yes" if same else "NO")
+                          f"{on_device / host:.2f}", f"{1000 * rows:.3f}", "yes" if same else "NO")
     Console(width=140).print(table)
 
 
