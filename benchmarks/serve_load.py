@@ -5,8 +5,8 @@ For each method: the pair is loaded in this process and `python -m blockdraft se
 the same method and sizes. First, at concurrency 1, each request runs in-process and through the server, in ABBA
 order (paired: drift of the machine hits both sides alike; the same prompt at T=0 must give the same token count on
 both); the closing table gives server tokens/s over in-process tokens/s (goal >= 0.95). With every server up, each
-concurrency level runs `--requests` (at least `--per-client` per client and round) streamed chat requests (T=0, `stream_options.include_usage`) per method through
-a pool of that many clients, in `--rounds` rounds that rotate the methods (ABBA: on the H200 the same method's
+concurrency level runs `--requests` (at least `--per-client` per client and round) streamed chat requests (T=0,
+`stream_options.include_usage`) per method through a pool of that many clients, in `--rounds` rounds that rotate the methods (ABBA: on the H200 the same method's
 tokens/s moved up to 26% between runs a day apart, more than the gaps being compared). Reported per level:
 requests/s, output tokens/s (usage.completion_tokens over wall time), TTFT and inter-chunk latency p50/p99 (the gap
 between streamed chunks: one per stream interval, which carries every token committed since), errors, and the
@@ -478,7 +478,8 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", default=None, help="The server's continuous batch (default: its own, 1).")
     parser.add_argument("--schedule", default="auto",
                         help="The schedule method's server --schedule FILE|auto (with --max-num-seqs).")
-    parser.add_argument("--pin", default=None, help="DECODE:HTTP:CLIENT core lists for the paired c=1 runs, e.g. 2-5:6-7:8 (class Pins).")
+    parser.add_argument("--pin", default=None,
+                        help="DECODE:HTTP:CLIENT core lists for the paired c=1 runs, e.g. 2-5:6-7:8 (class Pins).")
     parser.add_argument("--json-out", type=Path, default=None)
     args = parser.parse_args()
     args.concurrency_levels = [int(c) for c in args.concurrency.split(",")]

@@ -151,8 +151,8 @@ def test_graph_path_pads_reuses_and_matches(monkeypatch: pytest.MonkeyPatch, var
 
 
 def recorded(proposer: Any, drafts: list[tuple[list[int], list[int]]]) -> Any:
-    """The proposer, noting every draft's tokens and parents: random drafters are rarely accepted, so the drafts
-    themselves are what shows the drafter path agrees inside the loop."""
+    """The proposer, noting every draft's tokens and parents (trees built on the device included): random drafters
+    are rarely accepted, so the drafts themselves are what shows the drafter path agrees inside the loop."""
     propose = proposer.propose
 
     def wrapped(*args: Any) -> Any:
@@ -161,6 +161,17 @@ def recorded(proposer: Any, drafts: list[tuple[list[int], list[int]]]) -> Any:
         return draft
 
     proposer.propose = wrapped
+    if hasattr(proposer, "propose_on_device"):  # greedy DDTree on the fast engine: the tree read here, for the record
+        on_device = proposer.propose_on_device
+
+        def wrapped_on_device(*args: Any) -> Any:
+            trees = on_device(*args)
+            if trees is not None:
+                count = int(trees.shape[0, 0])
+                drafts.append((trees.ids[0, 1 : 1 + count].tolist(), trees.shape[0, 1 : 1 + count].tolist()))
+            return trees
+
+        proposer.propose_on_device = wrapped_on_device
     return proposer
 
 

@@ -175,7 +175,8 @@ def generate(
             out = target.forward(trees.ids, trees.positions[0], cache, tap_layers, attention_mask=trees.own[:, None])
             (draft,), (verdict,) = trees.verdicts(out.logits)
         else:
-            draft = proposer.propose(anchor, start, depth_left, sampling, generator) if proposer else Draft.empty(device)
+            draft = (proposer.propose(anchor, start, depth_left, sampling, generator) if proposer
+                     else Draft.empty(device))
             t_verify = stages.mark()
             ids = torch.cat([long_tensor([anchor], device), draft.tokens]).unsqueeze(0)
             mask = None if draft.is_chain else draft.tree_mask(len(cache), device)

@@ -43,8 +43,9 @@ SLOW_STEP = 4.0  # a step slower than this many times its candidate's median in 
 ELIMINATE_Z = 2.0  # standard errors each side of two candidates' rates that must not overlap to drop the slower
 ELIMINATE_AFTER = 2  # runs of a candidate before it can be dropped (or drop another)
 PRIOR_FLOOR = 0.5  # a candidate the table predicts under this fraction of its best at a bucket is not measured
-# there (AR always is: the schedule must find it where speculation loses, whatever the table says): the tables have been off by up to 1.3x (session 16), never 2x, while measuring DDTree@32 at batch 33-64
-# (2,000+ verify rows a step) cost the schedule ~10% of a short level (0.79x the best fixed method, session 19)
+# there (AR always is: the schedule must find it where speculation loses, whatever the table says). The tables have
+# been off by up to 1.3x (session 16), never 2x, while measuring DDTree@32 at batch 33-64 (2,000+ verify rows a
+# step) cost the schedule ~10% of a short level (0.79x the best fixed method, session 19)
 
 
 def bucket_of(batch: int) -> int:
