@@ -6,14 +6,14 @@ the same method and sizes. First, at concurrency 1, each request runs in-process
 order (paired: drift of the machine hits both sides alike; the same prompt at T=0 must give the same token count on
 both); the closing table gives server tokens/s over in-process tokens/s (goal >= 0.95). With every server up, each
 concurrency level runs `--requests` (at least `--per-client` per client and round) streamed chat requests (T=0,
-`stream_options.include_usage`) per method through a pool of that many clients, in `--rounds` rounds that rotate the methods (ABBA: on the H200 the same method's
-tokens/s moved up to 26% between runs a day apart, more than the gaps being compared). Reported per level:
-requests/s, output tokens/s (usage.completion_tokens over wall time), TTFT and inter-chunk latency p50/p99 (the gap
-between streamed chunks: one per stream interval, which carries every token committed since), errors, and the
-server's own account of its decode thread from /metrics (`blockdraft:engine_*`): the share of the wall time in
-decode steps and in admissions (prefill), the steps by method (a schedule's mix) and the steps over STALL_S.
-Everything is bounded: levels, request counts and `--time-cap` per method and level (no new request after it; the
-run stops by itself).
+`stream_options.include_usage`) per method through a pool of that many clients, in `--rounds` rounds that rotate the
+methods (ABBA: on the H200 the same method's tokens/s moved up to 26% between runs a day apart, more than the gaps
+being compared). Reported per level: requests/s, output tokens/s (usage.completion_tokens over wall time), TTFT and
+inter-chunk latency p50/p99 (the gap between streamed chunks: one per stream interval, which carries every token
+committed since), errors, and the server's own account of its decode thread from /metrics (`blockdraft:engine_*`):
+the share of the wall time in decode steps and in admissions (prefill), the steps by method (a schedule's mix) and
+the steps over STALL_S. Everything is bounded: levels, request counts and `--time-cap` per method and level (no new
+request after it; the run stops by itself).
 
     python benchmarks/serve_load.py --methods ar,dflash,ddtree --concurrency 1,4 --requests 12 --max-tokens 64 \
         --device cpu --threads 1 --json-out serve_load.json
