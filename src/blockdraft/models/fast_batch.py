@@ -183,6 +183,7 @@ class BatchForward:
         self.version = store.version
         self.hidden_out = torch.empty(0, target.hidden_size, dtype=target.dtype, device=target.device)
         self.taps_out = torch.empty(0, 0, dtype=target.dtype, device=target.device)
+        self._eyes: dict[int, torch.Tensor] = {}  # padding rows' visibility (each row itself), per row count
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, own: torch.Tensor,
@@ -209,11 +210,14 @@ class BatchForward:
             if len(self.entries) > BATCH_GRAPHS:
                 self.entries.popitem(last=False)
         self.entries.move_to_end(key)
-        entry.ids.zero_()
+        if batch < bucket or t < rows:  # padding sequences and rows: zero ids at position 0, each seeing itself
+            entry.ids.zero_()
+            entry.positions.zero_()
+            if rows not in self._eyes:
+                self._eyes[rows] = torch.eye(rows, dtype=torch.bool, device=own.device)
+            entry.own.copy_(self._eyes[rows].expand(bucket, rows, rows))
         entry.ids[:batch, :t].copy_(ids)
-        entry.positions.zero_()
         entry.positions[:batch, :t].copy_(positions)
-        entry.own.copy_(torch.eye(rows, dtype=torch.bool, device=own.device).expand(bucket, rows, rows))
         entry.own[:batch, :t, :t].copy_(own)
         entry.lengths.copy_(long_tensor(store.lengths[:batch] + [0] * (bucket - batch), entry.lengths.device))
         if not self.use_graphs:

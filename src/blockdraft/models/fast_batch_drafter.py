@@ -35,22 +35,21 @@ from blockdraft.models.static_cache import round_up
 
 @dataclass
 class _PassGraph:
-    """Static inputs and output of one padded drafter pass (and its CUDA graph, when captured)."""
+    """The static input of one padded drafter pass, [4, bucket]: each sequence's anchor, start, visible rows and
+    context length (one copy a step: the ids, positions and masks are derived from it inside the pass, where five
+    small host-launched copies a step used to make them), and its CUDA graph, when captured."""
 
-    ids: torch.Tensor
-    positions: torch.Tensor
-    valid: torch.Tensor
-    lengths: torch.Tensor
+    table: torch.Tensor
     graph: Any = None
 
 
 @dataclass
 class _ExtendGraph:
-    """Static inputs of one padded context extension: taps [bucket, rows, *], each row's slot and first column."""
+    """Static inputs of one padded context extension: taps [bucket, rows, *], and [2, bucket]: each sequence's slot
+    and first column."""
 
     taps: torch.Tensor
-    seq: torch.Tensor
-    starts: torch.Tensor
+    table: torch.Tensor
     graph: Any = None
 
 
@@ -121,16 +120,13 @@ class BatchDrafter:
         fresh = entry is None
         if entry is None:
             entry = _ExtendGraph(taps=torch.zeros(bucket, rows, taps[0].shape[-1], dtype=self.dtype, device=self.device),
-                                 seq=torch.empty(bucket, dtype=torch.long, device=self.device),
-                                 starts=torch.empty(bucket, dtype=torch.long, device=self.device))
+                                 table=torch.zeros(2, bucket, dtype=torch.long, device=self.device))
             if graphed:
                 self.extensions[(bucket, rows)] = entry
         flat = [b * rows + j for b, count in enumerate(counts) for j in range(count)]
         entry.taps.view(bucket * rows, -1).index_copy_(
             0, long_tensor(flat, self.device), torch.cat([tap[0] for tap in taps]).to(self.dtype))
-        host = long_tensor([slots + [slots[0]] * (bucket - n), starts], self.device)
-        entry.seq.copy_(host[0])
-        entry.starts.copy_(host[1])
+        entry.table.copy_(long_tensor([slots + [slots[0]] * (bucket - n), starts], self.device))
         if graphed and self.use_graphs:
             if fresh:  # warm-up runs write what the replay writes
                 entry.graph, _ = capture(lambda: self._extend_run(entry), self.device, self.pool)
@@ -143,8 +139,8 @@ class BatchDrafter:
     def _extend_run(self, entry: _ExtendGraph) -> None:
         """The extension itself: only device work on fixed buffers, so it can be captured."""
         bucket, rows = entry.taps.shape[:2]
-        seq = entry.seq.unsqueeze(1).expand(bucket, rows)
-        cols = entry.starts.unsqueeze(1) + torch.arange(rows, device=self.device)
+        seq = entry.table[0].unsqueeze(1).expand(bucket, rows)
+        cols = entry.table[1].unsqueeze(1) + torch.arange(rows, device=self.device)
         ctx = self.drafter.project_context(entry.taps)
         cos, sin = self._rope(cols)  # slot = position
         q_width, d = self.heads * self.head_dim, self.head_dim
@@ -168,10 +164,7 @@ class BatchDrafter:
         entry = self.entries.get((bucket, cap)) if self.pad else None
         fresh = entry is None
         if entry is None:
-            entry = _PassGraph(ids=torch.empty(bucket, rows, dtype=torch.long, device=self.device),
-                               positions=torch.empty(bucket, rows, dtype=torch.long, device=self.device),
-                               valid=torch.empty(bucket, dtype=torch.long, device=self.device),
-                               lengths=torch.empty(bucket, dtype=torch.long, device=self.device))
+            entry = _PassGraph(table=torch.zeros(4, bucket, dtype=torch.long, device=self.device))
             if self.pad:
                 self.entries[(bucket, cap)] = entry
                 if len(self.entries) > BATCH_GRAPHS:
@@ -179,13 +172,9 @@ class BatchDrafter:
         if self.pad:
             self.entries.move_to_end((bucket, cap))
         pad = bucket - n  # padding sequences: empty contexts in free slots, every row present
-        host = long_tensor([[*anchors, *[self.mask_token_id] * pad], [*starts, *[0] * pad],
-                            [*(v + 1 for v in visibles), *[rows] * pad], [*lengths, *[0] * pad]], self.device)
-        entry.ids.fill_(self.mask_token_id)
-        entry.ids[:, 0] = host[0]
-        torch.add(host[1].unsqueeze(1), torch.arange(rows, device=self.device), out=entry.positions)
-        entry.valid.copy_(host[2])
-        entry.lengths.copy_(host[3])
+        entry.table.copy_(long_tensor([[*anchors, *[self.mask_token_id] * pad], [*starts, *[0] * pad],
+                                       [*(v + 1 for v in visibles), *[rows] * pad], [*lengths, *[0] * pad]],
+                                      self.device))
         if not self.use_graphs:
             self._run(entry, cap)
         else:
@@ -198,16 +187,18 @@ class BatchDrafter:
         """The batched pass itself, final-normed states of rows 1 .. B-1 written into the output buffer every graph
         shares (so the graphs hold no memory of their own): only device work on fixed buffers."""
         ops, kv = self.ops, self.store.kv
-        ids, positions = entry.ids, entry.positions
-        n, t = ids.shape
+        anchors, starts, valid, lengths = entry.table.unbind(0)
+        n, t = anchors.shape[0], self.block_size
+        rows = torch.arange(t, device=self.device)
+        ids = torch.where(rows == 0, anchors.unsqueeze(1), self.mask_token_id)  # [anchor, MASK x (B-1)]
+        positions = starts.unsqueeze(1) + rows
         groups = self.heads // self.kv_heads
         seq = torch.arange(n, device=self.device).unsqueeze(1).expand(n, t)
-        cols = entry.lengths.unsqueeze(1) + torch.arange(t, device=self.device)
+        cols = lengths.unsqueeze(1) + rows
         cos, sin = self._rope(positions)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         slot_ids = torch.arange(cap, device=self.device)
-        biases = {rule: batched_context_bias(entry.lengths, slot_ids, positions, entry.valid, *rule, groups,
-                                             self.dtype)
+        biases = {rule: batched_context_bias(lengths, slot_ids, positions, valid, *rule, groups, self.dtype)
                   for rule in set(self.rules)}
         x = self.target.embed(ids, self.drafter.cfg.input_embedding_scale)
         h = ops.rms_norm(x, self.layers[0].norm_in, self.eps)
