@@ -449,3 +449,22 @@ def test_the_default_batch_is_what_the_memory_holds_on_the_fast_engine_and_one_e
     assert default_max_num_seqs(target, 100, free_bytes=100 * 512) == 1  # not even two: one at a time
     assert default_max_num_seqs(target, 100) == 1  # a CPU
     assert default_max_num_seqs(Target(make_target_model("qwen3")), 100, free_bytes=10**9) == 1  # the HF engine
+
+
+def test_reserved_kv_room_is_not_regrown_while_the_contexts_stay_within_it() -> None:
+    """A server reserves its --max-model-len before capturing graphs (`BatchDecoder.reserve`): the target's and the
+    batch drafter's K/V buffers take the room at once, and decoding within it never reallocates them (a reallocation
+    drops every graph captured on the old buffer)."""
+    target = FastTarget(make_target_model("qwen3"))
+    drafter = make_drafter()
+    decoder = BatchDecoder(target, lambda: build_proposer("dflash", target, drafter, None), max_seqs=2)
+    decoder.reserve(200)
+    assert decoder.drafting is not None
+    assert decoder.verifier.store.positions >= 200
+    assert decoder.drafting.store.positions >= 200 + drafter.cfg.block_size
+    versions = (decoder.verifier.store.version, decoder.drafting.store.version)
+    for ids in prompts(2):
+        decoder.join(ids, 60)
+    while decoder.running:
+        decoder.step()
+    assert (decoder.verifier.store.version, decoder.drafting.store.version) == versions

@@ -486,17 +486,20 @@ def test_waiting_jobs_join_together_and_a_bad_one_gets_its_own_400() -> None:
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_the_warm_up_decodes_full_depth_drafts_at_two_capacities_where_graphs_are_captured(monkeypatch,
                                                                                           graphs: bool) -> None:
-    """With CUDA graphs the warm-up's decodes must reach a whole block's draft (the usual verify shape) and a
-    context past the first capacity step at every batch bucket: both shapes were otherwise captured by the first
-    requests. (Joins recorded, not run: a CPU cannot capture graphs.)"""
+    """With CUDA graphs the warm-up reserves K/V for --max-model-len, then its decodes reach a whole block's draft
+    (the usual verify shape) and a context past the first capacity step at every batch bucket: both shapes were
+    otherwise captured by the first requests. (Joins recorded, not run: a CPU cannot capture graphs.)"""
     from blockdraft.models.fast_target import FastTarget
     from blockdraft.models.static_cache import SLOT_STEP
     from blockdraft.serve.batched import BatchedEngine
 
     target = FastTarget(make_target_model("qwen3"))
     drafter = make_drafter()
-    engine = BatchedEngine(target, lambda: build_proposer("dflash", target, drafter, None), None, 4)
+    engine = BatchedEngine(target, lambda: build_proposer("dflash", target, drafter, None), None, 4,
+                           max_model_len=300)
     monkeypatch.setattr(target, "use_graphs", graphs)
+    reserved: list[int] = []
+    monkeypatch.setattr(engine.decoder, "reserve", reserved.append)
     monkeypatch.setattr(target, "warm_prefill", lambda tap_layers: None)
     joined: list[tuple[int, int, int]] = []
     monkeypatch.setattr(engine.decoder, "join_many", lambda requests: joined.append(
@@ -504,6 +507,7 @@ def test_the_warm_up_decodes_full_depth_drafts_at_two_capacities_where_graphs_ar
     prompt = [3, 4, 5, 6, 7]
     engine.warm_up(prompt)
     block = drafter.cfg.block_size
-    lengths = [len(prompt), SLOT_STEP] if graphs else [len(prompt)]
+    lengths = [SLOT_STEP, len(prompt)] if graphs else [len(prompt)]  # the longer first: buffers grow before captures
     tokens = 2 * block if graphs else 4
     assert joined == [(size, length, tokens) for length in lengths for size in (1, 2, 4)]
+    assert reserved == ([300 + SLOT_STEP] if graphs else [])  # K/V for --max-model-len, before any capture

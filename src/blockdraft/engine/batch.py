@@ -135,6 +135,17 @@ class BatchDecoder:
     def free(self) -> int:
         return self.max_seqs - len(self.running)
 
+    def reserve(self, positions: int) -> None:
+        """K/V room for `positions` positions in every slot, the target's and the batch drafter's, now: a buffer that
+        grows later drops every CUDA graph captured on it, and the next steps capture them again (a server reserves
+        its --max-model-len before its warm-up captures, as vLLM allocates its KV cache at start-up)."""
+        if not isinstance(self.verifier, SlotVerifier):
+            return
+        self.verifier.store.ensure(positions)
+        drafting = self._batch_drafter(self.new_proposer())
+        if drafting is not None:
+            drafting.reserve(positions)
+
     def check(self, request: Request) -> None:
         """Refuse a request that cannot run (too long for the context, ids outside the vocabulary), as `generate()`
         does, before it joins: a bad request must not fail the others prefilled with it."""

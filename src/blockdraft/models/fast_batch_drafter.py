@@ -90,6 +90,10 @@ class BatchDrafter:
             self.pool = graph_pool(self.use_graphs)
             self.version = self.store.version
 
+    def reserve(self, positions: int) -> None:
+        """Room for `positions` context positions and a block after them in every slot (BatchDecoder.reserve)."""
+        self._ensure(positions + self.block_size)
+
     def reset(self, slot: int) -> None:
         """Empty `slot`'s context (a new sequence takes it)."""
         self.store.lengths[slot] = 0

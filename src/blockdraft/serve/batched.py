@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from blockdraft.decoding.draft import Proposer
 from blockdraft.engine.batch import BatchDecoder, Request, bucket_sizes
 from blockdraft.engine.measured import MeasuredSchedule
@@ -29,9 +31,11 @@ class BatchedEngine:
     """Up to `max_seqs` jobs decoded together."""
 
     def __init__(self, target: Target, new_proposer: Callable[[], Proposer | None], tokenizer: Any,
-                 max_seqs: int, schedule: Schedule | MeasuredSchedule | None = None) -> None:
+                 max_seqs: int, schedule: Schedule | MeasuredSchedule | None = None,
+                 max_model_len: int | None = None) -> None:
         self.decoder = BatchDecoder(target, new_proposer, max_seqs, schedule)
         self.tokenizer = tokenizer
+        self.max_model_len = max_model_len  # K/V reserved for it before the warm-up captures (with graphs)
         self._runs: dict[int, JobRun] = {}
 
     @property
@@ -48,16 +52,18 @@ class BatchedEngine:
         return len(self.decoder.running)
 
     def warm_up(self, prompt_ids: list[int]) -> None:
-        """The prefill graphs of every size, then decodes at every batch bucket (1, 2, 4, ... --max-num-seqs
-        sequences at once), with each method a schedule may pick, so the first requests at each size do not pay for
-        compiling and capturing its graphs (on the H200 the first batched steps stalled concurrency 4 below
-        concurrency 1 before this). On a GPU the decodes are long enough for full-depth drafts (a chain's verify of
-        a whole block is its usual shape: 4-token decodes left it to be captured by the first requests, ~0.1 s
-        pauses at each batch size and method; session 19 measured ITL p99 111 ms for the schedule at concurrency 4
-        against 25 ms for DFlash), and run twice: from the prompt and from the prompt repeated to one capacity step
-        (graphs are keyed by capacity, in steps of SLOT_STEP positions), so a context crossing the first step finds
-        its graphs too. Longer contexts still capture when first met, a step the measured schedule leaves out as
-        stalled and the server names when it is slow. The schedule hears none of these steps."""
+        """The prefill graphs of every size, then decodes at every batch bucket (1, 2, 4, ... --max-num-seqs sequences
+        at once), with each method a schedule may pick, so the first requests at each size do not pay for compiling
+        and capturing its graphs (on the H200 the first batched steps stalled concurrency 4 below concurrency 1
+        before this). On a GPU the decodes are long enough for full-depth drafts (a chain's verify of a whole block
+        is its usual shape: 4-token decodes left it to be captured by the first requests, ~0.1 s pauses at each
+        batch size and method; session 19 measured ITL p99 111 ms for the schedule at concurrency 4 against 25 ms
+        for DFlash), and run twice: from the prompt repeated to one capacity step, then from the prompt (graphs are
+        keyed by capacity, in steps of SLOT_STEP positions), so a context crossing the first step finds its graphs
+        too. In that order: a K/V buffer that grows drops every graph captured on it (which is also why the batch's
+        K/V buffers are first reserved for `max_model_len`, when given). Longer contexts still capture when first
+        met, a step the measured schedule leaves out as stalled and the server names when it is slow. The schedule
+        hears none of these steps."""
         decoder, schedule = self.decoder, self.decoder.schedule
         table = schedule.table if isinstance(schedule, MeasuredSchedule) else schedule
         proposer = decoder.new_proposer()
@@ -65,11 +71,16 @@ class BatchedEngine:
         prompts, tokens = [prompt_ids], _WARMUP_TOKENS
         drafter = getattr(proposer, "drafter", None)
         if getattr(decoder.target, "use_graphs", False):
+            if self.max_model_len is not None:
+                try:
+                    decoder.reserve(self.max_model_len + SLOT_STEP)  # a verify's rows past the longest context
+                except torch.cuda.OutOfMemoryError:  # the buffers then grow with the contexts, as they did
+                    torch.cuda.empty_cache()
             tokens = max(tokens, 2 * drafter.cfg.block_size if drafter is not None else 0)
             longer = (prompt_ids * -(-SLOT_STEP // len(prompt_ids)))[:SLOT_STEP]
             limit = decoder.target.max_positions
             if limit is None or SLOT_STEP + tokens <= limit:
-                prompts.append(longer)
+                prompts.insert(0, longer)  # first: the K/V buffers grow once, before any graph is captured on them
         decoder.schedule = None
         try:
             for prompt in prompts:

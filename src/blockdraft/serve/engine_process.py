@@ -120,9 +120,9 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
             say("the schedule adapts: each batch size's candidates are timed in turn on the server's own steps and "
                 "the fastest kept (--no-schedule-adapt keeps the table)")
         engine = BatchedEngine(target, lambda: SwitchingProposer(drafter, target, largest), loaded.tokenizer, seqs,
-                               plan)
+                               plan, info.max_model_len)
     elif seqs > 1:
-        engine = BatchedEngine(target, new_proposer, loaded.tokenizer, seqs)
+        engine = BatchedEngine(target, new_proposer, loaded.tokenizer, seqs, max_model_len=info.max_model_len)
     else:
         engine = SequentialEngine(target, new_proposer(), loaded.tokenizer)
     if seqs > 1:
