@@ -271,6 +271,13 @@ def test_packed_rows_are_each_drafts_own_rows_padded_out_of_sight() -> None:
     chains = [Draft.chain(torch.tensor([4, 5])), Draft.empty(torch.device("cpu"))]
     _, _, chain_own = pack_rows([1, 2], chains, [3, 4], torch.device("cpu"))
     assert torch.equal(chain_own[0], torch.ones(3, 3, dtype=torch.bool).tril())
+    # chains of one length (and AR's empty drafts) need no padding: the same rows, laid out without it
+    for length in (2, 0):
+        same = [Draft.chain(torch.tensor([4, 5][:length])), Draft.chain(torch.tensor([6, 7][:length]))]
+        ids, positions, own = pack_rows([1, 2], same, [3, 9], torch.device("cpu"))
+        assert ids.tolist() == [[1, 4, 5][: 1 + length], [2, 6, 7][: 1 + length]]
+        assert positions.tolist() == [[3, 4, 5][: 1 + length], [9, 10, 11][: 1 + length]]
+        assert torch.equal(own, torch.ones(1 + length, 1 + length, dtype=torch.bool).tril().expand(2, -1, -1))
 
 
 def test_batching_refuses_what_it_cannot_do() -> None:

@@ -13,6 +13,7 @@ cache keeps its accepted rows.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -119,6 +120,12 @@ def pack_rows(anchors: list[int], drafts: list[Draft], starts: list[int],
     A padding row sits at its sequence's start and sees only itself; no real row sees it (chains: it comes after
     them; trees: it is nobody's ancestor)."""
     batch, rows = len(drafts), 1 + max(len(d) for d in drafts)
+    if all(len(d) == rows - 1 and d.is_chain for d in drafts):  # chains of one length (AR: none): no padding
+        host = long_tensor([anchors, starts], device)
+        ids = host[0].unsqueeze(1)
+        if rows > 1:
+            ids = torch.cat([ids, torch.stack([d.tokens for d in drafts])], dim=1)
+        return ids, host[1].unsqueeze(1) + _steps(rows, device), _causal(rows, device).expand(batch, rows, rows)
     flat_ids = [b * rows + 1 + i for b, d in enumerate(drafts) for i in range(len(d))]
     positions = long_tensor([[start, *(start + depth for depth in d.depths), *[start] * (rows - 1 - len(d))]
                              for d, start in zip(drafts, starts)], device)
@@ -127,8 +134,7 @@ def pack_rows(anchors: list[int], drafts: list[Draft], starts: list[int],
     if flat_ids:
         ids.index_copy_(0, long_tensor(flat_ids, device), torch.cat([d.tokens for d in drafts]))
     if all(d.is_chain for d in drafts):
-        own = torch.ones(rows, rows, dtype=torch.bool, device=device).tril().expand(batch, rows, rows)
-        return ids.view(batch, rows), positions, own
+        return ids.view(batch, rows), positions, _causal(rows, device).expand(batch, rows, rows)
     up = long_tensor([[0, *(p + 1 for p in d.parents), *range(len(d) + 1, rows)] for d in drafts],
                      device)  # each row's parent; the root and padding rows: themselves
     own = torch.eye(rows, dtype=torch.bool, device=device).repeat(batch, 1, 1)
@@ -137,6 +143,18 @@ def pack_rows(anchors: list[int], drafts: list[Draft], starts: list[int],
         ancestor = up.gather(1, ancestor)
         own.scatter_(2, ancestor.unsqueeze(2), True)
     return ids.view(batch, rows), positions, own
+
+
+@functools.lru_cache(maxsize=64)
+def _causal(rows: int, device: torch.device) -> torch.Tensor:
+    """The [rows, rows] causal visibility of a chain's rows (made once per size: two launches a step otherwise)."""
+    return torch.ones(rows, rows, dtype=torch.bool, device=device).tril()
+
+
+@functools.lru_cache(maxsize=64)
+def _steps(rows: int, device: torch.device) -> torch.Tensor:
+    """0 .. rows - 1: a chain row's offset from its anchor's position."""
+    return torch.arange(rows, device=device)
 
 
 def _forward_one(target: Target, cache: TargetCache | StaticTargetCache, anchor: int, draft: Draft, start: int,
