@@ -395,10 +395,16 @@ class BatchDecoder:
         plans = self._plans() if budget is not None else []
         if budget is None or all(plan is None for plan in plans):
             return None
-        anchors = [seq.tokens[-1] for seq in self.running]
-        logits = self.drafting.draft(anchors, starts, [0 if plan is None else plan[1] for plan in plans])
+        logits = self._slot_logits(starts, plans)
         return trees_on_device(slot_log_probs(logits, SamplingParams()), [0 if plan is None else plan[0]
-                                                                          for plan in plans], budget, anchors, starts)
+                                                                          for plan in plans], budget,
+                               [seq.tokens[-1] for seq in self.running], starts)
+
+    def _slot_logits(self, starts: list[int], plans: list[tuple[int, int] | None]) -> torch.Tensor:
+        """The batch's drafter pass for this step's plans: slot logits [n, B-1, V]."""
+        assert self.drafting is not None
+        return self.drafting.draft([seq.tokens[-1] for seq in self.running], starts,
+                                   [0 if plan is None else plan[1] for plan in plans])
 
     def _drafts(self, starts: list[int]) -> list[Draft]:
         """Every running sequence's draft from one batched drafter pass (none when this step's method is AR)."""
@@ -408,8 +414,7 @@ class BatchDecoder:
         device = self.target.device
         if all(plan is None for plan in plans):
             return [Draft.empty(device) for _ in plans]
-        logits = self.drafting.draft([seq.tokens[-1] for seq in self.running], starts,
-                                     [0 if plan is None else plan[1] for plan in plans])
+        logits = self._slot_logits(starts, plans)
         drafts = self._trees(proposers, plans, logits)
         greedy = [b for b, (proposer, seq, plan) in enumerate(zip(proposers, self.running, plans))
                   if plan is not None and b not in drafts and seq.sampling.greedy and _plain_chain(proposer)]

@@ -20,7 +20,7 @@ import torch
 
 from blockdraft.decoding.draft import Draft
 from blockdraft.models.fast_batch import BatchForward, BatchKV
-from blockdraft.models.fast_target import FastTarget, pack_prompts
+from blockdraft.models.fast_target import FastTarget, fixed_mask, pack_prompts
 from blockdraft.models.host_to_device import long_tensor
 from blockdraft.models.static_cache import StaticTargetCache
 from blockdraft.models.target import Target, TargetCache
@@ -125,7 +125,8 @@ def pack_rows(anchors: list[int], drafts: list[Draft], starts: list[int],
         ids = host[0].unsqueeze(1)
         if rows > 1:
             ids = torch.cat([ids, torch.stack([d.tokens for d in drafts])], dim=1)
-        return ids, host[1].unsqueeze(1) + _steps(rows, device), _causal(rows, device).expand(batch, rows, rows)
+        causal = fixed_mask("tril", rows, device).expand(batch, rows, rows)
+        return ids, host[1].unsqueeze(1) + _steps(rows, device), causal
     flat_ids = [b * rows + 1 + i for b, d in enumerate(drafts) for i in range(len(d))]
     positions = long_tensor([[start, *(start + depth for depth in d.depths), *[start] * (rows - 1 - len(d))]
                              for d, start in zip(drafts, starts)], device)
@@ -134,7 +135,7 @@ def pack_rows(anchors: list[int], drafts: list[Draft], starts: list[int],
     if flat_ids:
         ids.index_copy_(0, long_tensor(flat_ids, device), torch.cat([d.tokens for d in drafts]))
     if all(d.is_chain for d in drafts):
-        return ids.view(batch, rows), positions, _causal(rows, device).expand(batch, rows, rows)
+        return ids.view(batch, rows), positions, fixed_mask("tril", rows, device).expand(batch, rows, rows)
     up = long_tensor([[0, *(p + 1 for p in d.parents), *range(len(d) + 1, rows)] for d in drafts],
                      device)  # each row's parent; the root and padding rows: themselves
     own = torch.eye(rows, dtype=torch.bool, device=device).repeat(batch, 1, 1)
@@ -143,12 +144,6 @@ def pack_rows(anchors: list[int], drafts: list[Draft], starts: list[int],
         ancestor = up.gather(1, ancestor)
         own.scatter_(2, ancestor.unsqueeze(2), True)
     return ids.view(batch, rows), positions, own
-
-
-@functools.lru_cache(maxsize=64)
-def _causal(rows: int, device: torch.device) -> torch.Tensor:
-    """The [rows, rows] causal visibility of a chain's rows (made once per size: two launches a step otherwise)."""
-    return torch.ones(rows, rows, dtype=torch.bool, device=device).tril()
 
 
 @functools.lru_cache(maxsize=64)

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from blockdraft.models.fast_target import FastTarget, LayerWeights, attend, graph_rows, layer_tail
+from blockdraft.models.fast_target import FastTarget, LayerWeights, attend, fixed_mask, graph_rows, layer_tail
 from blockdraft.models.graphs import capture, graph_pool, power_of_two_at_least
 from blockdraft.models.host_to_device import long_tensor
 from blockdraft.models.static_cache import SLOT_STEP, StaticTargetCache, kv_buffer, round_up
@@ -126,7 +126,8 @@ def forward_batch(target: FastTarget, store: BatchKV, ids: torch.Tensor, positio
 
 
 def run_batch(target: FastTarget, kv: torch.Tensor, lengths: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
-              own: torch.Tensor, cap: int, tap_layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+              own: torch.Tensor, cap: int,
+              tap_layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The batched forward itself up to the final norm (states [B, t, hidden], taps) of the sequences in slots
     0..B-1: only device work on fixed buffers, so a CUDA graph can capture it."""
     batch, t = ids.shape
@@ -183,7 +184,6 @@ class BatchForward:
         self.version = store.version
         self.hidden_out = torch.empty(0, target.hidden_size, dtype=target.dtype, device=target.device)
         self.taps_out = torch.empty(0, 0, dtype=target.dtype, device=target.device)
-        self._eyes: dict[int, torch.Tensor] = {}  # padding rows' visibility (each row itself), per row count
 
     @torch.inference_mode()
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, own: torch.Tensor,
@@ -213,9 +213,7 @@ class BatchForward:
         if batch < bucket or t < rows:  # padding sequences and rows: zero ids at position 0, each seeing itself
             entry.ids.zero_()
             entry.positions.zero_()
-            if rows not in self._eyes:
-                self._eyes[rows] = torch.eye(rows, dtype=torch.bool, device=own.device)
-            entry.own.copy_(self._eyes[rows].expand(bucket, rows, rows))
+            entry.own.copy_(fixed_mask("eye", rows, own.device).expand(bucket, rows, rows))
         entry.ids[:batch, :t].copy_(ids)
         entry.positions[:batch, :t].copy_(positions)
         entry.own[:batch, :t, :t].copy_(own)

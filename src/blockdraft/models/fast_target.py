@@ -219,7 +219,6 @@ class FastTarget(Target):
         self._prefill_graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self._prefill_pool: object = None  # the prefill graphs' shared memory pool, made by their first capture
         self._graphs_version = self.storage.version
-        self._masks: dict[tuple[str, int], torch.Tensor] = {}
 
     def new_cache(self) -> StaticTargetCache:
         """The target's one static cache, emptied: graphs keep pointing at the same buffers across generations."""
@@ -239,17 +238,6 @@ class FastTarget(Target):
         cos, sin = self.rotary(like, positions.unsqueeze(0))
         self.cos, self.sin, self.slot_ids = cos[0], sin[0], positions
         self._tables_for = slots
-
-    def _fixed_mask(self, kind: str, rows: int) -> torch.Tensor:
-        """The causal ("tril") or self-only ("eye") [rows, rows] mask; verify-sized ones are made once."""
-        key = (kind, rows)
-        if key in self._masks:
-            return self._masks[key]
-        eye = torch.eye(rows, dtype=torch.bool, device=self.device)
-        mask = eye if kind == "eye" else torch.ones_like(eye).tril()
-        if rows <= GRAPH_MAX_TOKENS:
-            self._masks[key] = mask
-        return mask
 
     @torch.inference_mode()
     def forward(
@@ -318,7 +306,7 @@ class FastTarget(Target):
         t = ids.shape[1]
         cache.reserve(t)
         self._tables()
-        own = self._fixed_mask("tril", t) if own is None else own
+        own = fixed_mask("tril", t, self.device) if own is None else own
         return self._run(ids, positions, own, round_up(len(cache) + t), tap_layers)
 
     def _run(
@@ -399,9 +387,9 @@ class FastTarget(Target):
         entry.ids[:, :t].copy_(input_ids)
         entry.positions[:t].copy_(positions)
         if own is None:
-            entry.own.copy_(self._fixed_mask("tril", rows))
+            entry.own.copy_(fixed_mask("tril", rows, self.device))
         else:
-            entry.own.copy_(self._fixed_mask("eye", rows))
+            entry.own.copy_(fixed_mask("eye", rows, self.device))
             entry.own[:t, :t].copy_(own)
         entry.graph.replay()
         taps = None if entry.taps is None else entry.taps[:, :t].clone()
@@ -433,6 +421,22 @@ class FastTarget(Target):
             self.forward(torch.zeros(1, rows, dtype=torch.long, device=self.device),
                          torch.arange(rows, device=self.device), self.new_cache(), tap_layers, last_logits_only=True)
             rows *= 2
+
+
+_MASKS: dict[tuple[str, int, torch.device], torch.Tensor] = {}
+
+
+def fixed_mask(kind: str, rows: int, device: torch.device) -> torch.Tensor:
+    """The causal ("tril") or self-only ("eye") [rows, rows] mask; verify-sized ones are made once per device (a
+    verify step needs one, and making it each step is two launches)."""
+    key = (kind, rows, device)
+    if key in _MASKS:
+        return _MASKS[key]
+    eye = torch.eye(rows, dtype=torch.bool, device=device)
+    mask = eye if kind == "eye" else torch.ones_like(eye).tril()
+    if rows <= GRAPH_MAX_TOKENS:
+        _MASKS[key] = mask
+    return mask
 
 
 def pack_prompts(prompts: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
