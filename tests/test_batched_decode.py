@@ -337,9 +337,10 @@ def test_a_schedule_switches_the_method_with_the_batch_size_losslessly() -> None
     while decoder.running:
         decoder.step()
     together = len(second.draft_lengths)
-    assert all(n > 0 for n in first.draft_lengths[:3])  # alone: trees
-    assert first.draft_lengths[3 : 3 + together] == [0] * together == second.draft_lengths  # two running: AR
-    assert any(n > 0 for n in first.draft_lengths[3 + together :])  # alone again: trees again
+    # alone: trees (the 4th was launched, in flight, when the second joined); two running: AR; alone again: trees
+    assert all(n > 0 for n in first.draft_lengths[:4])
+    assert first.draft_lengths[4 : 4 + together] == [0] * together == second.draft_lengths
+    assert any(n > 0 for n in first.draft_lengths[4 + together :])
     for seq, ids in ((first, first_ids), (second, second_ids)):
         assert seq.tokens == generate(target, ids, None, seq.max_new_tokens).token_ids
 

@@ -225,11 +225,18 @@ class DeviceTrees:
         return self.ids.shape[1] - 1
 
     def verdicts(self, logits: torch.Tensor) -> tuple[list[Draft], list[Verdict]]:
-        """The step's one read, given the verify's logits [n, 1 + m, V] of these rows: every sequence's target
-        picks, tree tokens and tree shape in one transfer; then each tree as a Draft (tokens left on the device)
-        and its greedy walk, as `verify_greedy` walks it."""
+        """The step's one read, given the verify's logits [n, 1 + m, V] of these rows: `readout`, then `walks`."""
+        return self.walks(self.readout(logits).tolist())
+
+    def readout(self, logits: torch.Tensor) -> torch.Tensor:
+        """Every sequence's target picks, tree tokens and tree shape as one device tensor [n, 2 + 3m], to read back
+        in one transfer (now, or by a step in flight later: it is a fresh tensor, no graph's buffer)."""
+        return torch.cat([logits.argmax(dim=-1), self.ids[:, 1:], self.shape], dim=1)
+
+    def walks(self, read: list[list[int]]) -> tuple[list[Draft], list[Verdict]]:
+        """`readout`'s rows on the host -> each tree as a Draft (its tokens left on the device) and its greedy walk,
+        as `verify_greedy` walks it."""
         m = self.budget
-        read = torch.cat([logits.argmax(dim=-1), self.ids[:, 1:], self.shape], dim=1).tolist()
         drafts: list[Draft] = []
         verdicts: list[Verdict] = []
         for b, row in enumerate(read):

@@ -93,13 +93,23 @@ def verify_greedy(drafts: list[Draft], logits: list[torch.Tensor],
     round trip each, every step. `picks`: the rows' argmax when the caller took it for the whole batch at once."""
     if picks is None:
         picks = [rows.argmax(dim=-1) for rows in logits]
+    return greedy_walks(drafts, greedy_read(drafts, picks).tolist())
+
+
+def greedy_read(drafts: list[Draft], picks: list[torch.Tensor]) -> torch.Tensor:
+    """What `verify_greedy` reads back, as one device tensor (launched now, read later by a step in flight): each
+    draft's target picks ([anchor] + nodes), then each draft's tokens."""
     device = picks[0].device
-    read = torch.cat([*picks, *(draft.tokens.to(device) for draft in drafts)]).tolist()
+    return torch.cat([*picks, *(draft.tokens.to(device) for draft in drafts)])
+
+
+def greedy_walks(drafts: list[Draft], read: list[int]) -> list[Verdict]:
+    """The greedy verdicts from `greedy_read`'s values on the host."""
     verdicts: list[Verdict] = []
     target_at = 0
-    draft_at = sum(rows.shape[0] for rows in logits)
-    for draft, rows in zip(drafts, logits):
-        n = rows.shape[0]
+    draft_at = sum(len(draft) + 1 for draft in drafts)
+    for draft in drafts:
+        n = len(draft) + 1
         verdicts.append(walk(draft, read[target_at : target_at + n], read[draft_at : draft_at + len(draft)]))
         target_at += n
         draft_at += len(draft)

@@ -10,6 +10,11 @@ included) each sequence's own forward in turn. On the fast engine the drafter ru
 batch too (models/fast_batch_drafter.py: every sequence's drafter context in a slot, one pass over all blocks, one
 context extension for all committed rows); each sequence's proposer only turns its slot logits into its chain or
 tree. Elsewhere each proposer drafts its own sequence.
+
+Steps are pipelined one deep: `step()` reads the step in flight, commits it, launches the next, and only then hands
+the commits to the sequences' hooks (the server's text work), which so run while the device works. Sequences join
+while a step flies (its results are first copied out of the buffers the join's forwards write); one that its hook
+ends leaves at the next read, the flying step's rows for it dropped.
 """
 
 from __future__ import annotations
@@ -24,9 +29,9 @@ from blockdraft.decoding.ddtree import DDTreeProposer, DeviceTrees, build_trees,
 from blockdraft.decoding.draft import DFlashProposer, Draft, DrafterProposer, Proposer
 from blockdraft.decoding.generate import GenerationResult, OnCommit, check_context, check_prompt_ids
 from blockdraft.decoding.sampling import SamplingParams, pick
-from blockdraft.decoding.verify import Verdict, verify, verify_greedy
+from blockdraft.decoding.verify import Verdict, greedy_read, greedy_walks, verify
 from blockdraft.engine.measured import MeasuredSchedule
-from blockdraft.engine.schedule import Schedule
+from blockdraft.engine.schedule import Candidate, Schedule
 from blockdraft.engine.switching import SwitchingProposer
 from blockdraft.engine.verifiers import LoopVerifier, SlotVerifier, Verified
 from blockdraft.errors import BlockdraftError
@@ -79,7 +84,8 @@ class Sequence:
         return len(self.tokens) >= self.max_new_tokens or self.stopped_on is not None or self.ended_early
 
     def commit(self, committed: list[int]) -> list[int]:
-        """Cut `committed` at the token budget and the first stop; record it; returns what was kept."""
+        """Cut `committed` at the token budget and the first stop; record it; returns what was kept (for `on_commit`,
+        which the decoder calls later, while the next step runs)."""
         committed = committed[: self.max_new_tokens - len(self.tokens)]
         for i, token in enumerate(committed):
             if token in self.stops:
@@ -88,7 +94,6 @@ class Sequence:
                 break
         self.tokens.extend(committed)
         self.acceptance_lengths.append(len(committed))
-        self.ended_early = bool(self.on_commit and self.on_commit(committed))
         return committed
 
     def result(self) -> GenerationResult:
@@ -102,6 +107,31 @@ class Sequence:
         return GenerationResult(token_ids=list(self.tokens), acceptance_lengths=list(self.acceptance_lengths),
                                 stats=stats, stopped_on=self.stopped_on, draft_lengths=list(self.draft_lengths),
                                 ended_early=self.ended_early)
+
+
+@dataclass
+class _Flight:
+    """A launched step not read back yet: the sequences it runs (slots 0.. at its launch), their starts and drafts
+    (device trees: known at the read), the verify's output, the one tensor its read takes back, and what the
+    schedule hears of it."""
+
+    seqs: list[Sequence]
+    starts: list[int]
+    drafts: list[Draft] | None
+    trees: DeviceTrees | None
+    verified: Verified
+    read: torch.Tensor | None
+    candidate: Candidate | None
+    deferring: bool
+    method: str
+    began: float
+    joined: bool = False  # sequences joined while it flew: its time holds their prefill
+
+    def detach(self) -> None:
+        """Before a join runs forwards: the verify's taps and the sampled sequences' logits copied out of the
+        buffers those forwards may overwrite (the read tensor is a fresh one already)."""
+        self.verified = self.verified.detached({b for b, seq in enumerate(self.seqs) if not seq.sampling.greedy})
+        self.joined = True
 
 
 class BatchDecoder:
@@ -121,7 +151,8 @@ class BatchDecoder:
             SlotVerifier(target, max_seqs) if isinstance(target, FastTarget) else LoopVerifier(target, max_seqs))
         self.running: list[Sequence] = []  # sequence i lives in cache slot i (and drafter slot i)
         self.drafting: BatchDrafter | None = None  # made by the first sequence that drafts on the fast engine
-        self.last_method = ""  # the method the last step ran ("ar", "dflash", "ddtree", or a schedule's label)
+        self.last_method = ""  # the method of the last step read ("ar", "dflash", "ddtree", or a schedule's label)
+        self.flight: _Flight | None = None  # the step launched and not read back yet
 
     def _batch_drafter(self, proposer: Proposer | None) -> BatchDrafter | None:
         """The batch's drafter, when the proposers draft with a drafter the batched pass can run."""
@@ -168,6 +199,8 @@ class BatchDecoder:
                                   f"{len(requests)}; wait for some to finish")
         for request in requests:
             self.check(request)
+        if self.flight is not None:
+            self.flight.detach()
         joined: list[Sequence] = []
         before = len(self.running)
         try:
@@ -279,9 +312,29 @@ class BatchDecoder:
 
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
-        """One draft -> verify -> commit over every running sequence; returns those that finished (they left)."""
-        if not self.running:
-            return []
+        """Read one draft -> verify step (launched now if none is in flight) and commit it, launch the next for the
+        sequences that go on, then hand this step's commits to their hooks while the device runs that one; returns
+        the sequences that finished (they left).
+
+        Why the overlap: on the H200 a served step's device was busy a fifth to two fifths of it, the rest host work
+        (benchmarks/RESULTS.md, session 19). A hook's work (the server's text, stop strings, the outbox) now runs
+        while the device works, as vLLM's async scheduling does; a hook that ends its sequence (a stop string, a
+        client gone) ends it at the next read, and what the step in flight computed for it is dropped."""
+        if self.flight is None:
+            if not self.running:
+                return []
+            self.flight = self._launch()
+        flight, self.flight = self.flight, None
+        finished, reports = self._land(flight)
+        if self.running:
+            self.flight = self._launch()
+        for seq, committed in reports:
+            if seq.on_commit is not None and seq.on_commit(committed):
+                seq.ended_early = True
+        return finished
+
+    def _launch(self) -> _Flight:
+        """Draft and verify every running sequence, reading nothing back (host-built trees read the drafter's scores)."""
         device, began, batch = self.target.device, time.perf_counter(), len(self.running)
         candidate = None
         if self.schedule is not None:
@@ -290,7 +343,7 @@ class BatchDecoder:
                 assert isinstance(seq.proposer, SwitchingProposer)
                 seq.proposer.use(candidate)
         proposer = self.running[0].proposer
-        self.last_method = candidate.label if candidate is not None else proposer.name if proposer else "ar"
+        method = candidate.label if candidate is not None else proposer.name if proposer else "ar"
         deferring = candidate is not None and candidate.method == "ar"
         if candidate is not None and not deferring:
             self._catch_up()
@@ -300,29 +353,58 @@ class BatchDecoder:
         if trees is not None:
             verified = self.verifier.forward_rows(trees.ids, trees.positions, trees.own, tap_layers)
             assert verified.logits is not None
-            drafts, verdicts = trees.verdicts(verified.logits)
+            return _Flight(list(self.running), starts, None, trees, verified, trees.readout(verified.logits),
+                           candidate, deferring, method, began)
+        drafts = self._drafts(starts) if self.drafting is not None else [
+            seq.proposer.propose(seq.tokens[-1], start, seq.max_new_tokens - len(seq.tokens), seq.sampling,
+                                 seq.generator) if seq.proposer else Draft.empty(device)
+            for seq, start in zip(self.running, starts)]
+        verified = self.verifier.forward([seq.tokens[-1] for seq in self.running], drafts, starts, tap_layers)
+        return _Flight(list(self.running), starts, drafts, None, verified, self._greedy_read(drafts, verified),
+                       candidate, deferring, method, began)
+
+    def _greedy_read(self, drafts: list[Draft], verified: Verified) -> torch.Tensor | None:
+        """The greedy sequences' verdicts as one device tensor to read back (`verify.greedy_read`; one argmax for the
+        batch when its logits are one tensor); None when every sequence samples."""
+        greedy = [b for b, seq in enumerate(self.running) if seq.sampling.greedy]
+        if not greedy:
+            return None
+        if verified.logits is not None:
+            every = verified.logits.argmax(dim=-1)
+            picks = [every[b, : len(drafts[b]) + 1] for b in greedy]
         else:
-            drafts = self._drafts(starts) if self.drafting is not None else [
-                seq.proposer.propose(seq.tokens[-1], start, seq.max_new_tokens - len(seq.tokens), seq.sampling,
-                                     seq.generator) if seq.proposer else Draft.empty(device)
-                for seq, start in zip(self.running, starts)]
-            verified = self.verifier.forward([seq.tokens[-1] for seq in self.running], drafts, starts, tap_layers)
-            verdicts = self._verdicts(drafts, verified)
-        for seq, draft in zip(self.running, drafts):
-            seq.draft_lengths.append(len(draft))
+            picks = [verified.rows[b][0].argmax(dim=-1) for b in greedy]
+        return greedy_read([drafts[b] for b in greedy], picks)
+
+    def _land(self, flight: _Flight) -> tuple[list[Sequence], list[tuple[Sequence, list[int]]]]:
+        """Read a launched step back (the step's one wait for the device), commit each sequence's tokens (cut at
+        its budget and stop ids), keep its cache rows, extend its drafter context, and let the finished leave;
+        returns them and each committed chunk, for the hooks."""
+        assert self.running[: len(flight.seqs)] == flight.seqs  # joins only append while a step is in flight
+        device = self.target.device
+        read = None if flight.read is None else flight.read.tolist()
+        if flight.trees is not None:
+            drafts, verdicts = flight.trees.walks(read)  # type: ignore[arg-type]
+        else:
+            assert flight.drafts is not None
+            drafts, verdicts = flight.drafts, self._verdicts(flight, read)
         extended: list[int] = []
         kept_taps: list[torch.Tensor] = []
-        committed = 0
+        reports: list[tuple[Sequence, list[int]]] = []
         for slot, (seq, draft, start, verdict, (_, taps)) in enumerate(
-                zip(self.running, drafts, starts, verdicts, verified.rows)):
-            produced = len(seq.commit(verdict.tokens + [verdict.bonus]))
-            committed += produced
+                zip(flight.seqs, drafts, flight.starts, verdicts, flight.verified.rows)):
+            if seq.ended_early:  # its hook ended it after this step was launched: nothing of the step is kept
+                continue
+            seq.draft_lengths.append(len(draft))
+            committed = seq.commit(verdict.tokens + [verdict.bonus])
+            reports.append((seq, committed))
+            produced = len(committed)
             rows = None if draft.is_chain else long_tensor(
                 [0] + [node + 1 for node in verdict.accepted][: produced - 1], device)
             self.verifier.keep(slot, start, rows, produced)
             if seq.proposer and taps is not None:
                 kept = taps[:, :produced] if rows is None else taps[:, rows]
-                if not deferring:
+                if not flight.deferring:
                     extended.append(slot)
                     kept_taps.append(kept)
                     continue
@@ -333,9 +415,11 @@ class BatchDecoder:
                     seq.pending.clear()
         self._extend(extended, kept_taps)
         finished = self._leave()
-        if isinstance(self.schedule, MeasuredSchedule) and candidate is not None:
-            self.schedule.observe(batch, candidate, time.perf_counter() - began, committed)
-        return finished
+        self.last_method = flight.method
+        if isinstance(self.schedule, MeasuredSchedule) and flight.candidate is not None and not flight.joined:
+            self.schedule.observe(len(flight.seqs), flight.candidate, time.perf_counter() - flight.began,
+                                  sum(len(committed) for _, committed in reports))
+        return finished, reports
 
     def _extend(self, slots: list[int], taps: list[torch.Tensor]) -> None:
         """Write committed tokens' taps [1, t, k * hidden] into the drafter context of the sequences in `slots`."""
@@ -360,25 +444,14 @@ class BatchDecoder:
             self.running[b].pending.clear()
         self._extend(slots, taps)
 
-    def _verdicts(self, drafts: list[Draft], verified: Verified) -> list[Verdict]:
-        """Each sequence's verdict: the greedy ones read back together (one wait for the device per step; one
-        argmax for the batch when its logits are one tensor), the sampled ones each with its own generator, as
-        alone."""
-        logits = [rows for rows, _ in verified.rows]
-        verdicts: list[Verdict | None] = [None] * len(drafts)
-        greedy = [b for b, seq in enumerate(self.running) if seq.sampling.greedy]
-        if greedy:
-            picks = None
-            if verified.logits is not None:
-                every = verified.logits.argmax(dim=-1)
-                picks = [every[b, : logits[b].shape[0]] for b in greedy]
-            chosen = verify_greedy([drafts[b] for b in greedy], [logits[b] for b in greedy], picks)
-            for b, verdict in zip(greedy, chosen):
-                verdicts[b] = verdict
-        for b, seq in enumerate(self.running):
-            if verdicts[b] is None:
-                verdicts[b] = verify(drafts[b], logits[b], seq.sampling, seq.generator)
-        return [verdict for verdict in verdicts if verdict is not None]
+    def _verdicts(self, flight: _Flight, read: list[int] | None) -> list[Verdict]:
+        """Each sequence's verdict: the greedy ones from the step's read, the sampled ones each with its own
+        generator, as alone."""
+        assert flight.drafts is not None
+        greedy = [b for b, seq in enumerate(flight.seqs) if seq.sampling.greedy]
+        walked = iter(greedy_walks([flight.drafts[b] for b in greedy], read or []))
+        return [next(walked) if seq.sampling.greedy else verify(draft, logits, seq.sampling, seq.generator)
+                for seq, draft, (logits, _) in zip(flight.seqs, flight.drafts, flight.verified.rows)]
 
     def _plans(self) -> list[tuple[int, int] | None]:
         """Each running sequence's (slots drafted, mask rows seen) this step, None where it drafts nothing."""

@@ -34,6 +34,19 @@ class Verified:
 
     rows: list[tuple[torch.Tensor, torch.Tensor | None]]
     logits: torch.Tensor | None = None
+    taps: torch.Tensor | None = None  # [B, R, *] when every sequence's taps are rows of it
+
+    def detached(self, logit_rows: set[int]) -> "Verified":
+        """The taps, and the logits of the sequences in `logit_rows`, copied out of the forward's buffers (a graph's
+        outputs are overwritten by its next replay, or another graph's in the same memory pool): what a step in
+        flight keeps when a join runs forwards before its read. Other sequences' logits are dropped."""
+        if self.taps is not None:
+            whole = self.taps.clone()
+            taps = [whole[b : b + 1, : rows.shape[0]] for b, (rows, _) in enumerate(self.rows)]
+        else:
+            taps = [None if tap is None else tap.clone() for _, tap in self.rows]
+        return Verified([(logits.clone() if b in logit_rows else logits.new_empty(logits.shape[0], 0), tap)
+                         for b, ((logits, _), tap) in enumerate(zip(self.rows, taps))])
 
 
 class SlotVerifier:
@@ -92,7 +105,7 @@ class SlotVerifier:
         ids, positions, own = pack_rows(anchors, drafts, starts, self.target.device)
         logits, taps = self.batched(ids, positions, own, tap_layers)
         return Verified([(logits[b, : len(d) + 1], None if taps is None else taps[b : b + 1, : len(d) + 1])
-                         for b, d in enumerate(drafts)], logits)
+                         for b, d in enumerate(drafts)], logits, taps)
 
     def forward_rows(self, ids: torch.Tensor, positions: torch.Tensor, own: torch.Tensor,
                      tap_layers: tuple[int, ...] | None) -> Verified:
@@ -102,7 +115,8 @@ class SlotVerifier:
             out = self.target.forward(ids, positions[0], self._alone(), tap_layers, attention_mask=own.unsqueeze(1))
             return Verified([(out.logits[0], out.taps)], out.logits)
         logits, taps = self.batched(ids, positions, own, tap_layers)
-        return Verified([(logits[b], None if taps is None else taps[b : b + 1]) for b in range(ids.shape[0])], logits)
+        return Verified([(logits[b], None if taps is None else taps[b : b + 1]) for b in range(ids.shape[0])], logits,
+                        taps)
 
     def keep(self, slot: int, start: int, rows: torch.Tensor | None, produced: int) -> None:
         """Commit: the first `produced` rows of a chain, or the tree's accepted `rows`."""
