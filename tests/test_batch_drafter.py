@@ -45,7 +45,8 @@ def test_each_sequence_drafts_what_it_drafts_alone(variant: str, padded: bool) -
         batch.extend([slot], [prompt])
         alone[slot].extend(prompt)
     check([4, 9, 2], [block - 1] * 3)
-    for step, counts in enumerate(([1, 4, 2], [6, 1, 1], [300, 3, 7])):  # differ per sequence; 300 grows the buffer
+    # counts differ per sequence; 300 grows the buffer; 1,100 (packed, padded: two chunks) as a long prompt's join
+    for step, counts in enumerate(([1, 4, 2], [6, 1, 1], [300, 3, 7], [1100, 1, 30])):
         new = [taps(n, 10 * step + b) for b, n in enumerate(counts)]
         batch.extend([0, 1, 2], new)
         for single, rows in zip(alone, new):

@@ -27,7 +27,7 @@ from blockdraft.models.drafter import DFlashDrafter, apply_rope
 from blockdraft.models.fast_batch import BATCH_GRAPHS, BatchKV, batch_bucket
 from blockdraft.models.fast_drafter import batched_context_bias, fast_drafter_problem, packed_layers
 from blockdraft.models.fast_ops import rms_norm
-from blockdraft.models.fast_target import FastTarget, attend, graph_rows, layer_tail
+from blockdraft.models.fast_target import PREFILL_ROWS, FastTarget, attend, graph_rows, layer_tail, prefill_rows
 from blockdraft.models.graphs import capture, graph_pool
 from blockdraft.models.host_to_device import long_tensor
 from blockdraft.models.static_cache import round_up
@@ -45,11 +45,13 @@ class _PassGraph:
 
 @dataclass
 class _ExtendGraph:
-    """Static inputs of one padded context extension: taps [bucket, rows, *], and [2, bucket]: each sequence's slot
-    and first column."""
+    """Static inputs of one padded context extension: taps [bucket, rows, *] and [2, bucket], each sequence's slot
+    and first column; or, `packed`, taps [1, rows, *] of several sequences one after another and [2, rows], each
+    row's slot and column (joins: prompts of any lengths, no row padded per sequence)."""
 
     taps: torch.Tensor
     table: torch.Tensor
+    packed: bool = False
     graph: Any = None
 
 
@@ -115,8 +117,11 @@ class BatchDrafter:
         t = max(counts, default=0)
         if t == 0:
             return
+        if self.pad and t > self.block_size:
+            self._extend_packed(slots, taps, counts)
+            return
         n = len(slots)
-        graphed = self.pad and t <= self.block_size
+        graphed = self.pad
         rows, bucket = (graph_rows(t), batch_bucket(n, self.store.slots)) if graphed else (t, n)
         starts = [self.store.lengths[s] for s in slots] + [self.store.lengths[slots[0]] + rows] * (bucket - n)
         self._ensure(max(starts) + rows)
@@ -131,20 +136,58 @@ class BatchDrafter:
         entry.taps.view(bucket * rows, -1).index_copy_(
             0, long_tensor(flat, self.device), torch.cat([tap[0] for tap in taps]).to(self.dtype))
         entry.table.copy_(long_tensor([slots + [slots[0]] * (bucket - n), starts], self.device))
+        self._run_extension(entry, fresh, graphed)
+        for s, count in zip(slots, counts):
+            self.store.lengths[s] += count
+
+    def _extend_packed(self, slots: list[int], taps: list[torch.Tensor], counts: list[int]) -> None:
+        """Joins' prompt contexts (longer than a block): every row of every slot packed one after another, in
+        graphs of `prefill_rows` rows (chunks of PREFILL_ROWS), each row with its own slot and column. Eagerly, an
+        extension is a few dozen small launches (a DFlash join cost ~2 ms more than an AR one on the H200, session
+        19). Padding rows repeat a chunk's last row (same taps, same slot and column: the same values written
+        twice), so they need no room past any context."""
+        row_slots = [slot for slot, count in zip(slots, counts) for _ in range(count)]
+        row_cols = [self.store.lengths[slot] + j for slot, count in zip(slots, counts) for j in range(count)]
+        rows_taps = torch.cat([tap[0] for tap in taps]).to(self.dtype)
+        self._ensure(max(row_cols) + 1)
+        for first in range(0, len(row_slots), PREFILL_ROWS):
+            m = min(PREFILL_ROWS, len(row_slots) - first)
+            rows = prefill_rows(m)
+            entry = self.extensions.get((0, rows))
+            fresh = entry is None
+            if entry is None:
+                entry = _ExtendGraph(taps=torch.zeros(1, rows, rows_taps.shape[-1], dtype=self.dtype,
+                                                      device=self.device),
+                                     table=torch.zeros(2, rows, dtype=torch.long, device=self.device), packed=True)
+                self.extensions[(0, rows)] = entry
+            last = first + m - 1
+            entry.taps[0, :m].copy_(rows_taps[first : last + 1])
+            entry.taps[0, m:].copy_(rows_taps[last].expand(rows - m, -1))
+            pad = rows - m
+            entry.table.copy_(long_tensor([row_slots[first : last + 1] + [row_slots[last]] * pad,
+                                           row_cols[first : last + 1] + [row_cols[last]] * pad], self.device))
+            self._run_extension(entry, fresh, True)
+        for slot, count in zip(slots, counts):
+            self.store.lengths[slot] += count
+
+    def _run_extension(self, entry: _ExtendGraph, fresh: bool, graphed: bool) -> None:
+        """Replay the entry's graph (captured now if `fresh`: warm-up runs write what the replay writes), or run the
+        extension eagerly where there are no graphs."""
         if graphed and self.use_graphs:
-            if fresh:  # warm-up runs write what the replay writes
+            if fresh:
                 entry.graph, _ = capture(lambda: self._extend_run(entry), self.device, self.pool)
             entry.graph.replay()
         else:
             self._extend_run(entry)
-        for s, count in zip(slots, counts):
-            self.store.lengths[s] += count
 
     def _extend_run(self, entry: _ExtendGraph) -> None:
         """The extension itself: only device work on fixed buffers, so it can be captured."""
         bucket, rows = entry.taps.shape[:2]
-        seq = entry.table[0].unsqueeze(1).expand(bucket, rows)
-        cols = entry.table[1].unsqueeze(1) + torch.arange(rows, device=self.device)
+        if entry.packed:
+            seq, cols = entry.table[0].unsqueeze(0), entry.table[1].unsqueeze(0)
+        else:
+            seq = entry.table[0].unsqueeze(1).expand(bucket, rows)
+            cols = entry.table[1].unsqueeze(1) + torch.arange(rows, device=self.device)
         ctx = self.drafter.project_context(entry.taps)
         cos, sin = self._rope(cols)  # slot = position
         q_width, d = self.heads * self.head_dim, self.head_dim
