@@ -413,7 +413,10 @@ class BatchDecoder:
                     extended.append(slot)
                     kept_taps.append(torch.cat(seq.pending, dim=1))
                     seq.pending.clear()
-        self._extend(extended, kept_taps)
+        whole = flight.verified.taps  # every sequence's kept taps its first rows: one copy for the batch
+        chains = (whole is not None and not flight.deferring and extended == list(range(len(flight.seqs)))
+                  and all(draft.is_chain for draft in drafts))
+        self._extend(extended, kept_taps, whole if chains else None)
         finished = self._leave()
         self.last_method = flight.method
         if isinstance(self.schedule, MeasuredSchedule) and flight.candidate is not None and not flight.joined:
@@ -421,10 +424,11 @@ class BatchDecoder:
                                   sum(len(committed) for _, committed in reports))
         return finished, reports
 
-    def _extend(self, slots: list[int], taps: list[torch.Tensor]) -> None:
-        """Write committed tokens' taps [1, t, k * hidden] into the drafter context of the sequences in `slots`."""
+    def _extend(self, slots: list[int], taps: list[torch.Tensor], whole: torch.Tensor | None = None) -> None:
+        """Write committed tokens' taps [1, t, k * hidden] into the drafter context of the sequences in `slots`
+        (`whole`: BatchDrafter.extend's)."""
         if self.drafting is not None:
-            self.drafting.extend(slots, taps)
+            self.drafting.extend(slots, taps, whole)
             return
         for slot, tap in zip(slots, taps):
             proposer = self.running[slot].proposer

@@ -40,13 +40,13 @@ class Verified:
         """The taps, and the logits of the sequences in `logit_rows`, copied out of the forward's buffers (a graph's
         outputs are overwritten by its next replay, or another graph's in the same memory pool): what a step in
         flight keeps when a join runs forwards before its read. Other sequences' logits are dropped."""
-        if self.taps is not None:
-            whole = self.taps.clone()
+        whole = None if self.taps is None else self.taps.clone()
+        if whole is not None:
             taps = [whole[b : b + 1, : rows.shape[0]] for b, (rows, _) in enumerate(self.rows)]
         else:
             taps = [None if tap is None else tap.clone() for _, tap in self.rows]
         return Verified([(logits.clone() if b in logit_rows else logits.new_empty(logits.shape[0], 0), tap)
-                         for b, ((logits, _), tap) in enumerate(zip(self.rows, taps))])
+                         for b, ((logits, _), tap) in enumerate(zip(self.rows, taps))], taps=whole)
 
 
 class SlotVerifier:

@@ -109,10 +109,11 @@ class BatchDrafter:
         return self.drafter.rotary_emb(torch.empty(0, dtype=self.dtype, device=self.device), positions)
 
     @torch.inference_mode()
-    def extend(self, slots: list[int], taps: list[torch.Tensor]) -> None:
+    def extend(self, slots: list[int], taps: list[torch.Tensor], whole: torch.Tensor | None = None) -> None:
         """Write context K/V for each slot's next committed positions from its target taps [1, t, k * hidden], all
         slots in one projection. Rows past a slot's own t are written past its context and never counted; a
-        padding sequence writes into the first slot, past even those."""
+        padding sequence writes into the first slot, past even those. `whole` [n, R, *]: the verify's taps when
+        taps[b] is its row b's first rows (chains, slots 0..n-1), copied in one piece instead of row by row."""
         counts = [tap.shape[1] for tap in taps]
         t = max(counts, default=0)
         if t == 0:
@@ -132,9 +133,15 @@ class BatchDrafter:
                                  table=torch.zeros(2, bucket, dtype=torch.long, device=self.device))
             if graphed:
                 self.extensions[(bucket, rows)] = entry
-        flat = [b * rows + j for b, count in enumerate(counts) for j in range(count)]
-        entry.taps.view(bucket * rows, -1).index_copy_(
-            0, long_tensor(flat, self.device), torch.cat([tap[0] for tap in taps]).to(self.dtype))
+        if whole is not None:  # the rows past each count are the verify's other rows: past the context too
+            width = min(rows, whole.shape[1])
+            entry.taps[:n, :width].copy_(whole[:, :width])
+        elif n == 1:
+            entry.taps[0, :t].copy_(taps[0][0])
+        else:
+            flat = [b * rows + j for b, count in enumerate(counts) for j in range(count)]
+            entry.taps.view(bucket * rows, -1).index_copy_(
+                0, long_tensor(flat, self.device), torch.cat([tap[0] for tap in taps]).to(self.dtype))
         entry.table.copy_(long_tensor([slots + [slots[0]] * (bucket - n), starts], self.device))
         self._run_extension(entry, fresh, graphed)
         for s, count in zip(slots, counts):
