@@ -74,9 +74,14 @@ class BatchKV:
         """Take `length` positions of a prefilled batch-1 cache's K/V from position `first` (by default all it
         holds) into `slot` (a packed prefill holds several prompts one after another)."""
         n = len(cache) - first if length is None else length
-        self.ensure(n)
-        self.kv[:, :, slot, :, :n] = cache.storage.kv[:, :, :, first : first + n]
-        self.lengths[slot] = n
+        self.load_kv(slot, cache.storage.kv[:, :, :, first:], n)
+
+    @torch.inference_mode()
+    def load_kv(self, slot: int, kv: torch.Tensor, length: int) -> None:
+        """Take the first `length` positions of K/V laid out [layers, 2, kv_heads, positions, head_dim] into `slot`."""
+        self.ensure(length)
+        self.kv[:, :, slot, :, :length] = kv[:, :, :, :length]
+        self.lengths[slot] = length
 
     @torch.inference_mode()
     def move(self, source: int, dest: int) -> None:

@@ -195,6 +195,19 @@ class FastDrafter:
             self.cos, self.sin, self.slot_ids = cos[0], sin[0], positions
             self._tables_for = self.storage.slots
 
+    def reserve(self, positions: int) -> None:
+        """Room for `positions` context positions and a block after them now (a buffer that grows later drops the
+        graphs captured on it)."""
+        self._room(positions + self.block_size)
+
+    @torch.inference_mode()
+    def load_rows(self, kv: torch.Tensor, length: int) -> None:
+        """Take `length` positions of context K/V laid out [layers, 2, kv_heads, positions, head_dim] (a batch
+        slot's) as this drafter's context."""
+        self._room(length + self.block_size)
+        self.storage.kv[:, :, :, :length] = kv[:, :, :, :length]
+        self._set_length(length)
+
     @torch.inference_mode()
     def extend(self, taps: torch.Tensor) -> None:
         """Write context K/V for the next t committed positions from their target taps [1, t, k * hidden]."""
