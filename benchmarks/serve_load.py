@@ -79,6 +79,7 @@ class LevelResult:
     errors: int
     error_messages: list[str] = field(default_factory=list)
     engine: dict[str, Any] = field(default_factory=dict)  # EngineShare.delta: where the server's decode thread went
+    cpu: dict[str, float] = field(default_factory=dict)  # CpuShare.delta: the server's processes' CPU per wall second
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -197,6 +198,38 @@ def _children(pid: int) -> list[int]:
             if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
                 found.append(int(entry.name))
     return found
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used (Linux /proc; 0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class CpuShare:
+    """CPU seconds of the server's HTTP process and of its children (the engine process), read before and after a
+    level: a process near 100% of a core per wall second is what the level waited on (at concurrency 64 the engine
+    was in steps 60-77% of the time, session 20: the rest was admitting, or waiting for the HTTP side)."""
+
+    http_s: float = 0.0
+    engine_s: float = 0.0
+
+    @classmethod
+    def read(cls, pid: int) -> "CpuShare":
+        return cls(cpu_seconds(pid), sum(cpu_seconds(child) for child in _children(pid)))
+
+    def minus(self, before: "CpuShare") -> "CpuShare":
+        return CpuShare(self.http_s - before.http_s, self.engine_s - before.engine_s)
+
+    def plus(self, other: "CpuShare") -> "CpuShare":
+        return CpuShare(self.http_s + other.http_s, self.engine_s + other.engine_s)
+
+    def delta(self, wall: float) -> dict[str, float]:
+        return {"http_cpu_share": self.http_s / wall, "engine_cpu_share": self.engine_s / wall}
 
 
 def _pin_threads(pid: int, cores: set[int]) -> None:
@@ -409,7 +442,7 @@ def run_requests(url: str, model: str, concurrency: int, indices: list[int], pro
 
 
 def summarize(method: str, concurrency: int, records: list[RequestRecord], wall: float,
-              engine: EngineShare) -> LevelResult:
+              engine: EngineShare, cpu: CpuShare) -> LevelResult:
     done = [r for r in records if r.ok]
     ttfts = [r.ttft for r in done if r.ttft is not None]
     gaps = [g for r in done for g in r.gaps]
@@ -419,6 +452,7 @@ def summarize(method: str, concurrency: int, records: list[RequestRecord], wall:
         ttft_p50_ms=percentile(ttfts, 50), ttft_p99_ms=percentile(ttfts, 99), itl_p50_ms=percentile(gaps, 50),
         itl_p99_ms=percentile(gaps, 99), errors=len(records) - len(done),
         error_messages=sorted({str(r.error) for r in records if not r.ok})[:5], engine=engine.delta(wall),
+        cpu=cpu.delta(wall),
     )
 
 
@@ -430,6 +464,7 @@ def rotate(methods: list[str], servers: dict[str, "Server"], args: argparse.Name
     records: dict[str, list[RequestRecord]] = {m: [] for m in methods}
     walls = dict.fromkeys(methods, 0.0)
     engines = {m: EngineShare() for m in methods}
+    cpus = {m: CpuShare() for m in methods}
     total = max(args.requests, args.per_client * concurrency * args.rounds)
     bounds = [total * r // args.rounds for r in range(args.rounds + 1)]
     for r in range(args.rounds):
@@ -437,12 +472,15 @@ def rotate(methods: list[str], servers: dict[str, "Server"], args: argparse.Name
             url = servers[method].url
             assert url is not None
             before = EngineShare.read(url)
+            pid = servers[method].proc.pid
+            cpu_before = CpuShare.read(pid)
             got, wall = run_requests(url, args.target, concurrency, list(range(bounds[r], bounds[r + 1])), prompts,
                                      args.max_tokens, time.monotonic() + args.time_cap / args.rounds)
+            cpus[method] = cpus[method].plus(CpuShare.read(pid).minus(cpu_before))
             engines[method] = engines[method].plus(EngineShare.read(url).minus(before))
             records[method] += got
             walls[method] += wall
-    return [summarize(m, concurrency, records[m], walls[m], engines[m]) for m in methods]
+    return [summarize(m, concurrency, records[m], walls[m], engines[m], cpus[m]) for m in methods]
 
 
 def fmt(value: float | None, spec: str = ".0f") -> str:
@@ -536,13 +574,15 @@ def main() -> None:
 
     table = Table(title=f"blockdraft serve under load ({args.target}, {args.max_tokens} max tokens, T=0)")
     for column in ("method", "conc", "requests", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
-                   "ITL p99 ms", "errors", "steps % wall", "admit % wall", f"steps > {STALL_S} s"):
+                   "ITL p99 ms", "errors", "steps % wall", "admit % wall", f"steps > {STALL_S} s", "HTTP CPU %",
+                   "engine CPU %"):
         table.add_column(column, justify="right")
     for r in levels:
         table.add_row(r.method, str(r.concurrency), str(r.requests), fmt(r.requests_per_s, ".2f"),
                       fmt(r.output_tokens_per_s, ".1f"), fmt(r.ttft_p50_ms), fmt(r.ttft_p99_ms), fmt(r.itl_p50_ms),
                       fmt(r.itl_p99_ms), str(r.errors), fmt(100 * r.engine["step_share"]),
-                      fmt(100 * r.engine["admit_share"]), str(r.engine["stalls"]))
+                      fmt(100 * r.engine["admit_share"]), str(r.engine["stalls"]),
+                      fmt(100 * r.cpu["http_cpu_share"]), fmt(100 * r.cpu["engine_cpu_share"]))
     out.print(table)
     summary = Table(title="server at concurrency 1 vs in-process, paired request by request (goal >= 0.95)")
     for column in ("method", "requests", "same token counts", "in-process tok/s", "server c=1 tok/s", "ratio",

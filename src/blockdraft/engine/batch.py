@@ -8,8 +8,9 @@ batch-1 ids. The verify step is the engine's (engine/verifiers.py): on the fast 
 rows, each sequence with its own positions, cache length and tree mask; on the HF engine (any model, hybrid ones
 included) each sequence's own forward in turn. On the fast engine the drafter runs once per step for the whole
 batch too (models/fast_batch_drafter.py: every sequence's drafter context in a slot, one pass over all blocks, one
-context extension for all committed rows); each sequence's proposer only turns its slot logits into its chain or
-tree. Elsewhere each proposer drafts its own sequence.
+context extension for all committed rows; a lone sequence on `generate()`'s batch-1 drafter, as it verifies on
+the target's batch-1 path); each sequence's proposer only turns its slot logits into its chain or tree. Elsewhere
+each proposer drafts its own sequence.
 
 Steps are pipelined one deep: `step()` reads the step in flight, commits it, launches the next, and only then hands
 the commits to the sequences' hooks (the server's text work), which so run while the device works. Sequences join
