@@ -125,7 +125,8 @@ class ServeMetrics:
             "blockdraft:engine_step_seconds", "Seconds of each batched decode step, by the method it ran.",
             [*labels, "method"], buckets=STEP_BUCKETS, registry=reg)
         self.admit_seconds = counter("blockdraft:engine_admit_seconds",
-                                     "Seconds the engine spent admitting requests (prefill, joining the batch).")
+                                     "Seconds the engine spent admitting requests (prefill, joining the batch; "
+                                     "with --max-num-seqs 1, a request's whole decode).")
         self.spec: tuple[Counter, Counter, Counter, list[Counter]] | None = None
         if num_spec_tokens:
             per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
