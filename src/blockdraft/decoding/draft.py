@@ -7,7 +7,7 @@ every method.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -29,6 +29,7 @@ class Draft:
     parents: list[int]
     depths: list[int]
     draft_probs: torch.Tensor | None = None
+    is_chain: bool = field(init=False)
 
     @classmethod
     def empty(cls, device: torch.device) -> "Draft":
@@ -42,9 +43,9 @@ class Draft:
     def __len__(self) -> int:
         return len(self.parents)
 
-    @property
-    def is_chain(self) -> bool:
-        return all(p == i - 1 for i, p in enumerate(self.parents))
+    def __post_init__(self) -> None:
+        """Whether it is a chain, known once: packing, verdicts and commits ask it of every sequence each step."""
+        self.is_chain = all(p == i - 1 for i, p in enumerate(self.parents))
 
     def positions(self, start: int, device: torch.device) -> torch.Tensor:
         """Absolute positions of [anchor] + nodes: a node sits at start + depth."""

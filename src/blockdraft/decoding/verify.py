@@ -31,7 +31,12 @@ class Verdict:
 
 def walk(draft: Draft, target_tokens: list[int], tokens: list[int]) -> Verdict:
     """Follow the target's token per row ([anchor] + nodes) down the draft tree; `tokens` are the draft's, read back
-    by the caller in the same transfer as the target's."""
+    by the caller in the same transfer as the target's. A chain's walk is its longest matching prefix."""
+    if draft.is_chain:
+        n = 0
+        while n < len(tokens) and tokens[n] == target_tokens[n]:
+            n += 1
+        return Verdict(accepted=list(range(n)), tokens=tokens[:n], bonus=target_tokens[n])
     children: dict[tuple[int, int], int] = {}
     for node, (parent, token) in enumerate(zip(draft.parents, tokens)):
         children.setdefault((parent, token), node)
