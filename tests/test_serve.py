@@ -383,6 +383,26 @@ def test_continuous_batching_answers_sixteen_clients_as_sequential_decoding_does
     assert peak == 4
 
 
+def test_stop_strings_end_batched_requests_where_they_end_one_at_a_time(text_pair, server) -> None:
+    """In a batch, a commit's stop-string check runs while the next step verifies (the pipelined step): a request a
+    stop string ends answers exactly what the one-at-a-time server answers (text, finish reason, usage)."""
+    prompts = [[(3 * i + j) % 90 + 2 for j in range(2 + i % 5)] for i in range(8)]
+
+    def ask(url: str, prompt: list[int], stop: str | None = None) -> tuple[str, str, int]:
+        reply = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60).completions.create(
+            model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=stop)
+        return reply.choices[0].text, reply.choices[0].finish_reason, reply.usage.completion_tokens
+
+    texts = [ask(server.url, prompt)[0] for prompt in prompts]
+    stops = [text[len(text) // 2 : len(text) // 2 + 2] or None for text in texts]  # a piece of each answer
+    one_at_a_time = [ask(server.url, prompt, stop) for prompt, stop in zip(prompts, stops)]
+    assert sum(reason == "stop" for _, reason, _ in one_at_a_time) >= len(prompts) // 2
+    with running(settings(*text_pair, served_model_name=MODEL, max_num_seqs=4, engine="fast")) as batched:
+        with ThreadPoolExecutor(8) as pool:
+            together = list(pool.map(lambda pair: ask(batched.url, *pair), zip(prompts, stops)))
+    assert together == one_at_a_time
+
+
 def test_a_schedule_serves_with_the_method_it_picks_per_batch_size(text_pair, server, tmp_path: Path) -> None:
     from blockdraft.engine.schedule import AR, AcceptanceProfile, Candidate, CostTable, choose
     from blockdraft.errors import BlockdraftError
