@@ -54,7 +54,17 @@ def test_each_sequence_drafts_what_it_drafts_alone(variant: str, padded: bool) -
         check([5 + step, 7, 1], [block - 1, 2, 1])  # blocks cut short near max_new_tokens
     batch.move(2, 0)  # sequence 0 finished: the last one takes its slot
     alone[0] = alone[2]
-    check([3], [block - 1])
+    check([3], [block - 1])  # alone: its context on the batch-1 drafter
+    lone_rows = taps(5, 40)
+    batch.extend([0], [lone_rows])  # extended there
+    alone[0].extend(lone_rows)
+    check([6], [block - 1])
+    joining = taps(9, 41)  # a second sequence joins: the lone context goes back to slot 0 first
+    batch.reset(1)
+    batch.extend([1], [joining])
+    alone[1] = FastDrafter(drafter, target)
+    alone[1].extend(joining)
+    check([2, 8], [block - 1, block - 1])
 
 
 def test_dropping_every_graph_takes_a_new_pool(monkeypatch) -> None:
