@@ -1,7 +1,7 @@
 """The batch's drafter (BatchDrafter: every sequence's context in a slot, one pass over all blocks) gives each
 sequence the logits its own static drafter (FastDrafter) gives it, through joins, extensions of different sizes,
-blocks cut short near the end, and slot moves; for full, sliding-window and causal drafters, eagerly and padded
-to the CUDA graphs' shapes."""
+blocks cut short near the end, slot moves, and a lone sequence's hand-off to the batch-1 drafter and back; for
+full, sliding-window and causal drafters, eagerly and padded to the CUDA graphs' shapes."""
 
 from __future__ import annotations
 
