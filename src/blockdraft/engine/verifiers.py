@@ -62,7 +62,9 @@ class SlotVerifier:
         self.single: StaticTargetCache | None = None  # the lone sequence's cache, on the batch-1 path
 
     def before_prefill(self) -> None:
-        """A prefill is about to reuse the target's static cache: a lone sequence's K/V leave it for slot 0."""
+        """A prefill is about to reuse the target's static cache: a lone sequence's K/V leave it for slot 0 (all the
+        cache holds, so the rows a step still in flight wrote past its commit go too: the forward advanced the
+        length over them, and that step's `keep` then sets slot 0's)."""
         if self.single is not None:
             self.store.load(0, self.single)
             self.single = None

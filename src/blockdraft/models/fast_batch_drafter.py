@@ -81,7 +81,7 @@ class BatchDrafter:
         self.extensions: dict[tuple[int, int], _ExtendGraph] = {}
         self.pool = graph_pool(self.use_graphs)
         self.version = self.store.version
-        self.lone: FastDrafter | None = None  # the batch-1 drafter, made when first alone
+        self.lone: FastDrafter | None = None  # the batch-1 drafter (`_lone`)
         self.single: FastDrafter | None = None  # set while one sequence runs: its context there, not in slot 0
 
     def _alone(self) -> FastDrafter:
@@ -90,11 +90,15 @@ class BatchDrafter:
         one sequence of 256 tokens took 1.09-1.13x `generate()`'s time with DFlash and DDTree). Slot 0's context
         moves there when a step drafts for one sequence, and back (`_together`) before any other slot is touched."""
         if self.single is None:
-            if self.lone is None:
-                self.lone = FastDrafter(self.drafter, self.target)
-            self.lone.load_rows(self.store.kv[:, :, 0], self.store.lengths[0])
-            self.single = self.lone
+            self.single = self._lone()
+            self.single.load_rows(self.store.kv[:, :, 0], self.store.lengths[0])
         return self.single
+
+    def _lone(self) -> FastDrafter:
+        """The batch-1 drafter, made on first use and kept (its buffers and graphs serve every lone stretch)."""
+        if self.lone is None:
+            self.lone = FastDrafter(self.drafter, self.target)
+        return self.lone
 
     def _together(self) -> None:
         """The lone sequence's context back into slot 0 (another sequence is about to join or move)."""
@@ -116,9 +120,7 @@ class BatchDrafter:
         """Room for `positions` context positions and a block after them in every slot, and in the lone
         sequence's drafter (BatchDecoder.reserve)."""
         self._ensure(positions + self.block_size)
-        if self.lone is None:
-            self.lone = FastDrafter(self.drafter, self.target)
-        self.lone.reserve(positions)
+        self._lone().reserve(positions)
 
     def reset(self, slot: int) -> None:
         """Empty `slot`'s context (a new sequence takes it; in slot 0 the lone one has left)."""
@@ -167,8 +169,6 @@ class BatchDrafter:
         if whole is not None:  # the rows past each count are the verify's other rows: past the context too
             width = min(rows, whole.shape[1])
             entry.taps[:n, :width].copy_(whole[:, :width])
-        elif n == 1:
-            entry.taps[0, :t].copy_(taps[0][0])
         else:
             flat = [b * rows + j for b, count in enumerate(counts) for j in range(count)]
             entry.taps.view(bucket * rows, -1).index_copy_(
