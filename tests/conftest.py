@@ -5,8 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # Triton kernels (where Triton is installed) run under its interpreter, tested
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # on a CPU; set before any kernel is defined
+
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,

@@ -3,6 +3,7 @@
 # carrying .gpu/p3 and .gpu/p4 (pytest's wheels):
 #   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh kernels       # ~6 min (autotuning every shape)
 #   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh correctness   # ~3 min
+#   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh tree          # ~1 min: the tree kernel's tests
 #   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh speed         # ~7 min
 #   (after the GGUF is assembled, as in RESULTS) bash benchmarks/gpu/unmeasured.sh e2e   # ~4 min
 #   (same) bash benchmarks/gpu/unmeasured.sh load   # ~9.5 min (run it with a 600 s call limit): issue 22's table with the engine's own time per level
@@ -27,6 +28,9 @@ step() {
 case "${1:-}" in
   kernels)  # session 17: 24 of 59 passed (none failed) in 150 s, Triton autotuning every config for every shape
     step kernel_tests 450 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py
+    ;;
+  tree)  # the DDTree tree kernel against the host heap and the tensor search, and a fast-engine decode through it
+    step tree_tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_tree_kernel.py
     ;;
   correctness)
     step batch_graphs 200 python3 benchmarks/gpu/check_batch_graphs.py
@@ -60,7 +64,7 @@ case "${1:-}" in
     step admit 200 python3 benchmarks/gpu/admit_profile.py --prompt-tokens 32,128 --joins 8
     ;;
   *)
-    echo "usage: bash benchmarks/gpu/unmeasured.sh kernels|correctness|speed|e2e|load|steps|admit" >&2
+    echo "usage: bash benchmarks/gpu/unmeasured.sh kernels|tree|correctness|speed|e2e|load|steps|admit" >&2
     exit 2
     ;;
 esac

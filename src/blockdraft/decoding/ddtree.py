@@ -28,6 +28,7 @@ import torch
 
 from blockdraft.decoding.draft import Draft, OverChain
 from blockdraft.decoding.sampling import SamplingParams, probabilities
+from blockdraft.decoding.tree_kernel import kernel_runs, tree_rows
 from blockdraft.decoding.verify import Verdict, walk
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.drafter import DFlashDrafter
@@ -79,7 +80,7 @@ def build_trees(log_probs: torch.Tensor, slots: list[int], budget: int, on_devic
     if on_device is None:
         on_device = device.type == "cuda" and n * budget >= DEVICE_SEARCH_NODES
     if on_device:
-        shapes = best_prefixes_on_device(top.values, slots, budget)
+        shapes = best_prefixes_on_device(top, slots, budget)
     else:
         values: list[list[list[float]]] = top.values.double().cpu().tolist()
         shapes = [best_prefixes(values[b][: slots[b]], budget) if slots[b] else ([], [], []) for b in range(n)]
@@ -119,18 +120,23 @@ def best_prefixes(values: list[list[float]], budget: int) -> tuple[list[int], li
     return parents, depths, flat
 
 
-def best_prefixes_on_device(values: torch.Tensor, slots: list[int], budget: int
-                            ) -> list[tuple[list[int], list[int], list[int]]]:
-    """`best_prefixes` for every sequence of a batch's sorted top-k scores [n, L, k] (sequence b over its first
-    `slots[b]` slots), searched with tensors where the scores are, and read back once. On a GPU the search is
-    replayed from a CUDA graph per shape (`_graphed_search`): eagerly it is ~100 small launches, 2.2-4.6 ms on the
-    H200 whatever the batch (benchmarks/RESULTS.md, session 17), nearly all launch time."""
-    if values.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
-        read = _graphed_search(values, long_tensor(slots, values.device), budget)
+def best_prefixes_on_device(top: Any, slots: list[int], budget: int) -> list[tuple[list[int], list[int], list[int]]]:
+    """`best_prefixes` for every sequence of a batch's sorted top-k (`torch.topk`'s values and indices [n, L, k];
+    sequence b over its first `slots[b]` slots), searched where the scores are, and read back once: by the tree
+    kernel where it runs (`tree_kernel`), else with tensors, replayed on a GPU from a CUDA graph per shape
+    (`_graphed_search`: eagerly ~100 small launches, 2.2-4.6 ms on the H200 whatever the batch, benchmarks/
+    RESULTS.md, session 17)."""
+    values = top.values
+    if kernel_runs(values.device, budget):
+        host = long_tensor([[count, 0, 0] for count in slots], values.device)
+        _, _, _, shape, table = tree_rows(values, top.indices, host, budget)
+        read = torch.cat([shape, table], dim=1).tolist()
+    elif values.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+        read = _graphed_search(values, long_tensor(slots, values.device), budget).tolist()
     else:
-        read = _search(values, torch.tensor(slots, dtype=torch.long, device=values.device), budget)
+        read = _search(values, torch.tensor(slots, dtype=torch.long, device=values.device), budget).tolist()
     return [(row[1 : 1 + row[0]], row[1 + budget : 1 + budget + row[0]], row[1 + 2 * budget : 1 + 2 * budget + row[0]])
-            for row in read.tolist()]
+            for row in read]
 
 
 def _search(values: torch.Tensor, slots: torch.Tensor, budget: int) -> torch.Tensor:
@@ -249,14 +255,17 @@ class DeviceTrees:
 
 
 def trees_on_device(log_probs: torch.Tensor, slots: list[int], budget: int, anchors: list[int],
-                    starts: list[int]) -> DeviceTrees:
+                    starts: list[int], kernel: bool | None = None) -> DeviceTrees:
     """`build_trees`'s trees for a batch's [n, L, V] log-probabilities (sequence b over its first `slots[b]` slots,
     its anchor `anchors[b]` at position `starts[b]`), searched and laid out as verify rows on the device with no
-    read back (`DeviceTrees`); on a GPU one top-k, then one graph replay for everything else."""
+    read back (`DeviceTrees`): one top-k, then the tree kernel (`tree_kernel`, where it runs; `kernel` forces
+    either path in tests and benchmarks), else the tensor search, on a GPU as one graph replay."""
     check_budget(budget)
     n, _, vocab = log_probs.shape
     top = torch.topk(log_probs, min(budget, vocab), dim=-1)
     host = long_tensor([list(row) for row in zip(slots, anchors, starts)], log_probs.device)
+    if kernel_runs(log_probs.device, budget) if kernel is None else kernel:
+        return DeviceTrees(*tree_rows(top.values, top.indices, host, budget)[:4])
     inputs = [top.values, top.indices, host]
     if log_probs.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
         return DeviceTrees(*(x[:n] for x in _graphed(lambda *x: _tree_rows(*x, budget), inputs, n, ("rows", budget))))
