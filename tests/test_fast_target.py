@@ -19,6 +19,7 @@ from blockdraft.errors import BlockdraftError
 from blockdraft.models import fast_target as fast_mod
 from blockdraft.models.fast_target import FastTarget, graph_rows, pack_prompts, prefill_rows
 from blockdraft.models.fast_batch import BatchKV
+from blockdraft.models.fast_ops import LayerOps, glu
 from blockdraft.models.loading import load_target, make_target
 from blockdraft.models.static_cache import KVStorage
 from blockdraft.models.target import Target, TargetOutput
@@ -317,3 +318,18 @@ def test_cli_engine_flag(tiny_dirs: tuple[Path, Path]) -> None:
         lines[engine] = json.loads(res.stdout.strip().splitlines()[-1])
     assert lines["fast"]["token_ids"] == lines["hf"]["token_ids"]
     assert lines["fast"]["acceptance_lengths"] == lines["hf"]["acceptance_lengths"]
+
+
+def test_compiled_units_do_not_recompile_when_equal_sizes_part() -> None:
+    """A fusion unit first called by a batch of 16 sequences of 16 rows each (one size twice) then serves 16 x 8 and
+    8 x 16 with the same compiled graph: with duck sizing the two were one symbol and each new pair recompiled (an
+    11.9 s step when it fell inside a CUDA-graph capture on the H200, benchmarks/RESULTS.md session 21)."""
+    from torch._dynamo.utils import counters
+
+    ops = LayerOps(compiled=True)
+    before = counters["stats"]["unique_graphs"]
+    for batch, rows in ((16, 16), (16, 8), (8, 16)):
+        gate_up = torch.randn(batch, rows, 12)
+        torch.testing.assert_close(ops.glu(gate_up, "silu"), glu(gate_up, "silu"))
+    assert not ops.glu.failed
+    assert counters["stats"]["unique_graphs"] - before == 1

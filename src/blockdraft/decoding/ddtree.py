@@ -12,7 +12,9 @@ Hot path: one `topk` over all depths on the device, one device->host copy of the
 (~2 pushes per node), one gather of the chosen tokens on the device. Measured on CPU (L 7 and 15, budgets
 16..512) against a fully tensorised variant (a beam of `budget` prefixes per depth, L sequential top-k's over
 budget x k candidates): V=64, heap 0.04-1.3 ms vs 0.3-7.5 ms; V=152k, the shared `topk` dominates and the heap
-still wins. On an H200 (V=152k, L=15) the heap builder takes 0.19-0.76 ms for budgets 16..512.
+still wins. On an H200 (V=152k, L=15) the heap builder takes 0.19-0.76 ms for budgets 16..512. On a GPU the same
+search runs on the device instead (`trees_on_device`, `best_prefixes_on_device`): the tree kernel
+(decoding/tree_kernel.py, the heap's pops in one program per tree) where Triton runs, else a tensor beam search.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
+import torch.fx.experimental._config as shape_config
 import torch.nn.functional as F
 
 from blockdraft.models.flash_decode import fits, flash_decode
@@ -202,7 +203,12 @@ def kernel_attention(
 
 
 class _CompiledOrPlain:
-    """torch.compile(fn), falling back to fn for good after the first failure (with one warning)."""
+    """torch.compile(fn), falling back to fn for good after the first failure (with one warning).
+
+    Compiled without duck sizing: by default two dimensions of the same size at the first call (a batch of 16
+    sequences verifying 16 rows each) become one symbol, and the first call where they differ recompiles. On the H200
+    that recompile fell inside a CUDA-graph capture in the middle of serving: an 11.9 s step (benchmarks/RESULTS.md,
+    session 21)."""
 
     def __init__(self, fn: Callable[..., object]) -> None:
         self.fn = fn
@@ -212,7 +218,8 @@ class _CompiledOrPlain:
     def __call__(self, *args: object) -> object:
         if not self.failed:
             try:
-                return self.compiled(*args)
+                with shape_config.patch(use_duck_shape=False):
+                    return self.compiled(*args)
             except Exception as exc:  # a toolchain problem must cost speed, not the run
                 self.failed = True
                 sys.stderr.write(f"warning: torch.compile of {self.fn.__name__} failed, running it unfused ({exc!r:.200})\n")
