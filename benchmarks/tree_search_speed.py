@@ -1,9 +1,10 @@
 """DDTree's search on the host heap against the search on the device (`ddtree.build_trees`, `on_device`: the tree
 kernel where it runs, else the tensor search), per batch size and budget: milliseconds per batch of trees (top-k,
-search, read back, token gather), and whether both gave the same trees. Sets `ddtree.DEVICE_SEARCH_NODES`, the
-batch x budget from which a GPU searches there. "rows": `ddtree.trees_on_device`, what a greedy DDTree step of the
-fast engine runs (top-k, search and the verify rows), with the read of the trees' shape it makes together with the
-verify's picks, by the tensor search (one graph replay) and by the tree kernel (`decoding/tree_kernel.py`).
+search, read back, token gather), and whether both gave the same trees. Sets `ddtree.KERNEL_SEARCH_TREES` (with
+the kernel) and `ddtree.DEVICE_SEARCH_NODES` (without), from which a GPU searches there. "rows":
+`ddtree.trees_on_device`, what a greedy DDTree step of the fast engine runs (top-k, search and the verify rows),
+with the read of the trees' shape it makes together with the verify's picks, by the tensor search (one graph
+replay) and by the tree kernel (`decoding/tree_kernel.py`).
 
     python3 benchmarks/tree_search_speed.py --device cuda --slots 15 --vocab 49152
 """
@@ -17,7 +18,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from blockdraft.decoding.ddtree import DEVICE_SEARCH_NODES, build_trees, trees_on_device
+from blockdraft.decoding.ddtree import DEVICE_SEARCH_NODES, KERNEL_SEARCH_TREES, build_trees, trees_on_device
 from blockdraft.decoding.tree_kernel import kernel_runs
 
 
@@ -44,7 +45,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     table = Table(title=f"DDTree search, {args.slots} slots, vocabulary {args.vocab} on {device} "
-                        f"(DEVICE_SEARCH_NODES = {DEVICE_SEARCH_NODES})")
+                        f"(KERNEL_SEARCH_TREES = {KERNEL_SEARCH_TREES}, DEVICE_SEARCH_NODES = {DEVICE_SEARCH_NODES})")
     for column in ("batch", "budget", "host heap ms", "device search ms", "device / host", "tensor rows ms",
                    "kernel rows ms", "kernel / tensor", "same trees"):
         table.add_column(column, justify="right")

@@ -27,10 +27,10 @@ step() {
 
 case "${1:-}" in
   kernels)  # session 17: 24 of 59 passed (none failed) in 150 s, Triton autotuning every config for every shape
-    step kernel_tests 450 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py
+    step kernel_tests 450 python3 -m pytest -p no:cacheprovider tests/test_kernels.py
     ;;
   tree)  # the DDTree tree kernel against the host heap and the tensor search, and a fast-engine decode through it
-    step tree_tests 200 python3 -m pytest -q -p no:cacheprovider tests/test_tree_kernel.py
+    step tree_tests 200 python3 -m pytest -p no:cacheprovider tests/test_tree_kernel.py
     ;;
   correctness)
     step batch_graphs 200 python3 benchmarks/gpu/check_batch_graphs.py

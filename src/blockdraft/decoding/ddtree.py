@@ -41,9 +41,11 @@ from blockdraft.models.target import Target
 
 T = TypeVar("T")
 
-DEVICE_SEARCH_NODES = 1024  # batch x budget from which a GPU searches on the device (H200, RESULTS session 18,
-# the search replayed from a CUDA graph: 0.69-2.0 ms at batch 1 against the heap's 0.27-0.54; even at 512 nodes;
-# 0.67-0.78x the heap at 1,024 (16 x 64, 64 x 16) but 1.14x at 4 x 256; 0.28-0.52x from 4,096).
+DEVICE_SEARCH_NODES = 1024  # batch x budget from which a GPU searches on the device with tensors (H200, RESULTS
+# session 18, the search replayed from a CUDA graph: 0.69-2.0 ms at batch 1 against the heap's 0.27-0.54; even at
+# 512 nodes; 0.67-0.78x the heap at 1,024 (16 x 64, 64 x 16) but 1.14x at 4 x 256; 0.28-0.52x from 4,096).
+KERNEL_SEARCH_TREES = 4  # with the tree kernel, from this many trees a step (H200, RESULTS session 21: 0.80-0.92x
+# the heap at 4 x 32 and 4 x 64, 0.15-0.61x from 16 trees, 1.09x at 4 x 16; 1.20-1.45x at batch 1, every budget)
 
 
 def check_budget(budget: int | None) -> int:
@@ -70,8 +72,9 @@ def build_trees(log_probs: torch.Tensor, slots: list[int], budget: int, on_devic
     with one top-k, one read back and one token gather for the whole batch: a read per sequence cost a batch of 64
     a device round trip each per step (H200, embedded pair: 25 ms DDTree steps at batch 64, session 15). On a GPU
     the search itself runs there too (`best_prefixes_on_device`: no Python heap per sequence, and what is read
-    back is the trees' shape, not the [n, L, k] scores) once the batch's nodes are many (DEVICE_SEARCH_NODES);
-    elsewhere the host heap is faster (module docstring). `on_device` forces either search (tests)."""
+    back is the trees' shape, not the [n, L, k] scores) once the batch's trees are a few (KERNEL_SEARCH_TREES, with
+    the tree kernel) or its nodes many (DEVICE_SEARCH_NODES, without); elsewhere the host heap is faster (module
+    docstring). `on_device` forces either search (tests)."""
     check_budget(budget)
     n, most, vocab = log_probs.shape
     device = log_probs.device
@@ -80,7 +83,8 @@ def build_trees(log_probs: torch.Tensor, slots: list[int], budget: int, on_devic
     k = min(budget, vocab)
     top = torch.topk(log_probs, k, dim=-1)
     if on_device is None:
-        on_device = device.type == "cuda" and n * budget >= DEVICE_SEARCH_NODES
+        on_device = device.type == "cuda" and (n >= KERNEL_SEARCH_TREES if kernel_runs(device, budget)
+                                               else n * budget >= DEVICE_SEARCH_NODES)
     if on_device:
         shapes = best_prefixes_on_device(top, slots, budget)
     else:
