@@ -2,14 +2,16 @@
 fixed method, on simulated steps: no GPU, the real MeasuredSchedule.
 
 Each sequence commits a random number of tokens a step (1 + a geometric count around its method's tau, scaled by the
-text's difficulty, which changes every 80 steps, as a new request would) in a step time with +-5% noise. Two
-scenarios from the H200 (embedded pair, bf16, benchmarks/RESULTS.md): `c1`, batch 1 as served at concurrency 1 in
-session 16 (AR 657 tokens/s, the DFlash chain 860, DDTree@32 769), and `c16`, batch 16 at the rates the server's own
-steps measured in session 17 (AR 5,569, DFlash 7,357, DDTree@32 4,280). The start-up table prefers the tree in both
-(as session 16's tunes did at batch 1), so the schedule has to find the chain. Short horizons matter: a load level of
-32 requests at concurrency 16 is ~100 steps of batch 16.
+text's difficulty, which changes every 80 steps, as a new request would) in a step time with +-5% noise. Scenarios
+from the H200 (embedded pair, bf16, benchmarks/RESULTS.md): `c1`, batch 1 as served at concurrency 1 in session 16
+(AR 657 tokens/s, the DFlash chain 860, DDTree@32 769); `c16`, batch 16 at the rates the server's own steps
+measured in session 17 (AR 5,569, DFlash 7,357, DDTree@32 4,280); `c64`, batch 64 at session 21's rates (AR 14,271,
+DFlash 27,111, DDTree@32 9,959) after RAMP_STEPS steps of batch 16 at its rates there (AR 9,273, DFlash 13,707,
+DDTree@32 7,726), the batch-64 steps alone counted. The start-up table prefers the tree (as session 16's tunes did
+at batch 1), so the schedule has to find the chain. Short horizons matter: a load level of 32 requests at
+concurrency 16 is ~100 steps of batch 16.
 
-    python benchmarks/schedule_simulation.py --scenario c1,c16 --steps 150,300,1000,4000,16000 --runs 200
+    python benchmarks/schedule_simulation.py --scenario c1,c16,c64 --steps 150,300,1000,4000,16000 --runs 200
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ from blockdraft.engine.schedule import AR, AcceptanceProfile, Candidate, CostTab
 
 CHAIN, TREE = Candidate("dflash", 15), Candidate("ddtree", budget=32)
 TAU = {AR: 1.0, CHAIN: 2.24, TREE: 3.0}
-SCENARIOS = {  # batch, and each candidate's tokens/s: a step of `batch` sequences takes batch x tau / rate seconds
-    "c1": (1, {AR: 657.0, CHAIN: 860.0, TREE: 769.0}),
-    "c16": (16, {AR: 5569.0, CHAIN: 7357.0, TREE: 4280.0}),
+SCENARIOS = {  # (batch, each candidate's tokens/s) in turn: a step of `batch` sequences takes batch x tau / rate s
+    "c1": [(1, {AR: 657.0, CHAIN: 860.0, TREE: 769.0})],
+    "c16": [(16, {AR: 5569.0, CHAIN: 7357.0, TREE: 4280.0})],
+    "c64": [(16, {AR: 9273.0, CHAIN: 13707.0, TREE: 7726.0}), (64, {AR: 14271.0, CHAIN: 27111.0, TREE: 9959.0})],
 }
+RAMP_STEPS = 300  # steps of each of a scenario's batches but its last (not counted)
 
 
 def table() -> Schedule:
@@ -38,28 +42,31 @@ def table() -> Schedule:
 
 
 def serve(scenario: str, seed: int, steps: int, fixed: Candidate | None = None) -> tuple[float, Candidate]:
-    """Tokens per second over `steps` simulated steps, and the schedule's choice at the end."""
-    batch, rates = SCENARIOS[scenario]
+    """Tokens per second over the last batch's `steps` simulated steps, and the schedule's choice there at the end."""
     rng = random.Random(seed)
     schedule = MeasuredSchedule(table())
     difficulty, tokens, seconds = 1.0, 0, 0.0
-    for step in range(steps):
-        if step % 80 == 0:
-            difficulty = rng.uniform(0.6, 1.4)
-        candidate = fixed or schedule.pick(batch)
-        tau = TAU[candidate]
-        committed = batch if candidate == AR else sum(
-            min(16, 1 + round(rng.expovariate(1 / max(tau * difficulty - 1, 0.01)))) for _ in range(batch))
-        elapsed = batch * tau / rates[candidate] * rng.uniform(0.95, 1.05)
-        if fixed is None:
-            schedule.observe(batch, candidate, elapsed, committed)
-        tokens, seconds = tokens + committed, seconds + elapsed
-    return tokens / seconds, fixed or schedule.buckets[bucket_of(batch)].choice
+    stages = SCENARIOS[scenario]
+    for stage, (batch, rates) in enumerate(stages):
+        last = stage == len(stages) - 1
+        for step in range(steps if last else RAMP_STEPS):
+            if step % 80 == 0:
+                difficulty = rng.uniform(0.6, 1.4)
+            candidate = fixed or schedule.pick(batch)
+            tau = TAU[candidate]
+            committed = batch if candidate == AR else sum(
+                min(16, 1 + round(rng.expovariate(1 / max(tau * difficulty - 1, 0.01)))) for _ in range(batch))
+            elapsed = batch * tau / rates[candidate] * rng.uniform(0.95, 1.05)
+            if fixed is None:
+                schedule.observe(batch, candidate, elapsed, committed)
+            if last:
+                tokens, seconds = tokens + committed, seconds + elapsed
+    return tokens / seconds, fixed or schedule.buckets[bucket_of(stages[-1][0])].choice
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--scenario", default="c1,c16")
+    parser.add_argument("--scenario", default="c1,c16,c64")
     parser.add_argument("--steps", default="150,300,1000,4000,16000")
     parser.add_argument("--runs", type=int, default=200)
     args = parser.parse_args()

@@ -187,3 +187,40 @@ def test_a_candidate_predicted_far_slower_is_not_measured_but_ar_always_is() -> 
     assert {*serve(schedule, 2, phase_steps(3), {AR: 100.0, CHAIN: 150.0, TREE: 80.0})} == {AR}
     picked = serve(schedule, 1, phase_steps(3), {AR: 200.0, CHAIN: 150.0, TREE: 80.0})
     assert AR in picked and schedule.buckets[1].choice == AR
+
+
+def flat_table() -> Schedule:
+    """A table predicting every candidate alike at every batch size: PRIOR_FLOOR leaves nothing out."""
+    flat = {1: 1.0, 4: 1.0, 5: 1.0}
+    costs = CostTable(device="cpu", dtype="float32", target="t", drafter="d", context_tokens=64,
+                      verify_s={1: flat, 2: flat, 4: flat}, draft_s={1: 0.1, 2: 0.1, 4: 0.1})
+    return choose(costs, AcceptanceProfile([0.9, 0.8, 0.7, 0.6, 0.5], {4: 3.5}), [AR, CHAIN, TREE], [1, 2, 4])
+
+
+def test_a_candidate_outgrown_at_a_smaller_batch_is_not_measured_at_larger_ones() -> None:
+    """Measured at batch 1 at 0.6x the chain, the tree (more verify rows per sequence) is left out of batch 3-4's
+    phases, which start from the chain; AR (fewer rows than the chain, at 0.33x) is measured there anyway."""
+    schedule = MeasuredSchedule(flat_table(), None)
+    serve(schedule, 1, phase_steps(3), {AR: 50.0, CHAIN: 150.0, TREE: 90.0})
+    assert schedule.buckets[1].choice == CHAIN
+    picked = serve(schedule, 4, phase_steps(3), {AR: 100.0, CHAIN: 150.0, TREE: 200.0})
+    assert TREE not in picked and AR in picked and CHAIN in picked
+
+
+def test_a_candidate_close_to_the_best_at_a_smaller_batch_is_still_measured() -> None:
+    schedule = MeasuredSchedule(flat_table(), None)
+    serve(schedule, 1, phase_steps(3), {AR: 50.0, CHAIN: 150.0, TREE: 130.0})
+    picked = serve(schedule, 4, phase_steps(3), {AR: 100.0, CHAIN: 150.0, TREE: 200.0})
+    assert TREE in picked and schedule.buckets[4].choice == TREE
+
+
+def test_a_bucket_already_measured_drops_what_a_smaller_one_outgrew_at_its_next_phase() -> None:
+    """Batch 3-4 measured first (all three); then batch 1 finds the tree at 0.5x the chain: batch 3-4's next phase
+    leaves the tree out."""
+    schedule = MeasuredSchedule(flat_table(), None)
+    rates = {AR: 100.0, CHAIN: 150.0, TREE: 140.0}
+    assert TREE in serve(schedule, 4, phase_steps(3), rates)
+    serve(schedule, 1, phase_steps(3), {AR: 50.0, CHAIN: 150.0, TREE: 75.0})
+    bucket = schedule.buckets[4]
+    later = serve(schedule, 4, bucket.next_phase - bucket.steps + phase_steps(3), rates)
+    assert TREE not in later and AR in later

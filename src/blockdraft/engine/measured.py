@@ -14,7 +14,8 @@ often at first and then every PHASE_EVERY steps: a step's committed tokens vary 
 candidate 10% slower than the best about one time in three (benchmarks/schedule_simulation.py); the running totals
 get that down over the phases. A bucket starts from the choice of the nearest bucket already measured (the table's
 only while none is) and holds its first phase back FIRST_PHASE_AT steps; the table otherwise only orders the
-candidates, and leaves out of a bucket's phases those it predicts far slower there (PRIOR_FLOOR).
+candidates, and leaves out of a bucket's phases those it predicts far slower there (PRIOR_FLOOR), as do the smaller
+buckets' measurements those they found clearly slower with as many verify rows or more (OUTGROWN).
 
 Measured, not modelled: a step's seconds include the drafter, the tree builds, the verify and every sequence's commit
 (the streaming hook included), which is what the served tokens/s is made of. The first step of each run is not
@@ -46,6 +47,10 @@ PRIOR_FLOOR = 0.5  # a candidate the table predicts under this fraction of its b
 # there (AR always is: the schedule must find it where speculation loses, whatever the table says). The tables have
 # been off by up to 1.3x (session 16), never 2x, while measuring DDTree@32 at batch 33-64 (2,000+ verify rows a
 # step) cost the schedule ~10% of a short level (0.79x the best fixed method, session 19)
+OUTGROWN = 0.8  # a candidate measured under this fraction of the best at a smaller bucket, verifying at least as
+# many rows per sequence as that best, is not measured at larger buckets: a bigger batch makes verify rows dearer,
+# never cheaper. At concurrency 64 the schedule ran 136 DDTree@32 steps, measured at 0.56x DFlash at batch 9-16,
+# and 88 AR steps beside 449 DFlash ones, serving 0.71x the DFlash server (H200, RESULTS session 21)
 
 
 def bucket_of(batch: int) -> int:
@@ -193,11 +198,24 @@ class MeasuredSchedule:
             measured = [k for k, b in self.buckets.items() if b.measured]
             nearest = min(measured, key=lambda k: abs(k.bit_length() - key.bit_length()), default=None)
             choice = entry.choice if nearest is None else self.buckets[nearest].choice
-            self.buckets[key] = _Bucket(choice, [e.candidate for e in ranked], next_phase=FIRST_PHASE_AT)
+            candidates = self._measurable(key, [e.candidate for e in ranked if e.candidate != choice], choice)
+            self.buckets[key] = _Bucket(choice, candidates, next_phase=FIRST_PHASE_AT)
         return key, self.buckets[key]
+
+    def _measurable(self, key: int, candidates: list[Candidate], choice: Candidate) -> list[Candidate]:
+        """`candidates` and `choice` less those a smaller bucket has outgrown (OUTGROWN); AR and `choice` stay."""
+        outgrown: set[Candidate] = set()
+        for smaller, bucket in self.buckets.items():
+            rates = bucket.measured
+            if smaller < key and rates:
+                best = max(rates, key=lambda c: rates[c])
+                outgrown |= {c for c, rate in rates.items() if c.rows >= best.rows and rate < OUTGROWN * rates[best]}
+        return [choice] + [c for c in candidates if c != choice and (c == AR or c not in outgrown)]
 
     def pick(self, batch: int) -> Candidate:
         key, bucket = self._bucket(batch)
+        if bucket.steps == bucket.next_phase:  # a phase starts: without what smaller buckets have outgrown since
+            bucket.candidates = self._measurable(key, bucket.candidates, bucket.choice)
         candidate, counted = bucket.next()
         self._counted[key] = (candidate, counted)
         return candidate
