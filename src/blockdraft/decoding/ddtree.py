@@ -126,7 +126,8 @@ def best_prefixes(values: list[list[float]], budget: int) -> tuple[list[int], li
     return parents, depths, flat
 
 
-def best_prefixes_on_device(top: Any, slots: list[int], budget: int) -> list[tuple[list[int], list[int], list[int]]]:
+def best_prefixes_on_device(top: torch.return_types.topk, slots: list[int], budget: int
+                            ) -> list[tuple[list[int], list[int], list[int]]]:
     """`best_prefixes` for every sequence of a batch's sorted top-k (`torch.topk`'s values and indices [n, L, k];
     sequence b over its first `slots[b]` slots), searched where the scores are, and read back once: by the tree
     kernel where it runs (`tree_kernel`), else with tensors, replayed on a GPU from a CUDA graph per shape

@@ -198,7 +198,7 @@ class MeasuredSchedule:
             measured = [k for k, b in self.buckets.items() if b.measured]
             nearest = min(measured, key=lambda k: abs(k.bit_length() - key.bit_length()), default=None)
             choice = entry.choice if nearest is None else self.buckets[nearest].choice
-            candidates = self._measurable(key, [e.candidate for e in ranked if e.candidate != choice], choice)
+            candidates = self._measurable(key, [e.candidate for e in ranked], choice)
             self.buckets[key] = _Bucket(choice, candidates, next_phase=FIRST_PHASE_AT)
         return key, self.buckets[key]
 
