@@ -5,6 +5,7 @@
 #   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh correctness   # ~3 min
 #   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh tree          # ~1 min: the tree kernel's tests
 #   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh speed         # ~7 min
+#   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh roofline      # issue 22's 8B table, one invocation
 #   (after the GGUF is assembled, as in RESULTS) bash benchmarks/gpu/unmeasured.sh e2e   # ~4 min
 #   (same) bash benchmarks/gpu/unmeasured.sh load   # ~9.5 min (run it with a 600 s call limit): issue 22's table with the engine's own time per level
 #   (same) bash benchmarks/gpu/unmeasured.sh steps  # ~5 min: batched DFlash steps at 1/4/16; schedule vs fixed steps
@@ -41,6 +42,9 @@ case "${1:-}" in
       --json "$OUT/speed.json"
     step profile 200 python3 benchmarks/gpu/profile_step.py --rows 1,16 --configs compiled,compiled-kernels
     ;;
+  roofline)  # session 14: the batched AR step 1.44-1.63x its roofline; the 8B shape, random weights, bf16
+    step roofline 550 python3 benchmarks/batch_roofline.py --json "$OUT/roofline.json"
+    ;;
   e2e)  # the embedded pair in float32: every engine must give the same ids, kernels on or off
     step e2e 400 python3 benchmarks/gpu_speed.py --skip-synthetic --target smollm2-135m-instruct \
       --drafter src/blockdraft/drafters/smollm2-135m-instruct-dflash --prompts demo --max-new-tokens 256 --budget 32 \
@@ -64,7 +68,7 @@ case "${1:-}" in
     step admit 200 python3 benchmarks/gpu/admit_profile.py --prompt-tokens 32,128 --joins 8
     ;;
   *)
-    echo "usage: bash benchmarks/gpu/unmeasured.sh kernels|tree|correctness|speed|e2e|load|steps|admit" >&2
+    echo "usage: bash benchmarks/gpu/unmeasured.sh kernels|tree|correctness|speed|roofline|e2e|load|steps|admit" >&2
     exit 2
     ;;
 esac
