@@ -1,11 +1,13 @@
 """The fast engine's Triton kernels against their PyTorch references: the few-row GEMM (models/skinny_gemm.py)
-against F.linear, the flash-decoding attention (models/flash_decode.py) against fast_ops.decode_attention.
+against F.linear, the flash-decoding attention (models/flash_decode.py) against fast_ops.decode_attention, and
+targets on the kernels (their forwards' attention from models/block_attention.py, tested on its own in
+test_block_attention.py) against targets without, alone and batched.
 
-The kernels run on a GPU, or on a CPU under Triton's interpreter (`TRITON_INTERPRET=1` with Triton installed:
-`pip install triton`); those tests skip elsewhere, as in CI. Run them on the GPU machine with
-`python3 -m pytest tests/test_kernels.py` (benchmarks/gpu/unmeasured.sh; benchmarks/RESULTS.md records the run).
-What runs everywhere: the fallbacks are the references exactly, and a fast target built with kernels on gives the
-same ids as one without.
+The kernels run on a GPU, or on a CPU under Triton's interpreter (conftest sets `TRITON_INTERPRET=1` without CUDA;
+`make test` installs Triton, so CI runs them); those tests skip where Triton is missing. Run them on the GPU machine
+with `python3 -m pytest tests/test_kernels.py` (benchmarks/gpu/unmeasured.sh; benchmarks/RESULTS.md records the
+run). What runs everywhere: the fallbacks are the references exactly, and a fast target built with kernels on gives
+the same ids as one without.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from blockdraft.models.fast_target import FastTarget
 from blockdraft.models.flash_decode import fits
 from blockdraft.models.skinny_gemm import MAX_ROWS, kernel_available, skinny_linear
 
-from conftest import make_target_model
+from conftest import make_drafter, make_target_model
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 needs_kernel = pytest.mark.skipif(not kernel_available(DEVICE),
@@ -211,3 +213,28 @@ def test_the_fused_add_norm_product_is_the_engines_composition(rows: int, n: int
         torch.testing.assert_close(residual, want_residual, rtol=2 ** -7, atol=0)
     scale = want_product.abs().max().item()
     assert (product.double() - want_product.double()).abs().max().item() <= 2 * TOLERANCE[dtype] * scale
+
+
+@needs_kernel
+@pytest.mark.parametrize("sliding, method, budget", [(False, "ddtree", 12), (True, "dflash", None)])
+def test_batched_sequences_on_kernels_decode_their_batch_1_ids(sliding: bool, method: str, budget: int | None
+                                                               ) -> None:
+    """The batched verify on the kernels (each sequence's compact mask: its own length, tree and window) against
+    each sequence decoded alone on them, joins at different steps included."""
+    from test_batched_decode import sliding_target
+
+    from blockdraft.decoding.methods import build_proposer
+    from blockdraft.engine.batch import BatchDecoder
+
+    target = sliding_target(kernels=True) if sliding else FastTarget(make_target_model("qwen3"), kernels=True)
+    drafter = make_drafter("all_full")
+    items = [[3, 9, 27, 4, 11, 40, 2], [5], [8, 1, 30, 30]]
+    alone = [generate(target, ids, build_proposer(method, target, drafter, budget), 6).token_ids for ids in items]
+    decoder = BatchDecoder(target, lambda: build_proposer(method, target, drafter, budget), max_seqs=3)
+    index, finished = {}, {}
+    for i, ids in enumerate(items):  # one joins per step: different lengths in every batched step
+        index[id(decoder.join(ids, 6))] = i
+        finished.update({index[id(seq)]: seq.result().token_ids for seq in decoder.step()})
+    while decoder.running:
+        finished.update({index[id(seq)]: seq.result().token_ids for seq in decoder.step()})
+    assert [finished[i] for i in range(len(items))] == alone

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from blockdraft.models.fast_ops import CompactMask
 from blockdraft.models.fast_target import FastTarget, LayerWeights, attend, fixed_mask, graph_rows, layer_tail
 from blockdraft.models.graphs import capture, graph_pool, power_of_two_at_least
 from blockdraft.models.host_to_device import long_tensor
@@ -145,13 +146,14 @@ def run_batch(target: FastTarget, kv: torch.Tensor, lengths: torch.Tensor, ids: 
     slot_ids = torch.arange(cap, device=device)
     biases = {w: batched_attention_bias(lengths, slot_ids, positions, own, w, groups, target.dtype)
               for w in {layer.window for layer in target.layers}}
+    mask = CompactMask.of(seq[:, 0], lengths, own, positions) if ops.kernels else None
 
     def step(i: int, layer: LayerWeights, x: torch.Tensor, h: torch.Tensor,
              following: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         q = ops.batched_qkv_heads(ops.linear(h, layer.qkv, layer.qkv_bias), layer.q_norm, layer.k_norm, cos, sin,
                                   target.heads, target.kv_heads, target.eps, kv[i, 0], kv[i, 1], seq, cols)
         keys, values = kv[i, 0, :batch, :, :cap], kv[i, 1, :batch, :, :cap]
-        out = attend(ops, layer, q, keys, values, biases[layer.window], t)
+        out = attend(ops, layer, q, keys, values, biases[layer.window], t, mask)
         return layer_tail(ops, layer, x, ops.merge_heads(out, target.heads, t), following, target.eps, target.act)
 
     return target.run_layers(F.embedding(ids, target.embedding_weight), step, tap_layers)

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.fx.experimental._config as shape_config
 import torch.nn.functional as F
 
+from blockdraft.models.block_attention import block_attention, block_attention_runs
 from blockdraft.models.flash_decode import fits, flash_decode
 from blockdraft.models.graphs import power_of_two_at_least
 from blockdraft.models.kernel_choice import kernel_wins
@@ -202,6 +204,42 @@ def kernel_attention(
     return reference(q, k, v, bias, scale)
 
 
+@dataclass
+class CompactMask:
+    """A target forward's attention mask as what it is made of (`attention_bias`'s inputs), built once per forward
+    for `block_attention`: sequence b of the forward reads cache slot slots[b] of the keys it is given, holding its
+    lengths[b] committed tokens; its t new rows see each other as own[b] ([B, t, t], uint8) says, at positions [B, t]."""
+
+    slots: torch.Tensor
+    lengths: torch.Tensor
+    own: torch.Tensor
+    positions: torch.Tensor
+
+    @classmethod
+    def of(cls, slots: torch.Tensor, lengths: torch.Tensor, own: torch.Tensor, positions: torch.Tensor
+           ) -> "CompactMask":
+        """From a batched forward's [B] slots and lengths, [B, t, t] bool own and [B, t] positions."""
+        return cls(slots, lengths, own.to(torch.uint8).contiguous(), positions.contiguous())
+
+
+def kernel_block_attention(
+    reference: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+    scale: float, mask: CompactMask, window: int | None,
+) -> torch.Tensor:
+    """`decode_attention` from the compact-mask kernel (`block_attention`: the mask's pieces instead of the dense
+    `bias`, keys read only up to each sequence's own length) where it runs and was timed faster at this shape than
+    `reference` (`kernel_choice`: key lengths by power of two), else `reference`."""
+    if block_attention_runs(q, k):
+        shape = (*q.shape[:3], power_of_two_at_least(k.shape[2]), q.shape[3], q.dtype, window)
+
+        def run() -> torch.Tensor:
+            return block_attention(q, k, v, mask.slots, mask.lengths, mask.own, mask.positions, window, scale)
+
+        if kernel_wins("block_attention", shape, q.device, run, lambda: reference(q, k, v, bias, scale)):
+            return run()
+    return reference(q, k, v, bias, scale)
+
+
 class _CompiledOrPlain:
     """torch.compile(fn), falling back to fn for good after the first failure (with one warning).
 
@@ -228,7 +266,8 @@ class _CompiledOrPlain:
 
 class LayerOps:
     """The fusion units a FastTarget forward calls; compiled on request; with `kernels`, the weight products and the
-    few-row attention from Triton kernels (`skinny_gemm`, `flash_decode`) where they run."""
+    few-row attention from Triton kernels (`skinny_gemm`; `block_attention` for the target's forwards, which give a
+    CompactMask, `flash_decode` for the drafters') where they run."""
 
     def __init__(self, compiled: bool, kernels: bool = False) -> None:
         wrap: Callable[[Callable[..., object]], Callable[..., object]] = _CompiledOrPlain if compiled else (lambda f: f)
@@ -244,5 +283,6 @@ class LayerOps:
         self.attention_bias = wrap(attention_bias)
         attention = wrap(decode_attention)
         self.decode_attention = partial(kernel_attention, attention) if kernels else attention
+        self.block_attention = partial(kernel_block_attention, attention)
         composed = partial(add_norm_linear, self.add_rms_norm, self.linear)
         self.add_norm_linear = partial(skinny_add_norm_linear, composed) if kernels else composed

@@ -20,7 +20,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from blockdraft.models.fast_ops import ACTIVATIONS, LayerOps
+from blockdraft.models.fast_ops import ACTIVATIONS, CompactMask, LayerOps
 from blockdraft.models.graphs import capture, graph_pool, power_of_two_at_least
 from blockdraft.models.host_to_device import long_tensor
 from blockdraft.models.static_cache import KVStorage, StaticTargetCache, round_up
@@ -135,21 +135,25 @@ def layer_step(
     kv_heads: int,
     eps: float,
     act: str,
+    mask: CompactMask | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One decoder layer on a static cache (target and drafter alike): K/V of the t new rows written at `slots` of
-    `kv` ([2, kv_heads, slots, d]), attention over its first `cap` slots under `bias`; returns the residual stream
-    and its `next_norm`-ed copy, the next layer's input."""
+    `kv` ([2, kv_heads, slots, d]), attention over its first `cap` slots under `bias` (`mask`: the same mask in
+    compact form, for the kernels); returns the residual stream and its `next_norm`-ed copy, the next layer's input."""
     t = h.shape[1]
     q = ops.qkv_heads(ops.linear(h, layer.qkv, layer.qkv_bias), layer.q_norm, layer.k_norm, cos, sin,
                       heads, kv_heads, eps, kv[0], kv[1], slots)
-    out = attend(ops, layer, q, kv[0, :, :cap].unsqueeze(0), kv[1, :, :cap].unsqueeze(0), bias, t)
+    out = attend(ops, layer, q, kv[0, :, :cap].unsqueeze(0), kv[1, :, :cap].unsqueeze(0), bias, t, mask)
     return layer_tail(ops, layer, x, ops.merge_heads(out, heads, t), next_norm, eps, act)
 
 
 def attend(ops: LayerOps, layer: LayerWeights, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-           bias: torch.Tensor, t: int) -> torch.Tensor:
-    """Attention of `t` new rows per sequence: two matmuls for a few rows, the fused SDPA kernels for many."""
+           bias: torch.Tensor, t: int, mask: CompactMask | None = None) -> torch.Tensor:
+    """Attention of `t` new rows per sequence: two matmuls for a few rows (with kernels on and the mask given in
+    compact form, `block_attention` where it wins), the fused SDPA kernels for many."""
     if t <= DECODE_ATTENTION_MAX_TOKENS:
+        if ops.kernels and mask is not None:
+            return ops.block_attention(q, keys, values, bias, layer.scaling, mask, layer.window)
         return ops.decode_attention(q, keys, values, bias, layer.scaling)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=layer.scaling)
 
@@ -328,11 +332,13 @@ class FastTarget(Target):
             w: ops.attention_bias(self.storage.length, self.slot_ids[:cap], positions, own, w, groups, self.dtype)
             for w in {layer.window for layer in self.layers}
         }
+        mask = (CompactMask.of(self.slot_ids[:1], self.storage.length.view(1), own.unsqueeze(0),
+                               positions.unsqueeze(0)) if ops.kernels else None)
 
         def step(i: int, layer: LayerWeights, x: torch.Tensor, h: torch.Tensor,
                  following: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return layer_step(ops, layer, x, h, cos, sin, kv[i], slots, cap, biases[layer.window], following,
-                              self.heads, self.kv_heads, self.eps, self.act)
+                              self.heads, self.kv_heads, self.eps, self.act, mask)
 
         return self.run_layers(F.embedding(ids, self.embedding_weight), step, tap_layers)
 

@@ -1,0 +1,128 @@
+"""Attention of a few new rows per sequence over its cache with the mask in compact form, each sequence's length
+read on the device: the flash-decoding split kernel of `flash_decode`, without the dense mask.
+
+`flash_decode` reads an additive [rows x key capacity] float mask for every KV head: for a 32-node tree of an 8B
+target that is more bytes than the keys themselves, and its verify took 2x the library's (H200, benchmarks/
+RESULTS.md session 17). Here visibility is computed from what defines it: keys below the sequence's committed
+length are visible to every new row, key length + j to new row i when own[i, j] (chains: causal; trees: the
+ancestors), and a sliding window hides keys `window` or more positions behind the query. Each program reads the
+committed length from the device and loops only to it, splitting the sequence's keys over the launch's splits: a
+batch's short sequences do not read keys up to its longest one's, and one launch (and a CUDA graph of it) could
+serve any context length up to the cache's (the engine's graphs are still keyed by key capacity: the library path
+slices the cache). The splits merge in `flash_decode`'s combine kernel. `fast_ops.decode_attention` under
+`fast_ops.attention_bias` is the reference. Used by the target's forwards with kernels on (`FastTarget(kernels=
+True)`, `fast_ops.kernel_block_attention`) where it is timed faster than the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from blockdraft.models.flash_decode import BLOCK_KEYS, BLOCK_ROWS, TARGET_PROGRAMS
+from blockdraft.models.graphs import power_of_two_at_least
+from blockdraft.models.skinny_gemm import kernel_available, triton
+
+if triton is not None:
+    import triton.language as tl
+
+    from blockdraft.models.flash_decode import _combine_kernel
+
+    @triton.jit
+    def _block_split_kernel(q_ptr, k_ptr, v_ptr, seq_ptr, length_ptr, own_ptr, pos_ptr, acc_ptr, m_ptr, l_ptr,
+                            R, T, D, heads, splits, window, scale,
+                            sq_b, sq_h, sq_r, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s,
+                            WINDOW: tl.constexpr, F32_DOT: tl.constexpr, BLOCK_R: tl.constexpr,
+                            BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+        bh, rblock, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        b, h = bh // heads, bh % heads
+        slot = tl.load(seq_ptr + b)
+        length = tl.load(length_ptr + b)
+        rows = rblock * BLOCK_R + tl.arange(0, BLOCK_R)
+        query = rows % T  # the new row each folded query row belongs to (rows are group-major: g * T + i)
+        dims = tl.arange(0, BLOCK_D)
+        q = tl.load(q_ptr + b * sq_b + h * sq_h + rows[:, None] * sq_r + dims[None, :],
+                    mask=(rows[:, None] < R) & (dims[None, :] < D), other=0.0)
+        if F32_DOT:
+            q = q.to(tl.float32)
+        if WINDOW:
+            query_pos = tl.load(pos_ptr + b * T + query, mask=rows < R, other=0)
+        total = length + T
+        per = tl.cdiv(tl.cdiv(total, splits), BLOCK_S) * BLOCK_S
+        first = split * per
+        last = tl.minimum(first + per, total)
+        m = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
+        l = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
+        for start in range(first, last, BLOCK_S):
+            keys = start + tl.arange(0, BLOCK_S)
+            inside = keys < last
+            k = tl.load(k_ptr + slot * sk_b + h * sk_h + keys[:, None] * sk_s + dims[None, :],
+                        mask=inside[:, None] & (dims[None, :] < D), other=0.0)
+            v = tl.load(v_ptr + slot * sv_b + h * sv_h + keys[:, None] * sv_s + dims[None, :],
+                        mask=inside[:, None] & (dims[None, :] < D), other=0.0)
+            if F32_DOT:
+                scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                scores = tl.dot(q, tl.trans(k))
+            fresh = keys - length  # the new row a key holds (negative: a committed key)
+            is_fresh = (fresh >= 0) & inside
+            sees = tl.load(own_ptr + b * T * T + query[:, None] * T + fresh[None, :],
+                           mask=(rows[:, None] < R) & is_fresh[None, :], other=0) != 0
+            visible = ((fresh < 0)[None, :] & inside[None, :]) | sees
+            if WINDOW:
+                key_pos = tl.load(pos_ptr + b * T + fresh, mask=is_fresh, other=0)
+                key_pos = tl.where(fresh < 0, keys, key_pos)
+                visible = visible & (query_pos[:, None] - key_pos[None, :] < window)
+            scores = tl.where(visible, scores * scale, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(scores - shift[:, None])
+            keep = tl.exp(m - shift)
+            l = l * keep + tl.sum(p, axis=1)
+            if F32_DOT:
+                acc = acc * keep[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                acc = acc * keep[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        row_index = (bh * splits + split) * R + rows
+        tl.store(m_ptr + row_index, m, mask=rows < R)
+        tl.store(l_ptr + row_index, l, mask=rows < R)
+        tl.store(acc_ptr + row_index[:, None] * BLOCK_D + dims[None, :], acc, mask=(rows[:, None] < R))
+
+
+def block_attention_runs(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether `block_attention` runs on these (the kernels available, a half or float32 dtype, unit last strides,
+    no autograd)."""
+    return (kernel_available(q.device) and q.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and k.dtype == q.dtype and q.stride(-1) == k.stride(-1) == 1 and not torch.is_grad_enabled())
+
+
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: torch.Tensor, lengths: torch.Tensor,
+                    own: torch.Tensor, positions: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
+    """q [B, G, R, d] (the query heads sharing a KV head folded into rows, group-major: R = groups x t) against the
+    cache k, v [slots, G, S, d], sequence b reading slot seq[b] ([B] long): its lengths[b] committed keys, then its
+    t new rows' own K/V at lengths[b] + j, seen as own [B, t, t] (bool or uint8) says; positions [B, t] are the new
+    rows' (for the window; committed key j sits at position j). Everything but the shapes is read on the device."""
+    batch, heads, rows, dim = q.shape
+    t = own.shape[-1]
+    keys = k.shape[2]
+    block_d = max(16, power_of_two_at_least(dim))
+    row_blocks = triton.cdiv(rows, BLOCK_ROWS)
+    most = triton.cdiv(keys, BLOCK_KEYS)
+    splits = max(1, min(most, TARGET_PROGRAMS // max(batch * heads * row_blocks, 1)))
+    partial = torch.empty(batch * heads * splits * rows, block_d, dtype=torch.float32, device=q.device)
+    m = torch.empty(batch * heads * splits * rows, dtype=torch.float32, device=q.device)
+    l = torch.empty_like(m)
+    f32 = q.dtype == torch.float32 or not q.is_cuda  # the interpreter's half-precision dot is wrong
+    if own.dtype != torch.uint8 or not own.is_contiguous():
+        own = own.to(torch.uint8).contiguous()
+    _block_split_kernel[(batch * heads, row_blocks, splits)](
+        q, k, v, seq, lengths, own, positions.contiguous(), partial, m, l,
+        rows, t, dim, heads, splits, window or 0, scale,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+        v.stride(2), WINDOW=window is not None, F32_DOT=f32, BLOCK_R=BLOCK_ROWS, BLOCK_S=BLOCK_KEYS, BLOCK_D=block_d)
+    out = torch.empty(batch, heads, rows, dim, dtype=q.dtype, device=q.device)
+    _combine_kernel[(batch * heads, row_blocks)](
+        partial, m, l, out, rows, dim, heads, splits, out.stride(0), out.stride(1), out.stride(2),
+        BLOCK_R=BLOCK_ROWS, BLOCK_D=block_d)
+    return out

@@ -1,0 +1,70 @@
+"""The compact-mask attention kernel (models/block_attention.py) against `decode_attention` under `attention_bias`,
+the fast engine's reference: chains, trees and sliding windows, GQA folds, sequences of different committed lengths
+reading their own slots of one cache, and garbage (NaN) in the cache past each sequence's keys.
+
+It runs on a GPU, or on a CPU under Triton's interpreter (conftest sets TRITON_INTERPRET=1 there; `make test`
+installs Triton); the tests skip where neither is available."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockdraft.models.block_attention import block_attention, block_attention_runs
+from blockdraft.models.fast_ops import attention_bias, decode_attention
+from blockdraft.models.skinny_gemm import kernel_available
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.skipif(not kernel_available(DEVICE),
+                                reason="the kernel needs a GPU, or TRITON_INTERPRET=1 with Triton installed")
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
+
+
+def random_tree(t: int, generator: torch.Generator) -> torch.Tensor:
+    """[t, t] ancestor-or-self mask of a random tree whose row 0 is the root (the anchor)."""
+    own = torch.eye(t, dtype=torch.bool)
+    for i in range(1, t):
+        parent = int(torch.randint(0, i, (1,), generator=generator))
+        own[i] |= own[parent]
+    return own
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t, groups, window, tree", [(1, 4, None, False), (16, 2, None, False), (33, 4, None, True),
+                                                     (5, 1, 8, False), (9, 2, 12, True), (64, 2, None, True)])
+def test_the_kernel_is_decode_attention_under_the_dense_mask(t: int, groups: int, window: int | None, tree: bool,
+                                                              dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(t * 10 + groups)
+    heads, d, slots, capacity = 2, 24, 5, 320
+    lengths = [0, 37, 150, 255][: 3 if t > 32 else 4]
+    seq = [3, 0, 4, 1][: len(lengths)]
+    cache = torch.randn(2, slots, heads, capacity, d, generator=generator)
+    for b, slot in enumerate(seq):  # past each sequence's keys: garbage the kernel must never read
+        cache[:, slot, :, lengths[b] + t :] = float("nan")
+    cache = cache.to(DEVICE, dtype)
+    q = torch.randn(len(lengths), heads, groups * t, d, generator=generator).to(DEVICE, dtype)
+    own = torch.stack([random_tree(t, generator) if tree else torch.ones(t, t, dtype=torch.bool).tril()
+                       for _ in lengths]).to(DEVICE)
+    positions = torch.stack([length + torch.arange(t) if not tree else length + own_b.sum(1).cpu() - 1
+                             for length, own_b in zip(lengths, own)]).to(DEVICE)
+    with torch.inference_mode():
+        got = block_attention(q, cache[0], cache[1], torch.tensor(seq, device=DEVICE),
+                              torch.tensor(lengths, device=DEVICE), own, positions, window, 0.125)
+    for b, (slot, length) in enumerate(zip(seq, lengths)):
+        keys = length + t
+        bias = attention_bias(torch.tensor(length, device=DEVICE), torch.arange(keys, device=DEVICE), positions[b],
+                              own[b], window, groups, torch.float32)
+        want = decode_attention(q[b : b + 1], cache[0, slot : slot + 1, :, :keys], cache[1, slot : slot + 1, :, :keys],
+                                bias, 0.125)
+        assert torch.isfinite(got[b]).all()
+        scale = want.abs().max().item()
+        assert (got[b].double() - want[0].double()).abs().max().item() <= TOLERANCE[dtype] * max(scale, 1.0), b
+
+
+def test_it_runs_only_where_it_can() -> None:
+    q = torch.zeros(1, 1, 1, 8, device=DEVICE)
+    with torch.no_grad():
+        assert block_attention_runs(q, q)
+        assert not block_attention_runs(q.to(torch.int32), q.to(torch.int32))
+        assert not block_attention_runs(q, q.to(torch.float16))
+    assert not block_attention_runs(q, q)  # autograd on: the reference
