@@ -25,7 +25,7 @@ from blockdraft.models.skinny_gemm import kernel_available, triton
 if triton is not None:
     import triton.language as tl
 
-    from blockdraft.models.flash_decode import _combine_kernel
+    from blockdraft.models.flash_decode import _combine_kernel, block_scores, online_softmax_step
 
     @triton.jit
     def _block_split_kernel(q_ptr, k_ptr, v_ptr, seq_ptr, length_ptr, own_ptr, pos_ptr, acc_ptr, m_ptr, l_ptr,
@@ -60,10 +60,6 @@ if triton is not None:
                         mask=inside[:, None] & (dims[None, :] < D), other=0.0)
             v = tl.load(v_ptr + slot * sv_b + h * sv_h + keys[:, None] * sv_s + dims[None, :],
                         mask=inside[:, None] & (dims[None, :] < D), other=0.0)
-            if F32_DOT:
-                scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                scores = tl.dot(q, tl.trans(k))
             fresh = keys - length  # the new row a key holds (negative: a committed key)
             is_fresh = (fresh >= 0) & inside
             sees = tl.load(own_ptr + b * T * T + query[:, None] * T + fresh[None, :],
@@ -73,17 +69,8 @@ if triton is not None:
                 key_pos = tl.load(pos_ptr + b * T + fresh, mask=is_fresh, other=0)
                 key_pos = tl.where(fresh < 0, keys, key_pos)
                 visible = visible & (query_pos[:, None] - key_pos[None, :] < window)
-            scores = tl.where(visible, scores * scale, float("-inf"))
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(scores - shift[:, None])
-            keep = tl.exp(m - shift)
-            l = l * keep + tl.sum(p, axis=1)
-            if F32_DOT:
-                acc = acc * keep[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                acc = acc * keep[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
+            scores = tl.where(visible, block_scores(q, k, F32_DOT) * scale, float("-inf"))
+            m, l, acc = online_softmax_step(scores, v, m, l, acc, F32_DOT)
         row_index = (bh * splits + split) * R + rows
         tl.store(m_ptr + row_index, m, mask=rows < R)
         tl.store(l_ptr + row_index, l, mask=rows < R)

@@ -208,7 +208,8 @@ def kernel_attention(
 class CompactMask:
     """A target forward's attention mask as what it is made of (`attention_bias`'s inputs), built once per forward
     for `block_attention`: sequence b of the forward reads cache slot slots[b] of the keys it is given, holding its
-    lengths[b] committed tokens; its t new rows see each other as own[b] ([B, t, t], uint8) says, at positions [B, t]."""
+    lengths[b] committed tokens; its t new rows see each other as own[b] ([B, t, t], uint8) says, at positions
+    [B, t]."""
 
     slots: torch.Tensor
     lengths: torch.Tensor

@@ -333,7 +333,7 @@ class FastTarget(Target):
             for w in {layer.window for layer in self.layers}
         }
         mask = (CompactMask.of(self.slot_ids[:1], self.storage.length.view(1), own.unsqueeze(0),
-                               positions.unsqueeze(0)) if ops.kernels else None)
+                               positions.unsqueeze(0)) if ops.kernels and t <= DECODE_ATTENTION_MAX_TOKENS else None)
 
         def step(i: int, layer: LayerWeights, x: torch.Tensor, h: torch.Tensor,
                  following: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,6 +25,30 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
+    def block_scores(q, k, F32_DOT: tl.constexpr):
+        """Q.K^T of a block of query rows and keys, in float32."""
+        if F32_DOT:
+            scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        return scores
+
+    @triton.jit
+    def online_softmax_step(scores, v, m, l, acc, F32_DOT: tl.constexpr):
+        """One block of keys' (masked, scaled) scores and values folded into the rows' running max `m`, sum `l` and
+        weighted values `acc` (flash attention's online softmax); a row that has seen no visible key keeps m = -inf."""
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp(scores - shift[:, None])
+        keep = tl.exp(m - shift)
+        l = l * keep + tl.sum(p, axis=1)
+        if F32_DOT:
+            acc = acc * keep[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * keep[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l, acc
+
+    @triton.jit
     def _split_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, acc_ptr, m_ptr, l_ptr,
                       R, S, D, heads, keys_per_split, scale,
                       sq_b, sq_h, sq_r, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sbias_b, sbias_r,
@@ -49,23 +73,9 @@ if triton is not None:
                         mask=inside[:, None] & (dims[None, :] < D), other=0.0)
             v = tl.load(v_ptr + b * sv_b + h * sv_h + keys[:, None] * sv_s + dims[None, :],
                         mask=inside[:, None] & (dims[None, :] < D), other=0.0)
-            if F32_DOT:
-                scores = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-            else:
-                scores = tl.dot(q, tl.trans(k))
             bias = tl.load(bias_ptr + b * sbias_b + rows[:, None] * sbias_r + keys[None, :],
                            mask=(rows[:, None] < R) & inside[None, :], other=float("-inf")).to(tl.float32)
-            scores = scores * scale + bias
-            m_new = tl.maximum(m, tl.max(scores, axis=1))
-            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(scores - shift[:, None])
-            keep = tl.exp(m - shift)
-            l = l * keep + tl.sum(p, axis=1)
-            if F32_DOT:
-                acc = acc * keep[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-            else:
-                acc = acc * keep[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
+            m, l, acc = online_softmax_step(block_scores(q, k, F32_DOT) * scale + bias, v, m, l, acc, F32_DOT)
         row_index = (bh * tl.num_programs(2) + split) * R + rows
         tl.store(m_ptr + row_index, m, mask=rows < R)
         tl.store(l_ptr + row_index, l, mask=rows < R)
