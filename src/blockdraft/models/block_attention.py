@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import torch
 
-from blockdraft.models.flash_decode import BLOCK_KEYS, BLOCK_ROWS, TARGET_PROGRAMS
-from blockdraft.models.graphs import power_of_two_at_least
+from blockdraft.models.flash_decode import BLOCK_KEYS, BLOCK_ROWS, split_and_merge, split_shape
 from blockdraft.models.skinny_gemm import kernel_available, triton
 
 if triton is not None:
     import triton.language as tl
 
-    from blockdraft.models.flash_decode import _combine_kernel, block_scores, online_softmax_step
+    from blockdraft.models.flash_decode import block_scores, online_softmax_step
 
     @triton.jit
     def _block_split_kernel(q_ptr, k_ptr, v_ptr, seq_ptr, length_ptr, own_ptr, pos_ptr, acc_ptr, m_ptr, l_ptr,
@@ -90,26 +89,18 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: torc
     cache k, v [slots, G, S, d], sequence b reading slot seq[b] ([B] long): its lengths[b] committed keys, then its
     t new rows' own K/V at lengths[b] + j, seen as own [B, t, t] (bool or uint8) says; positions [B, t] are the new
     rows' (for the window; committed key j sits at position j). Everything but the shapes is read on the device."""
-    batch, heads, rows, dim = q.shape
     t = own.shape[-1]
-    keys = k.shape[2]
-    block_d = max(16, power_of_two_at_least(dim))
-    row_blocks = triton.cdiv(rows, BLOCK_ROWS)
-    most = triton.cdiv(keys, BLOCK_KEYS)
-    splits = max(1, min(most, TARGET_PROGRAMS // max(batch * heads * row_blocks, 1)))
-    partial = torch.empty(batch * heads * splits * rows, block_d, dtype=torch.float32, device=q.device)
-    m = torch.empty(batch * heads * splits * rows, dtype=torch.float32, device=q.device)
-    l = torch.empty_like(m)
+    block_d, row_blocks, splits = split_shape(q, k.shape[2])
     f32 = q.dtype == torch.float32 or not q.is_cuda  # the interpreter's half-precision dot is wrong
     if own.dtype != torch.uint8 or not own.is_contiguous():
         own = own.to(torch.uint8).contiguous()
-    _block_split_kernel[(batch * heads, row_blocks, splits)](
-        q, k, v, seq, lengths, own, positions.contiguous(), partial, m, l,
-        rows, t, dim, heads, splits, window or 0, scale,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
-        v.stride(2), WINDOW=window is not None, F32_DOT=f32, BLOCK_R=BLOCK_ROWS, BLOCK_S=BLOCK_KEYS, BLOCK_D=block_d)
-    out = torch.empty(batch, heads, rows, dim, dtype=q.dtype, device=q.device)
-    _combine_kernel[(batch * heads, row_blocks)](
-        partial, m, l, out, rows, dim, heads, splits, out.stride(0), out.stride(1), out.stride(2),
-        BLOCK_R=BLOCK_ROWS, BLOCK_D=block_d)
-    return out
+
+    def run_splits(partial: torch.Tensor, m: torch.Tensor, l: torch.Tensor) -> None:
+        _block_split_kernel[(q.shape[0] * q.shape[1], row_blocks, splits)](
+            q, k, v, seq, lengths, own, positions.contiguous(), partial, m, l,
+            q.shape[2], t, q.shape[3], q.shape[1], splits, window or 0, scale,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+            v.stride(2), WINDOW=window is not None, F32_DOT=f32, BLOCK_R=BLOCK_ROWS, BLOCK_S=BLOCK_KEYS,
+            BLOCK_D=block_d)
+
+    return split_and_merge(q, splits, block_d, run_splits)

@@ -26,9 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from blockdraft.models.fast_ops import CompactMask
-from blockdraft.models.fast_target import (DECODE_ATTENTION_MAX_TOKENS, FastTarget, LayerWeights, attend, fixed_mask,
-                                            graph_rows, layer_tail)
+from blockdraft.models.fast_target import (FastTarget, LayerWeights, attend, compact_mask, fixed_mask, graph_rows,
+                                            layer_tail)
 from blockdraft.models.graphs import capture, graph_pool, power_of_two_at_least
 from blockdraft.models.host_to_device import long_tensor
 from blockdraft.models.static_cache import SLOT_STEP, StaticTargetCache, kv_buffer, round_up
@@ -147,8 +146,7 @@ def run_batch(target: FastTarget, kv: torch.Tensor, lengths: torch.Tensor, ids: 
     slot_ids = torch.arange(cap, device=device)
     biases = {w: batched_attention_bias(lengths, slot_ids, positions, own, w, groups, target.dtype)
               for w in {layer.window for layer in target.layers}}
-    compact = ops.kernels and t <= DECODE_ATTENTION_MAX_TOKENS  # the rows block_attention may serve
-    mask = CompactMask.of(seq[:, 0], lengths, own, positions) if compact else None
+    mask = compact_mask(ops, seq[:, 0], lengths, own, positions)
 
     def step(i: int, layer: LayerWeights, x: torch.Tensor, h: torch.Tensor,
              following: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

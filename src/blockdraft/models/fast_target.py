@@ -147,12 +147,21 @@ def layer_step(
     return layer_tail(ops, layer, x, ops.merge_heads(out, heads, t), next_norm, eps, act)
 
 
+def compact_mask(ops: LayerOps, slots: torch.Tensor, lengths: torch.Tensor, own: torch.Tensor,
+                 positions: torch.Tensor) -> CompactMask | None:
+    """A target forward's mask in compact form (`CompactMask.of`) where `attend` may give it to `block_attention`:
+    kernels on, and few enough rows per sequence; else None."""
+    if ops.kernels and own.shape[-1] <= DECODE_ATTENTION_MAX_TOKENS:
+        return CompactMask.of(slots, lengths, own, positions)
+    return None
+
+
 def attend(ops: LayerOps, layer: LayerWeights, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
            bias: torch.Tensor, t: int, mask: CompactMask | None = None) -> torch.Tensor:
-    """Attention of `t` new rows per sequence: two matmuls for a few rows (with kernels on and the mask given in
-    compact form, `block_attention` where it wins), the fused SDPA kernels for many."""
+    """Attention of `t` new rows per sequence: two matmuls for a few rows (with the mask given in compact form,
+    `compact_mask`, `block_attention` where it wins), the fused SDPA kernels for many."""
     if t <= DECODE_ATTENTION_MAX_TOKENS:
-        if ops.kernels and mask is not None:
+        if mask is not None:
             return ops.block_attention(q, keys, values, bias, layer.scaling, mask, layer.window)
         return ops.decode_attention(q, keys, values, bias, layer.scaling)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=layer.scaling)
@@ -332,8 +341,8 @@ class FastTarget(Target):
             w: ops.attention_bias(self.storage.length, self.slot_ids[:cap], positions, own, w, groups, self.dtype)
             for w in {layer.window for layer in self.layers}
         }
-        mask = (CompactMask.of(self.slot_ids[:1], self.storage.length.view(1), own.unsqueeze(0),
-                               positions.unsqueeze(0)) if ops.kernels and t <= DECODE_ATTENTION_MAX_TOKENS else None)
+        mask = compact_mask(ops, self.slot_ids[:1], self.storage.length.view(1), own.unsqueeze(0),
+                            positions.unsqueeze(0))
 
         def step(i: int, layer: LayerWeights, x: torch.Tensor, h: torch.Tensor,
                  following: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,6 +12,8 @@ wherever the kernels do not run (`fits`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from blockdraft.models.graphs import power_of_two_at_least
@@ -122,25 +124,43 @@ def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.
     """`fast_ops.decode_attention(q, k, v, bias, scale)` from the kernels (the caller checked `fits`): q [B, G, R, d]
     (query heads folded into rows), keys and values [B, G, S, d] (views of the cache are fine), bias [B or 1, 1, R,
     S] additive (0 visible, -inf hidden)."""
-    batch, heads, rows, dim = q.shape
     keys = k.shape[2]
-    block_d = max(16, power_of_two_at_least(dim))
-    row_blocks = triton.cdiv(rows, BLOCK_ROWS)
-    most = triton.cdiv(keys, BLOCK_KEYS)
-    splits = max(1, min(most, TARGET_PROGRAMS // max(batch * heads * row_blocks, 1)))
-    keys_per_split = triton.cdiv(most, splits) * BLOCK_KEYS
+    block_d, row_blocks, splits = split_shape(q, keys)
+    keys_per_split = triton.cdiv(triton.cdiv(keys, BLOCK_KEYS), splits) * BLOCK_KEYS
     splits = triton.cdiv(keys, keys_per_split)
+    f32 = q.dtype == torch.float32 or not q.is_cuda  # the interpreter's half-precision dot is wrong
+
+    def run_splits(partial: torch.Tensor, m: torch.Tensor, l: torch.Tensor) -> None:
+        _split_kernel[(q.shape[0] * q.shape[1], row_blocks, splits)](
+            q, k, v, bias, partial, m, l, q.shape[2], keys, q.shape[3], q.shape[1], keys_per_split, scale,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+            v.stride(2), bias.stride(0) if bias.shape[0] > 1 else 0, bias.stride(2),
+            F32_DOT=f32, BLOCK_R=BLOCK_ROWS, BLOCK_S=BLOCK_KEYS, BLOCK_D=block_d)
+
+    return split_and_merge(q, splits, block_d, run_splits)
+
+
+def split_shape(q: torch.Tensor, keys: int) -> tuple[int, int, int]:
+    """For q [B, G, R, d] over `keys` keys: the head dimension padded for the kernels, the blocks of query rows, and
+    the most key splits worth launching (TARGET_PROGRAMS programs in all, at most one split per BLOCK_KEYS keys)."""
+    batch, heads, rows, dim = q.shape
+    row_blocks = triton.cdiv(rows, BLOCK_ROWS)
+    splits = max(1, min(triton.cdiv(keys, BLOCK_KEYS), TARGET_PROGRAMS // max(batch * heads * row_blocks, 1)))
+    return max(16, power_of_two_at_least(dim)), row_blocks, splits
+
+
+def split_and_merge(q: torch.Tensor, splits: int, block_d: int,
+                    run_splits: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
+    """The buffers every split's partial result goes to (running max, sum, weighted values per query row),
+    `run_splits(partial, m, l)` to fill them (the caller's split kernel), then `_combine_kernel`: the attention
+    output, q's shape and dtype."""
+    batch, heads, rows, dim = q.shape
     partial = torch.empty(batch * heads * splits * rows, block_d, dtype=torch.float32, device=q.device)
     m = torch.empty(batch * heads * splits * rows, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
-    f32 = q.dtype == torch.float32 or not q.is_cuda  # the interpreter's half-precision dot is wrong
-    _split_kernel[(batch * heads, row_blocks, splits)](
-        q, k, v, bias, partial, m, l, rows, keys, dim, heads, keys_per_split, scale,
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
-        v.stride(2), bias.stride(0) if bias.shape[0] > 1 else 0, bias.stride(2),
-        F32_DOT=f32, BLOCK_R=BLOCK_ROWS, BLOCK_S=BLOCK_KEYS, BLOCK_D=block_d)
-    out = torch.empty(batch, heads, rows, dim, dtype=q.dtype, device=q.device)
-    _combine_kernel[(batch * heads, row_blocks)](
+    run_splits(partial, m, l)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _combine_kernel[(batch * heads, triton.cdiv(rows, BLOCK_ROWS))](
         partial, m, l, out, rows, dim, heads, splits, out.stride(0), out.stride(1), out.stride(2),
         BLOCK_R=BLOCK_ROWS, BLOCK_D=block_d)
     return out
