@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from blockdraft.models.kernel_choice import choices
+
 SHAPES: dict[str, dict[str, Any]] = {
     "8b": dict(
         target=dict(vocab_size=151936, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
@@ -548,7 +550,12 @@ def main(argv: list[str] | None = None) -> None:
             log(f"{part.__name__} failed: {type(exc).__name__}: {exc}")
             traceback.print_exc(limit=6, file=sys.stdout)
             rec.data["errors"].append(f"{part.__name__}: {type(exc).__name__}: {exc}")
+    rec.data["kernel_choices"] = choices()
     print_tables(args, rec)
+    if rec.data["kernel_choices"]:
+        print("\nKernel or library, per shape timed (kernel_choice):")
+        for shape, runs_on in sorted(rec.data["kernel_choices"].items()):
+            print(f"- {shape}: {runs_on}")
     rec.save()
 
 

@@ -28,7 +28,8 @@ step() {
 
 case "${1:-}" in
   kernels)  # session 17: 24 of 59 passed (none failed) in 150 s, Triton autotuning every config for every shape
-    step kernel_tests 450 python3 -m pytest -p no:cacheprovider tests/test_kernels.py
+    step block_attention_tests 150 python3 -m pytest -p no:cacheprovider tests/test_block_attention.py
+    step kernel_tests 330 python3 -m pytest -p no:cacheprovider tests/test_kernels.py
     ;;
   tree)  # the DDTree tree kernel against the host heap and the tensor search, and a fast-engine decode through it
     step tree_tests 200 python3 -m pytest -p no:cacheprovider tests/test_tree_kernel.py
