@@ -147,9 +147,9 @@ def test_flash_decoding_under_the_engines_tree_and_window_masks(window: int | No
 
 def test_where_flash_decoding_does_not_run_it_is_decode_attention_exactly() -> None:
     q, k, v = random_attention(1, 2, 4, 50, 32, torch.float32, seed=3)
-    bias = torch.zeros(1, 1, 4, 50)
+    bias = torch.zeros(1, 1, 4, 50, device=DEVICE)
     with torch.inference_mode():
-        wrong_shape = torch.zeros(1, 1, 4, 49)
+        wrong_shape = torch.zeros(1, 1, 4, 49, device=DEVICE)
         assert not fits(q, k, v, wrong_shape)
         assert not fits(q.double(), k.double(), v.double(), bias.double())
         wide = [t.double() for t in (q, k, v, bias)]
