@@ -3,6 +3,8 @@ decoder that keeps every sequence's batch-1 ids while the method changes under i
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from blockdraft.decoding.generate import generate
@@ -123,8 +125,9 @@ def test_phases_come_at_doubling_gaps_and_remember_the_earlier_ones() -> None:
     fast_chain = {AR: 100.0, CHAIN: 150.0, TREE: 80.0}
     starts = []
     for i in range(4 * measured.PHASE_EVERY):
+        between_phases = not schedule.buckets.get(1, None) or not schedule.buckets[1].plan
         candidate = schedule.pick(1)
-        if len(schedule.buckets[1].plan) == phase_steps(3) - 1:
+        if between_phases and schedule.buckets[1].plan:
             starts.append(i)
         schedule.observe(1, candidate, 10 / fast_chain[candidate], 10)
     gaps = [measured.FIRST_GAP * 2**k for k in range(10)]
@@ -137,6 +140,23 @@ def test_phases_come_at_doubling_gaps_and_remember_the_earlier_ones() -> None:
     assert schedule.pick(1) == CHAIN  # one phase of a slow chain against four of a fast one
     serve(schedule, 1, 12 * measured.PHASE_EVERY, slow_chain)
     assert schedule.pick(1) == AR
+
+
+def test_a_candidate_measured_clearly_slower_runs_once_a_phase_until_it_catches_up() -> None:
+    """After a first phase measuring AR at 0.67x and the tree at 0.53x the chain (under OUTGROWN), a phase gives
+    each one run; one whose rate comes back within OUTGROWN is measured in full again."""
+    schedule = MeasuredSchedule(table(), None)
+    rates = {AR: 100.0, CHAIN: 150.0, TREE: 80.0}
+    serve(schedule, 1, measured.FIRST_GAP, rates)
+    assert schedule.buckets[1].choice == CHAIN
+    run = measured.RUN_STEPS
+    catching_up = {AR: 400.0, CHAIN: 150.0, TREE: 80.0}
+    picked = serve(schedule, 1, 3 * run, catching_up)
+    assert picked[:run] == [CHAIN] * run and Counter(picked) == {CHAIN: run, AR: run, TREE: run}
+    assert schedule.buckets[1].plan == []  # only the choice left to run in full: the phase ends there
+    serve(schedule, 1, 2 * measured.FIRST_GAP - 3 * run + 1, catching_up)
+    assert schedule.buckets[1].brief == {TREE}
+    assert schedule.buckets[1].plan.count(AR) >= (measured.ELIMINATE_AFTER - 1) * run
 
 
 def test_the_first_step_of_a_run_and_a_stalled_step_are_not_counted() -> None:
@@ -199,12 +219,13 @@ def flat_table() -> Schedule:
 
 def test_a_candidate_outgrown_at_a_smaller_batch_is_not_measured_at_larger_ones() -> None:
     """Measured at batch 1 at 0.6x the chain, the tree (more verify rows per sequence) is left out of batch 3-4's
-    phases, which start from the chain; AR (fewer rows than the chain, at 0.33x) is measured there anyway."""
+    phases, which start from the chain; AR (fewer rows than the chain, at 0.33x) is measured there anyway, one run
+    in the first phase (clearly slower at the nearest measured bucket)."""
     schedule = MeasuredSchedule(flat_table(), None)
     serve(schedule, 1, phase_steps(3), {AR: 50.0, CHAIN: 150.0, TREE: 90.0})
     assert schedule.buckets[1].choice == CHAIN
     picked = serve(schedule, 4, phase_steps(3), {AR: 100.0, CHAIN: 150.0, TREE: 200.0})
-    assert TREE not in picked and AR in picked and CHAIN in picked
+    assert TREE not in picked and picked.count(AR) == measured.RUN_STEPS and CHAIN in picked
 
 
 def test_a_candidate_close_to_the_best_at_a_smaller_batch_is_still_measured() -> None:

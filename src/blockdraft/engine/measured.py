@@ -15,7 +15,10 @@ candidate 10% slower than the best about one time in three (benchmarks/schedule_
 get that down over the phases. A bucket starts from the choice of the nearest bucket already measured (the table's
 only while none is) and holds its first phase back FIRST_PHASE_AT steps; the table otherwise only orders the
 candidates, and leaves out of a bucket's phases those it predicts far slower there (PRIOR_FLOOR), as do the smaller
-buckets' measurements those they found clearly slower with as many verify rows or more (OUTGROWN).
+buckets' measurements those they found clearly slower with as many verify rows or more (OUTGROWN). A candidate
+already measured clearly slower (under OUTGROWN of the best, at this bucket or, before its first phase, the nearest
+measured one) runs once per phase instead of PHASE_ROUNDS times: enough to see it catch up, cheap when it has not
+(AR, always measured, ran 88 of a batch-64 level's 537 steps at 0.53x DFlash; RESULTS session 21).
 
 Measured, not modelled: a step's seconds include the drafter, the tree builds, the verify and every sequence's commit
 (the streaming hook included), which is what the served tokens/s is made of. The first step of each run is not
@@ -119,6 +122,7 @@ class _Bucket:
     plan: list[Candidate] = field(default_factory=list)
     samples: dict[Candidate, _Samples] = field(default_factory=dict)
     totals: dict[Candidate, _Totals] = field(default_factory=dict)
+    brief: set[Candidate] = field(default_factory=set)
     steps: int = 0
     next_phase: int = 0
     gap: int = FIRST_GAP
@@ -130,7 +134,9 @@ class _Bucket:
 
     def start_phase(self) -> None:
         order = [self.choice] + [c for c in self.candidates if c != self.choice]
-        self.plan = [c for _ in range(PHASE_ROUNDS) for c in order for _ in range(RUN_STEPS)]
+        full = [c for c in order if c not in self.brief]
+        rounds = [order] + ([full] * (PHASE_ROUNDS - 1) if len(full) > 1 else [])
+        self.plan = [c for round_ in rounds for c in round_ for _ in range(RUN_STEPS)]
         self.samples = {c: _Samples() for c in order}
         self.next_phase = self.steps + self.gap
         self.gap = min(2 * self.gap, PHASE_EVERY)
@@ -195,12 +201,25 @@ class MeasuredSchedule:
             ranked = sorted(entry.estimates, key=lambda e: -e.tokens_per_s)
             ranked = [e for e in ranked if e.tokens_per_s >= PRIOR_FLOOR * ranked[0].tokens_per_s
                       or e.candidate in (entry.choice, AR)]
-            measured = [k for k, b in self.buckets.items() if b.measured]
-            nearest = min(measured, key=lambda k: abs(k.bit_length() - key.bit_length()), default=None)
-            choice = entry.choice if nearest is None else self.buckets[nearest].choice
+            nearest = self._nearest_measured(key)
+            choice = entry.choice if nearest is None else nearest.choice
             candidates = self._measurable(key, [e.candidate for e in ranked], choice)
             self.buckets[key] = _Bucket(choice, candidates, next_phase=FIRST_PHASE_AT)
         return key, self.buckets[key]
+
+    def _nearest_measured(self, key: int) -> _Bucket | None:
+        """The measured bucket nearest to `key` (by powers of two), if any."""
+        measured = [k for k, b in self.buckets.items() if b.measured]
+        nearest = min(measured, key=lambda k: abs(k.bit_length() - key.bit_length()), default=None)
+        return None if nearest is None else self.buckets[nearest]
+
+    def _brief(self, key: int, bucket: _Bucket) -> set[Candidate]:
+        """The candidates measured under OUTGROWN of the best, at this bucket or (before it has measured) the
+        nearest measured one: one run each in the coming phase."""
+        source = bucket if bucket.measured else self._nearest_measured(key)
+        rates = {} if source is None else source.measured
+        best = max(rates.values(), default=0.0)
+        return {c for c, rate in rates.items() if rate < OUTGROWN * best and c != bucket.choice}
 
     def _measurable(self, key: int, candidates: list[Candidate], choice: Candidate) -> list[Candidate]:
         """`candidates` and `choice` less those a smaller bucket has outgrown (OUTGROWN); AR and `choice` stay."""
@@ -216,6 +235,7 @@ class MeasuredSchedule:
         key, bucket = self._bucket(batch)
         if bucket.steps == bucket.next_phase:  # a phase starts: without what smaller buckets have outgrown since
             bucket.candidates = self._measurable(key, bucket.candidates, bucket.choice)
+            bucket.brief = self._brief(key, bucket)
         candidate, counted = bucket.next()
         self._counted[key] = (candidate, counted)
         return candidate
