@@ -173,7 +173,7 @@ def test_a_kernel_runs_a_shape_only_where_it_was_timed_faster(monkeypatch) -> No
         return speeds[name]
 
     monkeypatch.setattr(kernel_choice, "_milliseconds", fake_milliseconds)
-    monkeypatch.setattr(kernel_choice, "_WINS", {})
+    monkeypatch.setattr(kernel_choice, "_TIMES", {})
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     gpu = torch.device("cuda")
     assert kernel_choice.kernel_wins("linear", (64, 32), gpu, lambda: "kernel", lambda: "library")
@@ -181,7 +181,8 @@ def test_a_kernel_runs_a_shape_only_where_it_was_timed_faster(monkeypatch) -> No
     assert kernel_choice.kernel_wins("linear", (64, 32), gpu, lambda: "kernel", lambda: "library")  # kept
     assert not kernel_choice.kernel_wins("linear", (128, 32), gpu, lambda: "kernel", lambda: "library")
     assert timed == ["kernel", "library", "kernel", "library"]
-    assert kernel_choice.choices() == {"linear (64, 32)": "kernel", "linear (128, 32)": "library"}
+    assert kernel_choice.choices() == {"linear (64, 32)": "kernel (kernel 1000.0 us, library 2000.0 us)",
+                                       "linear (128, 32)": "library (kernel 3000.0 us, library 2000.0 us)"}
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert not kernel_choice.kernel_wins("attention", (1,), gpu, lambda: "kernel", lambda: "library")
     assert "attention (1,)" not in kernel_choice.choices() and len(timed) == 4

@@ -24,7 +24,7 @@ from blockdraft.models.skinny_gemm import kernel_available, triton
 if triton is not None:
     import triton.language as tl
 
-    from blockdraft.models.flash_decode import block_scores, online_softmax_step
+    from blockdraft.models.flash_decode import block_scores, keys_per_split, online_softmax_step
 
     @triton.jit
     def _block_split_kernel(q_ptr, k_ptr, v_ptr, seq_ptr, length_ptr, own_ptr, pos_ptr, acc_ptr, m_ptr, l_ptr,
@@ -46,34 +46,35 @@ if triton is not None:
         if WINDOW:
             query_pos = tl.load(pos_ptr + b * T + query, mask=rows < R, other=0)
         total = length + T
-        per = tl.cdiv(tl.cdiv(total, splits), BLOCK_S) * BLOCK_S
+        per = keys_per_split(total, splits, BLOCK_S)
         first = split * per
-        last = tl.minimum(first + per, total)
-        m = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
-        l = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        acc = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
-        for start in range(first, last, BLOCK_S):
-            keys = start + tl.arange(0, BLOCK_S)
-            inside = keys < last
-            k = tl.load(k_ptr + slot * sk_b + h * sk_h + keys[:, None] * sk_s + dims[None, :],
-                        mask=inside[:, None] & (dims[None, :] < D), other=0.0)
-            v = tl.load(v_ptr + slot * sv_b + h * sv_h + keys[:, None] * sv_s + dims[None, :],
-                        mask=inside[:, None] & (dims[None, :] < D), other=0.0)
-            fresh = keys - length  # the new row a key holds (negative: a committed key)
-            is_fresh = (fresh >= 0) & inside
-            sees = tl.load(own_ptr + b * T * T + query[:, None] * T + fresh[None, :],
-                           mask=(rows[:, None] < R) & is_fresh[None, :], other=0) != 0
-            visible = ((fresh < 0)[None, :] & inside[None, :]) | sees
-            if WINDOW:
-                key_pos = tl.load(pos_ptr + b * T + fresh, mask=is_fresh, other=0)
-                key_pos = tl.where(fresh < 0, keys, key_pos)
-                visible = visible & (query_pos[:, None] - key_pos[None, :] < window)
-            scores = tl.where(visible, block_scores(q, k, F32_DOT) * scale, float("-inf"))
-            m, l, acc = online_softmax_step(scores, v, m, l, acc, F32_DOT)
-        row_index = (bh * splits + split) * R + rows
-        tl.store(m_ptr + row_index, m, mask=rows < R)
-        tl.store(l_ptr + row_index, l, mask=rows < R)
-        tl.store(acc_ptr + row_index[:, None] * BLOCK_D + dims[None, :], acc, mask=(rows[:, None] < R))
+        if first < total:  # a split past this sequence's keys writes nothing (the combine does not read it)
+            last = tl.minimum(first + per, total)
+            m = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
+            l = tl.zeros((BLOCK_R,), dtype=tl.float32)
+            acc = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
+            for start in range(first, last, BLOCK_S):
+                keys = start + tl.arange(0, BLOCK_S)
+                inside = keys < last
+                k = tl.load(k_ptr + slot * sk_b + h * sk_h + keys[:, None] * sk_s + dims[None, :],
+                            mask=inside[:, None] & (dims[None, :] < D), other=0.0)
+                v = tl.load(v_ptr + slot * sv_b + h * sv_h + keys[:, None] * sv_s + dims[None, :],
+                            mask=inside[:, None] & (dims[None, :] < D), other=0.0)
+                fresh = keys - length  # the new row a key holds (negative: a committed key)
+                is_fresh = (fresh >= 0) & inside
+                sees = tl.load(own_ptr + b * T * T + query[:, None] * T + fresh[None, :],
+                               mask=(rows[:, None] < R) & is_fresh[None, :], other=0) != 0
+                visible = ((fresh < 0)[None, :] & inside[None, :]) | sees
+                if WINDOW:
+                    key_pos = tl.load(pos_ptr + b * T + fresh, mask=is_fresh, other=0)
+                    key_pos = tl.where(fresh < 0, keys, key_pos)
+                    visible = visible & (query_pos[:, None] - key_pos[None, :] < window)
+                scores = tl.where(visible, block_scores(q, k, F32_DOT) * scale, float("-inf"))
+                m, l, acc = online_softmax_step(scores, v, m, l, acc, F32_DOT)
+            row_index = (bh * splits + split) * R + rows
+            tl.store(m_ptr + row_index, m, mask=rows < R)
+            tl.store(l_ptr + row_index, l, mask=rows < R)
+            tl.store(acc_ptr + row_index[:, None] * BLOCK_D + dims[None, :], acc, mask=(rows[:, None] < R))
 
 
 def block_attention_runs(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -103,4 +104,4 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: torc
             v.stride(2), WINDOW=window is not None, F32_DOT=f32, BLOCK_R=BLOCK_ROWS, BLOCK_S=BLOCK_KEYS,
             BLOCK_D=block_d)
 
-    return split_and_merge(q, splits, block_d, run_splits)
+    return split_and_merge(q, splits, block_d, run_splits, lengths, t)

@@ -51,6 +51,12 @@ if triton is not None:
         return m_new, l, acc
 
     @triton.jit
+    def keys_per_split(total, splits, BLOCK_S: tl.constexpr):
+        """Keys each split of `total` keys takes (whole blocks; the last splits can be empty): the split and the
+        combine kernels of one launch compute it alike."""
+        return tl.cdiv(tl.cdiv(total, splits), BLOCK_S) * BLOCK_S
+
+    @triton.jit
     def _split_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, acc_ptr, m_ptr, l_ptr,
                       R, S, D, heads, keys_per_split, scale,
                       sq_b, sq_h, sq_r, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sbias_b, sbias_r,
@@ -84,20 +90,26 @@ if triton is not None:
         tl.store(acc_ptr + row_index[:, None] * BLOCK_D + dims[None, :], acc, mask=(rows[:, None] < R))
 
     @triton.jit
-    def _combine_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, R, D, heads, splits, so_b, so_h, so_r,
-                        BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _combine_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, length_ptr, R, T, D, heads, splits, so_b, so_h, so_r,
+                        LENGTHS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
+                        BLOCK_D: tl.constexpr):
         bh, rblock = tl.program_id(0), tl.program_id(1)
         b, h = bh // heads, bh % heads
         rows = rblock * BLOCK_R + tl.arange(0, BLOCK_R)
         dims = tl.arange(0, BLOCK_D)
+        if LENGTHS:  # only the splits that held keys of this sequence wrote a partial result
+            total = tl.load(length_ptr + b) + T
+            active = tl.cdiv(total, keys_per_split(total, splits, BLOCK_S))
+        else:
+            active = splits
         top = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
-        for split in range(0, splits):
+        for split in range(0, active):
             top = tl.maximum(top, tl.load(m_ptr + (bh * splits + split) * R + rows, mask=rows < R,
                                           other=float("-inf")))
         top = tl.where(top == float("-inf"), 0.0, top)  # padding rows: every split empty
         total = tl.zeros((BLOCK_R,), dtype=tl.float32)
         acc = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
-        for split in range(0, splits):
+        for split in range(0, active):
             index = (bh * splits + split) * R + rows
             m = tl.load(m_ptr + index, mask=rows < R, other=float("-inf"))
             weight = tl.exp(m - top)  # 0 for a split that saw no visible key (m = -inf)
@@ -150,10 +162,12 @@ def split_shape(q: torch.Tensor, keys: int) -> tuple[int, int, int]:
 
 
 def split_and_merge(q: torch.Tensor, splits: int, block_d: int,
-                    run_splits: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
+                    run_splits: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
+                    lengths: torch.Tensor | None = None, t: int = 0) -> torch.Tensor:
     """The buffers every split's partial result goes to (running max, sum, weighted values per query row),
     `run_splits(partial, m, l)` to fill them (the caller's split kernel), then `_combine_kernel`: the attention
-    output, q's shape and dtype."""
+    output, q's shape and dtype. With `lengths` ([B] committed keys, `t` new rows each) the splits cover each
+    sequence's lengths[b] + t keys as `keys_per_split` divides them, and the combine reads only those that did."""
     batch, heads, rows, dim = q.shape
     partial = torch.empty(batch * heads * splits * rows, block_d, dtype=torch.float32, device=q.device)
     m = torch.empty(batch * heads * splits * rows, dtype=torch.float32, device=q.device)
@@ -161,6 +175,7 @@ def split_and_merge(q: torch.Tensor, splits: int, block_d: int,
     run_splits(partial, m, l)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _combine_kernel[(batch * heads, triton.cdiv(rows, BLOCK_ROWS))](
-        partial, m, l, out, rows, dim, heads, splits, out.stride(0), out.stride(1), out.stride(2),
-        BLOCK_R=BLOCK_ROWS, BLOCK_D=block_d)
+        partial, m, l, out, m if lengths is None else lengths, rows, t, dim, heads, splits, out.stride(0),
+        out.stride(1), out.stride(2), LENGTHS=lengths is not None, BLOCK_R=BLOCK_ROWS, BLOCK_S=BLOCK_KEYS,
+        BLOCK_D=block_d)
     return out

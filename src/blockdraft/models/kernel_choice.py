@@ -18,11 +18,12 @@ from collections.abc import Callable, Hashable
 
 import torch
 
-_WINS: dict[tuple[str, Hashable], bool] = {}
+_TIMES: dict[tuple[str, Hashable], tuple[float, float]] = {}  # (kernel, library) milliseconds a call
 
 
 def _milliseconds(run: Callable[[], object], repeats: int = 20) -> float:
-    """`repeats` replays of a CUDA graph of `run` (after eager calls that autotune, compile and allocate)."""
+    """Milliseconds a call over `repeats` replays of a CUDA graph of `run` (after eager calls that autotune,
+    compile and allocate)."""
     for _ in range(3):
         run()
     torch.cuda.synchronize()
@@ -36,7 +37,7 @@ def _milliseconds(run: Callable[[], object], repeats: int = 20) -> float:
         graph.replay()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end)
+    return start.elapsed_time(end) / repeats
 
 
 def kernel_wins(kind: str, key: Hashable, device: torch.device, kernel: Callable[[], object],
@@ -44,13 +45,15 @@ def kernel_wins(kind: str, key: Hashable, device: torch.device, kernel: Callable
     """Whether `kernel` runs this `kind` of call at shape `key` (timed against `library` the first time)."""
     if device.type != "cuda":
         return True
-    if (kind, key) not in _WINS:
+    if (kind, key) not in _TIMES:
         if torch.cuda.is_current_stream_capturing():
             return False
-        _WINS[(kind, key)] = _milliseconds(kernel) < _milliseconds(library)
-    return _WINS[(kind, key)]
+        _TIMES[(kind, key)] = (_milliseconds(kernel), _milliseconds(library))
+    kernel_ms, library_ms = _TIMES[(kind, key)]
+    return kernel_ms < library_ms
 
 
 def choices() -> dict[str, str]:
-    """Every shape timed so far: "kind key" -> "kernel" or "library"."""
-    return {f"{kind} {key}": "kernel" if wins else "library" for (kind, key), wins in _WINS.items()}
+    """Every shape timed so far: "kind key" -> which runs it, and both sides' times."""
+    return {f"{kind} {key}": f"{'kernel' if k < lib else 'library'} (kernel {1e3 * k:.1f} us, library "
+            f"{1e3 * lib:.1f} us)" for (kind, key), (k, lib) in _TIMES.items()}
