@@ -6,6 +6,7 @@
 #   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh tree          # ~1 min: the tree kernel's tests
 #   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh speed         # ~7 min
 #   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh roofline      # issue 22's 8B table, one invocation
+#   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh blas          # ~1 min: BLAS settings, 8B products
 #   (after the GGUF is assembled, as in RESULTS) bash benchmarks/gpu/unmeasured.sh e2e   # ~4 min
 #   (same) bash benchmarks/gpu/unmeasured.sh load   # ~9.5 min (run it with a 600 s call limit): issue 22's table with the engine's own time per level
 #   (same) bash benchmarks/gpu/unmeasured.sh steps  # ~5 min: batched DFlash steps at 1/4/16; schedule vs fixed steps
@@ -28,7 +29,8 @@ step() {
 
 case "${1:-}" in
   kernels)  # session 17: 24 of 59 passed (none failed) in 150 s, Triton autotuning every config for every shape
-    step block_attention_tests 150 python3 -m pytest -p no:cacheprovider tests/test_block_attention.py
+    step block_attention_tests 150 python3 -m pytest -p no:cacheprovider tests/test_block_attention.py \
+      tests/test_qkv_rope.py
     step kernel_tests 330 python3 -m pytest -p no:cacheprovider tests/test_kernels.py
     ;;
   tree)  # the DDTree tree kernel against the host heap and the tensor search, and a fast-engine decode through it
@@ -42,6 +44,9 @@ case "${1:-}" in
     step gpu_speed 330 python3 benchmarks/gpu_speed.py --engines fast,fast-kernels --budgets 32,64,256 \
       --json "$OUT/speed.json"
     step profile 200 python3 benchmarks/gpu/profile_step.py --rows 1,16 --configs compiled,compiled-kernels
+    ;;
+  blas)  # the 8B step's weight products per BLAS setting (cuBLAS / cuBLASLt, split-K reductions in bf16 or fp32)
+    step blas 120 python3 benchmarks/gpu/blas_speed.py --rows 1,4,16,64 --json "$OUT/blas.json"
     ;;
   roofline)  # session 14: the batched AR step 1.44-1.63x its roofline; the 8B shape, random weights, bf16
     step roofline 550 python3 benchmarks/batch_roofline.py --json "$OUT/roofline.json"
@@ -69,7 +74,7 @@ case "${1:-}" in
     step admit 200 python3 benchmarks/gpu/admit_profile.py --prompt-tokens 32,128 --joins 8
     ;;
   *)
-    echo "usage: bash benchmarks/gpu/unmeasured.sh kernels|tree|correctness|speed|roofline|e2e|load|steps|admit" >&2
+    echo "usage: bash benchmarks/gpu/unmeasured.sh kernels|tree|correctness|speed|blas|roofline|e2e|load|steps|admit" >&2
     exit 2
     ;;
 esac

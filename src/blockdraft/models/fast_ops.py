@@ -21,6 +21,7 @@ from blockdraft.models.block_attention import block_attention, block_attention_r
 from blockdraft.models.flash_decode import fits, flash_decode
 from blockdraft.models.graphs import power_of_two_at_least
 from blockdraft.models.kernel_choice import kernel_wins
+from blockdraft.models.qkv_rope import qkv_rope, qkv_rope_runs
 from blockdraft.models.skinny_gemm import skinny_add_norm_linear, skinny_linear
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -204,6 +205,42 @@ def kernel_attention(
     return reference(q, k, v, bias, scale)
 
 
+def kernel_qkv_heads(
+    reference: Callable[..., torch.Tensor], qkv: torch.Tensor, q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, eps: float,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+) -> torch.Tensor:
+    """`qkv_heads` (batch 1: caches [kv_heads, slots, d], rows written at `slots`) from the `qkv_rope` kernel where
+    it runs and was timed faster at this shape than `reference` (qkv_heads as the engine runs it), else `reference`."""
+    args = (qkv, q_norm, k_norm, cos, sin, heads, kv_heads, eps, k_cache, v_cache)
+    if qkv_rope_runs(qkv, cos, sin, k_cache, v_cache):
+        def run() -> torch.Tensor:
+            return qkv_rope(*args, torch.zeros_like(slots), slots, (0, k_cache.stride(0), k_cache.stride(1)))
+
+        if kernel_wins("qkv_heads", (*qkv.shape, heads, kv_heads, qkv.dtype), qkv.device, run,
+                       lambda: reference(*args, slots)):
+            return run()
+    return reference(*args, slots)
+
+
+def kernel_batched_qkv_heads(
+    reference: Callable[..., torch.Tensor], qkv: torch.Tensor, q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, eps: float,
+    k_cache: torch.Tensor, v_cache: torch.Tensor, seq: torch.Tensor, cols: torch.Tensor,
+) -> torch.Tensor:
+    """`batched_qkv_heads` (caches [slots, kv_heads, positions, d], row (b, i) written at slot seq[b, i], position
+    cols[b, i]) from the `qkv_rope` kernel where it runs and was timed faster, else `reference`."""
+    args = (qkv, q_norm, k_norm, cos, sin, heads, kv_heads, eps, k_cache, v_cache)
+    if qkv_rope_runs(qkv, cos, sin, k_cache, v_cache):
+        def run() -> torch.Tensor:
+            return qkv_rope(*args, seq, cols, k_cache.stride()[:3])
+
+        if kernel_wins("batched_qkv_heads", (*qkv.shape, heads, kv_heads, qkv.dtype), qkv.device, run,
+                       lambda: reference(*args, seq, cols)):
+            return run()
+    return reference(*args, seq, cols)
+
+
 @dataclass
 class CompactMask:
     """A target forward's attention mask as what it is made of (`attention_bias`'s inputs), built once per forward
@@ -266,9 +303,9 @@ class _CompiledOrPlain:
 
 
 class LayerOps:
-    """The fusion units a FastTarget forward calls; compiled on request; with `kernels`, the weight products and the
-    few-row attention from Triton kernels (`skinny_gemm`; `block_attention` for the target's forwards, which give a
-    CompactMask, `flash_decode` for the drafters') where they run."""
+    """The fusion units a FastTarget forward calls; compiled on request; with `kernels`, the weight products, the
+    q|k|v epilogue (`qkv_rope`) and the few-row attention from Triton kernels (`skinny_gemm`; `block_attention` for the
+    target's forwards, which give a CompactMask, `flash_decode` for the drafters') where they run."""
 
     def __init__(self, compiled: bool, kernels: bool = False) -> None:
         wrap: Callable[[Callable[..., object]], Callable[..., object]] = _CompiledOrPlain if compiled else (lambda f: f)
@@ -277,8 +314,9 @@ class LayerOps:
         self.linear: Callable[..., torch.Tensor] = skinny_linear if kernels else F.linear
         self.rms_norm = wrap(rms_norm)
         self.add_rms_norm = wrap(add_rms_norm)
-        self.qkv_heads = wrap(qkv_heads)
-        self.batched_qkv_heads = wrap(batched_qkv_heads)
+        self.qkv_heads = partial(kernel_qkv_heads, wrap(qkv_heads)) if kernels else wrap(qkv_heads)
+        self.batched_qkv_heads = (partial(kernel_batched_qkv_heads, wrap(batched_qkv_heads)) if kernels
+                                  else wrap(batched_qkv_heads))
         self.merge_heads = wrap(merge_heads)
         self.glu = wrap(glu)
         self.attention_bias = wrap(attention_bias)

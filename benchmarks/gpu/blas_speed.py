@@ -1,0 +1,99 @@
+"""How close the library's weight products of an 8B decode step come to the copy bandwidth, per BLAS setting.
+
+The AR step of the 8B shape is ~1.5x its weights-read floor, and its GEMMs alone were 1.14x the floor (session 4:
+q|k|v at 3.2 TB/s, o_proj 3.1 and down 3.6 with a split-K reduction each, gate|up 4.1, LM head 4.2). Which of
+torch's BLAS settings runs the narrow products nearer the bandwidth: cuBLAS or cuBLASLt
+(`torch.backends.cuda.preferred_blas_library`), with or without reduced-precision split-K reductions
+(`allow_bf16_reduced_precision_reduction`)? Each product is timed replaying a CUDA graph, rotating over enough
+weight copies that none is read from L2.
+
+    python3 benchmarks/gpu/blas_speed.py --rows 1,4,16,64 --json $OUT/blas.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
+          "lm_head": (151936, 4096)}
+PER_STEP = {"qkv": 36, "o_proj": 36, "gate_up": 36, "down": 36, "lm_head": 1}  # products in one 8B forward
+SETTINGS = {"cublas": ("cublas", True), "cublas-fp32-reduce": ("cublas", False),
+            "cublaslt": ("cublaslt", True), "cublaslt-fp32-reduce": ("cublaslt", False)}
+ROTATE_BYTES = 400e6  # weights cycled per timing: well past the H200's 50 MB L2
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Bytes per second of a 1 GB device-to-device copy (read + write)."""
+    src = torch.empty(int(5e8), dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    return 2 * src.numel() * 2 * 10 / (start.elapsed_time(end) / 1e3)
+
+
+def time_product(n: int, k: int, m: int, device: torch.device, repeats: int = 5) -> float:
+    """Seconds per [m, k] x [k, n] product: a graph of one product per weight copy, replayed `repeats` times."""
+    copies = max(1, math.ceil(ROTATE_BYTES / (n * k * 2)))
+    weights = [torch.randn(n, k, dtype=torch.bfloat16, device=device) * 0.02 for _ in range(copies)]
+    x = torch.randn(m, k, dtype=torch.bfloat16, device=device)
+    for w in weights:
+        F.linear(x, w)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            F.linear(x, w)
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / (repeats * copies)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", default="1,4,16,64")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    bandwidth = copy_bandwidth(device)
+    rows = [int(r) for r in args.rows.split(",")]
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    for name, (library, reduced) in SETTINGS.items():
+        torch.backends.cuda.preferred_blas_library(library)
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = reduced
+        results[name] = {}
+        for m in rows:
+            results[name][str(m)] = {shape: time_product(n, k, m, device) for shape, (n, k) in SHAPES.items()}
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; us per product (TB/s of its weights); per step = the products"
+          f" of one 8B forward (36 layers + LM head)\n")
+    print("| rows | setting | " + " | ".join(SHAPES) + " | per step (ms) | floor (ms) |")
+    print("|---" * (len(SHAPES) + 4) + "|")
+    floor = sum(PER_STEP[s] * n * k * 2 for s, (n, k) in SHAPES.items()) / bandwidth
+    for m in rows:
+        for name in SETTINGS:
+            times = results[name][str(m)]
+            cells = [f"{1e6 * times[s]:.1f} ({n * k * 2 / times[s] / 1e12:.2f})" for s, (n, k) in SHAPES.items()]
+            step = sum(PER_STEP[s] * times[s] for s in SHAPES)
+            print(f"| {m} | {name} | " + " | ".join(cells) + f" | {1e3 * step:.3f} | {1e3 * floor:.3f} |")
+    if args.json:
+        args.json.write_text(json.dumps({"bandwidth": bandwidth, "seconds": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
