@@ -305,17 +305,19 @@ class _CompiledOrPlain:
 class LayerOps:
     """The fusion units a FastTarget forward calls; compiled on request; with `kernels`, the weight products, the
     q|k|v epilogue (`qkv_rope`) and the few-row attention from Triton kernels (`skinny_gemm`; `block_attention` for the
-    target's forwards, which give a CompactMask, `flash_decode` for the drafters') where they run."""
+    target's forwards, which give a CompactMask, `flash_decode` for the drafters') where they run; with `qkv_kernel`
+    the q|k|v epilogue alone (timed at 0.3-0.6x the compiled unit on the H200 at 1-65 rows, RESULTS session 22)."""
 
-    def __init__(self, compiled: bool, kernels: bool = False) -> None:
+    def __init__(self, compiled: bool, kernels: bool = False, qkv_kernel: bool = False) -> None:
         wrap: Callable[[Callable[..., object]], Callable[..., object]] = _CompiledOrPlain if compiled else (lambda f: f)
         self.compiled = compiled
         self.kernels = kernels
         self.linear: Callable[..., torch.Tensor] = skinny_linear if kernels else F.linear
         self.rms_norm = wrap(rms_norm)
         self.add_rms_norm = wrap(add_rms_norm)
-        self.qkv_heads = partial(kernel_qkv_heads, wrap(qkv_heads)) if kernels else wrap(qkv_heads)
-        self.batched_qkv_heads = (partial(kernel_batched_qkv_heads, wrap(batched_qkv_heads)) if kernels
+        qkv_kernel = qkv_kernel or kernels
+        self.qkv_heads = partial(kernel_qkv_heads, wrap(qkv_heads)) if qkv_kernel else wrap(qkv_heads)
+        self.batched_qkv_heads = (partial(kernel_batched_qkv_heads, wrap(batched_qkv_heads)) if qkv_kernel
                                   else wrap(batched_qkv_heads))
         self.merge_heads = wrap(merge_heads)
         self.glu = wrap(glu)
