@@ -24,7 +24,8 @@ from blockdraft.models.skinny_gemm import kernel_available, triton
 if triton is not None:
     import triton.language as tl
 
-    from blockdraft.models.flash_decode import block_scores, keys_per_split, online_softmax_step
+    from blockdraft.models.flash_decode import (block_scores, empty_state, keys_per_split, load_block,
+                                                online_softmax_step)
 
     @triton.jit
     def _block_split_kernel(q_ptr, k_ptr, v_ptr, seq_ptr, length_ptr, own_ptr, pos_ptr, acc_ptr, m_ptr, l_ptr,
@@ -50,16 +51,12 @@ if triton is not None:
         first = split * per
         if first < total:  # a split past this sequence's keys writes nothing (the combine does not read it)
             last = tl.minimum(first + per, total)
-            m = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
-            l = tl.zeros((BLOCK_R,), dtype=tl.float32)
-            acc = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
+            m, l, acc = empty_state(BLOCK_R, BLOCK_D)
             for start in range(first, last, BLOCK_S):
                 keys = start + tl.arange(0, BLOCK_S)
                 inside = keys < last
-                k = tl.load(k_ptr + slot * sk_b + h * sk_h + keys[:, None] * sk_s + dims[None, :],
-                            mask=inside[:, None] & (dims[None, :] < D), other=0.0)
-                v = tl.load(v_ptr + slot * sv_b + h * sv_h + keys[:, None] * sv_s + dims[None, :],
-                            mask=inside[:, None] & (dims[None, :] < D), other=0.0)
+                k = load_block(k_ptr + slot * sk_b + h * sk_h, keys, sk_s, dims, inside, D)
+                v = load_block(v_ptr + slot * sv_b + h * sv_h, keys, sv_s, dims, inside, D)
                 fresh = keys - length  # the new row a key holds (negative: a committed key)
                 is_fresh = (fresh >= 0) & inside
                 sees = tl.load(own_ptr + b * T * T + query[:, None] * T + fresh[None, :],

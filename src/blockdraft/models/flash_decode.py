@@ -36,6 +36,19 @@ if triton is not None:
         return scores
 
     @triton.jit
+    def load_block(ptr, rows, stride, dims, inside, D):
+        """A block of rows (keys or values) [len(rows), BLOCK_D] from `ptr` (row stride `stride`), zero where a row
+        is not `inside` or a dimension is past D."""
+        return tl.load(ptr + rows[:, None] * stride + dims[None, :], mask=inside[:, None] & (dims[None, :] < D),
+                       other=0.0)
+
+    @triton.jit
+    def empty_state(BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        """The online softmax's running max, sum and weighted values before any key."""
+        return (tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32), tl.zeros((BLOCK_R,), dtype=tl.float32),
+                tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32))
+
+    @triton.jit
     def online_softmax_step(scores, v, m, l, acc, F32_DOT: tl.constexpr):
         """One block of keys' (masked, scaled) scores and values folded into the rows' running max `m`, sum `l` and
         weighted values `acc` (flash attention's online softmax); a row that has seen no visible key keeps m = -inf."""
@@ -69,18 +82,14 @@ if triton is not None:
                     mask=(rows[:, None] < R) & (dims[None, :] < D), other=0.0)
         if F32_DOT:
             q = q.to(tl.float32)
-        m = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
-        l = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        acc = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
+        m, l, acc = empty_state(BLOCK_R, BLOCK_D)
         first = split * keys_per_split
         last = tl.minimum(first + keys_per_split, S)
         for start in range(first, last, BLOCK_S):
             keys = start + tl.arange(0, BLOCK_S)
             inside = keys < last
-            k = tl.load(k_ptr + b * sk_b + h * sk_h + keys[:, None] * sk_s + dims[None, :],
-                        mask=inside[:, None] & (dims[None, :] < D), other=0.0)
-            v = tl.load(v_ptr + b * sv_b + h * sv_h + keys[:, None] * sv_s + dims[None, :],
-                        mask=inside[:, None] & (dims[None, :] < D), other=0.0)
+            k = load_block(k_ptr + b * sk_b + h * sk_h, keys, sk_s, dims, inside, D)
+            v = load_block(v_ptr + b * sv_b + h * sv_h, keys, sv_s, dims, inside, D)
             bias = tl.load(bias_ptr + b * sbias_b + rows[:, None] * sbias_r + keys[None, :],
                            mask=(rows[:, None] < R) & inside[None, :], other=float("-inf")).to(tl.float32)
             m, l, acc = online_softmax_step(block_scores(q, k, F32_DOT) * scale + bias, v, m, l, acc, F32_DOT)
