@@ -29,11 +29,11 @@ def random_tree(t: int, generator: torch.Generator) -> torch.Tensor:
     return own
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype, split_keys", [(torch.float32, 64), (torch.bfloat16, 64), (torch.float32, 256)])
 @pytest.mark.parametrize("t, groups, window, tree", [(1, 4, None, False), (16, 2, None, False), (33, 4, None, True),
                                                      (5, 1, 8, False), (9, 2, 12, True), (64, 2, None, True)])
 def test_the_kernel_is_decode_attention_under_the_dense_mask(t: int, groups: int, window: int | None, tree: bool,
-                                                              dtype: torch.dtype) -> None:
+                                                              dtype: torch.dtype, split_keys: int) -> None:
     generator = torch.Generator().manual_seed(t * 10 + groups)
     heads, d, slots, capacity = 2, 24, 5, 320
     lengths = [0, 37, 150, 255][: 3 if t > 32 else 4]
@@ -49,7 +49,7 @@ def test_the_kernel_is_decode_attention_under_the_dense_mask(t: int, groups: int
                              for length, own_b in zip(lengths, own)]).to(DEVICE)
     with torch.inference_mode():
         got = block_attention(q, cache[0], cache[1], torch.tensor(seq, device=DEVICE),
-                              torch.tensor(lengths, device=DEVICE), own, positions, window, 0.125)
+                              torch.tensor(lengths, device=DEVICE), own, positions, window, 0.125, split_keys)
     for b, (slot, length) in enumerate(zip(seq, lengths)):
         keys = length + t
         bias = attention_bias(torch.tensor(length, device=DEVICE), torch.arange(keys, device=DEVICE), positions[b],

@@ -187,6 +187,13 @@ def test_a_kernel_runs_a_shape_only_where_it_was_timed_faster(monkeypatch) -> No
     assert not kernel_choice.kernel_wins("attention", (1,), gpu, lambda: "kernel", lambda: "library")
     assert "attention (1,)" not in kernel_choice.choices() and len(timed) == 4
     assert kernel_choice.kernel_wins("attention", (1,), torch.device("cpu"), lambda: "kernel", lambda: "library")
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    speeds.update({"long splits": 0.5})
+    options = {name: (lambda name=name: name) for name in ("kernel", "long splits", "library")}
+    assert kernel_choice.fastest("block", (2,), gpu, options) == "long splits"
+    assert kernel_choice.choices()["block (2,)"] == ("long splits (kernel 3000.0 us, long splits 500.0 us, "
+                                                     "library 2000.0 us)")
+    assert kernel_choice.fastest("block", (3,), torch.device("cpu"), options) == "kernel"
 
 
 @needs_kernel

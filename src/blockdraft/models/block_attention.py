@@ -31,8 +31,8 @@ if triton is not None:
     def _block_split_kernel(q_ptr, k_ptr, v_ptr, seq_ptr, length_ptr, own_ptr, pos_ptr, acc_ptr, m_ptr, l_ptr,
                             R, T, D, heads, splits, window, scale,
                             sq_b, sq_h, sq_r, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s,
-                            WINDOW: tl.constexpr, F32_DOT: tl.constexpr, BLOCK_R: tl.constexpr,
-                            BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                            WINDOW: tl.constexpr, F32_DOT: tl.constexpr, MIN_KEYS: tl.constexpr,
+                            BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
         bh, rblock, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, h = bh // heads, bh % heads
         slot = tl.load(seq_ptr + b)
@@ -47,7 +47,7 @@ if triton is not None:
         if WINDOW:
             query_pos = tl.load(pos_ptr + b * T + query, mask=rows < R, other=0)
         total = length + T
-        per = keys_per_split(total, splits, BLOCK_S)
+        per = keys_per_split(total, splits, BLOCK_S, MIN_KEYS)
         first = split * per
         if first < total:  # a split past this sequence's keys writes nothing (the combine does not read it)
             last = tl.minimum(first + per, total)
@@ -82,11 +82,14 @@ def block_attention_runs(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: torch.Tensor, lengths: torch.Tensor,
-                    own: torch.Tensor, positions: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
+                    own: torch.Tensor, positions: torch.Tensor, window: int | None, scale: float,
+                    min_split_keys: int = BLOCK_KEYS) -> torch.Tensor:
     """q [B, G, R, d] (the query heads sharing a KV head folded into rows, group-major: R = groups x t) against the
     cache k, v [slots, G, S, d], sequence b reading slot seq[b] ([B] long): its lengths[b] committed keys, then its
     t new rows' own K/V at lengths[b] + j, seen as own [B, t, t] (bool or uint8) says; positions [B, t] are the new
-    rows' (for the window; committed key j sits at position j). Everything but the shapes is read on the device."""
+    rows' (for the window; committed key j sits at position j). Everything but the shapes is read on the device.
+    Each split takes at least `min_split_keys` keys (a multiple of BLOCK_KEYS): fewer, longer splits leave the
+    combine fewer partial results to merge."""
     t = own.shape[-1]
     block_d, row_blocks, splits = split_shape(q, k.shape[2])
     f32 = q.dtype == torch.float32 or not q.is_cuda  # the interpreter's half-precision dot is wrong
@@ -98,7 +101,7 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: torc
             q, k, v, seq, lengths, own, positions.contiguous(), partial, m, l,
             q.shape[2], t, q.shape[3], q.shape[1], splits, window or 0, scale,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
-            v.stride(2), WINDOW=window is not None, F32_DOT=f32, BLOCK_R=BLOCK_ROWS, BLOCK_S=BLOCK_KEYS,
-            BLOCK_D=block_d)
+            v.stride(2), WINDOW=window is not None, F32_DOT=f32, MIN_KEYS=min_split_keys, BLOCK_R=BLOCK_ROWS,
+            BLOCK_S=BLOCK_KEYS, BLOCK_D=block_d)
 
-    return split_and_merge(q, splits, block_d, run_splits, lengths, t)
+    return split_and_merge(q, splits, block_d, run_splits, lengths, t, min_split_keys)

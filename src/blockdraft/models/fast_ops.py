@@ -18,12 +18,14 @@ import torch.fx.experimental._config as shape_config
 import torch.nn.functional as F
 
 from blockdraft.models.block_attention import block_attention, block_attention_runs
-from blockdraft.models.flash_decode import fits, flash_decode
+from blockdraft.models.flash_decode import BLOCK_KEYS, fits, flash_decode
 from blockdraft.models.graphs import power_of_two_at_least
-from blockdraft.models.kernel_choice import kernel_wins
+from blockdraft.models.kernel_choice import fastest, kernel_wins
 from blockdraft.models.qkv_rope import qkv_rope, qkv_rope_runs
 from blockdraft.models.skinny_gemm import skinny_add_norm_linear, skinny_linear
 
+LONG_SPLIT_KEYS = 256  # the block-attention variant with longer key splits: 4-5 partial results to merge at 1K keys
+# instead of 17 (the splits of 64 keys lost to the library by 7-14% at 1-16 rows on the H200, RESULTS session 22)
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "swish": F.silu,
@@ -266,16 +268,22 @@ def kernel_block_attention(
 ) -> torch.Tensor:
     """`decode_attention` from the compact-mask kernel (`block_attention`: the mask's pieces instead of the dense
     `bias`, keys read only up to each sequence's own length) where it runs and was timed faster at this shape than
-    `reference` (`kernel_choice`: key lengths by power of two), else `reference`."""
-    if block_attention_runs(q, k):
-        shape = (*q.shape[:3], power_of_two_at_least(k.shape[2]), q.shape[3], q.dtype, window)
+    `reference` (`kernel_choice`: key lengths by power of two; splits of 64 keys or of LONG_SPLIT_KEYS, whichever
+    was faster), else `reference`."""
+    def library() -> torch.Tensor:
+        return reference(q, k, v, bias, scale)
 
-        def run() -> torch.Tensor:
-            return block_attention(q, k, v, mask.slots, mask.lengths, mask.own, mask.positions, window, scale)
+    if not block_attention_runs(q, k):
+        return library()
 
-        if kernel_wins("block_attention", shape, q.device, run, lambda: reference(q, k, v, bias, scale)):
-            return run()
-    return reference(q, k, v, bias, scale)
+    def splits_of(keys: int) -> Callable[[], torch.Tensor]:
+        return lambda: block_attention(q, k, v, mask.slots, mask.lengths, mask.own, mask.positions, window, scale,
+                                       keys)
+
+    options = {"kernel": splits_of(BLOCK_KEYS), f"kernel, {LONG_SPLIT_KEYS}-key splits": splits_of(LONG_SPLIT_KEYS),
+               "library": library}
+    shape = (*q.shape[:3], power_of_two_at_least(k.shape[2]), q.shape[3], q.dtype, window)
+    return options[fastest("block_attention", shape, q.device, options)]()
 
 
 class _CompiledOrPlain:

@@ -64,10 +64,10 @@ if triton is not None:
         return m_new, l, acc
 
     @triton.jit
-    def keys_per_split(total, splits, BLOCK_S: tl.constexpr):
-        """Keys each split of `total` keys takes (whole blocks; the last splits can be empty): the split and the
-        combine kernels of one launch compute it alike."""
-        return tl.cdiv(tl.cdiv(total, splits), BLOCK_S) * BLOCK_S
+    def keys_per_split(total, splits, BLOCK_S: tl.constexpr, MIN_KEYS: tl.constexpr):
+        """Keys each split of `total` keys takes (whole blocks, at least MIN_KEYS; the last splits can be empty):
+        the split and the combine kernels of one launch compute it alike."""
+        return tl.maximum(tl.cdiv(tl.cdiv(total, splits), BLOCK_S) * BLOCK_S, MIN_KEYS)
 
     @triton.jit
     def _split_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, acc_ptr, m_ptr, l_ptr,
@@ -100,15 +100,15 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, length_ptr, R, T, D, heads, splits, so_b, so_h, so_r,
-                        LENGTHS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr,
-                        BLOCK_D: tl.constexpr):
+                        LENGTHS: tl.constexpr, MIN_KEYS: tl.constexpr, BLOCK_R: tl.constexpr,
+                        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
         bh, rblock = tl.program_id(0), tl.program_id(1)
         b, h = bh // heads, bh % heads
         rows = rblock * BLOCK_R + tl.arange(0, BLOCK_R)
         dims = tl.arange(0, BLOCK_D)
         if LENGTHS:  # only the splits that held keys of this sequence wrote a partial result
             total = tl.load(length_ptr + b) + T
-            active = tl.cdiv(total, keys_per_split(total, splits, BLOCK_S))
+            active = tl.cdiv(total, keys_per_split(total, splits, BLOCK_S, MIN_KEYS))
         else:
             active = splits
         top = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
@@ -172,11 +172,12 @@ def split_shape(q: torch.Tensor, keys: int) -> tuple[int, int, int]:
 
 def split_and_merge(q: torch.Tensor, splits: int, block_d: int,
                     run_splits: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
-                    lengths: torch.Tensor | None = None, t: int = 0) -> torch.Tensor:
+                    lengths: torch.Tensor | None = None, t: int = 0, min_keys: int = BLOCK_KEYS) -> torch.Tensor:
     """The buffers every split's partial result goes to (running max, sum, weighted values per query row),
     `run_splits(partial, m, l)` to fill them (the caller's split kernel), then `_combine_kernel`: the attention
     output, q's shape and dtype. With `lengths` ([B] committed keys, `t` new rows each) the splits cover each
-    sequence's lengths[b] + t keys as `keys_per_split` divides them, and the combine reads only those that did."""
+    sequence's lengths[b] + t keys as `keys_per_split` divides them (at least `min_keys` each), and the combine reads
+    only those that did."""
     batch, heads, rows, dim = q.shape
     partial = torch.empty(batch * heads * splits * rows, block_d, dtype=torch.float32, device=q.device)
     m = torch.empty(batch * heads * splits * rows, dtype=torch.float32, device=q.device)
@@ -185,6 +186,6 @@ def split_and_merge(q: torch.Tensor, splits: int, block_d: int,
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _combine_kernel[(batch * heads, triton.cdiv(rows, BLOCK_ROWS))](
         partial, m, l, out, m if lengths is None else lengths, rows, t, dim, heads, splits, out.stride(0),
-        out.stride(1), out.stride(2), LENGTHS=lengths is not None, BLOCK_R=BLOCK_ROWS, BLOCK_S=BLOCK_KEYS,
-        BLOCK_D=block_d)
+        out.stride(1), out.stride(2), LENGTHS=lengths is not None, MIN_KEYS=min_keys, BLOCK_R=BLOCK_ROWS,
+        BLOCK_S=BLOCK_KEYS, BLOCK_D=block_d)
     return out

@@ -9,7 +9,7 @@ cost of launching it (its compiled wrapper's guards, our dispatch), which a capt
 picked the folded kernel for gate|up at 16 rows though in the step it ran 68.7 us against cuBLAS's 48.7 (H200,
 benchmarks/RESULTS.md session 17; graph timing not yet run there). The first call comes from a CUDA graph's warm-up,
 before its capture; a shape first met while capturing keeps the library call. Off a GPU (Triton's interpreter, the
-tests) the kernel always runs.
+tests) the kernel always runs. `fastest` does the same among several variants of a kernel and the library call.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from collections.abc import Callable, Hashable
 
 import torch
 
-_TIMES: dict[tuple[str, Hashable], tuple[float, float]] = {}  # (kernel, library) milliseconds a call
+_TIMES: dict[tuple[str, Hashable], dict[str, float]] = {}  # each option's milliseconds a call
 
 
 def _milliseconds(run: Callable[[], object], repeats: int = 20) -> float:
@@ -40,20 +40,29 @@ def _milliseconds(run: Callable[[], object], repeats: int = 20) -> float:
     return start.elapsed_time(end) / repeats
 
 
+def fastest(kind: str, key: Hashable, device: torch.device, options: dict[str, Callable[[], object]]) -> str:
+    """The name of the option that runs this `kind` of call at shape `key`: the fastest, timed the first time. The
+    last option is the library call: the choice while a graph is captured before the shape was timed. Off a GPU the
+    first runs (the kernels' tests)."""
+    names = list(options)
+    if device.type != "cuda":
+        return names[0]
+    if (kind, key) not in _TIMES:
+        if torch.cuda.is_current_stream_capturing():
+            return names[-1]
+        _TIMES[(kind, key)] = {name: _milliseconds(run) for name, run in options.items()}
+    times = _TIMES[(kind, key)]
+    return min(times, key=lambda name: times[name])
+
+
 def kernel_wins(kind: str, key: Hashable, device: torch.device, kernel: Callable[[], object],
                 library: Callable[[], object]) -> bool:
     """Whether `kernel` runs this `kind` of call at shape `key` (timed against `library` the first time)."""
-    if device.type != "cuda":
-        return True
-    if (kind, key) not in _TIMES:
-        if torch.cuda.is_current_stream_capturing():
-            return False
-        _TIMES[(kind, key)] = (_milliseconds(kernel), _milliseconds(library))
-    kernel_ms, library_ms = _TIMES[(kind, key)]
-    return kernel_ms < library_ms
+    return fastest(kind, key, device, {"kernel": kernel, "library": library}) == "kernel"
 
 
 def choices() -> dict[str, str]:
-    """Every shape timed so far: "kind key" -> which runs it, and both sides' times."""
-    return {f"{kind} {key}": f"{'kernel' if k < lib else 'library'} (kernel {1e3 * k:.1f} us, library "
-            f"{1e3 * lib:.1f} us)" for (kind, key), (k, lib) in _TIMES.items()}
+    """Every shape timed so far: "kind key" -> which runs it, and every option's time."""
+    return {f"{kind} {key}": f"{min(times, key=lambda n: times[n])} ("
+            + ", ".join(f"{name} {1e3 * ms:.1f} us" for name, ms in times.items()) + ")"
+            for (kind, key), times in _TIMES.items()}
