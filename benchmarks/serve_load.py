@@ -361,17 +361,21 @@ def one_request(client: httpx.Client, url: str, model: str, messages: list[dict]
 
 
 STALL_S = SLOW_STEP_S  # a decode step longer than this is a stall (a capture, a compile), as the server says
+OVER_S = (0.005, 0.01, 0.025, 0.1, STALL_S)  # step lengths counted by method: a mean slowed by a few long steps (a
+# graph captured mid-level) from one slowed in every step (the schedule's DDTree steps at batch 1 averaged 2.37 ms
+# against the DDTree server's 2.12 on the H200, session 22, and the sums alone could not say which)
 
 
 @dataclass
 class EngineShare:
     """The server's own account of its decode thread (`blockdraft:engine_*` on /metrics), read before and after a
-    level: the seconds in steps (by method) and in admissions, and the steps over STALL_S."""
+    level: the seconds in steps (by method) and in admissions, and the steps over each of OVER_S (by method; the
+    histogram's buckets)."""
 
     admit_s: float = 0.0
     step_s: dict[str, float] = field(default_factory=dict)
     steps: dict[str, int] = field(default_factory=dict)
-    stalls: int = 0
+    within: dict[str, dict[float, int]] = field(default_factory=dict)  # steps at or under each bound of OVER_S
 
     @classmethod
     def read(cls, url: str) -> "EngineShare":
@@ -389,29 +393,43 @@ class EngineShare:
                     share.step_s[method] = sample.value
                 elif sample.name == "blockdraft:engine_step_seconds_count":
                     share.steps[method] = int(sample.value)
-                    share.stalls += int(sample.value)
-                elif sample.name == "blockdraft:engine_step_seconds_bucket" and sample.labels["le"] == str(STALL_S):
-                    share.stalls -= int(sample.value)
+                elif sample.name == "blockdraft:engine_step_seconds_bucket":
+                    bound = float(sample.labels["le"])
+                    if bound in OVER_S:
+                        share.within.setdefault(method, {})[bound] = int(sample.value)
         return share
+
+    def over(self, method: str) -> dict[float, int]:
+        """The method's steps longer than each bound of OVER_S."""
+        within = self.within.get(method, {})
+        return {bound: self.steps.get(method, 0) - within.get(bound, 0) for bound in OVER_S}
+
+    @property
+    def stalls(self) -> int:
+        return sum(self.over(method)[STALL_S] for method in self.steps)
 
     def minus(self, before: "EngineShare") -> "EngineShare":
         return EngineShare(self.admit_s - before.admit_s,
                            {m: s - before.step_s.get(m, 0.0) for m, s in self.step_s.items()},
                            {m: n - before.steps.get(m, 0) for m, n in self.steps.items()},
-                           self.stalls - before.stalls)
+                           {m: {b: n - before.within.get(m, {}).get(b, 0) for b, n in bounds.items()}
+                            for m, bounds in self.within.items()})
 
     def plus(self, other: "EngineShare") -> "EngineShare":
         methods = {*self.steps, *other.steps}
         return EngineShare(self.admit_s + other.admit_s,
                            {m: self.step_s.get(m, 0.0) + other.step_s.get(m, 0.0) for m in methods},
                            {m: self.steps.get(m, 0) + other.steps.get(m, 0) for m in methods},
-                           self.stalls + other.stalls)
+                           {m: {b: self.within.get(m, {}).get(b, 0) + other.within.get(m, {}).get(b, 0)
+                                for b in OVER_S} for m in methods})
 
     def delta(self, wall: float) -> dict[str, Any]:
-        """For the level's record: shares of its wall time, steps by method, stalls."""
+        """For the level's record: shares of its wall time, steps by method (with their seconds and how many ran
+        over each bound of OVER_S), stalls."""
+        ran = [m for m, n in self.steps.items() if n]
         return {"step_share": sum(self.step_s.values()) / wall, "admit_share": self.admit_s / wall,
-                "steps": {m: n for m, n in self.steps.items() if n}, "step_s": {m: s for m, s in self.step_s.items()
-                                                                                  if self.steps.get(m)},
+                "steps": {m: self.steps[m] for m in ran}, "step_s": {m: self.step_s.get(m, 0.0) for m in ran},
+                "steps_over_ms": {m: {f"{1e3 * b:g}": n for b, n in self.over(m).items()} for m in ran},
                 "stalls": self.stalls}
 
 
@@ -556,7 +574,11 @@ def main() -> None:
             for result in rotate(methods, servers, args, concurrency, prompts):
                 levels.append(result)
                 engine = result.engine
-                mix = ", ".join(f"{m} {n}" for m, n in sorted(engine["steps"].items(), key=lambda mn: -mn[1]))
+                mix = ", ".join(
+                    f"{m} {n} (mean {1e3 * engine['step_s'][m] / n:.2f} ms; over "
+                    + "/".join(engine["steps_over_ms"][m]) + " ms: "
+                    + "/".join(str(c) for c in engine["steps_over_ms"][m].values()) + ")"
+                    for m, n in sorted(engine["steps"].items(), key=lambda mn: -mn[1]))
                 console.print(f"# {result.method} c={concurrency}: {result.output_tokens_per_s:.1f} tok/s, "
                               f"{result.errors} errors; steps by method: {mix or '-'}"
                               + "".join(f"\n#   {m}" for m in result.error_messages))
