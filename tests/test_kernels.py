@@ -195,6 +195,11 @@ def test_a_kernel_runs_a_shape_only_where_it_was_timed_faster(monkeypatch) -> No
                                                      "library 2000.0 us)")
     assert kernel_choice.fastest("block", (3,), torch.device("cpu"), options) == "kernel"
 
+    def broken() -> str:
+        raise RuntimeError("no such target")
+
+    assert not kernel_choice.kernel_wins("broken", (1,), gpu, broken, lambda: "library")  # a kernel that cannot run
+
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -246,3 +251,16 @@ def test_batched_sequences_on_kernels_decode_their_batch_1_ids(sliding: bool, me
     while decoder.running:
         finished.update({index[id(seq)]: seq.result().token_ids for seq in decoder.step()})
     assert [finished[i] for i in range(len(items))] == alone
+
+
+def test_the_kernels_run_only_on_gpus_triton_serves(monkeypatch) -> None:
+    """On a GPU older than Ampere the engine keeps the library calls (the q|k|v kernel is on by default on CUDA)."""
+    from blockdraft.models import skinny_gemm
+
+    if skinny_gemm.triton is None:
+        pytest.skip("Triton is not installed")
+    for capability, runs in (((7, 0), False), ((8, 0), True), ((9, 0), True)):
+        skinny_gemm._capable.cache_clear()
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
+        assert skinny_gemm.kernel_available(torch.device("cuda", 3)) is runs
+    skinny_gemm._capable.cache_clear()

@@ -9,11 +9,14 @@ cost of launching it (its compiled wrapper's guards, our dispatch), which a capt
 picked the folded kernel for gate|up at 16 rows though in the step it ran 68.7 us against cuBLAS's 48.7 (H200,
 benchmarks/RESULTS.md session 17; graph timing not yet run there). The first call comes from a CUDA graph's warm-up,
 before its capture; a shape first met while capturing keeps the library call. Off a GPU (Triton's interpreter, the
-tests) the kernel always runs. `fastest` does the same among several variants of a kernel and the library call.
+tests) the kernel always runs. `fastest` does the same among several variants of a kernel and the library call. A
+kernel that fails to compile or run on the device counts as the slowest (one warning): with the q|k|v kernel on by
+default on CUDA, a GPU it cannot serve must still decode.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Hashable
 
 import torch
@@ -50,9 +53,22 @@ def fastest(kind: str, key: Hashable, device: torch.device, options: dict[str, C
     if (kind, key) not in _TIMES:
         if torch.cuda.is_current_stream_capturing():
             return names[-1]
-        _TIMES[(kind, key)] = {name: _milliseconds(run) for name, run in options.items()}
+        _TIMES[(kind, key)] = {name: _kernel_milliseconds(kind, name, run) for name, run in options.items()
+                               if name != names[-1]}
+        _TIMES[(kind, key)][names[-1]] = _milliseconds(options[names[-1]])
     times = _TIMES[(kind, key)]
     return min(times, key=lambda name: times[name])
+
+
+def _kernel_milliseconds(kind: str, name: str, run: Callable[[], object]) -> float:
+    """`_milliseconds` of a kernel option; infinite, with one warning, where it fails to compile or run on this
+    device (a GPU Triton cannot target): the library call then runs, as it would without the kernels."""
+    try:
+        return _milliseconds(run)
+    except Exception as exc:  # a kernel must cost speed where it cannot run, never the forward
+        sys.stderr.write(f"warning: the {kind} kernel ({name}) failed on this device, the library call runs instead "
+                         f"({exc!r:.200})\n")
+        return float("inf")
 
 
 def kernel_wins(kind: str, key: Hashable, device: torch.device, kernel: Callable[[], object],

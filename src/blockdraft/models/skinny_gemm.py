@@ -12,6 +12,7 @@ CPU for the tests.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 
@@ -30,11 +31,22 @@ except ImportError:  # no Triton (a CPU install): F.linear everywhere
     triton = None
 
 
+KERNEL_MIN_CAPABILITY = (8, 0)  # the kernels' bf16 dots and Triton's supported GPUs: Ampere and newer
+
+
 def kernel_available(device: torch.device) -> bool:
-    """Whether `skinny_linear` can run its kernel on `device` (on a CPU only under Triton's interpreter)."""
+    """Whether our Triton kernels can run on `device`: a GPU Triton targets (compute capability 8.0 or newer: on an
+    older one the engine keeps the library calls), or a CPU under Triton's interpreter."""
     if triton is None:
         return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    if device.type == "cuda":
+        return _capable(torch.cuda.current_device() if device.index is None else device.index)
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= KERNEL_MIN_CAPABILITY
 
 
 if triton is not None:
