@@ -15,10 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gpu_speed import bandwidth  # noqa: E402  (the copy-bandwidth measure every GPU table states)
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
           "lm_head": (151936, 4096)}
@@ -26,21 +30,6 @@ PER_STEP = {"qkv": 36, "o_proj": 36, "gate_up": 36, "down": 36, "lm_head": 1}  #
 SETTINGS = {"cublas": ("cublas", True), "cublas-fp32-reduce": ("cublas", False),
             "cublaslt": ("cublaslt", True), "cublaslt-fp32-reduce": ("cublaslt", False)}
 ROTATE_BYTES = 400e6  # weights cycled per timing: well past the H200's 50 MB L2
-
-
-def copy_bandwidth(device: torch.device) -> float:
-    """Bytes per second of a 1 GB device-to-device copy (read + write)."""
-    src = torch.empty(int(5e8), dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    return 2 * src.numel() * 2 * 10 / (start.elapsed_time(end) / 1e3)
 
 
 def time_product(n: int, k: int, m: int, device: torch.device, repeats: int = 5) -> float:
@@ -71,7 +60,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     device = torch.device("cuda")
-    bandwidth = copy_bandwidth(device)
+    copy = bandwidth(device, quick=False)
     rows = [int(r) for r in args.rows.split(",")]
     results: dict[str, dict[str, dict[str, float]]] = {}
     for name, (library, reduced) in SETTINGS.items():
@@ -80,11 +69,11 @@ def main() -> None:
         results[name] = {}
         for m in rows:
             results[name][str(m)] = {shape: time_product(n, k, m, device) for shape, (n, k) in SHAPES.items()}
-    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; us per product (TB/s of its weights); per step = the products"
+    print(f"copy bandwidth {copy / 1e12:.2f} TB/s; us per product (TB/s of its weights); per step = the products"
           f" of one 8B forward (36 layers + LM head)\n")
     print("| rows | setting | " + " | ".join(SHAPES) + " | per step (ms) | floor (ms) |")
     print("|---" * (len(SHAPES) + 4) + "|")
-    floor = sum(PER_STEP[s] * n * k * 2 for s, (n, k) in SHAPES.items()) / bandwidth
+    floor = sum(PER_STEP[s] * n * k * 2 for s, (n, k) in SHAPES.items()) / copy
     for m in rows:
         for name in SETTINGS:
             times = results[name][str(m)]
@@ -92,7 +81,7 @@ def main() -> None:
             step = sum(PER_STEP[s] * times[s] for s in SHAPES)
             print(f"| {m} | {name} | " + " | ".join(cells) + f" | {1e3 * step:.3f} | {1e3 * floor:.3f} |")
     if args.json:
-        args.json.write_text(json.dumps({"bandwidth": bandwidth, "seconds": results}, indent=1))
+        args.json.write_text(json.dumps({"bandwidth": copy, "seconds": results}, indent=1))
 
 
 if __name__ == "__main__":
