@@ -213,16 +213,11 @@ def kernel_qkv_heads(
     k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
 ) -> torch.Tensor:
     """`qkv_heads` (batch 1: caches [kv_heads, slots, d], rows written at `slots`) from the `qkv_rope` kernel where
-    it runs and was timed faster at this shape than `reference` (qkv_heads as the engine runs it), else `reference`."""
+    it runs and was timed faster at this shape than `reference` (qkv_heads as the engine runs it), else `reference`.
+    (The one sequence's cache slot stride is 0, so `slots` stands in for the slot index.)"""
     args = (qkv, q_norm, k_norm, cos, sin, heads, kv_heads, eps, k_cache, v_cache)
-    if qkv_rope_runs(qkv, cos, sin, k_cache, v_cache):
-        def run() -> torch.Tensor:
-            return qkv_rope(*args, torch.zeros_like(slots), slots, (0, k_cache.stride(0), k_cache.stride(1)))
-
-        if kernel_wins("qkv_heads", (*qkv.shape, heads, kv_heads, qkv.dtype), qkv.device, run,
-                       lambda: reference(*args, slots)):
-            return run()
-    return reference(*args, slots)
+    return _qkv_rope_or("qkv_heads", lambda: reference(*args, slots), args, slots, slots,
+                        (0, k_cache.stride(0), k_cache.stride(1)))
 
 
 def kernel_batched_qkv_heads(
@@ -233,14 +228,23 @@ def kernel_batched_qkv_heads(
     """`batched_qkv_heads` (caches [slots, kv_heads, positions, d], row (b, i) written at slot seq[b, i], position
     cols[b, i]) from the `qkv_rope` kernel where it runs and was timed faster, else `reference`."""
     args = (qkv, q_norm, k_norm, cos, sin, heads, kv_heads, eps, k_cache, v_cache)
-    if qkv_rope_runs(qkv, cos, sin, k_cache, v_cache):
-        def run() -> torch.Tensor:
-            return qkv_rope(*args, seq, cols, k_cache.stride()[:3])
+    return _qkv_rope_or("batched_qkv_heads", lambda: reference(*args, seq, cols), args, seq, cols,
+                        k_cache.stride()[:3])
 
-        if kernel_wins("batched_qkv_heads", (*qkv.shape, heads, kv_heads, qkv.dtype), qkv.device, run,
-                       lambda: reference(*args, seq, cols)):
-            return run()
-    return reference(*args, seq, cols)
+
+def _qkv_rope_or(kind: str, library: Callable[[], torch.Tensor], args: tuple, slot: torch.Tensor, col: torch.Tensor,
+                 cache_strides: tuple[int, int, int]) -> torch.Tensor:
+    """`qkv_rope(*args, slot, col, cache_strides)` where it runs and was timed faster than `library` at this shape
+    (`kernel_choice`), else `library()`."""
+    qkv, _, _, cos, sin, heads, kv_heads, _, k_cache, v_cache = args
+    if not qkv_rope_runs(qkv, cos, sin, k_cache, v_cache):
+        return library()
+
+    def run() -> torch.Tensor:
+        return qkv_rope(*args, slot, col, cache_strides)
+
+    wins = kernel_wins(kind, (*qkv.shape, heads, kv_heads, qkv.dtype), qkv.device, run, library)
+    return run() if wins else library()
 
 
 @dataclass

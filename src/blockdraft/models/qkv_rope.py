@@ -64,7 +64,8 @@ if triton is not None:
                      mask=inside)
 
 
-def qkv_rope_runs(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+def qkv_rope_runs(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor) -> bool:
     """Whether `qkv_rope` runs on these: the kernels available, a half or float32 product with unit last strides
     (cos/sin and the caches alike), no autograd."""
     return (kernel_available(qkv.device) and qkv.dtype in (torch.bfloat16, torch.float16, torch.float32)
