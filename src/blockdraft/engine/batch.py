@@ -44,7 +44,7 @@ from blockdraft.models.host_to_device import long_tensor
 from blockdraft.models.target import Target
 
 
-PENDING_MAX = 256  # committed tokens a scheduled AR step may leave out of a sequence's drafter context (see step)
+PENDING_MAX = 256  # scheduled AR steps whose taps may wait out of the drafter contexts (see BatchDecoder._catch_up)
 
 
 @dataclass(frozen=True)
@@ -78,7 +78,8 @@ class Sequence:
     stopped_on: int | None = None
     ended_early: bool = False
     finished: float | None = None
-    pending: list[torch.Tensor] = field(default_factory=list)  # taps of committed tokens not yet in the drafter context
+    pending: list[int] = field(default_factory=list)  # rows of the decoder's deferred taps: committed tokens not yet
+    # in the drafter context (BatchDecoder._catch_up)
 
     @property
     def done(self) -> bool:
@@ -154,6 +155,8 @@ class BatchDecoder:
         self.drafting: BatchDrafter | None = None  # made by the first sequence that drafts on the fast engine
         self.last_method = ""  # the method of the last step read ("ar", "dflash", "ddtree", or a schedule's label)
         self.flight: _Flight | None = None  # the step launched and not read back yet
+        self.deferred: list[torch.Tensor] = []  # each scheduled AR step's taps [B, 1, *], read by _catch_up
+        self.deferred_rows = 0  # rows in `deferred`: a sequence's `pending` index them as if concatenated
 
     def _batch_drafter(self, proposer: Proposer | None) -> BatchDrafter | None:
         """The batch's drafter, when the proposers draft with a drafter the batched pass can run."""
@@ -393,9 +396,7 @@ class BatchDecoder:
         kept_taps: list[torch.Tensor] = []
         reports: list[tuple[Sequence, list[int]]] = []
         whole = flight.verified.taps  # every sequence's kept taps its first rows: one copy for the batch
-        # A deferring step's taps, copied out of the graph's buffer (valid until its next replay) once for the batch:
-        # a copy per sequence cost the scheduled AR step 0.7-1.2 ms at batch 64 on the H200 (RESULTS, session 23)
-        stash = whole.clone() if flight.deferring and whole is not None else None
+        base = self._defer(flight, whole) if flight.deferring else 0
         for slot, (seq, draft, start, verdict, (_, taps)) in enumerate(
                 zip(flight.seqs, drafts, flight.starts, verdicts, flight.verified.rows)):
             if seq.ended_early:  # its hook ended it after this step was launched: nothing of the step is kept
@@ -408,16 +409,14 @@ class BatchDecoder:
                 [0] + [node + 1 for node in verdict.accepted][: produced - 1], device)
             self.verifier.keep(slot, start, rows, produced)
             if seq.proposer and taps is not None:
-                kept = taps[:, :produced] if rows is None else taps[:, rows]
-                if not flight.deferring:
-                    extended.append(slot)
-                    kept_taps.append(kept)
+                if flight.deferring:  # an AR step: its one token's taps wait in `deferred` for the next drafting step
+                    if produced:
+                        seq.pending.append(base + slot)
                     continue
-                seq.pending.append(kept.clone() if stash is None else stash[slot : slot + 1, :produced])  # AR: a chain
-                if len(seq.pending) >= PENDING_MAX:  # an AR step commits one token: one entry each
-                    extended.append(slot)
-                    kept_taps.append(torch.cat(seq.pending, dim=1))
-                    seq.pending.clear()
+                extended.append(slot)
+                kept_taps.append(taps[:, :produced] if rows is None else taps[:, rows])
+        if len(self.deferred) >= PENDING_MAX:
+            self._catch_up()
         chains = (whole is not None and not flight.deferring and extended == list(range(len(flight.seqs)))
                   and all(draft.is_chain for draft in drafts))
         self._extend(extended, kept_taps, whole if chains else None)
@@ -439,17 +438,37 @@ class BatchDecoder:
             assert proposer is not None
             proposer.add_context(tap)
 
+    def _defer(self, flight: _Flight, whole: torch.Tensor | None) -> int:
+        """A scheduled AR step's taps (every sequence's one row), copied out of the forward's buffers (a graph's are
+        valid until its next replay) into `deferred` in one copy for the batch; returns the index of its first row.
+        A copy a sequence cost the scheduled AR step 0.7-1.2 ms at batch 64 on the H200 (RESULTS, session 23)."""
+        if whole is not None:
+            stash = whole[:, :1].clone()
+        else:
+            rows = [taps for _, taps in flight.verified.rows]
+            assert all(taps is not None for taps in rows)  # a schedule's sequences all tap (SwitchingProposer)
+            stash = torch.cat([taps[:, :1] for taps in rows])  # type: ignore[index]
+        base = self.deferred_rows
+        self.deferred.append(stash)
+        self.deferred_rows += stash.shape[0]
+        return base
+
     def _catch_up(self) -> None:
-        """Before a step that drafts: the context the scheduled AR steps since the last such step left pending, in one
-        extension. An AR step that wrote it at once paid a drafter extension every step (the scheduled AR step
-        served 0.79x the AR server on the H200, benchmarks/RESULTS.md session 16); deferred, it pays one launch for
-        up to PENDING_MAX tokens, and the context is the same when drafting resumes."""
-        slots = [b for b, seq in enumerate(self.running) if seq.pending]
-        if not slots:
+        """Before a step that drafts, and every PENDING_MAX AR steps: the context the scheduled AR steps since the
+        last catch-up left pending, in one extension (each sequence's rows gathered in one index). An AR step that
+        wrote it at once paid a drafter extension every step (the scheduled AR step served 0.79x the AR server on the
+        H200, benchmarks/RESULTS.md session 16); deferred, it pays one launch for up to PENDING_MAX tokens, and the
+        context is the same when drafting resumes."""
+        if not self.deferred:
             return
-        taps = [torch.cat(self.running[b].pending, dim=1) for b in slots]
+        every = torch.cat(self.deferred) if len(self.deferred) > 1 else self.deferred[0]
+        slots = [b for b, seq in enumerate(self.running) if seq.pending]
+        taps = [every[long_tensor(self.running[b].pending, every.device)].reshape(1, -1, every.shape[-1])
+                for b in slots]
         for b in slots:
             self.running[b].pending.clear()
+        self.deferred.clear()
+        self.deferred_rows = 0
         self._extend(slots, taps)
 
     def _verdicts(self, flight: _Flight, read: list[int] | None) -> list[Verdict]:
