@@ -376,6 +376,9 @@ class EngineShare:
     step_s: dict[str, float] = field(default_factory=dict)
     steps: dict[str, int] = field(default_factory=dict)
     within: dict[str, dict[float, int]] = field(default_factory=dict)  # steps at or under each bound of OVER_S
+    capturing: dict[str, int] = field(default_factory=dict)  # steps that captured CUDA graphs ...
+    capturing_s: dict[str, float] = field(default_factory=dict)  # ... their seconds ...
+    graphs: dict[str, int] = field(default_factory=dict)  # ... and the graphs they captured
 
     @classmethod
     def read(cls, url: str) -> "EngineShare":
@@ -397,6 +400,12 @@ class EngineShare:
                     bound = float(sample.labels["le"])
                     if bound in OVER_S:
                         share.within.setdefault(method, {})[bound] = int(sample.value)
+                elif sample.name == "blockdraft:engine_capturing_step_seconds_count":
+                    share.capturing[method] = int(sample.value)
+                elif sample.name == "blockdraft:engine_capturing_step_seconds_sum":
+                    share.capturing_s[method] = sample.value
+                elif sample.name == "blockdraft:engine_graph_captures_total":
+                    share.graphs[method] = int(sample.value)
         return share
 
     def over(self, method: str) -> dict[float, int]:
@@ -413,7 +422,10 @@ class EngineShare:
                            {m: s - before.step_s.get(m, 0.0) for m, s in self.step_s.items()},
                            {m: n - before.steps.get(m, 0) for m, n in self.steps.items()},
                            {m: {b: n - before.within.get(m, {}).get(b, 0) for b, n in bounds.items()}
-                            for m, bounds in self.within.items()})
+                            for m, bounds in self.within.items()},
+                           {m: n - before.capturing.get(m, 0) for m, n in self.capturing.items()},
+                           {m: s - before.capturing_s.get(m, 0.0) for m, s in self.capturing_s.items()},
+                           {m: n - before.graphs.get(m, 0) for m, n in self.graphs.items()})
 
     def plus(self, other: "EngineShare") -> "EngineShare":
         methods = {*self.steps, *other.steps}
@@ -421,7 +433,10 @@ class EngineShare:
                            {m: self.step_s.get(m, 0.0) + other.step_s.get(m, 0.0) for m in methods},
                            {m: self.steps.get(m, 0) + other.steps.get(m, 0) for m in methods},
                            {m: {b: self.within.get(m, {}).get(b, 0) + other.within.get(m, {}).get(b, 0)
-                                for b in OVER_S} for m in methods})
+                                for b in OVER_S} for m in methods},
+                           {m: self.capturing.get(m, 0) + other.capturing.get(m, 0) for m in methods},
+                           {m: self.capturing_s.get(m, 0.0) + other.capturing_s.get(m, 0.0) for m in methods},
+                           {m: self.graphs.get(m, 0) + other.graphs.get(m, 0) for m in methods})
 
     def delta(self, wall: float) -> dict[str, Any]:
         """For the level's record: shares of its wall time, steps by method (with their seconds and how many ran
@@ -430,6 +445,9 @@ class EngineShare:
         return {"step_share": sum(self.step_s.values()) / wall, "admit_share": self.admit_s / wall,
                 "steps": {m: self.steps[m] for m in ran}, "step_s": {m: self.step_s.get(m, 0.0) for m in ran},
                 "steps_over_ms": {m: {f"{1e3 * b:g}": n for b, n in self.over(m).items()} for m in ran},
+                "capturing_steps": {m: self.capturing.get(m, 0) for m in ran},
+                "capturing_s": {m: self.capturing_s.get(m, 0.0) for m in ran},
+                "graphs_captured": {m: self.graphs.get(m, 0) for m in ran},
                 "stalls": self.stalls}
 
 
@@ -577,7 +595,9 @@ def main() -> None:
                 mix = ", ".join(
                     f"{m} {n} (mean {1e3 * engine['step_s'][m] / n:.2f} ms; over "
                     + "/".join(engine["steps_over_ms"][m]) + " ms: "
-                    + "/".join(str(c) for c in engine["steps_over_ms"][m].values()) + ")"
+                    + "/".join(str(c) for c in engine["steps_over_ms"][m].values())
+                    + f"; {engine['capturing_steps'][m]} captured {engine['graphs_captured'][m]} graphs in "
+                    f"{engine['capturing_s'][m]:.2f} s)"
                     for m, n in sorted(engine["steps"].items(), key=lambda mn: -mn[1]))
                 console.print(f"# {result.method} c={concurrency}: {result.output_tokens_per_s:.1f} tok/s, "
                               f"{result.errors} errors; steps by method: {mix or '-'}"

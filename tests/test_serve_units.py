@@ -326,8 +326,8 @@ def test_the_engines_busy_time_is_exposed_by_method() -> None:
     from blockdraft.serve.messages import EngineTime
 
     metrics = ServeMetrics("m", 2048, 15)
-    metrics.engine_time(EngineTime(0.5, {"dflash/15": [0.004, 0.3], "ar": [0.002]}))
-    metrics.engine_time(EngineTime(0.25, {"dflash/15": [0.006]}))
+    metrics.engine_time(EngineTime(0.5, {"dflash/15": [0.004, 0.3], "ar": [0.002]}, {"dflash/15": [(3, 0.3)]}))
+    metrics.engine_time(EngineTime(0.25, {"dflash/15": [0.006]}, {"dflash/15": [(1, 0.006)]}))
     samples = {(s.name, s.labels.get("method"), s.labels.get("le")): s.value
                for family in text_string_to_metric_families(metrics.exposition()[0].decode())
                if family.name.startswith("blockdraft:") for s in family.samples}
@@ -336,6 +336,10 @@ def test_the_engines_busy_time_is_exposed_by_method() -> None:
     assert samples[("blockdraft:engine_step_seconds_sum", "dflash/15", None)] == pytest.approx(0.31)
     assert samples[("blockdraft:engine_step_seconds_bucket", "dflash/15", "0.25")] == 2
     assert samples[("blockdraft:engine_step_seconds_count", "ar", None)] == 1
+    assert samples[("blockdraft:engine_capturing_step_seconds_count", "dflash/15", None)] == 2
+    assert samples[("blockdraft:engine_capturing_step_seconds_sum", "dflash/15", None)] == pytest.approx(0.306)
+    assert samples[("blockdraft:engine_graph_captures_total", "dflash/15", None)] == 4
+    assert ("blockdraft:engine_graph_captures_total", "ar", None) not in samples
 
 
 def test_a_slow_step_is_named_with_what_it_did(monkeypatch) -> None:
@@ -364,7 +368,8 @@ def test_a_slow_step_is_named_with_what_it_did(monkeypatch) -> None:
         "slow step: 0.50 s at batch 4 running ddtree@32 (2 CUDA graphs captured, 0 torch.compile compilations in it; "
         "2 more over 0.25 s since the last such line)",
     ]
-    assert reports == [EngineTime(0.0, {"ddtree@32": [0.01, 2.5, 0.4, 0.3, 0.5]})]
+    assert reports == [EngineTime(0.0, {"ddtree@32": [0.01, 2.5, 0.4, 0.3, 0.5]},
+                                  {"ddtree@32": [(4, 2.5), (1, 0.3), (2, 0.5)]})]
 
 
 def test_outbox_sends_the_first_and_final_events_at_once_and_batches_the_rest() -> None:

@@ -5,8 +5,9 @@ Under load the served tokens/s can disagree with the step rates (on the H200 the
 1.3x AR's at batch 16 while AR served more: benchmarks/RESULTS.md, session 17), and a stall of seconds in one step
 hides in a level's average (the scheduled server paused ~2.9 s mid-stream at concurrency 4 there, cause unknown).
 So the engine reports its busy time, which /metrics exposes (`blockdraft:engine_step_seconds{method}`,
-`blockdraft:engine_admit_seconds_total`), and says what a slow step did: how many CUDA graphs it captured and how
-many torch.compile compilations it ran.
+`blockdraft:engine_admit_seconds_total`, and the steps that captured CUDA graphs:
+`blockdraft:engine_capturing_step_seconds{method}`, `blockdraft:engine_graph_captures_total{method}`), and says what
+a slow step did: how many CUDA graphs it captured and how many torch.compile compilations it ran.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class EngineClock:
         self._say = say
         self._admit_s = 0.0
         self._steps: dict[str, list[float]] = {}
+        self._captures: dict[str, list[tuple[int, float]]] = {}
         self._last = time.monotonic()
         self._last_said = -float("inf")
         self._unsaid = 0
@@ -52,13 +54,16 @@ class EngineClock:
 
     def stepped(self, method: str, batch: int, seconds: float) -> None:
         self._steps.setdefault(method, []).append(seconds)
+        graphs = graphs_captured() - self._before[0]
+        if graphs:
+            self._captures.setdefault(method, []).append((graphs, seconds))
         if seconds < SLOW_STEP_S or self._say is None:
             return
         now = time.monotonic()
         self._unsaid += 1
         if now - self._last_said < SAY_EVERY_S:
             return
-        graphs, compiled = graphs_captured() - self._before[0], compilations() - self._before[1]
+        compiled = compilations() - self._before[1]
         more = f"; {self._unsaid - 1} more over {SLOW_STEP_S} s since the last such line" if self._unsaid > 1 else ""
         self._say(f"slow step: {seconds:.2f} s at batch {batch} running {method} ({graphs} CUDA graphs captured, "
                   f"{compiled} torch.compile compilations in it{more})")
@@ -69,5 +74,5 @@ class EngineClock:
         now = time.monotonic()
         if not (self._admit_s or self._steps) or not (force or now - self._last >= REPORT_EVERY_S):
             return
-        self._report(EngineTime(self._admit_s, self._steps))
-        self._admit_s, self._steps, self._last = 0.0, {}, now
+        self._report(EngineTime(self._admit_s, self._steps, self._captures))
+        self._admit_s, self._steps, self._captures, self._last = 0.0, {}, {}, now

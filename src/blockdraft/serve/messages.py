@@ -7,7 +7,7 @@ answers with start-up lines, one Ready (or StartFailed), for each job a Started 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from blockdraft.serve.jobs import Event, JobSpec
@@ -87,10 +87,12 @@ class JobEvents:
 @dataclass(frozen=True)
 class EngineTime:
     """The decoding thread's busy time since its last report: seconds spent admitting jobs (prefill and joining the
-    batch; with --max-num-seqs 1 a job's whole decode), and each batched step's seconds by the method it ran."""
+    batch; with --max-num-seqs 1 a job's whole decode), each batched step's seconds by the method it ran, and the
+    steps that captured CUDA graphs (by method: each one's graphs and seconds), which a mean step time hides."""
 
     admit_s: float
     steps: dict[str, list[float]]
+    captures: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
 
 
 Reply = Say | Ready | StartFailed | Started | JobEvents | EngineTime

@@ -124,6 +124,12 @@ class ServeMetrics:
         self.step_seconds = Histogram(
             "blockdraft:engine_step_seconds", "Seconds of each batched decode step, by the method it ran.",
             [*labels, "method"], buckets=STEP_BUCKETS, registry=reg)
+        self.capturing_step_seconds = Histogram(
+            "blockdraft:engine_capturing_step_seconds", "Seconds of each decode step that captured CUDA graphs (a new "
+            "batch size, row count or context length), by the method it ran; also counted in engine_step_seconds.",
+            [*labels, "method"], buckets=STEP_BUCKETS, registry=reg)
+        self.graph_captures = Counter("blockdraft:engine_graph_captures", "CUDA graphs captured by decode steps.",
+                                      [*labels, "method"], registry=reg)
         self.admit_seconds = counter("blockdraft:engine_admit_seconds",
                                      "Seconds the engine spent admitting requests (prefill, joining the batch; "
                                      "with --max-num-seqs 1, a request's whole decode).")
@@ -156,6 +162,11 @@ class ServeMetrics:
             histogram = self.step_seconds.labels(*self._values, method)
             for value in seconds:
                 histogram.observe(value)
+        for method, steps in report.captures.items():
+            capturing = self.capturing_step_seconds.labels(*self._values, method)
+            for graphs, value in steps:
+                capturing.observe(value)
+            self.graph_captures.labels(*self._values, method).inc(sum(graphs for graphs, _ in steps))
 
     def abandoned(self, timing: Timing, reason: str) -> None:
         """A request that ended without decoding (client gone while queued, drain deadline, an error)."""
