@@ -12,6 +12,7 @@ at batch 1), so the schedule has to find the chain. Short horizons matter: a loa
 concurrency 16 is ~100 steps of batch 16.
 
     python benchmarks/schedule_simulation.py --scenario c1,c16,c64 --steps 150,300,1000,4000,16000 --runs 200
+    python benchmarks/schedule_simulation.py --scenario c64 --unobserved 0.6   # steps that carried a join unobserved
 """
 
 from __future__ import annotations
@@ -41,8 +42,11 @@ def table() -> Schedule:
                   [AR, CHAIN, TREE], [1])
 
 
-def serve(scenario: str, seed: int, steps: int, fixed: Candidate | None = None) -> tuple[float, Candidate]:
-    """Tokens per second over the last batch's `steps` simulated steps, and the schedule's choice there at the end."""
+def serve(scenario: str, seed: int, steps: int, fixed: Candidate | None = None, unobserved: float = 0.0
+          ) -> tuple[float, Candidate]:
+    """Tokens per second over the last batch's `steps` simulated steps, and the schedule's choice there at the end;
+    a step is left unobserved with probability `unobserved` (until session 23 the decoder did not observe a step
+    during which a request joined: most steps at concurrency 64)."""
     rng = random.Random(seed)
     schedule = MeasuredSchedule(table())
     difficulty, tokens, seconds = 1.0, 0, 0.0
@@ -57,7 +61,7 @@ def serve(scenario: str, seed: int, steps: int, fixed: Candidate | None = None) 
             committed = batch if candidate == AR else sum(
                 min(16, 1 + round(rng.expovariate(1 / max(tau * difficulty - 1, 0.01)))) for _ in range(batch))
             elapsed = batch * tau / rates[candidate] * rng.uniform(0.95, 1.05)
-            if fixed is None:
+            if fixed is None and rng.random() >= unobserved:
                 schedule.observe(batch, candidate, elapsed, committed)
             if last:
                 tokens, seconds = tokens + committed, seconds + elapsed
@@ -69,12 +73,14 @@ def main() -> None:
     parser.add_argument("--scenario", default="c1,c16,c64")
     parser.add_argument("--steps", default="150,300,1000,4000,16000")
     parser.add_argument("--runs", type=int, default=200)
+    parser.add_argument("--unobserved", type=float, default=0.0,
+                        help="Chance that a step is not observed (a join ran while it flew, before session 23).")
     args = parser.parse_args()
     print("| scenario | steps | choice at the end: dflash/15 / ddtree@32 / ar | served / DFlash alone: mean (min) |")
     print("|---|---|---|---|")
     for scenario in args.scenario.split(","):
         for steps in map(int, args.steps.split(",")):
-            runs = [serve(scenario, seed, steps) for seed in range(args.runs)]
+            runs = [serve(scenario, seed, steps, unobserved=args.unobserved) for seed in range(args.runs)]
             alone = [serve(scenario, seed, steps, CHAIN)[0] for seed in range(args.runs)]
             picks = [choice for _, choice in runs]
             ratios = [rate / best for (rate, _), best in zip(runs, alone)]

@@ -345,6 +345,44 @@ def test_a_schedule_switches_the_method_with_the_batch_size_losslessly() -> None
         assert seq.tokens == generate(target, ids, None, seq.max_new_tokens).token_ids
 
 
+def test_the_measured_schedule_times_a_step_without_the_join_that_ran_while_it_flew(monkeypatch) -> None:
+    """A step during which a request joined is observed, with the join's prefill taken out of its seconds: under
+    load most steps carry a join, and leaving them all unobserved kept losing candidates in a phase for ~100 steps."""
+    import time
+
+    from blockdraft.engine.measured import MeasuredSchedule
+    from blockdraft.engine.schedule import AR, AcceptanceProfile, Candidate, CostTable, choose
+    from blockdraft.engine.switching import SwitchingProposer
+
+    target = FastTarget(make_target_model("qwen3"))
+    drafter = make_drafter("all_full")
+    costs = CostTable(device="cpu", dtype="float32", target="t", drafter="d", context_tokens=64,
+                      verify_s={1: {1: 1.0, 4: 1.0}, 2: {1: 1.0, 4: 1.0}}, draft_s={1: 0.1, 2: 0.1})
+    table = choose(costs, AcceptanceProfile([0.9, 0.8, 0.7], {}), [AR, Candidate("dflash", 3)], [1, 2])
+    measured = MeasuredSchedule(table)
+    seen: list[float] = []
+    monkeypatch.setattr(measured, "observe", lambda batch, candidate, seconds, tokens: seen.append(seconds))
+    monkeypatch.setattr(measured, "counting", lambda batch: True)
+    join_alone = BatchDecoder._join_alone
+
+    def slow_join(self, request):  # noqa: ANN001, ANN202
+        time.sleep(0.5)
+        return join_alone(self, request)
+
+    decoder = BatchDecoder(target, lambda: SwitchingProposer(drafter, target, 4), 2, measured)
+    first_ids, second_ids = prompts(2)
+    decoder.join(first_ids, 12)
+    steps = 0
+    while decoder.running:
+        if steps == 2:
+            monkeypatch.setattr(BatchDecoder, "_join_alone", slow_join)
+            decoder.join(second_ids, 6)  # while the third step flies
+        decoder.step()
+        steps += 1
+    assert len(seen) == steps
+    assert max(seen) < 0.5
+
+
 @pytest.mark.parametrize("fast", [True, False])
 def test_scheduled_ar_steps_leave_the_drafter_context_for_later_and_draft_the_same(monkeypatch, fast: bool) -> None:
     """AR steps of a schedule leave their tokens out of the drafter context (at most PENDING_MAX of them); the next

@@ -169,6 +169,18 @@ def test_the_first_step_of_a_run_and_a_stalled_step_are_not_counted() -> None:
     assert schedule.buckets[1].measured == pytest.approx({AR: 100.0, CHAIN: 150.0, TREE: 80.0})
 
 
+def test_counting_says_which_picked_steps_the_phase_counts() -> None:
+    """What the decoder asks before a join runs while a step flies: only a counted step needs its own time."""
+    schedule = MeasuredSchedule(table(), None)
+    counted = []
+    for _ in range(2 * measured.RUN_STEPS):
+        candidate = schedule.pick(1)
+        counted.append(schedule.counting(1))
+        schedule.observe(1, candidate, 0.01, 1)
+    assert counted == ([False] + [True] * (measured.RUN_STEPS - 1)) * 2
+    assert not schedule.counting(64)  # nothing picked there
+
+
 def test_a_step_that_never_reports_leaves_the_phase_consistent() -> None:
     schedule = MeasuredSchedule(table(), None)
     schedule.pick(1)  # the step failed: no observe

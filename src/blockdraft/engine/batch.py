@@ -127,13 +127,12 @@ class _Flight:
     deferring: bool
     method: str
     began: float
-    joined: bool = False  # sequences joined while it flew: its time holds their prefill
+    join_s: float = 0.0  # seconds of joins run while it flew (their prefill), not the step's own
 
     def detach(self) -> None:
         """Before a join runs forwards: the verify's taps and the sampled sequences' logits copied out of the
         buffers those forwards may overwrite (the read tensor is a fresh one already)."""
         self.verified = self.verified.detached({b for b, seq in enumerate(self.seqs) if not seq.sampling.greedy})
-        self.joined = True
 
 
 class BatchDecoder:
@@ -203,8 +202,12 @@ class BatchDecoder:
                                   f"{len(requests)}; wait for some to finish")
         for request in requests:
             self.check(request)
-        if self.flight is not None:
-            self.flight.detach()
+        flight = self.flight
+        if flight is not None and self._counted(flight) and self.target.device.type == "cuda":
+            torch.cuda.synchronize(self.target.device)  # the step's device work is its own, not the join's
+        began = time.perf_counter()
+        if flight is not None:
+            flight.detach()
         joined: list[Sequence] = []
         before = len(self.running)
         try:
@@ -213,7 +216,18 @@ class BatchDecoder:
         except BaseException:  # all or none: the caller answers every request of a failed join
             del self.running[before:]
             raise
+        finally:
+            if flight is not None:
+                flight.join_s += time.perf_counter() - began
         return joined
+
+    def _counted(self, flight: _Flight) -> bool:
+        """Whether the measured schedule counts this step's time: a join while it flies then first waits for its
+        device work, so the join's time can be taken out of the step's exactly. At concurrency 64 on the H200
+        most steps carried a join; left uncounted, a phase ran DDTree@32 97 steps at 0.4x DFlash before it
+        could drop it (benchmarks/RESULTS.md, session 23)."""
+        return (isinstance(self.schedule, MeasuredSchedule) and flight.candidate is not None
+                and self.schedule.counting(len(flight.seqs)))
 
     def _prefill_groups(self, requests: list[Request]) -> list[list[Request]]:
         """Requests in arrival order, cut into groups whose packed prefill fits PREFILL_ROWS (each its own group
@@ -422,8 +436,9 @@ class BatchDecoder:
         self._extend(extended, kept_taps, whole if chains else None)
         finished = self._leave()
         self.last_method = flight.method
-        if isinstance(self.schedule, MeasuredSchedule) and flight.candidate is not None and not flight.joined:
-            self.schedule.observe(len(flight.seqs), flight.candidate, time.perf_counter() - flight.began,
+        if isinstance(self.schedule, MeasuredSchedule) and flight.candidate is not None:
+            seconds = time.perf_counter() - flight.began - flight.join_s
+            self.schedule.observe(len(flight.seqs), flight.candidate, seconds,
                                   sum(len(committed) for _, committed in reports))
         return finished, reports
 

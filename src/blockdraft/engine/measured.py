@@ -23,7 +23,8 @@ measured one) runs once per phase instead of PHASE_ROUNDS times: enough to see i
 Measured, not modelled: a step's seconds include the drafter, the tree builds, the verify and every sequence's commit
 (the streaming hook included), which is what the served tokens/s is made of. The first step of each run is not
 counted (it carries the previous run's queued device work), nor is a step far slower than the same candidate's
-others in the phase (a graph captured on a new context length).
+others in the phase (a graph captured on a new context length). A step during which requests joined counts without
+the join's time (the decoder takes it out).
 """
 
 from __future__ import annotations
@@ -239,6 +240,10 @@ class MeasuredSchedule:
         candidate, counted = bucket.next()
         self._counted[key] = (candidate, counted)
         return candidate
+
+    def counting(self, batch: int) -> bool:
+        """Whether the step just picked for `batch` sequences is counted (its seconds must then be its own)."""
+        return self._counted.get(bucket_of(batch), (None, False))[1]
 
     def observe(self, batch: int, candidate: Candidate, seconds: float, tokens: int) -> None:
         key, bucket = self._bucket(batch)
