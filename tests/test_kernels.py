@@ -20,7 +20,7 @@ from blockdraft.decoding.generate import generate
 from blockdraft.models.fast_ops import attention_bias, decode_attention, kernel_attention
 from blockdraft.models.fast_target import FastTarget
 from blockdraft.models.flash_decode import fits
-from blockdraft.models.skinny_gemm import MAX_ROWS, kernel_available, skinny_linear
+from blockdraft.models.skinny_gemm import MAX_ROWS, gemv_linear, kernel_available, skinny_linear
 
 from conftest import make_drafter, make_target_model
 
@@ -46,6 +46,24 @@ def test_the_kernel_is_f_linear(rows: int, n: int, k: int, dtype: torch.dtype, b
     assert got.dtype == dtype and got.shape == (rows, n)
     scale = want.abs().max().item()
     assert (got.double() - want).abs().max().item() <= TOLERANCE[dtype] * scale
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, k", [(48, 64), (5, 70), (33, 200)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_one_row_gemv_is_f_linear(n: int, k: int, dtype: torch.dtype, bias: bool) -> None:
+    """The GEMV a single row may choose (`skinny_linear` times it beside the kernel and the library on a GPU), on a
+    [1, 1, K] row and a row slice of a packed weight, K and N not multiples of its tiles."""
+    generator = torch.Generator().manual_seed(n + k)
+    x = torch.randn(1, 1, k, generator=generator).to(DEVICE, dtype)
+    packed = torch.randn(n + 8, k, generator=generator).to(DEVICE, dtype)
+    b = torch.randn(n, generator=generator).to(DEVICE, dtype) if bias else None
+    with torch.inference_mode():
+        got = gemv_linear(x, packed[8:], b)
+    want = F.linear(x.double(), packed[8:].double(), None if b is None else b.double())
+    assert got.dtype == dtype and got.shape == (1, 1, n)
+    assert (got.double() - want).abs().max().item() <= TOLERANCE[dtype] * want.abs().max().item()
 
 
 @needs_kernel

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from blockdraft.models.graphs import power_of_two_at_least
-from blockdraft.models.kernel_choice import kernel_wins
+from blockdraft.models.kernel_choice import fastest, kernel_wins
 
 MAX_ROWS = 64  # more rows than this are compute, not weight reads: cuBLAS
 
@@ -92,6 +92,31 @@ if triton is not None:
         tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=(rows[:, None] < M) & (cols[None, :] < N))
 
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+        """One row: each program owns BLOCK_N output features, multiplies and adds in registers (no tl.dot, so no
+        row padded to 16) and sums across K once at the end."""
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for start in range(0, K, BLOCK_K):
+            ks = start + tl.arange(0, BLOCK_K)
+            x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K),
+                        other=0.0)
+            acc += w.to(tl.float32) * x[None, :]
+        y = tl.sum(acc, axis=1)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+        tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
+
+    _tuned_gemv = triton.autotune(  # many small programs: a one-row product is the weights' read and nothing else
+        configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+                 for n, k, w, s in ((2, 1024, 4, 3), (4, 512, 4, 4), (4, 1024, 4, 3), (8, 256, 4, 4),
+                                    (8, 512, 4, 3), (8, 1024, 8, 3), (16, 256, 4, 4), (16, 512, 8, 3))],
+        key=["N", "K"],  # and the tensors' dtypes, which Triton's autotuner adds to every key
+    )(_gemv_kernel)
+
     _tuned_kernel = triton.autotune(  # each (N, K, rows) shape picks its tiles on first use (before graph capture)
         configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
                  for n, k, w, s in ((16, 256, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3), (32, 128, 4, 4),
@@ -114,19 +139,40 @@ def _row_tile(rows: int) -> int:
 
 
 def _shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int, int, torch.dtype, bool]:
-    """What `kernel_choice` times a product once for: N, K, the row tile, the dtype, whether biased."""
-    return weight.shape[0], weight.shape[1], _row_tile(x.numel() // x.shape[-1]), x.dtype, bias is not None
+    """What `kernel_choice` times a product once for: N, K, the row tile (1 for a single row, which the GEMV also
+    serves), the dtype, whether biased."""
+    rows = x.numel() // x.shape[-1]
+    return weight.shape[0], weight.shape[1], 1 if rows == 1 else _row_tile(rows), x.dtype, bias is not None
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for inputs of at most MAX_ROWS rows, from the kernel where it runs and was timed
-    faster (`kernel_choice`; float32 inputs multiply in full float32, not TF32, as F.linear does by default)."""
+    faster (`kernel_choice`; float32 inputs multiply in full float32, not TF32, as F.linear does by default); a
+    single row also has the GEMV (`gemv_linear`) to choose from."""
     if not _fits(x, weight, bias):
         return F.linear(x, weight, bias)
-    if not kernel_wins("linear", _shape(x, weight, bias), x.device, lambda: _launch(x, weight, bias),
-                       lambda: F.linear(x, weight, bias)):
-        return F.linear(x, weight, bias)
-    return _launch(x, weight, bias)[0]
+    options = {"kernel": lambda: _launch(x, weight, bias)[0]}
+    if x.numel() == x.shape[-1]:
+        options["gemv"] = lambda: gemv_linear(x, weight, bias)
+    options["library"] = lambda: F.linear(x, weight, bias)
+    return options[fastest("linear", _shape(x, weight, bias), x.device, options)]()
+
+
+def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` of one row (x [..., K] holding K values) from `_gemv_kernel`. Why a kernel of its own: on the H200
+    the library's narrow one-row products (q|k|v, o_proj, down) read their weights at 2.6-3.4 TB/s against gate|up's
+    4.0 (benchmarks/RESULTS.md, session 22), and `_skinny_kernel` pads a row to tl.dot's 16."""
+    n, k = weight.shape
+    flat = x.reshape(k)
+    if flat.stride(0) != 1:
+        flat = flat.contiguous()
+    out = torch.empty(n, dtype=x.dtype, device=x.device)
+    args = (flat, weight, bias if bias is not None else out, out, n, k, weight.stride(0))
+    if x.is_cuda:
+        _tuned_gemv[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, HAS_BIAS=bias is not None)
+    else:  # Triton's interpreter (tests): no autotuning there, small tiles
+        _gemv_kernel[(triton.cdiv(n, 4),)](*args, HAS_BIAS=bias is not None, BLOCK_N=4, BLOCK_K=32)
+    return out.view(*x.shape[:-1], n)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
