@@ -20,7 +20,7 @@ from blockdraft.decoding.generate import generate
 from blockdraft.models.fast_ops import attention_bias, decode_attention, kernel_attention
 from blockdraft.models.fast_target import FastTarget
 from blockdraft.models.flash_decode import fits
-from blockdraft.models.skinny_gemm import MAX_ROWS, gemv_linear, kernel_available, skinny_linear
+from blockdraft.models.skinny_gemm import MAX_ROWS, gemv_linear, kernel_available, one_row_linear, skinny_linear
 
 from conftest import make_drafter, make_target_model
 
@@ -64,6 +64,24 @@ def test_the_one_row_gemv_is_f_linear(n: int, k: int, dtype: torch.dtype, bias: 
     want = F.linear(x.double(), packed[8:].double(), None if b is None else b.double())
     assert got.dtype == dtype and got.shape == (1, 1, n)
     assert (got.double() - want).abs().max().item() <= TOLERANCE[dtype] * want.abs().max().item()
+
+
+@needs_kernel
+def test_the_engines_one_row_products_take_the_gemv_and_every_other_product_is_f_linear_exactly() -> None:
+    """`LayerOps(gemv=True)` (the fast engine's default on CUDA): one row from the GEMV where it was timed faster (off
+    a GPU, under the interpreter, the GEMV), anything else exactly F.linear."""
+    from blockdraft.models.fast_ops import LayerOps
+
+    assert LayerOps(False, gemv=True).linear is one_row_linear
+    assert LayerOps(False).linear is F.linear
+    generator = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 96, generator=generator).to(DEVICE)
+    row = torch.randn(1, 1, 96, generator=generator).to(DEVICE)
+    rows = torch.randn(1, 3, 96, generator=generator).to(DEVICE)
+    with torch.inference_mode():
+        torch.testing.assert_close(one_row_linear(row, w), F.linear(row, w), rtol=1e-5, atol=1e-4)
+        assert torch.equal(one_row_linear(rows, w), F.linear(rows, w))
+    assert torch.equal(one_row_linear(row, w), F.linear(row, w))  # autograd on: the library, as training needs
 
 
 @needs_kernel

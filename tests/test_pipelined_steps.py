@@ -91,7 +91,7 @@ def test_a_join_copies_the_step_in_flight_out_of_the_forwards_buffers() -> None:
     assert flight is not None and flight.verified.taps is not None
     original = flight.verified.taps
     seqs.append(decoder.join(items[2], 24))
-    assert flight.joined
+    assert flight.join_s > 0  # the join ran while it flew
     assert all(taps.untyped_storage().data_ptr() != original.untyped_storage().data_ptr()
                for _, taps in flight.verified.rows if taps is not None)
     with torch.inference_mode():

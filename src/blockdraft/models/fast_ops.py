@@ -22,7 +22,7 @@ from blockdraft.models.flash_decode import BLOCK_KEYS, fits, flash_decode
 from blockdraft.models.graphs import power_of_two_at_least
 from blockdraft.models.kernel_choice import fastest, kernel_wins
 from blockdraft.models.qkv_rope import qkv_rope, qkv_rope_runs
-from blockdraft.models.skinny_gemm import skinny_add_norm_linear, skinny_linear
+from blockdraft.models.skinny_gemm import one_row_linear, skinny_add_norm_linear, skinny_linear
 
 LONG_SPLIT_KEYS = 256  # the block-attention variant with longer key splits: 4-5 partial results to merge at 1K keys
 # instead of 17 (the splits of 64 keys lost to the library by 7-14% at 1-16 rows on the H200, RESULTS session 22)
@@ -318,13 +318,15 @@ class LayerOps:
     """The fusion units a FastTarget forward calls; compiled on request; with `kernels`, the weight products, the
     q|k|v epilogue (`qkv_rope`) and the few-row attention from Triton kernels (`skinny_gemm`; `block_attention` for the
     target's forwards, which give a CompactMask, `flash_decode` for the drafters') where they run; with `qkv_kernel`
-    the q|k|v epilogue alone (timed at 0.3-0.6x the compiled unit on the H200 at 1-65 rows, RESULTS session 22)."""
+    the q|k|v epilogue alone (timed at 0.3-0.6x the compiled unit on the H200 at 1-65 rows, RESULTS session 22); with
+    `gemv` the one-row products from the GEMV where it was timed faster (`one_row_linear`)."""
 
-    def __init__(self, compiled: bool, kernels: bool = False, qkv_kernel: bool = False) -> None:
+    def __init__(self, compiled: bool, kernels: bool = False, qkv_kernel: bool = False, gemv: bool = False) -> None:
         wrap: Callable[[Callable[..., object]], Callable[..., object]] = _CompiledOrPlain if compiled else (lambda f: f)
         self.compiled = compiled
         self.kernels = kernels
-        self.linear: Callable[..., torch.Tensor] = skinny_linear if kernels else F.linear
+        self.linear: Callable[..., torch.Tensor] = (skinny_linear if kernels else one_row_linear if gemv
+                                                    else F.linear)
         self.rms_norm = wrap(rms_norm)
         self.add_rms_norm = wrap(add_rms_norm)
         qkv_kernel = qkv_kernel or kernels

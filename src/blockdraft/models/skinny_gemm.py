@@ -158,6 +158,16 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return options[fastest("linear", _shape(x, weight, bias), x.device, options)]()
 
 
+def one_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`, a single row from the GEMV where it runs and was timed faster at this shape (the fast engine's
+    default on CUDA: on the H200 it won every one-row product of the 8B step, 4-25% under the library,
+    benchmarks/RESULTS.md session 23); more rows, or a shape the GEMV lost, from the library."""
+    if x.numel() != x.shape[-1] or not _fits(x, weight, bias):
+        return F.linear(x, weight, bias)
+    options = {"gemv": lambda: gemv_linear(x, weight, bias), "library": lambda: F.linear(x, weight, bias)}
+    return options[fastest("one-row linear", _shape(x, weight, bias), x.device, options)]()
+
+
 def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear` of one row (x [..., K] holding K values) from `_gemv_kernel`. Why a kernel of its own: on the H200
     the library's narrow one-row products (q|k|v, o_proj, down) read their weights at 2.6-3.4 TB/s against gate|up's
