@@ -164,7 +164,7 @@ class ServeMetrics:
                 histogram.observe(value)
         for method, steps in report.captures.items():
             capturing = self.capturing_step_seconds.labels(*self._values, method)
-            for graphs, value in steps:
+            for _, value in steps:
                 capturing.observe(value)
             self.graph_captures.labels(*self._values, method).inc(sum(graphs for graphs, _ in steps))
 
