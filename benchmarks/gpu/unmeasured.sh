@@ -8,7 +8,7 @@
 #   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh roofline      # issue 22's 8B table, one invocation
 #   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh blas          # ~1 min: BLAS settings, 8B products
 #   (after the GGUF is assembled, as in RESULTS) bash benchmarks/gpu/unmeasured.sh e2e   # ~4 min
-#   (same) bash benchmarks/gpu/unmeasured.sh load   # ~9.5 min (run it with a 600 s call limit): issue 22's table with the engine's own time per level
+#   (same) bash benchmarks/gpu/unmeasured.sh load   # ~7.5 min (run it with a 600 s call limit): issue 22's table with the engine's own time per level
 #   (same) bash benchmarks/gpu/unmeasured.sh steps  # ~5 min: batched DFlash steps at 1/4/16; schedule vs fixed steps
 #   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh admit   # ~1.5 min: prefill and join costs
 # Each step writes $OUT/<step>.log as it runs and has its own time limit, so a call cut short still returns every
@@ -56,11 +56,11 @@ case "${1:-}" in
       --drafter src/blockdraft/drafters/smollm2-135m-instruct-dflash --prompts demo --max-new-tokens 256 --budget 32 \
       --e2e-engines hf,fast,fast-kernels --e2e-dtype float32 --json "$OUT/e2e.json"
     ;;
-  load)  # session 19's run (128 requests a level, --time-cap 30) took 504 s; at 64 each client made one request a
-    # round, so that level was its ramp and its tail: now 4 a client (a round capped at 12 s)
+  load)  # session 22's run of this (four methods, four levels, no paired runs) took 429 s; at 64 each client makes
+    # 4 requests a level (one a round made that level its ramp and its tail, session 19)
     step load 590 python3 benchmarks/serve_load.py --device cuda --dtype bfloat16 --methods ar,dflash,ddtree,schedule \
-      --budget 32 --concurrency 1,4,16,64 --requests 128 --per-client 4 --rounds 2 --paired 8 --max-num-seqs 64 \
-      --max-tokens 256 --time-cap 24 --pin 2-5:6-7:8 --json-out "$OUT/load.json"
+      --budget 32 --concurrency 1,4,16,64 --requests 128 --per-client 4 --rounds 2 --paired 0 --max-num-seqs 64 \
+      --max-tokens 256 --time-cap 20 --pin 2-5:6-7:8 --json-out "$OUT/load.json"
     ;;
   steps)  # session 18: the server's own DFlash steps ran 1,250 tok/s at batch 1 and 2,646 at batch 3-4 (AR 651 and
     # 2,293); session 19's first profile had graph captures inside its timed steps, now counted and left out (medians)
