@@ -45,8 +45,8 @@ case "${1:-}" in
       --json "$OUT/speed.json"
     step profile 200 python3 benchmarks/gpu/profile_step.py --rows 1,16 --configs compiled,compiled-kernels
     ;;
-  blas)  # the 8B step's weight products per BLAS setting (cuBLAS / cuBLASLt, split-K reductions in bf16 or fp32)
-    step blas 120 python3 benchmarks/gpu/blas_speed.py --rows 1,4,16,64 --json "$OUT/blas.json"
+  blas)  # the 8B step's weight products per BLAS setting (cuBLAS / cuBLASLt, split-K reductions in bf16 or fp32), and our one-row GEMV
+    step blas 150 python3 benchmarks/gpu/blas_speed.py --rows 1,4,16,64 --json "$OUT/blas.json"
     ;;
   roofline)  # session 14: the batched AR step 1.44-1.63x its roofline; the 8B shape, random weights, bf16
     step roofline 550 python3 benchmarks/batch_roofline.py --json "$OUT/roofline.json"
