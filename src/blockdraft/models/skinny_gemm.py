@@ -160,7 +160,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def one_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`, a single row from the GEMV where it runs and was timed faster at this shape (the fast engine's
-    default on CUDA: on the H200 it won every one-row product of the 8B step, 4-25% under the library,
+    default on CUDA: on the H200 it won every one-row product of the 8B step, 3-25% under the library,
     benchmarks/RESULTS.md session 23); more rows, or a shape the GEMV lost, from the library."""
     if x.numel() != x.shape[-1] or not _fits(x, weight, bias):
         return F.linear(x, weight, bias)
