@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+
 import torch
 
 from blockdraft.assets import ensure_embedded_target
@@ -72,6 +73,8 @@ def decode(decoder: BatchDecoder, prompts: list[list[int]], tokens: int
 def summary(steps: list[tuple[str, bool, float]], method: str, skip_first: bool) -> str:
     """The method's steps: count, median and mean ms."""
     seconds = [s for name, first, s in steps if name == method and not (skip_first and first)]
+    if not seconds:
+        return "no steps (the decode ended before the method's run)"
     return f"{len(seconds)} steps, median {1e3 * statistics.median(seconds):.3f} ms, mean " \
            f"{1e3 * statistics.mean(seconds):.3f} ms"
 
@@ -118,7 +121,8 @@ def main() -> None:
             if name == "switching":
                 line += f"; without each run's first step: {summary(steps, mine, True)}"
             print(f"round {round_ + 1} {name} ({args.method}, batch {args.batch}): {line}")
-    print(f"ids as plain's: held {outputs['held'] == outputs['plain']}, switching {outputs['switching'] == outputs['plain']}"
+    held_same, switching_same = (outputs[name] == outputs["plain"] for name in ("held", "switching"))
+    print(f"ids as plain's: held {held_same}, switching {switching_same}"
           " (in bfloat16 another method's verify may break a near tie another way; float32 must agree)")
 
 

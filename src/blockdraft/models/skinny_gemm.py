@@ -125,9 +125,13 @@ if triton is not None:
     )(_skinny_kernel)
 
 
+def _rows(x: torch.Tensor) -> int:
+    """The rows of an input [..., K]."""
+    return x.numel() // max(x.shape[-1], 1)
+
+
 def _fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    rows = x.numel() // max(x.shape[-1], 1)
-    return (kernel_available(x.device) and 0 < rows <= MAX_ROWS and x.dtype == weight.dtype
+    return (kernel_available(x.device) and 0 < _rows(x) <= MAX_ROWS and x.dtype == weight.dtype
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and weight.dim() == 2
             and weight.stride(1) == 1 and x.shape[-1] == weight.shape[1] and not torch.is_grad_enabled()
             and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous())))
@@ -141,7 +145,7 @@ def _row_tile(rows: int) -> int:
 def _shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int, int, torch.dtype, bool]:
     """What `kernel_choice` times a product once for: N, K, the row tile (1 for a single row, which the GEMV also
     serves), the dtype, whether biased."""
-    rows = x.numel() // x.shape[-1]
+    rows = _rows(x)
     return weight.shape[0], weight.shape[1], 1 if rows == 1 else _row_tile(rows), x.dtype, bias is not None
 
 
@@ -152,7 +156,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if not _fits(x, weight, bias):
         return F.linear(x, weight, bias)
     options = {"kernel": lambda: _launch(x, weight, bias)[0]}
-    if x.numel() == x.shape[-1]:
+    if _rows(x) == 1:
         options["gemv"] = lambda: gemv_linear(x, weight, bias)
     options["library"] = lambda: F.linear(x, weight, bias)
     return options[fastest("linear", _shape(x, weight, bias), x.device, options)]()
@@ -162,7 +166,7 @@ def one_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """`F.linear`, a single row from the GEMV where it runs and was timed faster at this shape (the fast engine's
     default on CUDA: on the H200 it won every one-row product of the 8B step, 3-25% under the library,
     benchmarks/RESULTS.md session 23); more rows, or a shape the GEMV lost, from the library."""
-    if x.numel() != x.shape[-1] or not _fits(x, weight, bias):
+    if _rows(x) != 1 or not _fits(x, weight, bias):
         return F.linear(x, weight, bias)
     options = {"gemv": lambda: gemv_linear(x, weight, bias), "library": lambda: F.linear(x, weight, bias)}
     return options[fastest("one-row linear", _shape(x, weight, bias), x.device, options)]()
