@@ -17,10 +17,11 @@ import torch
 import torch.nn.functional as F
 
 from blockdraft.decoding.generate import generate
-from blockdraft.models.fast_ops import attention_bias, decode_attention, kernel_attention
+from blockdraft.models.fast_ops import LayerOps, attention_bias, decode_attention, glu, kernel_attention
 from blockdraft.models.fast_target import FastTarget
 from blockdraft.models.flash_decode import fits
-from blockdraft.models.skinny_gemm import MAX_ROWS, gemv_linear, kernel_available, one_row_linear, skinny_linear
+from blockdraft.models.skinny_gemm import (MAX_ROWS, gemv_linear, kernel_available, one_row_glu_linear,
+                                           one_row_linear, skinny_linear)
 
 from conftest import make_drafter, make_target_model
 
@@ -67,11 +68,46 @@ def test_the_one_row_gemv_is_f_linear(n: int, k: int, dtype: torch.dtype, bias: 
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, k", [(48, 64), (5, 70), (33, 200)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_gating_gemv_is_the_down_projection_of_glu(n: int, k: int, dtype: torch.dtype, bias: bool) -> None:
+    """The down projection's GEMV reads a packed gate|up row and gates as it loads: linear(silu(gate) * up), with
+    the gated row rounded to the dtype as `fast_ops.glu` rounds it."""
+    generator = torch.Generator().manual_seed(n * k)
+    gate_up = (3 * torch.randn(1, 1, 2 * k, generator=generator)).to(DEVICE, dtype)
+    w = torch.randn(n, k, generator=generator).to(DEVICE, dtype)
+    b = torch.randn(n, generator=generator).to(DEVICE, dtype) if bias else None
+    with torch.inference_mode():
+        got = gemv_linear(gate_up, w, b, glu=True)
+        routed = one_row_glu_linear(lambda: F.linear(glu(gate_up, "silu"), w, b), gate_up, "silu", w, b)
+    want = F.linear(glu(gate_up, "silu").double(), w.double(), None if b is None else b.double())
+    assert got.dtype == dtype and got.shape == (1, 1, n)
+    assert (got.double() - want).abs().max().item() <= TOLERANCE[dtype] * want.abs().max().item()
+    assert torch.equal(routed, got)  # off a GPU the GEMV runs (on one, whichever was timed faster)
+
+
+@needs_kernel
+def test_the_down_projection_gates_in_the_gemv_only_for_one_silu_row() -> None:
+    """`LayerOps.glu_linear`: one silu row from the gating GEMV, more rows and other activations exactly the
+    library's linear(glu(...)), and without the GEMV (a CPU engine) the library's always."""
+    generator = torch.Generator().manual_seed(5)
+    w = torch.randn(24, 40, generator=generator).to(DEVICE)
+    row = torch.randn(1, 1, 80, generator=generator).to(DEVICE)
+    rows = torch.randn(2, 3, 80, generator=generator).to(DEVICE)
+    with torch.inference_mode():
+        fused, plain = LayerOps(False, gemv=True), LayerOps(False)
+        torch.testing.assert_close(fused.glu_linear(row, "silu", w, None), F.linear(glu(row, "silu"), w),
+                                   rtol=1e-5, atol=1e-4)
+        assert torch.equal(fused.glu_linear(rows, "silu", w, None), F.linear(glu(rows, "silu"), w))
+        assert torch.equal(fused.glu_linear(row, "gelu", w, None), one_row_linear(glu(row, "gelu"), w))
+        assert torch.equal(plain.glu_linear(row, "silu", w, None), F.linear(glu(row, "silu"), w))
+
+
+@needs_kernel
 def test_the_engines_one_row_products_take_the_gemv_and_every_other_product_is_f_linear_exactly() -> None:
     """`LayerOps(gemv=True)` (the fast engine's default on CUDA): one row from the GEMV where it was timed faster (off
     a GPU, under the interpreter, the GEMV), anything else exactly F.linear."""
-    from blockdraft.models.fast_ops import LayerOps
-
     assert LayerOps(False, gemv=True).linear is one_row_linear
     assert LayerOps(False).linear is F.linear
     generator = torch.Generator().manual_seed(3)

@@ -128,7 +128,7 @@ def forward_batch(target: FastTarget, store: BatchKV, ids: torch.Tensor, positio
     cap = round_up(max(store.lengths[:batch]) + t)
     store.ensure(cap)
     h, taps = run_batch(target, store.kv, lengths, ids, positions, own, cap, tap_layers)
-    return target.lm_head(h), taps
+    return target.head(h), taps
 
 
 def run_batch(target: FastTarget, kv: torch.Tensor, lengths: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
@@ -234,7 +234,7 @@ class BatchForward:
         hidden = self.hidden_out[: bucket * rows].view(bucket, rows, -1)
         width = len(tap_layers or ()) * self.target.hidden_size
         taps = self.taps_out[: bucket * rows, :width].view(bucket, rows, width) if tap_layers is not None else None
-        return self.target.lm_head(hidden[:batch, :t]), None if taps is None else taps[:batch, :t]
+        return self.target.head(hidden[:batch, :t]), None if taps is None else taps[:batch, :t]
 
     def _outputs(self, tapped: int) -> None:
         """The output buffers every graph writes, wide enough for `tapped` layers; widening them drops the graphs

@@ -22,7 +22,7 @@ from blockdraft.models.flash_decode import BLOCK_KEYS, fits, flash_decode
 from blockdraft.models.graphs import power_of_two_at_least
 from blockdraft.models.kernel_choice import fastest, kernel_wins
 from blockdraft.models.qkv_rope import qkv_rope, qkv_rope_runs
-from blockdraft.models.skinny_gemm import one_row_linear, skinny_add_norm_linear, skinny_linear
+from blockdraft.models.skinny_gemm import one_row_glu_linear, one_row_linear, skinny_add_norm_linear, skinny_linear
 
 LONG_SPLIT_KEYS = 256  # the block-attention variant with longer key splits: 4-5 partial results to merge at 1K keys
 # instead of 17 (the splits of 64 keys lost to the library by 7-14% at 1-16 rows on the H200, RESULTS session 22)
@@ -272,19 +272,21 @@ def kernel_block_attention(
 ) -> torch.Tensor:
     """`decode_attention` from the compact-mask kernel (`block_attention`: the mask's pieces instead of the dense
     `bias`, keys read only up to each sequence's own length) where it runs and was timed faster at this shape than
-    `reference` (`kernel_choice`: key lengths by power of two; splits of 64 keys or of LONG_SPLIT_KEYS, whichever
-    was faster), else `reference`."""
+    `reference` (`kernel_choice`: key lengths by power of two; splits of 64 keys or of LONG_SPLIT_KEYS, merged by a
+    second launch or by each row block's last split, whichever was faster), else `reference`."""
     def library() -> torch.Tensor:
         return reference(q, k, v, bias, scale)
 
     if not block_attention_runs(q, k):
         return library()
 
-    def splits_of(keys: int) -> Callable[[], torch.Tensor]:
+    def splits_of(keys: int, merge: bool = False) -> Callable[[], torch.Tensor]:
         return lambda: block_attention(q, k, v, mask.slots, mask.lengths, mask.own, mask.positions, window, scale,
-                                       keys)
+                                       keys, merge)
 
     options = {"kernel": splits_of(BLOCK_KEYS), f"kernel, {LONG_SPLIT_KEYS}-key splits": splits_of(LONG_SPLIT_KEYS),
+               "kernel, merging": splits_of(BLOCK_KEYS, True),
+               f"kernel, {LONG_SPLIT_KEYS}-key splits, merging": splits_of(LONG_SPLIT_KEYS, True),
                "library": library}
     shape = (*q.shape[:3], power_of_two_at_least(k.shape[2]), q.shape[3], q.dtype, window)
     return options[fastest("block_attention", shape, q.device, options)]()
@@ -319,7 +321,8 @@ class LayerOps:
     q|k|v epilogue (`qkv_rope`) and the few-row attention from Triton kernels (`skinny_gemm`; `block_attention` for the
     target's forwards, which give a CompactMask, `flash_decode` for the drafters') where they run; with `qkv_kernel`
     the q|k|v epilogue alone (timed at 0.3-0.6x the compiled unit on the H200 at 1-65 rows, RESULTS session 22); with
-    `gemv` the one-row products from the GEMV where it was timed faster (`one_row_linear`)."""
+    `gemv` the one-row products from the GEMV where it was timed faster (`one_row_linear`, the down projection's with
+    the gating folded in: `glu_linear`)."""
 
     def __init__(self, compiled: bool, kernels: bool = False, qkv_kernel: bool = False, gemv: bool = False) -> None:
         wrap: Callable[[Callable[..., object]], Callable[..., object]] = _CompiledOrPlain if compiled else (lambda f: f)
@@ -341,3 +344,13 @@ class LayerOps:
         self.block_attention = partial(kernel_block_attention, attention)
         composed = partial(add_norm_linear, self.add_rms_norm, self.linear)
         self.add_norm_linear = partial(skinny_add_norm_linear, composed) if kernels else composed
+        self.fused_glu = gemv or kernels
+
+    def glu_linear(self, gate_up: torch.Tensor, act: str, weight: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+        """linear(glu(gate_up, act), weight, bias): the MLP's down projection, for one row from the GEMV that gates
+        as it loads (`one_row_glu_linear`) where the one-row products run there."""
+        def reference() -> torch.Tensor:
+            return self.linear(self.glu(gate_up, act), weight, bias)
+
+        return one_row_glu_linear(reference, gate_up, act, weight, bias) if self.fused_glu else reference()

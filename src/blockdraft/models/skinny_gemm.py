@@ -93,15 +93,20 @@ if triton is not None:
                  mask=(rows[:, None] < M) & (cols[None, :] < N))
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, HAS_BIAS: tl.constexpr, GLU: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """One row: each program owns BLOCK_N output features, multiplies and adds in registers (no tl.dot, so no
-        row padded to 16) and sums across K once at the end."""
+        row padded to 16) and sums across K once at the end. With GLU the row is silu(gate) * up of a packed
+        gate|up row of 2K values, rounded as `fast_ops.glu` rounds it (silu's output, then the product)."""
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        dtype = x_ptr.dtype.element_ty
         for start in range(0, K, BLOCK_K):
             ks = start + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+            if GLU:
+                up = tl.load(x_ptr + K + ks, mask=ks < K, other=0.0).to(tl.float32)
+                x = ((x / (1.0 + tl.exp(-x))).to(dtype).to(tl.float32) * up).to(dtype).to(tl.float32)
             w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K),
                         other=0.0)
             acc += w.to(tl.float32) * x[None, :]
@@ -112,9 +117,10 @@ if triton is not None:
 
     _tuned_gemv = triton.autotune(  # many small programs: a one-row product is the weights' read and nothing else
         configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-                 for n, k, w, s in ((2, 1024, 4, 3), (4, 512, 4, 4), (4, 1024, 4, 3), (8, 256, 4, 4),
-                                    (8, 512, 4, 3), (8, 1024, 8, 3), (16, 256, 4, 4), (16, 512, 8, 3))],
-        key=["N", "K"],  # and the tensors' dtypes, which Triton's autotuner adds to every key
+                 for n, k, w, s in ((1, 1024, 2, 4), (2, 1024, 4, 3), (2, 2048, 4, 3), (4, 512, 4, 4),
+                                    (4, 1024, 4, 3), (8, 256, 4, 4), (8, 512, 4, 3), (8, 1024, 8, 3), (16, 256, 4, 4),
+                                    (16, 512, 8, 3), (32, 256, 8, 3))],
+        key=["N", "K", "GLU"],  # and the tensors' dtypes, which Triton's autotuner adds to every key
     )(_gemv_kernel)
 
     _tuned_kernel = triton.autotune(  # each (N, K, rows) shape picks its tiles on first use (before graph capture)
@@ -172,20 +178,36 @@ def one_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return options[fastest("one-row linear", _shape(x, weight, bias), x.device, options)]()
 
 
-def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear` of one row (x [..., K] holding K values) from `_gemv_kernel`. Why a kernel of its own: on the H200
-    the library's narrow one-row products (q|k|v, o_proj, down) read their weights at 2.6-3.4 TB/s against gate|up's
-    4.0 (benchmarks/RESULTS.md, session 22), and `_skinny_kernel` pads a row to tl.dot's 16."""
+def one_row_glu_linear(reference: Callable[[], torch.Tensor], gate_up: torch.Tensor, act: str, weight: torch.Tensor,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`reference()` = linear(act(gate) * up, weight, bias) of a packed gate|up row (the down projection
+    of `fast_target.layer_tail`), from the GEMV with the gating folded into its loads where it runs and was timed faster: one launch
+    and one pass less a layer of a decode step. More rows, another activation than silu, or a lost shape: the
+    reference."""
+    k = weight.shape[1]
+    if (act not in ("silu", "swish") or gate_up.shape[-1] != 2 * k or _rows(gate_up) != 1
+            or not _fits(gate_up[..., :k], weight, bias)):
+        return reference()
+    options = {"gemv": lambda: gemv_linear(gate_up, weight, bias, glu=True), "library": reference}
+    return options[fastest("one-row glu linear", _shape(gate_up[..., :k], weight, bias), gate_up.device, options)]()
+
+
+def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                glu: bool = False) -> torch.Tensor:
+    """`F.linear` of one row (x [..., K] holding K values; with `glu`, [..., 2K] holding a gate|up row whose
+    silu(gate) * up is the input) from `_gemv_kernel`. Why a kernel of its own: on the H200 the library's narrow
+    one-row products (q|k|v, o_proj, down) read their weights at 2.6-3.4 TB/s against gate|up's 4.0
+    (benchmarks/RESULTS.md, session 22), and `_skinny_kernel` pads a row to tl.dot's 16."""
     n, k = weight.shape
-    flat = x.reshape(k)
+    flat = x.reshape((2 if glu else 1) * k)
     if flat.stride(0) != 1:
         flat = flat.contiguous()
     out = torch.empty(n, dtype=x.dtype, device=x.device)
     args = (flat, weight, bias if bias is not None else out, out, n, k, weight.stride(0))
     if x.is_cuda:
-        _tuned_gemv[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, HAS_BIAS=bias is not None)
+        _tuned_gemv[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, HAS_BIAS=bias is not None, GLU=glu)
     else:  # Triton's interpreter (tests): no autotuning there, small tiles
-        _gemv_kernel[(triton.cdiv(n, 4),)](*args, HAS_BIAS=bias is not None, BLOCK_N=4, BLOCK_K=32)
+        _gemv_kernel[(triton.cdiv(n, 4),)](*args, HAS_BIAS=bias is not None, GLU=glu, BLOCK_N=4, BLOCK_K=32)
     return out.view(*x.shape[:-1], n)
 
 
