@@ -29,11 +29,14 @@ def random_tree(t: int, generator: torch.Generator) -> torch.Tensor:
     return own
 
 
-@pytest.mark.parametrize("dtype, split_keys", [(torch.float32, 64), (torch.bfloat16, 64), (torch.float32, 256)])
+@pytest.mark.parametrize("dtype, split_keys, merge", [(torch.float32, 64, False), (torch.bfloat16, 64, False),
+                                                      (torch.float32, 256, False), (torch.float32, 64, True),
+                                                      (torch.bfloat16, 256, True)])
 @pytest.mark.parametrize("t, groups, window, tree", [(1, 4, None, False), (16, 2, None, False), (33, 4, None, True),
                                                      (5, 1, 8, False), (9, 2, 12, True), (64, 2, None, True)])
 def test_the_kernel_is_decode_attention_under_the_dense_mask(t: int, groups: int, window: int | None, tree: bool,
-                                                              dtype: torch.dtype, split_keys: int) -> None:
+                                                              dtype: torch.dtype, split_keys: int,
+                                                              merge: bool) -> None:
     generator = torch.Generator().manual_seed(t * 10 + groups)
     heads, d, slots, capacity = 2, 24, 5, 320
     lengths = [0, 37, 150, 255][: 3 if t > 32 else 4]
@@ -49,7 +52,8 @@ def test_the_kernel_is_decode_attention_under_the_dense_mask(t: int, groups: int
                              for length, own_b in zip(lengths, own)]).to(DEVICE)
     with torch.inference_mode():
         got = block_attention(q, cache[0], cache[1], torch.tensor(seq, device=DEVICE),
-                              torch.tensor(lengths, device=DEVICE), own, positions, window, 0.125, split_keys)
+                              torch.tensor(lengths, device=DEVICE), own, positions, window, 0.125, split_keys,
+                              merge)
     for b, (slot, length) in enumerate(zip(seq, lengths)):
         keys = length + t
         bias = attention_bias(torch.tensor(length, device=DEVICE), torch.arange(keys, device=DEVICE), positions[b],
@@ -59,6 +63,26 @@ def test_the_kernel_is_decode_attention_under_the_dense_mask(t: int, groups: int
         assert torch.isfinite(got[b]).all()
         scale = want.abs().max().item()
         assert (got[b].double() - want[0].double()).abs().max().item() <= TOLERANCE[dtype] * max(scale, 1.0), b
+
+
+def test_merging_in_the_last_split_is_the_combine_launch_and_leaves_its_counts_zero() -> None:
+    """The merging variant (each row block's last split merges, counted atomically) gives the two-launch kernel's
+    output exactly, and leaves every count at zero, as the next launch (a graph's replay) needs."""
+    from blockdraft.models.block_attention import _merge_counts
+
+    generator = torch.Generator().manual_seed(7)
+    lengths, t, groups, heads, d = [70, 3, 300], 2, 4, 2, 16
+    cache = torch.randn(2, 3, heads, 320, d, generator=generator).to(DEVICE)
+    q = torch.randn(3, heads, groups * t, d, generator=generator).to(DEVICE)
+    own = torch.ones(3, t, t, dtype=torch.bool).tril().to(DEVICE)
+    positions = torch.tensor(lengths).unsqueeze(1) + torch.arange(t)
+    args = (q, cache[0], cache[1], torch.arange(3, device=DEVICE), torch.tensor(lengths, device=DEVICE), own,
+            positions.to(DEVICE), None, 0.25, 64)
+    with torch.inference_mode():
+        two_launches = block_attention(*args)
+        for _ in range(2):
+            assert torch.equal(block_attention(*args, merge=True), two_launches)
+            assert not _merge_counts(DEVICE, 1).any()
 
 
 def test_it_runs_only_where_it_can() -> None:

@@ -25,13 +25,13 @@ if triton is not None:
     import triton.language as tl
 
     from blockdraft.models.flash_decode import (block_scores, empty_state, keys_per_split, load_block,
-                                                online_softmax_step)
+                                                merge_splits, online_softmax_step)
 
     @triton.jit
     def _block_split_kernel(q_ptr, k_ptr, v_ptr, seq_ptr, length_ptr, own_ptr, pos_ptr, acc_ptr, m_ptr, l_ptr,
-                            R, T, D, heads, splits, window, scale,
-                            sq_b, sq_h, sq_r, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s,
-                            WINDOW: tl.constexpr, F32_DOT: tl.constexpr, MIN_KEYS: tl.constexpr,
+                            count_ptr, out_ptr, R, T, D, heads, splits, window, scale,
+                            sq_b, sq_h, sq_r, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_r,
+                            WINDOW: tl.constexpr, F32_DOT: tl.constexpr, MIN_KEYS: tl.constexpr, MERGE: tl.constexpr,
                             BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
         bh, rblock, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, h = bh // heads, bh % heads
@@ -72,6 +72,16 @@ if triton is not None:
             tl.store(m_ptr + row_index, m, mask=rows < R)
             tl.store(l_ptr + row_index, l, mask=rows < R)
             tl.store(acc_ptr + row_index[:, None] * BLOCK_D + dims[None, :], acc, mask=(rows[:, None] < R))
+            if MERGE:  # the last of the row block's splits to finish merges them all: no combine launch
+                active = tl.cdiv(total, per)
+                counter = count_ptr + bh * tl.num_programs(1) + rblock
+                tl.debug_barrier()  # every thread's partial stored before the release below
+                if tl.atomic_add(counter, 1, sem="acq_rel") == active - 1:
+                    tl.debug_barrier()
+                    tl.store(counter, 0)  # ready for the next launch (a CUDA graph replays this one)
+                    out = merge_splits(acc_ptr, m_ptr, l_ptr, bh, rows, R, splits, active, BLOCK_R, BLOCK_D, ".cg")
+                    tl.store(out_ptr + b * so_b + h * so_h + rows[:, None] * so_r + dims[None, :],
+                             out.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < R) & (dims[None, :] < D))
 
 
 def block_attention_runs(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -83,25 +93,43 @@ def block_attention_runs(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: torch.Tensor, lengths: torch.Tensor,
                     own: torch.Tensor, positions: torch.Tensor, window: int | None, scale: float,
-                    min_split_keys: int = BLOCK_KEYS) -> torch.Tensor:
+                    min_split_keys: int = BLOCK_KEYS, merge: bool = False) -> torch.Tensor:
     """q [B, G, R, d] (the query heads sharing a KV head folded into rows, group-major: R = groups x t) against the
     cache k, v [slots, G, S, d], sequence b reading slot seq[b] ([B] long): its lengths[b] committed keys, then its
     t new rows' own K/V at lengths[b] + j, seen as own [B, t, t] (bool or uint8) says; positions [B, t] are the new
     rows' (for the window; committed key j sits at position j). Everything but the shapes is read on the device.
     Each split takes at least `min_split_keys` keys (a multiple of BLOCK_KEYS): fewer, longer splits leave the
-    combine fewer partial results to merge."""
+    combine fewer partial results to merge. With `merge` the last split of each row block to finish merges them
+    (an atomic count a row block, `_merge_counts`) instead of a second launch."""
     t = own.shape[-1]
     block_d, row_blocks, splits = split_shape(q, k.shape[2])
     f32 = q.dtype == torch.float32 or not q.is_cuda  # the interpreter's half-precision dot is wrong
     if own.dtype != torch.uint8 or not own.is_contiguous():
         own = own.to(torch.uint8).contiguous()
 
-    def run_splits(partial: torch.Tensor, m: torch.Tensor, l: torch.Tensor) -> None:
+    counts = _merge_counts(q.device, q.shape[0] * q.shape[1] * row_blocks) if merge else lengths
+
+    def run_splits(partial: torch.Tensor, m: torch.Tensor, l: torch.Tensor, out: torch.Tensor | None) -> None:
+        target, strides = (partial, (0, 0, 0)) if out is None else (out, out.stride()[:3])
         _block_split_kernel[(q.shape[0] * q.shape[1], row_blocks, splits)](
-            q, k, v, seq, lengths, own, positions.contiguous(), partial, m, l,
+            q, k, v, seq, lengths, own, positions.contiguous(), partial, m, l, counts, target,
             q.shape[2], t, q.shape[3], q.shape[1], splits, window or 0, scale,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
-            v.stride(2), WINDOW=window is not None, F32_DOT=f32, MIN_KEYS=min_split_keys, BLOCK_R=BLOCK_ROWS,
-            BLOCK_S=BLOCK_KEYS, BLOCK_D=block_d)
+            v.stride(2), *strides, WINDOW=window is not None, F32_DOT=f32, MIN_KEYS=min_split_keys, MERGE=out is not None,
+            BLOCK_R=BLOCK_ROWS, BLOCK_S=BLOCK_KEYS, BLOCK_D=block_d)
 
-    return split_and_merge(q, splits, block_d, run_splits, lengths, t, min_split_keys)
+    return split_and_merge(q, splits, block_d, run_splits, lengths, t, min_split_keys, merged=merge)
+
+
+_COUNTS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _merge_counts(device: torch.device, needed: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per (sequence, head, row block), for the merging kernel; each launch leaves them
+    zero again. One buffer per device and stream, made outside graph capture (a shape is timed before it is
+    captured, `kernel_choice`) and kept, so graphs replaying the kernel all count in it."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    if key not in _COUNTS or _COUNTS[key].numel() < needed:
+        _COUNTS[key] = torch.zeros(max(needed, 4096), dtype=torch.int32, device=device)
+    return _COUNTS[key]

@@ -99,6 +99,29 @@ if triton is not None:
         tl.store(acc_ptr + row_index[:, None] * BLOCK_D + dims[None, :], acc, mask=(rows[:, None] < R))
 
     @triton.jit
+    def merge_splits(acc_ptr, m_ptr, l_ptr, bh, rows, R, splits, active, BLOCK_R: tl.constexpr,
+                     BLOCK_D: tl.constexpr, modifier: tl.constexpr):
+        """The attention output of `rows` of (sequence, head) `bh` from its first `active` splits' partial results
+        (running max, sum, weighted values), loaded with cache `modifier` (".cg" where other programs of the same
+        launch wrote them: read from L2, so no stale L1 line is seen)."""
+        top = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
+        for split in range(0, active):
+            top = tl.maximum(top, tl.load(m_ptr + (bh * splits + split) * R + rows, mask=rows < R,
+                                          other=float("-inf"), cache_modifier=modifier))
+        top = tl.where(top == float("-inf"), 0.0, top)  # padding rows: every split empty
+        total = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
+        dims = tl.arange(0, BLOCK_D)
+        for split in range(0, active):
+            index = (bh * splits + split) * R + rows
+            m = tl.load(m_ptr + index, mask=rows < R, other=float("-inf"), cache_modifier=modifier)
+            weight = tl.exp(m - top)  # 0 for a split that saw no visible key (m = -inf)
+            total += weight * tl.load(l_ptr + index, mask=rows < R, other=0.0, cache_modifier=modifier)
+            acc += weight[:, None] * tl.load(acc_ptr + index[:, None] * BLOCK_D + dims[None, :],
+                                             mask=rows[:, None] < R, other=0.0, cache_modifier=modifier)
+        return acc / tl.where(total == 0.0, 1.0, total)[:, None]
+
+    @triton.jit
     def _combine_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, length_ptr, R, T, D, heads, splits, so_b, so_h, so_r,
                         LENGTHS: tl.constexpr, MIN_KEYS: tl.constexpr, BLOCK_R: tl.constexpr,
                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
@@ -111,21 +134,7 @@ if triton is not None:
             active = tl.cdiv(total, keys_per_split(total, splits, BLOCK_S, MIN_KEYS))
         else:
             active = splits
-        top = tl.full((BLOCK_R,), float("-inf"), dtype=tl.float32)
-        for split in range(0, active):
-            top = tl.maximum(top, tl.load(m_ptr + (bh * splits + split) * R + rows, mask=rows < R,
-                                          other=float("-inf")))
-        top = tl.where(top == float("-inf"), 0.0, top)  # padding rows: every split empty
-        total = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        acc = tl.zeros((BLOCK_R, BLOCK_D), dtype=tl.float32)
-        for split in range(0, active):
-            index = (bh * splits + split) * R + rows
-            m = tl.load(m_ptr + index, mask=rows < R, other=float("-inf"))
-            weight = tl.exp(m - top)  # 0 for a split that saw no visible key (m = -inf)
-            total += weight * tl.load(l_ptr + index, mask=rows < R, other=0.0)
-            acc += weight[:, None] * tl.load(acc_ptr + index[:, None] * BLOCK_D + dims[None, :],
-                                             mask=rows[:, None] < R, other=0.0)
-        out = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+        out = merge_splits(acc_ptr, m_ptr, l_ptr, bh, rows, R, splits, active, BLOCK_R, BLOCK_D, "")
         tl.store(out_ptr + b * so_b + h * so_h + rows[:, None] * so_r + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < R) & (dims[None, :] < D))
 
@@ -151,7 +160,7 @@ def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.
     splits = triton.cdiv(keys, keys_per_split)
     f32 = q.dtype == torch.float32 or not q.is_cuda  # the interpreter's half-precision dot is wrong
 
-    def run_splits(partial: torch.Tensor, m: torch.Tensor, l: torch.Tensor) -> None:
+    def run_splits(partial: torch.Tensor, m: torch.Tensor, l: torch.Tensor, out: torch.Tensor | None) -> None:
         _split_kernel[(q.shape[0] * q.shape[1], row_blocks, splits)](
             q, k, v, bias, partial, m, l, q.shape[2], keys, q.shape[3], q.shape[1], keys_per_split, scale,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
@@ -171,19 +180,22 @@ def split_shape(q: torch.Tensor, keys: int) -> tuple[int, int, int]:
 
 
 def split_and_merge(q: torch.Tensor, splits: int, block_d: int,
-                    run_splits: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None],
-                    lengths: torch.Tensor | None = None, t: int = 0, min_keys: int = BLOCK_KEYS) -> torch.Tensor:
+                    run_splits: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], None],
+                    lengths: torch.Tensor | None = None, t: int = 0, min_keys: int = BLOCK_KEYS,
+                    merged: bool = False) -> torch.Tensor:
     """The buffers every split's partial result goes to (running max, sum, weighted values per query row),
-    `run_splits(partial, m, l)` to fill them (the caller's split kernel), then `_combine_kernel`: the attention
-    output, q's shape and dtype. With `lengths` ([B] committed keys, `t` new rows each) the splits cover each
-    sequence's lengths[b] + t keys as `keys_per_split` divides them (at least `min_keys` each), and the combine reads
-    only those that did."""
+    `run_splits(partial, m, l, out)` to fill them (the caller's split kernel; `out` only when `merged`: the kernel
+    merges the splits into it itself), then `_combine_kernel`: the attention output, q's shape and dtype. With
+    `lengths` ([B] committed keys, `t` new rows each) the splits cover each sequence's lengths[b] + t keys as
+    `keys_per_split` divides them (at least `min_keys` each), and the combine reads only those that did."""
     batch, heads, rows, dim = q.shape
     partial = torch.empty(batch * heads * splits * rows, block_d, dtype=torch.float32, device=q.device)
     m = torch.empty(batch * heads * splits * rows, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
-    run_splits(partial, m, l)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    run_splits(partial, m, l, out if merged else None)
+    if merged:
+        return out
     _combine_kernel[(batch * heads, triton.cdiv(rows, BLOCK_ROWS))](
         partial, m, l, out, m if lengths is None else lengths, rows, t, dim, heads, splits, out.stride(0),
         out.stride(1), out.stride(2), LENGTHS=lengths is not None, MIN_KEYS=min_keys, BLOCK_R=BLOCK_ROWS,
