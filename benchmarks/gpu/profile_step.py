@@ -1,17 +1,22 @@
-"""Where a fast-engine decode step spends its GPU time: the top CUDA kernels of AR and verify-16 steps.
+"""Where a fast-engine decode step spends its GPU time: the top CUDA kernels of AR and verify-16 steps, alone or
+batched.
 
 `benchmarks/gpu_speed.py` says how far a step is from the weights-read floor; this says why. It runs the fast
 engine eagerly (no CUDA graphs: the same kernels, each visible to the profiler) on the same random 8B-shaped
 target, per configuration (plain ops; compiled fusion units), and prints the kernel table (sorted by total
-CUDA time), the kernel count per step and the GPU-busy time per step.
+CUDA time), the kernel count per step and the GPU-busy time per step. `--batch` above 1 profiles the batched
+server's forward (`fast_batch.forward_batch`, every sequence `--context` tokens long), whose AR step issue 22 holds
+to 1.3x its roofline.
 
     python3 benchmarks/gpu/profile_step.py --shape 8b --rows 1,16 --configs compiled
+    python3 benchmarks/gpu/profile_step.py --rows 1 --batch 4,64 --configs compiled
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -19,6 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_speed import build_synthetic  # noqa: E402  (the benchmark's own target, so the numbers line up)
 
+from blockdraft.models.fast_batch import BatchKV, forward_batch  # noqa: E402
 from blockdraft.models.fast_target import FastTarget  # noqa: E402
 from blockdraft.models.kernel_choice import choices  # noqa: E402
 
@@ -27,8 +33,8 @@ CONFIGS = {"plain": dict(compiled=False), "compiled": dict(compiled=True),
            "compiled-kernels": dict(compiled=True, kernels=True)}
 
 
-def profile(target: FastTarget, rows: int, context: int, label: str) -> None:
-    """Profile STEPS forwards of `rows` new tokens after a `context`-token prefill; print the kernel table."""
+def single_step(target: FastTarget, rows: int, context: int) -> Callable[[], None]:
+    """One sequence's forward of `rows` new tokens after a `context`-token prefill (the batch-1 engine's)."""
     device = target.device
     cache = target.new_cache()
     vocab = target.vocab_size
@@ -41,6 +47,27 @@ def profile(target: FastTarget, rows: int, context: int, label: str) -> None:
         target.forward(ids, positions, cache)
         cache.crop(context)
 
+    return step
+
+
+def batched_step(target: FastTarget, batch: int, rows: int, context: int) -> Callable[[], None]:
+    """The batched forward of `batch` sequences of `context` cached tokens, `rows` new causal rows each (the keys'
+    values do not change the time; the forward leaves every length as it was, so steps repeat)."""
+    device = target.device
+    store = BatchKV.for_target(target, batch, context + rows)
+    store.lengths = [context] * batch
+    ids = torch.randint(0, target.vocab_size, (batch, rows), device=device)
+    positions = torch.arange(context, context + rows, device=device).expand(batch, rows)
+    own = torch.ones(rows, rows, dtype=torch.bool, device=device).tril().expand(batch, rows, rows)
+
+    def step() -> None:
+        forward_batch(target, store, ids, positions, own, None)
+
+    return step
+
+
+def profile(step: Callable[[], None], device: torch.device, label: str, rows: int) -> None:
+    """Profile STEPS calls of `step`; print the kernel table."""
     for _ in range(3):
         step()
     torch.cuda.synchronize(device)
@@ -60,6 +87,7 @@ def main() -> None:
     parser.add_argument("--shape", default="8b")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--rows", default="1,16", help="new tokens per profiled step (1: AR, 16: DFlash verify)")
+    parser.add_argument("--batch", default="1", help="sequences per step (more than 1: the batched forward)")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
     args = parser.parse_args()
     configs = args.configs.split(",")
@@ -72,8 +100,11 @@ def main() -> None:
     model, _ = build_synthetic(args.shape, device, torch.bfloat16)
     for config in configs:
         target = FastTarget(model, graphs=False, **CONFIGS[config])
-        for rows in map(int, args.rows.split(",")):
-            profile(target, rows, args.context, f"fast engine, {config} ops, eager")
+        for batch in map(int, args.batch.split(",")):
+            for rows in map(int, args.rows.split(",")):
+                step = (single_step(target, rows, args.context) if batch == 1
+                        else batched_step(target, batch, rows, args.context))
+                profile(step, device, f"fast engine, {config} ops, eager, batch {batch}", rows)
         if target.ops.kernels:
             print("shapes, kernel or library call (timed on first use):", flush=True)
             for shape, runs_on in choices().items():
