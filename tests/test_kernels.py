@@ -80,11 +80,12 @@ def test_the_gating_gemv_is_the_down_projection_of_glu(n: int, k: int, dtype: to
     b = torch.randn(n, generator=generator).to(DEVICE, dtype) if bias else None
     with torch.inference_mode():
         got = gemv_linear(gate_up, w, b, glu=True)
+        library = F.linear(glu(gate_up, "silu"), w, b)
         routed = one_row_glu_linear(lambda: F.linear(glu(gate_up, "silu"), w, b), gate_up, "silu", w, b)
     want = F.linear(glu(gate_up, "silu").double(), w.double(), None if b is None else b.double())
     assert got.dtype == dtype and got.shape == (1, 1, n)
     assert (got.double() - want).abs().max().item() <= TOLERANCE[dtype] * want.abs().max().item()
-    assert torch.equal(routed, got)  # off a GPU the GEMV runs (on one, whichever was timed faster)
+    assert torch.equal(routed, got) or (DEVICE.type == "cuda" and torch.equal(routed, library))  # on a GPU: the faster
 
 
 @needs_kernel

@@ -1,0 +1,70 @@
+"""How many programs the compact-mask attention should launch for a batched step: the library's attention against
+`block_attention` at several program budgets (`flash_decode.TARGET_PROGRAMS`, which sets the key splits a
+sequence gets), key splits of 64 or 256 and the two merges, on the 8B shape's attention (8 KV heads, 4 query heads
+each, head dim 128), every sequence `--context` keys long.
+
+In the batched AR step of the 8B shape at batch 64 the library's attention ran 3.0 ms of 8.75 (3.2 TB/s of the
+9.7 GB of keys and values; `profile_step.py --batch 64`, benchmarks/RESULTS.md session 24), and the engine's choice
+kept it: with 512 programs, 64 sequences x 8 heads get one split each. Each time is a CUDA graph's replay
+(`kernel_choice`).
+
+    python3 benchmarks/gpu/attention_splits.py --batch 1,4,16,64 --rows 1,16
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from blockdraft.models import flash_decode
+from blockdraft.models.block_attention import block_attention
+from blockdraft.models.fast_batch import batched_attention_bias
+from blockdraft.models.fast_ops import decode_attention
+from blockdraft.models.kernel_choice import _milliseconds
+
+KV_HEADS, GROUPS, HEAD_DIM = 8, 4, 128
+PROGRAMS = (512, 1024, 2048, 4096)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", default="1,4,16,64")
+    parser.add_argument("--rows", default="1,16", help="new rows a sequence (1: AR, 16: DFlash)")
+    parser.add_argument("--context", type=int, default=1024)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("attention_splits.py needs a CUDA device")
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    batches, rows_list = [int(b) for b in args.batch.split(",")], [int(r) for r in args.rows.split(",")]
+    cap = args.context + max(rows_list) + 64
+    cache = torch.randn(2, max(batches), KV_HEADS, cap, HEAD_DIM, device=device, dtype=dtype)
+    print("| batch | rows | KV MB | library us | " + " | ".join(f"{p} programs, {k}-key splits{m} us" for p in PROGRAMS
+                                                         for k in (64, 256) for m in ("", ", merging")) + " |")
+    with torch.inference_mode():
+        for batch in batches:
+            for t in rows_list:
+                lengths = torch.full((batch,), args.context, dtype=torch.long, device=device)
+                positions = lengths.unsqueeze(1) + torch.arange(t, device=device)
+                own = torch.ones(batch, t, t, dtype=torch.bool, device=device).tril()
+                keys = args.context + t
+                q = torch.randn(batch, KV_HEADS, GROUPS * t, HEAD_DIM, device=device, dtype=dtype)
+                k, v = cache[0, :batch, :, :keys], cache[1, :batch, :, :keys]
+                bias = batched_attention_bias(lengths, torch.arange(keys, device=device), positions, own, None, GROUPS,
+                                              dtype)
+                slots, own8 = torch.arange(batch, device=device), own.to(torch.uint8)
+                times = [_milliseconds(lambda: decode_attention(q, k, v, bias, 0.088))]
+                for programs in PROGRAMS:
+                    flash_decode.TARGET_PROGRAMS = programs
+                    for split_keys in (64, 256):
+                        for merge in (False, True):
+                            times.append(_milliseconds(lambda: block_attention(
+                                q, k, v, slots, lengths, own8, positions, None, 0.088, split_keys, merge)))
+                megabytes = 2 * batch * KV_HEADS * keys * HEAD_DIM * 2 / 1e6
+                print(f"| {batch} | {t} | {megabytes:.0f} | " + " | ".join(f"{1e3 * ms:.1f}" for ms in times) + " |",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
