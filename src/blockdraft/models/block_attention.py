@@ -115,8 +115,8 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: torc
             q, k, v, seq, lengths, own, positions.contiguous(), partial, m, l, counts, target,
             q.shape[2], t, q.shape[3], q.shape[1], splits, window or 0, scale,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
-            v.stride(2), *strides, WINDOW=window is not None, F32_DOT=f32, MIN_KEYS=min_split_keys, MERGE=out is not None,
-            BLOCK_R=BLOCK_ROWS, BLOCK_S=BLOCK_KEYS, BLOCK_D=block_d)
+            v.stride(2), *strides, WINDOW=window is not None, F32_DOT=f32, MIN_KEYS=min_split_keys,
+            MERGE=out is not None, BLOCK_R=BLOCK_ROWS, BLOCK_S=BLOCK_KEYS, BLOCK_D=block_d)
 
     return split_and_merge(q, splits, block_d, run_splits, lengths, t, min_split_keys, merged=merge)
 
@@ -126,8 +126,8 @@ _COUNTS: dict[tuple[torch.device, int], torch.Tensor] = {}
 
 def _merge_counts(device: torch.device, needed: int) -> torch.Tensor:
     """Zeroed int32 counters, one per (sequence, head, row block), for the merging kernel; each launch leaves them
-    zero again. One buffer per device and stream, made outside graph capture (a shape is timed before it is
-    captured, `kernel_choice`) and kept, so graphs replaying the kernel all count in it."""
+    zero again. One buffer per device and stream, kept, so every graph replaying the kernel on that stream counts in
+    it (one made while a graph is captured is zeroed inside that graph, before the kernel reads it)."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (device, stream)
     if key not in _COUNTS or _COUNTS[key].numel() < needed:

@@ -180,10 +180,10 @@ def one_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 def one_row_glu_linear(reference: Callable[[], torch.Tensor], gate_up: torch.Tensor, act: str, weight: torch.Tensor,
                        bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`reference()` = linear(act(gate) * up, weight, bias) of a packed gate|up row (the down projection
-    of `fast_target.layer_tail`), from the GEMV with the gating folded into its loads where it runs and was timed faster: one launch
-    and one pass less a layer of a decode step. More rows, another activation than silu, or a lost shape: the
-    reference."""
+    """`reference()` = linear(act(gate) * up, weight, bias) of a packed gate|up row (the down projection of
+    `fast_target.layer_tail`), from the GEMV with the gating folded into its loads where it runs and was timed
+    faster: one launch and one pass less a layer of a decode step (29.5 against 31.0 us on the 8B shape, H200,
+    benchmarks/RESULTS.md session 24). More rows, another activation than silu, or a lost shape: the reference."""
     k = weight.shape[1]
     if (act not in ("silu", "swish") or gate_up.shape[-1] != 2 * k or _rows(gate_up) != 1
             or not _fits(gate_up[..., :k], weight, bias)):
