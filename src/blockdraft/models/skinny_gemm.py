@@ -184,12 +184,12 @@ def one_row_glu_linear(reference: Callable[[], torch.Tensor], gate_up: torch.Ten
     `fast_target.layer_tail`), from the GEMV with the gating folded into its loads where it runs and was timed
     faster: one launch and one pass less a layer of a decode step (29.5 against 31.0 us on the 8B shape, H200,
     benchmarks/RESULTS.md session 24). More rows, another activation than silu, or a lost shape: the reference."""
-    k = weight.shape[1]
-    if (act not in ("silu", "swish") or gate_up.shape[-1] != 2 * k or _rows(gate_up) != 1
-            or not _fits(gate_up[..., :k], weight, bias)):
+    gate = gate_up[..., : weight.shape[1]]  # the product's input as the checks and the timing key see it
+    if (act not in ("silu", "swish") or gate_up.shape[-1] != 2 * gate.shape[-1] or _rows(gate_up) != 1
+            or not _fits(gate, weight, bias)):
         return reference()
     options = {"gemv": lambda: gemv_linear(gate_up, weight, bias, glu=True), "library": reference}
-    return options[fastest("one-row glu linear", _shape(gate_up[..., :k], weight, bias), gate_up.device, options)]()
+    return options[fastest("one-row glu linear", _shape(gate, weight, bias), gate_up.device, options)]()
 
 
 def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
