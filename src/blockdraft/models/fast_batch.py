@@ -6,7 +6,7 @@ sequence needs this step; a sequence with fewer rows pads with rows only it sees
 committed), its own positions and [R, R] visibility (causal for chains, ancestors for trees), and writes each
 sequence's K/V at its own length. Committing is per sequence: a new length (a chain) or a gather within its slot
 (a tree). Only the K/V write (`fast_ops.batched_qkv_heads`) and the mask are batch-specific: the attention choice, the layer's tail and the
-decoder stack (taps included) are the batch-1 forward's own (`attend`, `layer_tail`, `FastTarget.run_layers`).
+decoder stack (taps included) are the batch-1 forward's own (`attend`, `layer_mlp`, `FastTarget.run_layers`).
 
 `BatchForward` runs it from CUDA graphs, one per (batch bucket, rows, key capacity): eagerly, a batched step of an
 8B target was launch-bound at 44-87 ms whatever its size (H200, benchmarks/RESULTS.md, session 14), 8-20x its
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from blockdraft.models.fast_target import (FastTarget, LayerWeights, attend, compact_mask, fixed_mask, graph_rows,
-                                            layer_tail)
+                                            layer_mlp)
 from blockdraft.models.graphs import capture, graph_pool, power_of_two_at_least
 from blockdraft.models.host_to_device import long_tensor
 from blockdraft.models.static_cache import SLOT_STEP, StaticTargetCache, kv_buffer, round_up
@@ -148,13 +148,12 @@ def run_batch(target: FastTarget, kv: torch.Tensor, lengths: torch.Tensor, ids: 
               for w in {layer.window for layer in target.layers}}
     mask = compact_mask(ops, seq[:, 0], lengths, own, positions)
 
-    def step(i: int, layer: LayerWeights, x: torch.Tensor, h: torch.Tensor,
-             following: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        q = ops.batched_qkv_heads(ops.linear(h, layer.qkv, layer.qkv_bias), layer.q_norm, layer.k_norm, cos, sin,
-                                  target.heads, target.kv_heads, target.eps, kv[i, 0], kv[i, 1], seq, cols)
+    def step(i: int, layer: LayerWeights, x: torch.Tensor, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q = ops.batched_qkv_heads(qkv, layer.q_norm, layer.k_norm, cos, sin, target.heads, target.kv_heads,
+                                  target.eps, kv[i, 0], kv[i, 1], seq, cols)
         keys, values = kv[i, 0, :batch, :, :cap], kv[i, 1, :batch, :, :cap]
         out = attend(ops, layer, q, keys, values, biases[layer.window], t, mask)
-        return layer_tail(ops, layer, x, ops.merge_heads(out, target.heads, t), following, target.eps, target.act)
+        return layer_mlp(ops, layer, x, ops.merge_heads(out, target.heads, t), target.eps, target.act)
 
     return target.run_layers(F.embedding(ids, target.embedding_weight), step, tap_layers)
 

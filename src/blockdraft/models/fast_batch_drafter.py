@@ -27,7 +27,8 @@ from blockdraft.models.drafter import DFlashDrafter, apply_rope
 from blockdraft.models.fast_batch import BATCH_GRAPHS, BatchKV, batch_bucket
 from blockdraft.models.fast_drafter import FastDrafter, batched_context_bias, fast_drafter_problem, packed_layers
 from blockdraft.models.fast_ops import rms_norm
-from blockdraft.models.fast_target import PREFILL_ROWS, FastTarget, attend, graph_rows, layer_tail, prefill_rows
+from blockdraft.models.fast_target import (PREFILL_ROWS, FastTarget, LayerWeights, attend, graph_rows, layer_mlp,
+                                            prefill_rows, run_stack)
 from blockdraft.models.graphs import capture, graph_pool
 from blockdraft.models.host_to_device import long_tensor
 from blockdraft.models.static_cache import round_up
@@ -290,11 +291,11 @@ class BatchDrafter:
         biases = {rule: batched_context_bias(lengths, slot_ids, positions, valid, *rule, groups, self.dtype)
                   for rule in set(self.rules)}
         x = self.target.embed(ids, self.drafter.cfg.input_embedding_scale)
-        h = ops.rms_norm(x, self.layers[0].norm_in, self.eps)
-        for i, (layer, rule) in enumerate(zip(self.layers, self.rules)):
-            following = self.layers[i + 1].norm_in if i + 1 < len(self.layers) else self.final_norm
-            q = ops.batched_qkv_heads(ops.linear(h, layer.qkv, layer.qkv_bias), layer.q_norm, layer.k_norm, cos, sin,
-                                      self.heads, self.kv_heads, self.eps, kv[i, 0], kv[i, 1], seq, cols)
-            out = attend(ops, layer, q, kv[i, 0, :n, :, :cap], kv[i, 1, :n, :, :cap], biases[rule], t)
-            x, h = layer_tail(ops, layer, x, ops.merge_heads(out, self.heads, t), following, self.eps, self.act)
+        def step(i: int, layer: LayerWeights, x: torch.Tensor, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            q = ops.batched_qkv_heads(qkv, layer.q_norm, layer.k_norm, cos, sin, self.heads, self.kv_heads, self.eps,
+                                      kv[i, 0], kv[i, 1], seq, cols)
+            out = attend(ops, layer, q, kv[i, 0, :n, :, :cap], kv[i, 1, :n, :, :cap], biases[self.rules[i]], t)
+            return layer_mlp(ops, layer, x, ops.merge_heads(out, self.heads, t), self.eps, self.act)
+
+        h, _ = run_stack(ops, self.layers, x, step, self.final_norm, self.eps)
         self.hidden_out[:n].copy_(h[:, 1:])

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from blockdraft.models.drafter import DFlashDrafter, apply_rope, visibility_mask
 from blockdraft.models.fast_ops import ACTIVATIONS, rms_norm
 from blockdraft.models.fast_target import (
-    LENGTH_DEPENDENT_ROPE, MAX_GRAPHS, FastTarget, LayerWeights, graph_rows, layer_step, pack_layer,
+    LENGTH_DEPENDENT_ROPE, MAX_GRAPHS, FastTarget, LayerWeights, graph_rows, layer_step, pack_layer, run_stack,
 )
 from blockdraft.models.graphs import capture
 from blockdraft.models.static_cache import KVStorage, round_up
@@ -290,11 +290,11 @@ class FastDrafter:
             for rule in set(self.rules)
         }
         x = self.target.embed(ids, self.drafter.cfg.input_embedding_scale)
-        h = ops.rms_norm(x, self.layers[0].norm_in, self.eps)
-        for i, (layer, rule) in enumerate(zip(self.layers, self.rules)):
-            following = self.layers[i + 1].norm_in if i + 1 < len(self.layers) else self.final_norm
-            x, h = layer_step(ops, layer, x, h, cos, sin, kv[i], slots, cap, biases[rule], following,
-                              self.heads, self.kv_heads, self.eps, self.act)
+        def step(i: int, layer: LayerWeights, x: torch.Tensor, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return layer_step(ops, layer, x, qkv, cos, sin, kv[i], slots, cap, biases[self.rules[i]], self.heads,
+                              self.kv_heads, self.eps, self.act)
+
+        h, _ = run_stack(ops, self.layers, x, step, self.final_norm, self.eps)
         return self.drafter.logits(h[0, 1:], self.target.lm_head)
 
     def _capture_draft(self, cap: int) -> _DraftGraph:

@@ -123,28 +123,27 @@ def layer_step(
     ops: LayerOps,
     layer: LayerWeights,
     x: torch.Tensor,
-    h: torch.Tensor,
+    qkv: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
     kv: torch.Tensor,
     slots: torch.Tensor,
     cap: int,
     bias: torch.Tensor,
-    next_norm: torch.Tensor,
     heads: int,
     kv_heads: int,
     eps: float,
     act: str,
     mask: CompactMask | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decoder layer on a static cache (target and drafter alike): K/V of the t new rows written at `slots` of
-    `kv` ([2, kv_heads, slots, d]), attention over its first `cap` slots under `bias` (`mask`: the same mask in
-    compact form, for the kernels); returns the residual stream and its `next_norm`-ed copy, the next layer's input."""
-    t = h.shape[1]
-    q = ops.qkv_heads(ops.linear(h, layer.qkv, layer.qkv_bias), layer.q_norm, layer.k_norm, cos, sin,
-                      heads, kv_heads, eps, kv[0], kv[1], slots)
+    """One decoder layer on a static cache (target and drafter alike) from its residual input `x` and q|k|v product
+    (`run_stack` makes both): K/V of the t new rows written at `slots` of `kv` ([2, kv_heads, slots, d]), attention
+    over its first `cap` slots under `bias` (`mask`: the same mask in compact form, for the kernels); returns the
+    layer's output as a pending sum (`layer_mlp`)."""
+    t = qkv.shape[1]
+    q = ops.qkv_heads(qkv, layer.q_norm, layer.k_norm, cos, sin, heads, kv_heads, eps, kv[0], kv[1], slots)
     out = attend(ops, layer, q, kv[0, :, :cap].unsqueeze(0), kv[1, :, :cap].unsqueeze(0), bias, t, mask)
-    return layer_tail(ops, layer, x, ops.merge_heads(out, heads, t), next_norm, eps, act)
+    return layer_mlp(ops, layer, x, ops.merge_heads(out, heads, t), eps, act)
 
 
 def compact_mask(ops: LayerOps, slots: torch.Tensor, lengths: torch.Tensor, own: torch.Tensor,
@@ -167,16 +166,42 @@ def attend(ops: LayerOps, layer: LayerWeights, q: torch.Tensor, keys: torch.Tens
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=layer.scaling)
 
 
-def layer_tail(ops: LayerOps, layer: LayerWeights, x: torch.Tensor, attended: torch.Tensor, next_norm: torch.Tensor,
-               eps: float, act: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """After attention (heads merged): o_proj, residual and norm, the gated MLP, residual and the next norm."""
+def layer_mlp(ops: LayerOps, layer: LayerWeights, x: torch.Tensor, attended: torch.Tensor, eps: float,
+              act: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """After attention (heads merged): o_proj, residual and norm, the gated MLP. Returns the layer's output as the
+    pair (x, delta) it is the sum of: the add waits for the next layer's norm and product (`run_stack`), so that
+    one kernel can do all three."""
     x, gate_up = ops.add_norm_linear(x, ops.linear(attended, layer.o_proj.weight, layer.o_proj.bias),
                                      layer.norm_post, eps, layer.gate_up, layer.gate_up_bias)
-    delta = ops.glu_linear(gate_up, act, layer.down.weight, layer.down.bias)
-    return ops.add_rms_norm(x, delta, next_norm, eps)
+    return x, ops.glu_linear(gate_up, act, layer.down.weight, layer.down.bias)
 
 
-LayerStep = Callable[[int, LayerWeights, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+LayerStep = Callable[[int, LayerWeights, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def run_stack(ops: LayerOps, layers: list[LayerWeights], x: torch.Tensor, step: LayerStep, final_norm: torch.Tensor,
+              eps: float, tap_layers: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A decoder stack (targets and drafters, batch 1 and batched) over embeddings `x`: `step(i, layer, x, qkv)`
+    runs layer i from its residual input and q|k|v product and returns its output as a pending sum (`layer_mlp`),
+    which the next layer's norm and product resolve in one unit (`LayerOps.add_norm_linear`: one kernel for a
+    decode step's row). Returns the final-normed states and the concatenated taps (the OUTPUT of each tapped layer;
+    HF's last hidden state is the final-normed one)."""
+    wanted = set(tap_layers or ())
+    taps: dict[int, torch.Tensor] = {}
+    delta: torch.Tensor | None = None
+    for i, layer in enumerate(layers):
+        if delta is None:
+            qkv = ops.linear(ops.rms_norm(x, layer.norm_in, eps), layer.qkv, layer.qkv_bias)
+        else:
+            x, qkv = ops.add_norm_linear(x, delta, layer.norm_in, eps, layer.qkv, layer.qkv_bias)
+            if i - 1 in wanted:
+                taps[i - 1] = x
+        x, delta = step(i, layer, x, qkv)
+    assert delta is not None, "a decoder stack has layers"
+    x, h = ops.add_rms_norm(x, delta, final_norm, eps)
+    taps[len(layers) - 1] = h
+    tapped = torch.cat([taps[i] for i in tap_layers], dim=-1) if tap_layers is not None else None
+    return h, tapped
 
 
 def graph_rows(t: int) -> int:
@@ -349,28 +374,16 @@ class FastTarget(Target):
         mask = compact_mask(ops, self.slot_ids[:1], self.storage.length.view(1), own.unsqueeze(0),
                             positions.unsqueeze(0))
 
-        def step(i: int, layer: LayerWeights, x: torch.Tensor, h: torch.Tensor,
-                 following: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            return layer_step(ops, layer, x, h, cos, sin, kv[i], slots, cap, biases[layer.window], following,
-                              self.heads, self.kv_heads, self.eps, self.act, mask)
+        def step(i: int, layer: LayerWeights, x: torch.Tensor, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return layer_step(ops, layer, x, qkv, cos, sin, kv[i], slots, cap, biases[layer.window], self.heads,
+                              self.kv_heads, self.eps, self.act, mask)
 
         return self.run_layers(F.embedding(ids, self.embedding_weight), step, tap_layers)
 
     def run_layers(self, x: torch.Tensor, step: LayerStep,
                    tap_layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The decoder stack over embeddings `x` (batch-1 and batched forwards alike): `step(i, layer, x, h,
-        next_norm)` runs layer i; returns the final-normed states and the concatenated taps (the OUTPUT of each
-        tapped layer; HF's last hidden state is the final-normed one)."""
-        wanted = set(tap_layers or ())
-        taps: dict[int, torch.Tensor] = {}
-        h = self.ops.rms_norm(x, self.layers[0].norm_in, self.eps)
-        for i, layer in enumerate(self.layers):
-            following = self.layers[i + 1].norm_in if i + 1 < len(self.layers) else self.final_norm
-            x, h = step(i, layer, x, h, following)
-            if i in wanted:
-                taps[i] = h if i == self.num_layers - 1 else x
-        tapped = torch.cat([taps[i] for i in tap_layers], dim=-1) if tap_layers is not None else None
-        return h, tapped
+        """This target's decoder stack over embeddings `x` (batch-1 and batched forwards alike; `run_stack`)."""
+        return run_stack(self.ops, self.layers, x, step, self.final_norm, self.eps, tap_layers)
 
     def _replay(
         self,
