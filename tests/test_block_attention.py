@@ -29,14 +29,16 @@ def random_tree(t: int, generator: torch.Generator) -> torch.Tensor:
     return own
 
 
-@pytest.mark.parametrize("dtype, split_keys, merge", [(torch.float32, 64, False), (torch.bfloat16, 64, False),
-                                                      (torch.float32, 256, False), (torch.float32, 64, True),
-                                                      (torch.bfloat16, 256, True)])
+@pytest.mark.parametrize("dtype, split_keys, merge, programs", [
+    (torch.float32, 64, False, 512), (torch.bfloat16, 64, False, 512), (torch.float32, 256, False, 512),
+    (torch.float32, 64, True, 512), (torch.bfloat16, 256, True, 512),
+    (torch.float32, 64, False, 8), (torch.float32, 64, True, 24),  # budgets that leave 1-3 splits a sequence
+])
 @pytest.mark.parametrize("t, groups, window, tree", [(1, 4, None, False), (16, 2, None, False), (33, 4, None, True),
                                                      (5, 1, 8, False), (9, 2, 12, True), (64, 2, None, True)])
 def test_the_kernel_is_decode_attention_under_the_dense_mask(t: int, groups: int, window: int | None, tree: bool,
                                                               dtype: torch.dtype, split_keys: int,
-                                                              merge: bool) -> None:
+                                                              merge: bool, programs: int) -> None:
     generator = torch.Generator().manual_seed(t * 10 + groups)
     heads, d, slots, capacity = 2, 24, 5, 320
     lengths = [0, 37, 150, 255][: 3 if t > 32 else 4]
@@ -53,7 +55,7 @@ def test_the_kernel_is_decode_attention_under_the_dense_mask(t: int, groups: int
     with torch.inference_mode():
         got = block_attention(q, cache[0], cache[1], torch.tensor(seq, device=DEVICE),
                               torch.tensor(lengths, device=DEVICE), own, positions, window, 0.125, split_keys,
-                              merge)
+                              merge, programs)
     for b, (slot, length) in enumerate(zip(seq, lengths)):
         keys = length + t
         bias = attention_bias(torch.tensor(length, device=DEVICE), torch.arange(keys, device=DEVICE), positions[b],

@@ -337,13 +337,15 @@ def test_the_norming_gemv_is_the_engines_add_norm_product(n: int, k: int, dtype:
 
 
 @needs_kernel
-def test_a_target_on_the_gemvs_decodes_the_same_ids_and_taps_in_float32() -> None:
-    """The fast engine's one-row products as on CUDA (`LayerOps(gemv=True)`: the GEMV, the gating GEMV, the add and
-    norm folded into the next product, layer boundaries included) against the library's: the same greedy ids, and
-    a one-row forward's taps (each tapped layer's output, resolved inside the next layer's fold) and logits agree."""
+def test_a_target_on_the_engines_cuda_kernels_decodes_the_same_ids_and_taps_in_float32() -> None:
+    """The fast engine's kernels as on CUDA (the GEMV, the gating GEMV, the add and norm folded into the next
+    product at layer boundaries too, the q|k|v epilogue, the compact-mask attention) against the library's: the same
+    greedy ids, and a one-row forward's taps (each tapped layer's output, resolved inside the next layer's fold) and
+    logits agree."""
     model = make_target_model("qwen3").to(DEVICE)
     plain, gemvs = FastTarget(model), FastTarget(model)
-    gemvs.ops = LayerOps(False, gemv=True)
+    gemvs.ops = LayerOps(False, qkv_kernel=True, gemv=True, attention_kernel=True)
+    assert gemvs.ops.compact_masks and not plain.ops.compact_masks or DEVICE.type == "cuda"
     ids = [5, 17, 2, 40, 33]
     assert generate(gemvs, ids, None, 12).token_ids == generate(plain, ids, None, 12).token_ids
     taps = (0, 2, 3)

@@ -1,6 +1,6 @@
 """How many programs the compact-mask attention should launch for a batched step: the library's attention against
-`block_attention` at several program budgets (`flash_decode.TARGET_PROGRAMS`, which sets the key splits a
-sequence gets), key splits of 64 or 256 and the two merges, on the 8B shape's attention (8 KV heads, 4 query heads
+`block_attention` at several program budgets (its `programs`, which sets the key splits a sequence gets; the
+engine times 512 and 1024), key splits of 64 or 256 and the two merges, on the 8B shape's attention (8 KV heads, 4 query heads
 each, head dim 128), every sequence `--context` keys long.
 
 In the batched AR step of the 8B shape at batch 64 the library's attention ran 3.0 ms of 8.75 (3.2 TB/s of the
@@ -18,7 +18,6 @@ import sys
 
 import torch
 
-from blockdraft.models import flash_decode
 from blockdraft.models.block_attention import block_attention
 from blockdraft.models.fast_batch import batched_attention_bias
 from blockdraft.models.fast_ops import decode_attention
@@ -56,11 +55,10 @@ def main() -> None:
                 slots, own8 = torch.arange(batch, device=device), own.to(torch.uint8)
                 times = [_milliseconds(lambda: decode_attention(q, k, v, bias, 0.088))]
                 for programs in PROGRAMS:
-                    flash_decode.TARGET_PROGRAMS = programs
                     for split_keys in (64, 256):
                         for merge in (False, True):
                             times.append(_milliseconds(lambda: block_attention(
-                                q, k, v, slots, lengths, own8, positions, None, 0.088, split_keys, merge)))
+                                q, k, v, slots, lengths, own8, positions, None, 0.088, split_keys, merge, programs)))
                 megabytes = 2 * batch * KV_HEADS * keys * HEAD_DIM * 2 / 1e6
                 print(f"| {batch} | {t} | {megabytes:.0f} | " + " | ".join(f"{1e3 * ms:.1f}" for ms in times) + " |",
                       flush=True)

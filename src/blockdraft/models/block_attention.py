@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from blockdraft.models.flash_decode import BLOCK_KEYS, BLOCK_ROWS, split_and_merge, split_shape
+from blockdraft.models.flash_decode import BLOCK_KEYS, BLOCK_ROWS, TARGET_PROGRAMS, split_and_merge, split_shape
 from blockdraft.models.skinny_gemm import kernel_available, triton
 
 if triton is not None:
@@ -93,16 +93,18 @@ def block_attention_runs(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: torch.Tensor, lengths: torch.Tensor,
                     own: torch.Tensor, positions: torch.Tensor, window: int | None, scale: float,
-                    min_split_keys: int = BLOCK_KEYS, merge: bool = False) -> torch.Tensor:
+                    min_split_keys: int = BLOCK_KEYS, merge: bool = False, programs: int = TARGET_PROGRAMS
+                    ) -> torch.Tensor:
     """q [B, G, R, d] (the query heads sharing a KV head folded into rows, group-major: R = groups x t) against the
     cache k, v [slots, G, S, d], sequence b reading slot seq[b] ([B] long): its lengths[b] committed keys, then its
     t new rows' own K/V at lengths[b] + j, seen as own [B, t, t] (bool or uint8) says; positions [B, t] are the new
     rows' (for the window; committed key j sits at position j). Everything but the shapes is read on the device.
     Each split takes at least `min_split_keys` keys (a multiple of BLOCK_KEYS): fewer, longer splits leave the
     combine fewer partial results to merge. With `merge` the last split of each row block to finish merges them
-    (an atomic count a row block, `_merge_counts`) instead of a second launch."""
+    (an atomic count a row block, `_merge_counts`) instead of a second launch. `programs` bounds the programs a
+    launch has (the key splits a sequence gets: more splits, more partial results to merge)."""
     t = own.shape[-1]
-    block_d, row_blocks, splits = split_shape(q, k.shape[2])
+    block_d, row_blocks, splits = split_shape(q, k.shape[2], programs)
     f32 = q.dtype == torch.float32 or not q.is_cuda  # the interpreter's half-precision dot is wrong
     if own.dtype != torch.uint8 or not own.is_contiguous():
         own = own.to(torch.uint8).contiguous()

@@ -18,7 +18,7 @@ import torch.fx.experimental._config as shape_config
 import torch.nn.functional as F
 
 from blockdraft.models.block_attention import block_attention, block_attention_runs
-from blockdraft.models.flash_decode import BLOCK_KEYS, fits, flash_decode
+from blockdraft.models.flash_decode import BLOCK_KEYS, TARGET_PROGRAMS, fits, flash_decode
 from blockdraft.models.graphs import power_of_two_at_least
 from blockdraft.models.kernel_choice import fastest, kernel_wins
 from blockdraft.models.qkv_rope import qkv_rope, qkv_rope_runs
@@ -27,6 +27,8 @@ from blockdraft.models.skinny_gemm import (one_row_add_norm_linear, one_row_glu_
 
 LONG_SPLIT_KEYS = 256  # the block-attention variant with longer key splits: 4-5 partial results to merge at 1K keys
 # instead of 17 (the splits of 64 keys lost to the library by 7-14% at 1-16 rows on the H200, RESULTS session 22)
+MORE_PROGRAMS = 2 * TARGET_PROGRAMS  # a budget the batched steps may want: at batch 64 x 1 row two splits a sequence
+# ran 80.1 us against 88.2 with one (H200, 8B shape, RESULTS session 24 item 7); batches 4-16 kept 512
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "swish": F.silu,
@@ -274,20 +276,23 @@ def kernel_block_attention(
     """`decode_attention` from the compact-mask kernel (`block_attention`: the mask's pieces instead of the dense
     `bias`, keys read only up to each sequence's own length) where it runs and was timed faster at this shape than
     `reference` (`kernel_choice`: key lengths by power of two; splits of 64 keys or of LONG_SPLIT_KEYS, merged by a
-    second launch or by each row block's last split, whichever was faster), else `reference`."""
+    second launch or by each row block's last split, or twice the programs, whichever was faster), else
+    `reference`."""
     def library() -> torch.Tensor:
         return reference(q, k, v, bias, scale)
 
     if not block_attention_runs(q, k):
         return library()
 
-    def splits_of(keys: int, merge: bool = False) -> Callable[[], torch.Tensor]:
+    def splits_of(keys: int, merge: bool = False, programs: int = TARGET_PROGRAMS) -> Callable[[], torch.Tensor]:
         return lambda: block_attention(q, k, v, mask.slots, mask.lengths, mask.own, mask.positions, window, scale,
-                                       keys, merge)
+                                       keys, merge, programs)
 
     options = {"kernel": splits_of(BLOCK_KEYS), f"kernel, {LONG_SPLIT_KEYS}-key splits": splits_of(LONG_SPLIT_KEYS),
                "kernel, merging": splits_of(BLOCK_KEYS, True),
                f"kernel, {LONG_SPLIT_KEYS}-key splits, merging": splits_of(LONG_SPLIT_KEYS, True),
+               f"kernel, {LONG_SPLIT_KEYS}-key splits, {MORE_PROGRAMS} programs": splits_of(LONG_SPLIT_KEYS,
+                                                                                             programs=MORE_PROGRAMS),
                "library": library}
     shape = (*q.shape[:3], power_of_two_at_least(k.shape[2]), q.shape[3], q.dtype, window)
     return options[fastest("block_attention", shape, q.device, options)]()
@@ -324,12 +329,15 @@ class LayerOps:
     the q|k|v epilogue alone (timed at 0.3-0.6x the compiled unit on the H200 at 1-65 rows, RESULTS session 22); with
     `gemv` the one-row products from the GEMV where it was timed faster (`one_row_linear`, the down projection's with
     the gating folded in: `glu_linear`, the products after a residual add and norm with both folded in:
-    `add_norm_linear`)."""
+    `add_norm_linear`); with `attention_kernel` the targets' few-row attention alone from `block_attention` where
+    it was timed faster (its program budget among the options: the batched steps' attention)."""
 
-    def __init__(self, compiled: bool, kernels: bool = False, qkv_kernel: bool = False, gemv: bool = False) -> None:
+    def __init__(self, compiled: bool, kernels: bool = False, qkv_kernel: bool = False, gemv: bool = False,
+                 attention_kernel: bool = False) -> None:
         wrap: Callable[[Callable[..., object]], Callable[..., object]] = _CompiledOrPlain if compiled else (lambda f: f)
         self.compiled = compiled
         self.kernels = kernels
+        self.compact_masks = kernels or attention_kernel  # the targets' forwards give `block_attention` their masks
         self.linear: Callable[..., torch.Tensor] = (skinny_linear if kernels else one_row_linear if gemv
                                                     else F.linear)
         self.rms_norm = wrap(rms_norm)

@@ -149,8 +149,8 @@ def layer_step(
 def compact_mask(ops: LayerOps, slots: torch.Tensor, lengths: torch.Tensor, own: torch.Tensor,
                  positions: torch.Tensor) -> CompactMask | None:
     """A target forward's mask in compact form (`CompactMask.of`) where `attend` may give it to `block_attention`:
-    kernels on, and few enough rows per sequence; else None."""
-    if ops.kernels and own.shape[-1] <= DECODE_ATTENTION_MAX_TOKENS:
+    the attention kernel on (`LayerOps.compact_masks`), and few enough rows per sequence; else None."""
+    if ops.compact_masks and own.shape[-1] <= DECODE_ATTENTION_MAX_TOKENS:
         return CompactMask.of(slots, lengths, own, positions)
     return None
 
@@ -237,7 +237,8 @@ class FastTarget(Target):
         decoder = model.get_decoder()
         cuda = self.device.type == "cuda"
         self.use_graphs = cuda if graphs is None else graphs and cuda
-        self.ops = LayerOps(cuda if compiled is None else compiled, kernels, qkv_kernel=cuda, gemv=cuda)
+        self.ops = LayerOps(cuda if compiled is None else compiled, kernels, qkv_kernel=cuda, gemv=cuda,
+                            attention_kernel=cuda)
         self.eps: float = text.rms_norm_eps
         self.act: str = getattr(text, "hidden_act", "silu")
         self.heads: int = text.num_attention_heads

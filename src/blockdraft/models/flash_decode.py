@@ -170,12 +170,12 @@ def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.
     return split_and_merge(q, splits, block_d, run_splits)
 
 
-def split_shape(q: torch.Tensor, keys: int) -> tuple[int, int, int]:
+def split_shape(q: torch.Tensor, keys: int, programs: int = TARGET_PROGRAMS) -> tuple[int, int, int]:
     """For q [B, G, R, d] over `keys` keys: the head dimension padded for the kernels, the blocks of query rows, and
-    the most key splits worth launching (TARGET_PROGRAMS programs in all, at most one split per BLOCK_KEYS keys)."""
+    the most key splits worth launching (`programs` in all, at most one split per BLOCK_KEYS keys)."""
     batch, heads, rows, dim = q.shape
     row_blocks = triton.cdiv(rows, BLOCK_ROWS)
-    splits = max(1, min(triton.cdiv(keys, BLOCK_KEYS), TARGET_PROGRAMS // max(batch * heads * row_blocks, 1)))
+    splits = max(1, min(triton.cdiv(keys, BLOCK_KEYS), programs // max(batch * heads * row_blocks, 1)))
     return max(16, power_of_two_at_least(dim)), row_blocks, splits
 
 
