@@ -26,6 +26,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from blockdraft.numbers import int_list
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_speed import PAPER_TAU, bandwidth, build_synthetic  # noqa: E402  (shared synthetic 8B builder)
 
@@ -44,9 +46,9 @@ def geometric_rates(tau: float, positions: int) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="8b", choices=("8b", "tiny"))
-    parser.add_argument("--batch-sizes", default="1,2,4,8,16,32,64")
-    parser.add_argument("--rows", default="1,16,32,64,256")
-    parser.add_argument("--budget", default="32,256", help="DDTree budgets whose tree build is timed.")
+    parser.add_argument("--batch-sizes", type=int_list, default="1,2,4,8,16,32,64")
+    parser.add_argument("--rows", type=int_list, default="1,16,32,64,256")
+    parser.add_argument("--budget", type=int_list, default="32,256", help="DDTree budgets whose tree build is timed.")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--peak-flops", type=float, default=H200_BF16_FLOPS)
@@ -58,9 +60,7 @@ def main() -> None:
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    sizes = [int(x) for x in args.batch_sizes.split(",")]
-    rows_list = [int(x) for x in args.rows.split(",")]
-    budgets = [int(x) for x in args.budget.split(",")]
+    sizes, rows_list, budgets = args.batch_sizes, args.rows, args.budget
     model, drafter = build_synthetic(args.shape, device, dtype)
     target = FastTarget(model)
     depth = drafter.cfg.block_size - 1

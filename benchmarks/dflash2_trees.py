@@ -16,6 +16,8 @@ import argparse
 from rich.console import Console
 from rich.table import Table
 
+from blockdraft.numbers import int_list
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -24,7 +26,7 @@ def main() -> None:
     parser.add_argument("--prompts", default="demo")
     parser.add_argument("--per-category", type=int, default=None)
     parser.add_argument("--limit", type=int, default=None)
-    parser.add_argument("--budget", default="16,32,64")
+    parser.add_argument("--budget", type=int_list, default="16,32,64")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None)
@@ -49,7 +51,7 @@ def main() -> None:
     ar = [generate(target, ids, None, args.max_new_tokens, stop_token_ids=stops).token_ids for ids in prompts]
     variants = [("chain, per-position argmax (DFlash)", DFlashProposer(drafter, target, static=False)),
                 ("chain, selector walk (DFlash-2)", DFlash2Proposer(drafter, target))]
-    for budget in (int(b) for b in args.budget.split(",")):
+    for budget in args.budget:
         variants += [(f"DDTree@{budget}, per-position", DDTreeProposer(drafter, target, budget)),
                      (f"DDTree@{budget}, selector edges", SelectorTreeProposer(drafter, target, budget))]
     table = Table(title=f"DFlash-2 drafting rules ({len(prompts)} prompts, T=0, {args.max_new_tokens} tokens)")

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from blockdraft.models.kernel_choice import choices
+from blockdraft.numbers import int_list
 
 SHAPES: dict[str, dict[str, Any]] = {
     "8b": dict(
@@ -494,7 +495,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="8b", help="synthetic target shape (tiny: smoke)")
     parser.add_argument("--context", type=int, default=1024, help="context length for the per-step rows")
-    parser.add_argument("--budgets", default="32,64,128,256,512", help="DDTree budgets for the per-step rows")
+    parser.add_argument("--budgets", type=int_list, default="32,64,128,256,512", help="DDTree budgets for the per-step rows")
     parser.add_argument("--engines", default=None, help="hf,fast,fast-graphs,fast-eager,fast-kernels (default: hf,fast-graphs,fast on CUDA, hf,fast on CPU)")
     parser.add_argument("--iters", type=int, default=None, help="timed iterations per row (default 20; --quick 5)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up iterations per row (default 5; --quick 2)")
@@ -518,7 +519,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cuda = args.device.type == "cuda"
     args.engines = (args.engines or ("hf,fast-graphs,fast" if cuda else "hf,fast")).split(",")
     args.e2e_engines = args.e2e_engines.split(",")
-    args.budgets = [int(b) for b in args.budgets.split(",") if b]
     args.iters = args.iters or (5 if args.quick else 20)
     args.warmup = args.warmup or (2 if args.quick else 5)
     args.limit = args.limit or (2 if args.quick else None)

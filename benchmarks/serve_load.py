@@ -46,6 +46,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from blockdraft.numbers import int_list
 from blockdraft.serve.engine_clock import SLOW_STEP_S
 
 HOST = "127.0.0.1"
@@ -530,7 +531,7 @@ def main() -> None:
     parser.add_argument("--methods", default="ar,dflash,ddtree")
     parser.add_argument("--budget", type=int, default=None, help="DDTree nodes (default: the server's per device).")
     parser.add_argument("--draft-tokens", type=int, default=None, help="Drafted tokens (default: the server's).")
-    parser.add_argument("--concurrency", default="1,4", help="Concurrency levels, e.g. 1,4,16.")
+    parser.add_argument("--concurrency", type=int_list, default="1,4", help="Concurrency levels, e.g. 1,4,16.")
     parser.add_argument("--requests", type=int, default=12, help="Requests per level.")
     parser.add_argument("--paired", type=int, default=None,
                         help="Paired c=1 requests per side (default: --requests; 0: no paired runs).")
@@ -556,7 +557,7 @@ def main() -> None:
                         help="DECODE:HTTP:CLIENT core lists for the paired c=1 runs, e.g. 2-5:6-7:8 (class Pins).")
     parser.add_argument("--json-out", type=Path, default=None)
     args = parser.parse_args()
-    args.concurrency_levels = [int(c) for c in args.concurrency.split(",")]
+    args.concurrency_levels = args.concurrency
     if args.requests < args.rounds * max(args.concurrency_levels):
         parser.error(f"--requests {args.requests} is under --rounds x the highest concurrency "
                      f"({args.rounds * max(args.concurrency_levels)}): a round would never reach that concurrency "

@@ -20,6 +20,7 @@ from rich.table import Table
 
 from blockdraft.decoding.ddtree import DEVICE_SEARCH_NODES, KERNEL_SEARCH_TREES, build_trees, trees_on_device
 from blockdraft.decoding.tree_kernel import kernel_runs
+from blockdraft.numbers import int_list
 
 
 def seconds(run, device: torch.device, repeats: int) -> float:  # noqa: ANN001
@@ -39,8 +40,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--slots", type=int, default=15, help="Drafted positions L (block size - 1).")
     parser.add_argument("--vocab", type=int, default=49152)
-    parser.add_argument("--batches", default="1,4,16,64")
-    parser.add_argument("--budgets", default="16,32,64,256")
+    parser.add_argument("--batches", type=int_list, default="1,4,16,64")
+    parser.add_argument("--budgets", type=int_list, default="16,32,64,256")
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -50,11 +51,11 @@ def main() -> None:
                    "kernel rows ms", "kernel / tensor", "same trees"):
         table.add_column(column, justify="right")
     generator = torch.Generator(device=device).manual_seed(0)
-    for n in [int(b) for b in args.batches.split(",")]:
+    for n in args.batches:
         logits = 4 * torch.randn(n, args.slots, args.vocab, device=device, generator=generator)
         log_probs = logits.log_softmax(-1)
         slots = [args.slots] * n
-        for budget in [int(b) for b in args.budgets.split(",")]:
+        for budget in args.budgets:
             host = seconds(lambda: build_trees(log_probs, slots, budget, on_device=False), device, args.repeats)
             on_device = seconds(lambda: build_trees(log_probs, slots, budget, on_device=True), device, args.repeats)
             anchors, starts = [0] * n, [100] * n

@@ -116,3 +116,20 @@ def test_embedded_target_defaults_to_the_shipped_drafter(tiny_dirs: tuple[Path, 
     assert default_drafter(str(target), None) is None
     res = run_cli("generate", "--target", str(target), "--prompt-ids", "1,2", "--max-new-tokens", "4")
     assert res.returncode == 2 and "--method dflash needs --drafter PATH" in res.stderr
+
+
+def test_benchmark_lists_are_checked_in_one_line() -> None:
+    """The benchmarks' comma lists (`blockdraft.numbers.int_list`, an argparse type): a list of positive integers,
+    or argparse's one-line error naming the flag and an example."""
+    import argparse
+
+    from blockdraft.numbers import int_list
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    parser.add_argument("--budgets", type=int_list, default="32,64")
+    assert parser.parse_args([]).budgets == [32, 64]
+    assert parser.parse_args(["--budgets", "1, 4,16"]).budgets == [1, 4, 16]
+    for bad, says in (("1,x", "comma-separated integers like 1,4,16"), ("0,4", "positive integers"),
+                      (",", "is empty")):
+        with pytest.raises(argparse.ArgumentError, match=says):
+            parser.parse_args(["--budgets", bad])

@@ -27,6 +27,7 @@ from blockdraft.engine.batch import BatchDecoder, Request
 from blockdraft.models.fast_target import FastTarget
 from blockdraft.models.loading import load_drafter
 from blockdraft.pair import EMBEDDED_DRAFTER
+from blockdraft.numbers import int_list
 
 SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                     num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rms_norm_eps=1e-5,
@@ -62,7 +63,7 @@ def join_and_leave(decoder: BatchDecoder, ids: list[int], together: int = 1) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompt-tokens", default="32,128")
+    parser.add_argument("--prompt-tokens", type=int_list, default="32,128")
     parser.add_argument("--joins", type=int, default=12)
     parser.add_argument("--decode-tokens", type=int, default=256)
     args = parser.parse_args()
@@ -73,7 +74,7 @@ def main() -> None:
     plain = FastTarget(model, compiled=False)
     drafter = load_drafter(EMBEDDED_DRAFTER, target).to(device, torch.bfloat16)
     dynamo = torch._dynamo.utils.counters["stats"]
-    for n in [int(x) for x in args.prompt_tokens.split(",")]:
+    for n in args.prompt_tokens:
         ids = torch.randint(0, 49152, (n,)).tolist()
         print(f"\n### prompt of {n} tokens", flush=True)
         taps = (1, 14, 27)

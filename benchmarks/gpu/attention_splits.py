@@ -22,6 +22,7 @@ from blockdraft.models.block_attention import block_attention
 from blockdraft.models.fast_batch import batched_attention_bias
 from blockdraft.models.fast_ops import decode_attention
 from blockdraft.models.kernel_choice import _milliseconds
+from blockdraft.numbers import int_list
 
 KV_HEADS, GROUPS, HEAD_DIM = 8, 4, 128
 PROGRAMS = (512, 1024, 2048, 4096)
@@ -29,14 +30,14 @@ PROGRAMS = (512, 1024, 2048, 4096)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", default="1,4,16,64")
-    parser.add_argument("--rows", default="1,16", help="new rows a sequence (1: AR, 16: DFlash)")
+    parser.add_argument("--batch", type=int_list, default="1,4,16,64")
+    parser.add_argument("--rows", type=int_list, default="1,16", help="new rows a sequence (1: AR, 16: DFlash)")
     parser.add_argument("--context", type=int, default=1024)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("attention_splits.py needs a CUDA device")
     device, dtype = torch.device("cuda"), torch.bfloat16
-    batches, rows_list = [int(b) for b in args.batch.split(",")], [int(r) for r in args.rows.split(",")]
+    batches, rows_list = args.batch, args.rows
     cap = args.context + max(rows_list) + 64
     cache = torch.randn(2, max(batches), KV_HEADS, cap, HEAD_DIM, device=device, dtype=dtype)
     print("| batch | rows | KV MB | library us | " + " | ".join(f"{p} programs, {k}-key splits{m} us" for p in PROGRAMS

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_speed import bandwidth  # noqa: E402  (the copy-bandwidth measure every GPU table states)
 
 from blockdraft.models.skinny_gemm import gemv_linear  # noqa: E402
+from blockdraft.numbers import int_list  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),
           "lm_head": (151936, 4096)}
@@ -60,12 +61,12 @@ def time_product(n: int, k: int, m: int, device: torch.device, repeats: int = 5,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", default="1,4,16,64")
+    parser.add_argument("--rows", type=int_list, default="1,4,16,64")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     device = torch.device("cuda")
     copy = bandwidth(device, quick=False)
-    rows = [int(r) for r in args.rows.split(",")]
+    rows = args.rows
     results: dict[str, dict[str, dict[str, float]]] = {}
     for name, (library, reduced) in SETTINGS.items():
         torch.backends.cuda.preferred_blas_library(library)

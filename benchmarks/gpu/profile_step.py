@@ -27,6 +27,7 @@ from gpu_speed import build_synthetic  # noqa: E402  (the benchmark's own target
 from blockdraft.models.fast_batch import BatchKV, forward_batch  # noqa: E402
 from blockdraft.models.fast_target import FastTarget  # noqa: E402
 from blockdraft.models.kernel_choice import choices  # noqa: E402
+from blockdraft.numbers import int_list  # noqa: E402
 
 STEPS = 5
 CONFIGS = {"plain": dict(compiled=False), "compiled": dict(compiled=True),
@@ -86,8 +87,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="8b")
     parser.add_argument("--context", type=int, default=1024)
-    parser.add_argument("--rows", default="1,16", help="new tokens per profiled step (1: AR, 16: DFlash verify)")
-    parser.add_argument("--batch", default="1", help="sequences per step (more than 1: the batched forward)")
+    parser.add_argument("--rows", type=int_list, default="1,16", help="new tokens per profiled step (1: AR, 16: DFlash verify)")
+    parser.add_argument("--batch", type=int_list, default="1", help="sequences per step (more than 1: the batched forward)")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
     args = parser.parse_args()
     configs = args.configs.split(",")
@@ -100,8 +101,8 @@ def main() -> None:
     model, _ = build_synthetic(args.shape, device, torch.bfloat16)
     for config in configs:
         target = FastTarget(model, graphs=False, **CONFIGS[config])
-        for batch in map(int, args.batch.split(",")):
-            for rows in map(int, args.rows.split(",")):
+        for batch in args.batch:
+            for rows in args.rows:
                 step = (single_step(target, rows, args.context) if batch == 1
                         else batched_step(target, batch, rows, args.context))
                 profile(step, device, f"fast engine, {config} ops, eager, batch {batch}", rows)

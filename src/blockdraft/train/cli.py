@@ -10,31 +10,18 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
 import typer
 
-from blockdraft.errors import BlockdraftError
+from blockdraft.numbers import comma_numbers
 from blockdraft.train.pipeline import run_training
 from blockdraft.train.settings import TrainSettings, TrainSummary
 
 
-def _numbers(text: str, flag: str, kind: Callable[[str], Any], example: str) -> list[Any]:
-    """`1,9,17` -> [1, 9, 17] (kind int), `0,0.7` -> [0.0, 0.7] (kind float); one line naming the flag otherwise."""
-    noun = "integers" if kind is int else "numbers"
-    try:
-        values = [kind(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise BlockdraftError(f"{flag} {text!r} must be comma-separated {noun} like {example}") from None
-    if not values:
-        raise BlockdraftError(f"{flag} is empty; give comma-separated {noun} like {example}")
-    return values
-
-
 def _int_list(text: Optional[str], flag: str) -> Optional[list[int]]:
-    return None if text is None else _numbers(text, flag, int, "1,9,17")
+    return None if text is None else comma_numbers(text, flag, int, "1,9,17")
 
 
 def _fmt(value: Optional[float]) -> str:
@@ -115,7 +102,7 @@ def train_command(
         batch_size=batch_size, grad_accum=grad_accum, lr=lr, warmup_ratio=warmup_ratio, gamma=gamma,
         save_every=save_every, eval_every=eval_every, eval_prompts=eval_prompts, eval_tokens=eval_tokens,
         resume=resume, regenerate=regenerate, num_prompts=num_prompts, gen_batch_size=gen_batch_size,
-        gen_temperatures=tuple(_numbers(gen_temperatures, "--gen-temperatures", float, "0,0.7")),
+        gen_temperatures=tuple(comma_numbers(gen_temperatures, "--gen-temperatures", float, "0,0.7")),
         precompute_features=precompute_features, distill_topk=distill_topk, init=init, attention=attention,
         compile=compile_layers, device=device, dtype=dtype, seed=seed, parallel=parallel,
     )
