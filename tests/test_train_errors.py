@@ -103,4 +103,3 @@ def test_no_tokenizer_needs_mask_token_id(tiny_target: Path, tmp_path: Path) -> 
     settings = TrainSettings(target=str(tiny_target), out=tmp_path / "o", layers=1, taps=[1], steps=1, device="cpu")
     with pytest.raises(BlockdraftError, match="--mask-token-id"):
         run_training(settings, [TokenizedPrompt("a", [1, 2, 3])])
-
