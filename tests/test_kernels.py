@@ -386,18 +386,13 @@ def test_batched_sequences_on_kernels_decode_their_batch_1_ids(sliding: bool, me
 
 
 def test_the_kernels_run_only_on_gpus_triton_serves(monkeypatch) -> None:
-    """On a GPU older than Ampere the engine keeps the library calls (the q|k|v kernel is on by default on CUDA); the
-    GEMV launches as a programmatic dependent launch from Hopper on, unless BLOCKDRAFT_GEMV_PDL=0."""
+    """On a GPU older than Ampere the engine keeps the library calls (the q|k|v kernel is on by default on CUDA)."""
     from blockdraft.models import skinny_gemm
 
     if skinny_gemm.triton is None:
         pytest.skip("Triton is not installed")
-    gpu = torch.device("cuda", 3)
-    for capability, runs, dependent in (((7, 0), False, False), ((8, 0), True, False), ((9, 0), True, True)):
+    for capability, runs in (((7, 0), False), ((8, 0), True), ((9, 0), True)):
         skinny_gemm._capable.cache_clear()
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
-        assert skinny_gemm.kernel_available(gpu) is runs
-        assert skinny_gemm.dependent_launch(gpu) is dependent
-    monkeypatch.setenv("BLOCKDRAFT_GEMV_PDL", "0")
-    assert not skinny_gemm.dependent_launch(gpu)
+        assert skinny_gemm.kernel_available(torch.device("cuda", 3)) is runs
     skinny_gemm._capable.cache_clear()

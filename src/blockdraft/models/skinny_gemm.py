@@ -32,7 +32,6 @@ except ImportError:  # no Triton (a CPU install): F.linear everywhere
 
 
 KERNEL_MIN_CAPABILITY = (8, 0)  # the kernels' bf16 dots and Triton's supported GPUs: Ampere and newer
-DEPENDENT_LAUNCH_CAPABILITY = (9, 0)  # grid dependency control (programmatic dependent launch): Hopper and newer
 
 
 def kernel_available(device: torch.device) -> bool:
@@ -46,8 +45,8 @@ def kernel_available(device: torch.device) -> bool:
 
 
 @functools.cache
-def _capable(index: int, capability: tuple[int, int] = KERNEL_MIN_CAPABILITY) -> bool:
-    return torch.cuda.get_device_capability(index) >= capability
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= KERNEL_MIN_CAPABILITY
 
 
 if triton is not None:
@@ -94,42 +93,16 @@ if triton is not None:
                  mask=(rows[:, None] < M) & (cols[None, :] < N))
 
     @triton.jit
-    def _gemv_input(x_ptr, d_ptr, nw_ptr, ks, K, scale, GLU: tl.constexpr, NORM: tl.constexpr):
-        """The GEMV's input row at columns `ks`, in float32: x, silu(gate) * up (GLU) or rms_norm(x + d) * nw
-        (NORM, `scale` the row's reciprocal RMS), each rounded to the dtype where the engine's units round."""
-        dtype = x_ptr.dtype.element_ty
-        x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
-        if GLU:
-            up = tl.load(x_ptr + K + ks, mask=ks < K, other=0.0).to(tl.float32)
-            x = ((x / (1.0 + tl.exp(-x))).to(dtype).to(tl.float32) * up).to(dtype).to(tl.float32)
-        if NORM:
-            total = (x + tl.load(d_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)).to(dtype)
-            normed = (total.to(tl.float32) * scale).to(dtype).to(tl.float32)
-            x = (tl.load(nw_ptr + ks, mask=ks < K, other=0.0).to(tl.float32) * normed).to(dtype).to(tl.float32)
-        return x
-
-    @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, d_ptr, nw_ptr, xo_ptr, N, K, eps, stride_wn, HAS_BIAS: tl.constexpr,
-                     GLU: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     GLU: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """One row: each program owns BLOCK_N output features, multiplies and adds in registers (no tl.dot, so no
         row padded to 16) and sums across K once at the end. With GLU the row is silu(gate) * up of a packed
         gate|up row of 2K values, rounded as `fast_ops.glu` rounds it (silu's output, then the product). With NORM
         it is rms_norm(x + d) * nw with HF's numerics (the sum rounded, normed in float32, rounded, scaled): every
         program sums the squares of the whole row first (K values from L2), and program 0 writes the new residual
-        x + d. With PDL (launched as a programmatic dependent launch, Hopper and newer) each program loads its first
-        weight tile before waiting for the kernel before it to finish, and lets the next one launch at once: a decode
-        step's products follow one another, and the weights never depend on the kernel before."""
+        x + d."""
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         dtype = x_ptr.dtype.element_ty
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        if PDL:
-            first = tl.arange(0, BLOCK_K)
-            w_first = tl.load(w_ptr + cols[:, None] * stride_wn + first[None, :],
-                              mask=(cols[:, None] < N) & (first[None, :] < K), other=0.0)
-            tl.extra.cuda.gdc_launch_dependents()
-            tl.extra.cuda.gdc_wait()  # nothing is stored before this: the kernel before may still read our outputs
-        scale = 1.0
         if NORM:
             squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
             for start in range(0, K, BLOCK_K):
@@ -140,11 +113,17 @@ if triton is not None:
                     tl.store(xo_ptr + ks, total, mask=ks < K)
                 squares += total.to(tl.float32) * total.to(tl.float32)
             scale = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
-        if PDL:
-            acc += w_first.to(tl.float32) * _gemv_input(x_ptr, d_ptr, nw_ptr, first, K, scale, GLU, NORM)[None, :]
-        for start in range(BLOCK_K if PDL else 0, K, BLOCK_K):
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for start in range(0, K, BLOCK_K):
             ks = start + tl.arange(0, BLOCK_K)
-            x = _gemv_input(x_ptr, d_ptr, nw_ptr, ks, K, scale, GLU, NORM)
+            x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+            if GLU:
+                up = tl.load(x_ptr + K + ks, mask=ks < K, other=0.0).to(tl.float32)
+                x = ((x / (1.0 + tl.exp(-x))).to(dtype).to(tl.float32) * up).to(dtype).to(tl.float32)
+            if NORM:
+                total = (x + tl.load(d_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)).to(dtype)
+                normed = (total.to(tl.float32) * scale).to(dtype).to(tl.float32)
+                x = (tl.load(nw_ptr + ks, mask=ks < K, other=0.0).to(tl.float32) * normed).to(dtype).to(tl.float32)
             w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K),
                         other=0.0)
             acc += w.to(tl.float32) * x[None, :]
@@ -158,7 +137,7 @@ if triton is not None:
                  for n, k, w, s in ((1, 1024, 2, 4), (2, 1024, 4, 3), (2, 2048, 4, 3), (4, 512, 4, 4),
                                     (4, 1024, 4, 3), (8, 256, 4, 4), (8, 512, 4, 3), (8, 1024, 8, 3), (16, 256, 4, 4),
                                     (16, 512, 8, 3), (32, 256, 8, 3))],
-        key=["N", "K", "GLU", "NORM", "PDL"],  # and the tensors' dtypes, which Triton's autotuner adds to every key
+        key=["N", "K", "GLU", "NORM"],  # and the tensors' dtypes, which Triton's autotuner adds to every key
     )(_gemv_kernel)
 
     _tuned_kernel = triton.autotune(  # each (N, K, rows) shape picks its tiles on first use (before graph capture)
@@ -268,17 +247,9 @@ def _gemv(flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, o
     args = (flat, weight, bias if bias is not None else out, out, *norm_args[:3], n, k, norm_args[3], weight.stride(0))
     flags = dict(HAS_BIAS=bias is not None, GLU=glu, NORM=norm)
     if flat.is_cuda:
-        pdl = dependent_launch(flat.device)
-        _tuned_gemv[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags, PDL=pdl, launch_pdl=pdl)
+        _tuned_gemv[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
     else:
-        _gemv_kernel[(triton.cdiv(n, 4),)](*args, **flags, PDL=False, BLOCK_N=4, BLOCK_K=32)
-
-
-def dependent_launch(device: torch.device) -> bool:
-    """Whether the GEMV launches as a programmatic dependent launch on `device`: compute capability 9.0 or newer
-    (Hopper's grid dependency control), unless BLOCKDRAFT_GEMV_PDL=0 turns it off (to measure what it gives)."""
-    return os.environ.get("BLOCKDRAFT_GEMV_PDL", "1") != "0" and _capable(
-        torch.cuda.current_device() if device.index is None else device.index, DEPENDENT_LAUNCH_CAPABILITY)
+        _gemv_kernel[(triton.cdiv(n, 4),)](*args, **flags, BLOCK_N=4, BLOCK_K=32)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
