@@ -302,46 +302,10 @@ def test_the_fused_add_norm_product_is_the_engines_composition(rows: int, n: int
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("n, k", [(48, 64), (5, 70), (33, 200)])
-@pytest.mark.parametrize("bias", [False, True])
-def test_the_norming_gemv_is_the_engines_add_norm_product(n: int, k: int, dtype: torch.dtype, bias: bool) -> None:
-    """One row's (x + delta, rms_norm(x + delta) @ W^T) from the GEMV that adds and norms as it loads, against the
-    engine's units: the residual to the dtype's rounding (exactly on a GPU), the product to its tolerance; routed
-    through `one_row_add_norm_linear`, the GEMV's or (on a GPU, where timed faster) the composition's output."""
-    from blockdraft.models.fast_ops import add_norm_linear, add_rms_norm
-    from blockdraft.models.skinny_gemm import gemv_add_norm_linear, one_row_add_norm_linear
-
-    generator = torch.Generator().manual_seed(7 * n + k)
-    x, delta = (torch.randn(1, 1, k, generator=generator).to(DEVICE, dtype) for _ in range(2))
-    norm_weight = (1 + 0.1 * torch.randn(k, generator=generator)).to(DEVICE, dtype)
-    w = torch.randn(n, k, generator=generator).to(DEVICE, dtype)
-    b = torch.randn(n, generator=generator).to(DEVICE, dtype) if bias else None
-
-    def composition(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
-        return add_norm_linear(add_rms_norm, F.linear, *args)
-
-    with torch.inference_mode():
-        residual, product = gemv_add_norm_linear(x, delta, norm_weight, 1e-6, w, b)
-        want_residual, want_product = composition(x, delta, norm_weight, 1e-6, w, b)
-        routed = one_row_add_norm_linear(composition, x, delta, norm_weight, 1e-6, w, b)
-    assert residual.shape == x.shape and product.shape == (1, 1, n) and product.dtype == dtype
-    if DEVICE.type == "cuda":
-        assert torch.equal(residual, want_residual)
-    else:  # the interpreter rounds float32 to bfloat16 toward zero, the GPU (and torch) to nearest
-        torch.testing.assert_close(residual, want_residual, rtol=2 ** -7, atol=0)
-    scale = want_product.abs().max().item()
-    assert (product.double() - want_product.double()).abs().max().item() <= 2 * TOLERANCE[dtype] * scale
-    assert (torch.equal(routed[1], product)
-            or (DEVICE.type == "cuda" and torch.equal(routed[1], want_product)))
-
-
-@needs_kernel
 def test_a_target_on_the_engines_cuda_kernels_decodes_the_same_ids_and_taps_in_float32() -> None:
-    """The fast engine's kernels as on CUDA (the GEMV, the gating GEMV, the add and norm folded into the next
-    product at layer boundaries too, the q|k|v epilogue, the compact-mask attention) against the library's: the same
-    greedy ids, and a one-row forward's taps (each tapped layer's output, resolved inside the next layer's fold) and
-    logits agree."""
+    """The fast engine's kernels as on CUDA (the GEMV, the gating GEMV, the q|k|v epilogue, the compact-mask
+    attention) against the library's: the same greedy ids, and a one-row forward's taps (each tapped layer's output,
+    resolved where the next layer adds and norms it: `run_stack`) and logits agree."""
     model = make_target_model("qwen3").to(DEVICE)
     plain, gemvs = FastTarget(model), FastTarget(model)
     gemvs.ops = LayerOps(False, qkv_kernel=True, gemv=True, attention_kernel=True)

@@ -22,8 +22,7 @@ from blockdraft.models.flash_decode import BLOCK_KEYS, TARGET_PROGRAMS, fits, fl
 from blockdraft.models.graphs import power_of_two_at_least
 from blockdraft.models.kernel_choice import fastest, kernel_wins
 from blockdraft.models.qkv_rope import qkv_rope, qkv_rope_runs
-from blockdraft.models.skinny_gemm import (one_row_add_norm_linear, one_row_glu_linear, one_row_linear,
-                                           skinny_add_norm_linear, skinny_linear)
+from blockdraft.models.skinny_gemm import one_row_glu_linear, one_row_linear, skinny_add_norm_linear, skinny_linear
 
 LONG_SPLIT_KEYS = 256  # the block-attention variant with longer key splits: 4-5 partial results to merge at 1K keys
 # instead of 17 (the splits of 64 keys lost to the library by 7-14% at 1-16 rows on the H200, RESULTS session 22)
@@ -328,8 +327,7 @@ class LayerOps:
     target's forwards, which give a CompactMask, `flash_decode` for the drafters') where they run; with `qkv_kernel`
     the q|k|v epilogue alone (timed at 0.3-0.6x the compiled unit on the H200 at 1-65 rows, RESULTS session 22); with
     `gemv` the one-row products from the GEMV where it was timed faster (`one_row_linear`, the down projection's with
-    the gating folded in: `glu_linear`, the products after a residual add and norm with both folded in:
-    `add_norm_linear`); with `attention_kernel` the targets' few-row attention alone from `block_attention` where
+    the gating folded in: `glu_linear`); with `attention_kernel` the targets' few-row attention alone from `block_attention` where
     it was timed faster (its program budget among the options: the batched steps' attention)."""
 
     def __init__(self, compiled: bool, kernels: bool = False, qkv_kernel: bool = False, gemv: bool = False,
@@ -353,8 +351,7 @@ class LayerOps:
         self.decode_attention = partial(kernel_attention, attention) if kernels else attention
         self.block_attention = partial(kernel_block_attention, attention)
         composed = partial(add_norm_linear, self.add_rms_norm, self.linear)
-        self.add_norm_linear = (partial(skinny_add_norm_linear, composed) if kernels
-                                else partial(one_row_add_norm_linear, composed) if gemv else composed)
+        self.add_norm_linear = partial(skinny_add_norm_linear, composed) if kernels else composed
         self.fused_glu = gemv or kernels
 
     def glu_linear(self, gate_up: torch.Tensor, act: str, weight: torch.Tensor,

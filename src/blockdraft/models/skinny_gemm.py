@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from blockdraft.models.graphs import power_of_two_at_least
-from blockdraft.models.kernel_choice import fastest
+from blockdraft.models.kernel_choice import fastest, kernel_wins
 
 MAX_ROWS = 64  # more rows than this are compute, not weight reads: cuBLAS
 
@@ -93,37 +93,20 @@ if triton is not None:
                  mask=(rows[:, None] < M) & (cols[None, :] < N))
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, d_ptr, nw_ptr, xo_ptr, N, K, eps, stride_wn, HAS_BIAS: tl.constexpr,
-                     GLU: tl.constexpr, NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, HAS_BIAS: tl.constexpr, GLU: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """One row: each program owns BLOCK_N output features, multiplies and adds in registers (no tl.dot, so no
         row padded to 16) and sums across K once at the end. With GLU the row is silu(gate) * up of a packed
-        gate|up row of 2K values, rounded as `fast_ops.glu` rounds it (silu's output, then the product). With NORM
-        it is rms_norm(x + d) * nw with HF's numerics (the sum rounded, normed in float32, rounded, scaled): every
-        program sums the squares of the whole row first (K values from L2), and program 0 writes the new residual
-        x + d."""
+        gate|up row of 2K values, rounded as `fast_ops.glu` rounds it (silu's output, then the product)."""
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        dtype = x_ptr.dtype.element_ty
-        if NORM:
-            squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
-            for start in range(0, K, BLOCK_K):
-                ks = start + tl.arange(0, BLOCK_K)
-                total = (tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
-                         + tl.load(d_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)).to(dtype)
-                if tl.program_id(0) == 0:
-                    tl.store(xo_ptr + ks, total, mask=ks < K)
-                squares += total.to(tl.float32) * total.to(tl.float32)
-            scale = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        dtype = x_ptr.dtype.element_ty
         for start in range(0, K, BLOCK_K):
             ks = start + tl.arange(0, BLOCK_K)
             x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
             if GLU:
                 up = tl.load(x_ptr + K + ks, mask=ks < K, other=0.0).to(tl.float32)
                 x = ((x / (1.0 + tl.exp(-x))).to(dtype).to(tl.float32) * up).to(dtype).to(tl.float32)
-            if NORM:
-                total = (x + tl.load(d_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)).to(dtype)
-                normed = (total.to(tl.float32) * scale).to(dtype).to(tl.float32)
-                x = (tl.load(nw_ptr + ks, mask=ks < K, other=0.0).to(tl.float32) * normed).to(dtype).to(tl.float32)
             w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K),
                         other=0.0)
             acc += w.to(tl.float32) * x[None, :]
@@ -137,7 +120,7 @@ if triton is not None:
                  for n, k, w, s in ((1, 1024, 2, 4), (2, 1024, 4, 3), (2, 2048, 4, 3), (4, 512, 4, 4),
                                     (4, 1024, 4, 3), (8, 256, 4, 4), (8, 512, 4, 3), (8, 1024, 8, 3), (16, 256, 4, 4),
                                     (16, 512, 8, 3), (32, 256, 8, 3))],
-        key=["N", "K", "GLU", "NORM"],  # and the tensors' dtypes, which Triton's autotuner adds to every key
+        key=["N", "K", "GLU"],  # and the tensors' dtypes, which Triton's autotuner adds to every key
     )(_gemv_kernel)
 
     _tuned_kernel = triton.autotune(  # each (N, K, rows) shape picks its tiles on first use (before graph capture)
@@ -216,40 +199,16 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     one-row products (q|k|v, o_proj, down) read their weights at 2.6-3.4 TB/s against gate|up's 4.0
     (benchmarks/RESULTS.md, session 22), and `_skinny_kernel` pads a row to tl.dot's 16."""
     n, k = weight.shape
-    flat = _flat(x, (2 if glu else 1) * k)
+    flat = x.reshape((2 if glu else 1) * k)
+    if flat.stride(0) != 1:
+        flat = flat.contiguous()
     out = torch.empty(n, dtype=x.dtype, device=x.device)
-    _gemv(flat, weight, bias, out, (flat, flat, flat, 0.0), glu=glu, norm=False)
+    args = (flat, weight, bias if bias is not None else out, out, n, k, weight.stride(0))
+    if x.is_cuda:
+        _tuned_gemv[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, HAS_BIAS=bias is not None, GLU=glu)
+    else:  # Triton's interpreter (tests): no autotuning there, small tiles
+        _gemv_kernel[(triton.cdiv(n, 4),)](*args, HAS_BIAS=bias is not None, GLU=glu, BLOCK_N=4, BLOCK_K=32)
     return out.view(*x.shape[:-1], n)
-
-
-def gemv_add_norm_linear(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                         weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + delta, F.linear(rms_norm(x + delta) * norm_weight, weight, bias)) of one row from `_gemv_kernel`: the
-    residual add and the norm in the product's loads, so the decode step has no norm kernel before the GEMV."""
-    n, k = weight.shape
-    flat, step = _flat(x, k), _flat(delta, k)
-    out = torch.empty(n, dtype=x.dtype, device=x.device)
-    residual = torch.empty_like(flat)
-    _gemv(flat, weight, bias, out, (step, norm_weight, residual, eps), glu=False, norm=True)
-    return residual.view(x.shape), out.view(*x.shape[:-1], n)
-
-
-def _flat(x: torch.Tensor, size: int) -> torch.Tensor:
-    """One row of `size` values, contiguous."""
-    flat = x.reshape(size)
-    return flat if flat.stride(0) == 1 else flat.contiguous()
-
-
-def _gemv(flat: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
-          norm_args: tuple[torch.Tensor, torch.Tensor, torch.Tensor, float], glu: bool, norm: bool) -> None:
-    """Launch `_gemv_kernel` (autotuned on a GPU; small tiles under the interpreter, which has no autotuning)."""
-    n, k = weight.shape
-    args = (flat, weight, bias if bias is not None else out, out, *norm_args[:3], n, k, norm_args[3], weight.stride(0))
-    flags = dict(HAS_BIAS=bias is not None, GLU=glu, NORM=norm)
-    if flat.is_cuda:
-        _tuned_gemv[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
-    else:
-        _gemv_kernel[(triton.cdiv(n, 4),)](*args, **flags, BLOCK_N=4, BLOCK_K=32)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -282,37 +241,14 @@ def skinny_add_norm_linear(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`reference(x, delta, norm_weight, eps, weight, bias)` = (x + delta, linear(rms_norm(x + delta) *
     norm_weight)) (`fast_ops.add_norm_linear`, the engine's own units) from one kernel where it runs and was timed
-    faster: the norm's pass and launch folded into the product's (a single row also has the GEMV's fold)."""
+    faster: the norm's pass and launch folded into the product's."""
     args = (x, delta, norm_weight, eps, weight, bias)
-    if not _norm_fits(*args):
+    if not (_fits(x, weight, bias) and delta.shape == x.shape and delta.dtype == x.dtype == norm_weight.dtype
+            and delta.stride(-1) == 1 and norm_weight.is_contiguous()):
         return reference(*args)
-
-    def kernel() -> tuple[torch.Tensor, torch.Tensor]:
-        product, residual = _launch(x, weight, bias, (delta, norm_weight, eps))
-        return residual, product
-
-    options: dict[str, Callable[[], tuple[torch.Tensor, torch.Tensor]]] = {"kernel": kernel}
-    if _rows(x) == 1:
-        options["gemv"] = lambda: gemv_add_norm_linear(*args)
-    options["library"] = lambda: reference(*args)
-    return options[fastest("add_norm_linear", _shape(x, weight, bias), x.device, options)]()
-
-
-def one_row_add_norm_linear(
-    reference: Callable[..., tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor, delta: torch.Tensor,
-    norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`skinny_add_norm_linear` with the GEMV alone (the fast engine's one-row products): a single row from
-    `gemv_add_norm_linear` where it runs and was timed faster than `reference`, anything else `reference`."""
-    args = (x, delta, norm_weight, eps, weight, bias)
-    if _rows(x) != 1 or not _norm_fits(*args):
+    norm = (delta, norm_weight, eps)
+    if not kernel_wins("add_norm_linear", _shape(x, weight, bias), x.device, lambda: _launch(x, weight, bias, norm),
+                       lambda: reference(*args)):
         return reference(*args)
-    options = {"gemv": lambda: gemv_add_norm_linear(*args), "library": lambda: reference(*args)}
-    return options[fastest("one-row add_norm_linear", _shape(x, weight, bias), x.device, options)]()
-
-
-def _norm_fits(x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-               bias: torch.Tensor | None) -> bool:
-    """Whether the kernels take this add-norm-product: what `_fits` asks, and a delta and norm weight like x."""
-    return (_fits(x, weight, bias) and delta.shape == x.shape and delta.dtype == x.dtype == norm_weight.dtype
-            and delta.stride(-1) == 1 and norm_weight.is_contiguous())
+    product, residual = _launch(x, weight, bias, norm)
+    return residual, product
