@@ -26,6 +26,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from blockdraft.models.kernel_choice import choices
 from blockdraft.numbers import int_list
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -99,10 +100,12 @@ def main() -> None:
                   ", ".join(f"@{b}: {1000 * t:.3f} ms" for b, t in costs.tree_build_s.items()) +
                   "; a step's host work " + ", ".join(f"B={b}: {1000 * t:.3f} ms" for b, t in costs.commit_s.items()))
     console.print(render(schedule))
+    attention = {shape: runs_on for shape, runs_on in choices().items() if shape.startswith("block_attention")}
+    console.print("attention per shape (kernel_choice):\n" + "\n".join(f"- {k}: {v}" for k, v in attention.items()))
     if args.json:
         args.json.write_text(json.dumps(dict(settings=vars(args) | {"json": str(args.json)}, steps=rows_out,
-                                             costs=costs.to_json(),
-                                             schedule=schedule.to_json()), indent=1, default=str))
+                                             costs=costs.to_json(), schedule=schedule.to_json(),
+                                             kernel_choices=choices()), indent=1, default=str))
 
 
 if __name__ == "__main__":
