@@ -51,6 +51,26 @@ def test_the_kernel_is_f_linear(rows: int, n: int, k: int, dtype: torch.dtype, b
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, n, k", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_weights_first_kernel_is_f_linear(rows: int, n: int, k: int, dtype: torch.dtype, bias: bool) -> None:
+    """The product with the weights as the dot's M side (`weights_first_linear`, a timed option of `skinny_linear`),
+    ragged N and K included."""
+    from blockdraft.models.skinny_gemm import weights_first_linear
+
+    generator = torch.Generator().manual_seed(rows * 100 + n + k)
+    x = torch.randn(rows, k, generator=generator).to(DEVICE, dtype)
+    w = torch.randn(n, k, generator=generator).to(DEVICE, dtype)
+    b = torch.randn(n, generator=generator).to(DEVICE, dtype) if bias else None
+    with torch.inference_mode():
+        got = weights_first_linear(x, w, b)
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert got.dtype == dtype and got.shape == (rows, n)
+    assert (got.double() - want).abs().max().item() <= TOLERANCE[dtype] * want.abs().max().item()
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n, k", [(48, 64), (5, 70), (33, 200)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_one_row_gemv_is_f_linear(n: int, k: int, dtype: torch.dtype, bias: bool) -> None:

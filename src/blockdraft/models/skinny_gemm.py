@@ -115,6 +115,42 @@ if triton is not None:
             y += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
         tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
 
+    @triton.jit
+    def _weights_first_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+                              HAS_BIAS: tl.constexpr, F32_DOT: tl.constexpr, ROWS: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """`_skinny_kernel`'s product with the operands swapped: y^T = W x^T, a weight tile of BLOCK_N features the
+        dot's M side and the rows its N side. On Hopper a tl.dot whose M side is at least 64 runs as wgmma straight
+        from the pipelined shared-memory buffers; with the rows as M (16 or 32 of them) it runs as Ampere's
+        mma.sync (compiled for sm_90 ahead of time: benchmarks/RESULTS.md session 25)."""
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.arange(0, ROWS)
+        ks = tl.arange(0, BLOCK_K)
+        w_ptrs = w_ptr + cols[:, None] * stride_wn + ks[None, :]
+        x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]
+        acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            left = K - k * BLOCK_K
+            w = tl.load(w_ptrs, mask=(cols[:, None] < N) & (ks[None, :] < left), other=0.0)
+            x = tl.load(x_ptrs, mask=(rows[:, None] < M) & (ks[None, :] < left), other=0.0)
+            if F32_DOT:
+                acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
+            else:
+                acc += tl.dot(w, tl.trans(x))
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptr + rows[None, :] * stride_ym + cols[:, None], acc.to(y_ptr.dtype.element_ty),
+                 mask=(rows[None, :] < M) & (cols[:, None] < N))
+
+    _tuned_weights_first = triton.autotune(  # wgmma's M side is 64 rows a warp group: tiles of 64 or 128 features
+        configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+                 for n, k, w, s in ((64, 64, 4, 6), (64, 128, 4, 4), (128, 64, 4, 4), (128, 128, 8, 3),
+                                    (64, 256, 4, 3))],
+        key=["N", "K", "ROWS"],
+    )(_weights_first_kernel)
+
     _tuned_gemv = triton.autotune(  # many small programs: a one-row product is the weights' read and nothing else
         configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
                  for n, k, w, s in ((1, 1024, 2, 4), (2, 1024, 4, 3), (2, 2048, 4, 3), (4, 512, 4, 4),
@@ -157,11 +193,13 @@ def _shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for inputs of at most MAX_ROWS rows, from the kernel where it runs and was timed
-    faster (`kernel_choice`; float32 inputs multiply in full float32, not TF32, as F.linear does by default); a
-    single row also has the GEMV (`gemv_linear`) to choose from."""
+    faster (`kernel_choice`; float32 inputs multiply in full float32, not TF32, as F.linear does by default), the
+    kernel with the rows as its dot's M side or its N side (`weights_first_linear`); a single row also has the
+    GEMV (`gemv_linear`) to choose from."""
     if not _fits(x, weight, bias):
         return F.linear(x, weight, bias)
-    options = {"kernel": lambda: _launch(x, weight, bias)[0]}
+    options = {"kernel": lambda: _launch(x, weight, bias)[0], "kernel, weights first": lambda: weights_first_linear(
+        x, weight, bias)}
     if _rows(x) == 1:
         options["gemv"] = lambda: gemv_linear(x, weight, bias)
     options["library"] = lambda: F.linear(x, weight, bias)
@@ -208,6 +246,24 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         _tuned_gemv[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, HAS_BIAS=bias is not None, GLU=glu)
     else:  # Triton's interpreter (tests): no autotuning there, small tiles
         _gemv_kernel[(triton.cdiv(n, 4),)](*args, HAS_BIAS=bias is not None, GLU=glu, BLOCK_N=4, BLOCK_K=32)
+    return out.view(*x.shape[:-1], n)
+
+
+def weights_first_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear` of at most MAX_ROWS rows from `_weights_first_kernel` (the weights the dot's M side)."""
+    n, k = weight.shape
+    flat = x.reshape(-1, k)
+    if flat.stride(1) != 1:
+        flat = flat.contiguous()
+    m = flat.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    args = (flat, weight, bias if bias is not None else out, out, m, n, k, flat.stride(0), weight.stride(0),
+            out.stride(0))
+    flags = dict(HAS_BIAS=bias is not None, F32_DOT=x.dtype == torch.float32 or not x.is_cuda, ROWS=_row_tile(m))
+    if x.is_cuda:
+        _tuned_weights_first[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
+    else:  # Triton's interpreter (tests): no autotuning there, small tiles
+        _weights_first_kernel[(triton.cdiv(n, 16),)](*args, **flags, BLOCK_N=16, BLOCK_K=32)
     return out.view(*x.shape[:-1], n)
 
 
