@@ -70,7 +70,7 @@ def test_the_kernel_is_decode_attention_under_the_dense_mask(t: int, groups: int
 def test_merging_in_the_last_split_is_the_combine_launch_and_leaves_its_counts_zero() -> None:
     """The merging variant (each row block's last split merges, counted atomically) gives the two-launch kernel's
     output exactly, and leaves every count at zero, as the next launch (a graph's replay) needs."""
-    from blockdraft.models.block_attention import _merge_counts
+    from blockdraft.models.skinny_gemm import zeroed_counters
 
     generator = torch.Generator().manual_seed(7)
     lengths, t, groups, heads, d = [70, 3, 300], 2, 4, 2, 16
@@ -84,7 +84,7 @@ def test_merging_in_the_last_split_is_the_combine_launch_and_leaves_its_counts_z
         two_launches = block_attention(*args)
         for _ in range(2):
             assert torch.equal(block_attention(*args, merge=True), two_launches)
-            assert not _merge_counts(DEVICE, 1).any()
+            assert not zeroed_counters(DEVICE, 1).any()
 
 
 def test_it_runs_only_where_it_can() -> None:

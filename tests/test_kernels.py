@@ -55,8 +55,8 @@ def test_the_kernel_is_f_linear(rows: int, n: int, k: int, dtype: torch.dtype, b
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_weights_first_kernel_is_f_linear(rows: int, n: int, k: int, dtype: torch.dtype, bias: bool) -> None:
     """The product with the weights as the dot's M side (`weights_first_linear`, a timed option of `skinny_linear`),
-    ragged N and K included."""
-    from blockdraft.models.skinny_gemm import weights_first_linear
+    ragged N and K included, K split in parts the last split sums (its counts back at zero after each launch)."""
+    from blockdraft.models.skinny_gemm import weights_first_linear, zeroed_counters
 
     generator = torch.Generator().manual_seed(rows * 100 + n + k)
     x = torch.randn(rows, k, generator=generator).to(DEVICE, dtype)
@@ -66,6 +66,7 @@ def test_the_weights_first_kernel_is_f_linear(rows: int, n: int, k: int, dtype: 
         got = weights_first_linear(x, w, b)
     want = F.linear(x.double(), w.double(), None if b is None else b.double())
     assert got.dtype == dtype and got.shape == (rows, n)
+    assert not zeroed_counters(DEVICE, 1).any()
     assert (got.double() - want).abs().max().item() <= TOLERANCE[dtype] * want.abs().max().item()
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from blockdraft.models.flash_decode import BLOCK_KEYS, BLOCK_ROWS, TARGET_PROGRAMS, split_and_merge, split_shape
-from blockdraft.models.skinny_gemm import kernel_available, triton
+from blockdraft.models.skinny_gemm import kernel_available, triton, zeroed_counters
 
 if triton is not None:
     import triton.language as tl
@@ -101,7 +101,7 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: torc
     rows' (for the window; committed key j sits at position j). Everything but the shapes is read on the device.
     Each split takes at least `min_split_keys` keys (a multiple of BLOCK_KEYS): fewer, longer splits leave the
     combine fewer partial results to merge. With `merge` the last split of each row block to finish merges them
-    (an atomic count a row block, `_merge_counts`) instead of a second launch. `programs` bounds the programs a
+    (an atomic count a row block, `zeroed_counters`) instead of a second launch. `programs` bounds the programs a
     launch has (the key splits a sequence gets: more splits, more partial results to merge)."""
     t = own.shape[-1]
     block_d, row_blocks, splits = split_shape(q, k.shape[2], programs)
@@ -109,7 +109,7 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: torc
     if own.dtype != torch.uint8 or not own.is_contiguous():
         own = own.to(torch.uint8).contiguous()
 
-    counts = _merge_counts(q.device, q.shape[0] * q.shape[1] * row_blocks) if merge else lengths
+    counts = zeroed_counters(q.device, q.shape[0] * q.shape[1] * row_blocks) if merge else lengths
 
     def run_splits(partial: torch.Tensor, m: torch.Tensor, l: torch.Tensor, out: torch.Tensor | None) -> None:
         target, strides = (partial, (0, 0, 0)) if out is None else (out, out.stride()[:3])
@@ -121,17 +121,3 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: torc
             MERGE=out is not None, BLOCK_R=BLOCK_ROWS, BLOCK_S=BLOCK_KEYS, BLOCK_D=block_d)
 
     return split_and_merge(q, splits, block_d, run_splits, lengths, t, min_split_keys, merged=merge)
-
-
-_COUNTS: dict[tuple[torch.device, int], torch.Tensor] = {}
-
-
-def _merge_counts(device: torch.device, needed: int) -> torch.Tensor:
-    """Zeroed int32 counters, one per (sequence, head, row block), for the merging kernel; each launch leaves them
-    zero again. One buffer per device and stream, kept, so every graph replaying the kernel on that stream counts in
-    it (one made while a graph is captured is zeroed inside that graph, before the kernel reads it)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
-    if key not in _COUNTS or _COUNTS[key].numel() < needed:
-        _COUNTS[key] = torch.zeros(max(needed, 4096), dtype=torch.int32, device=device)
-    return _COUNTS[key]

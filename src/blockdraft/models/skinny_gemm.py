@@ -23,6 +23,7 @@ from blockdraft.models.graphs import power_of_two_at_least
 from blockdraft.models.kernel_choice import fastest, kernel_wins
 
 MAX_ROWS = 64  # more rows than this are compute, not weight reads: cuBLAS
+MAX_SPLITS = 4  # the most ways `_weights_first_kernel` splits K (its autotuned configs')
 
 try:
     import triton
@@ -116,21 +117,28 @@ if triton is not None:
         tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
 
     @triton.jit
-    def _weights_first_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                              HAS_BIAS: tl.constexpr, F32_DOT: tl.constexpr, ROWS: tl.constexpr,
-                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _weights_first_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn,
+                              stride_ym, HAS_BIAS: tl.constexpr, F32_DOT: tl.constexpr, ROWS: tl.constexpr,
+                              SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """`_skinny_kernel`'s product with the operands swapped: y^T = W x^T, a weight tile of BLOCK_N features the
         dot's M side and the rows its N side. On Hopper a tl.dot whose M side is at least 64 runs as wgmma straight
         from the pipelined shared-memory buffers; with the rows as M (16 or 32 of them) it runs as Ampere's
-        mma.sync (compiled for sm_90 ahead of time: benchmarks/RESULTS.md session 25)."""
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mma.sync (compiled for sm_90 ahead of time: benchmarks/RESULTS.md session 25). Tiles of 64+ features leave
+        a narrow product (o_proj, down: 64 tiles) too few programs for 132 SMs, so K may be split SPLITS ways: each
+        split stores its float32 partial, and the last of a tile's splits to finish (an atomic count that resets
+        itself, so graphs replay it) sums them in split order, the same sum every launch."""
+        tile, split = tl.program_id(0), tl.program_id(1)
+        cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.arange(0, ROWS)
         ks = tl.arange(0, BLOCK_K)
-        w_ptrs = w_ptr + cols[:, None] * stride_wn + ks[None, :]
-        x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :]
+        chunk = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLITS) * BLOCK_K
+        first = split * chunk
+        end = tl.minimum(K, first + chunk)
+        w_ptrs = w_ptr + cols[:, None] * stride_wn + first + ks[None, :]
+        x_ptrs = x_ptr + rows[:, None] * stride_xm + first + ks[None, :]
         acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
-            left = K - k * BLOCK_K
+        for k in range(0, tl.cdiv(end - first, BLOCK_K)):
+            left = end - first - k * BLOCK_K
             w = tl.load(w_ptrs, mask=(cols[:, None] < N) & (ks[None, :] < left), other=0.0)
             x = tl.load(x_ptrs, mask=(rows[:, None] < M) & (ks[None, :] < left), other=0.0)
             if F32_DOT:
@@ -139,15 +147,29 @@ if triton is not None:
                 acc += tl.dot(w, tl.trans(x))
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[:, None]
-        tl.store(y_ptr + rows[None, :] * stride_ym + cols[:, None], acc.to(y_ptr.dtype.element_ty),
-                 mask=(rows[None, :] < M) & (cols[:, None] < N))
+        finish = True
+        if SPLITS > 1:
+            parts = part_ptr + cols[:, None] * ROWS + rows[None, :]
+            tl.store(parts + split * N * ROWS, acc, mask=cols[:, None] < N)
+            tl.debug_barrier()  # every thread's partial stored before the release below
+            finish = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLITS - 1
+            if finish:
+                tl.debug_barrier()
+                tl.store(count_ptr + tile, 0)  # ready for the next launch (a CUDA graph replays this one)
+                acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+                for s in tl.static_range(SPLITS):
+                    acc += tl.load(parts + s * N * ROWS, mask=cols[:, None] < N, other=0.0, cache_modifier=".cg")
+        if finish:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[:, None]
+            tl.store(y_ptr + rows[None, :] * stride_ym + cols[:, None], acc.to(y_ptr.dtype.element_ty),
+                     mask=(rows[None, :] < M) & (cols[:, None] < N))
 
     _tuned_weights_first = triton.autotune(  # wgmma's M side is 64 rows a warp group: tiles of 64 or 128 features
-        configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-                 for n, k, w, s in ((64, 64, 4, 6), (64, 128, 4, 4), (128, 64, 4, 4), (128, 128, 8, 3),
-                                    (64, 256, 4, 3))],
+        configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k, "SPLITS": splits}, num_warps=w, num_stages=s)
+                 for n, k, splits, w, s in ((64, 64, 1, 4, 6), (64, 128, 1, 4, 4), (128, 64, 1, 4, 4),
+                                            (64, 128, 2, 4, 4), (64, 128, 4, 4, 4), (64, 64, 2, 4, 6),
+                                            (128, 128, 2, 8, 3), (64, 256, 2, 4, 3))],
         key=["N", "K", "ROWS"],
     )(_weights_first_kernel)
 
@@ -256,15 +278,33 @@ def weights_first_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     if flat.stride(1) != 1:
         flat = flat.contiguous()
     m = flat.shape[0]
+    rows = _row_tile(m)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    args = (flat, weight, bias if bias is not None else out, out, m, n, k, flat.stride(0), weight.stride(0),
-            out.stride(0))
-    flags = dict(HAS_BIAS=bias is not None, F32_DOT=x.dtype == torch.float32 or not x.is_cuda, ROWS=_row_tile(m))
+    parts = torch.empty(MAX_SPLITS * n * rows, dtype=torch.float32, device=x.device)
+    counts = zeroed_counters(x.device, triton.cdiv(n, 16))  # one a tile of features (tiles of 16 and more)
+    args = (flat, weight, bias if bias is not None else out, out, parts, counts, m, n, k, flat.stride(0),
+            weight.stride(0), out.stride(0))
+    flags = dict(HAS_BIAS=bias is not None, F32_DOT=x.dtype == torch.float32 or not x.is_cuda, ROWS=rows)
     if x.is_cuda:
-        _tuned_weights_first[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
-    else:  # Triton's interpreter (tests): no autotuning there, small tiles
-        _weights_first_kernel[(triton.cdiv(n, 16),)](*args, **flags, BLOCK_N=16, BLOCK_K=32)
+        _tuned_weights_first[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLITS"])](*args, **flags)
+    else:  # Triton's interpreter (tests): no autotuning there, small tiles, K split in two
+        _weights_first_kernel[(triton.cdiv(n, 16), 2)](*args, **flags, SPLITS=2, BLOCK_N=16, BLOCK_K=32)
     return out.view(*x.shape[:-1], n)
+
+
+_COUNTS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def zeroed_counters(device: torch.device, needed: int) -> torch.Tensor:
+    """Zeroed int32 counters for kernels whose last program to finish a piece of work completes it (each launch
+    leaves them zero again). One buffer per device and stream, kept, so every graph replaying such a kernel on that
+    stream counts in it (one made while a graph is captured is zeroed inside that graph, before the kernel reads
+    it); kernels on one stream run one after another, so they can share it."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream)
+    if key not in _COUNTS or _COUNTS[key].numel() < needed:
+        _COUNTS[key] = torch.zeros(max(needed, 4096), dtype=torch.int32, device=device)
+    return _COUNTS[key]
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
