@@ -170,7 +170,7 @@ def layer_mlp(ops: LayerOps, layer: LayerWeights, x: torch.Tensor, attended: tor
               act: str) -> tuple[torch.Tensor, torch.Tensor]:
     """After attention (heads merged): o_proj, residual and norm, the gated MLP. Returns the layer's output as the
     pair (x, delta) it is the sum of: the add waits for the next layer's norm and product (`run_stack`), so that
-    one kernel can do all three."""
+    one unit does all three (one kernel on the kernel engine, where its fused product was timed faster)."""
     x, gate_up = ops.add_norm_linear(x, ops.linear(attended, layer.o_proj.weight, layer.o_proj.bias),
                                      layer.norm_post, eps, layer.gate_up, layer.gate_up_bias)
     return x, ops.glu_linear(gate_up, act, layer.down.weight, layer.down.bias)
@@ -183,8 +183,8 @@ def run_stack(ops: LayerOps, layers: list[LayerWeights], x: torch.Tensor, step: 
               eps: float, tap_layers: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A decoder stack (targets and drafters, batch 1 and batched) over embeddings `x`: `step(i, layer, x, qkv)`
     runs layer i from its residual input and q|k|v product and returns its output as a pending sum (`layer_mlp`),
-    which the next layer's norm and product resolve in one unit (`LayerOps.add_norm_linear`: one kernel for a
-    decode step's row). Returns the final-normed states and the concatenated taps (the OUTPUT of each tapped layer;
+    which the next layer's norm and product resolve in one unit (`LayerOps.add_norm_linear`, as the norm and
+    product inside a layer). Returns the final-normed states and the concatenated taps (the OUTPUT of each tapped layer;
     HF's last hidden state is the final-normed one)."""
     wanted = set(tap_layers or ())
     taps: dict[int, torch.Tensor] = {}
