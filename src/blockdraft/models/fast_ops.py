@@ -327,8 +327,8 @@ class LayerOps:
     target's forwards, which give a CompactMask, `flash_decode` for the drafters') where they run; with `qkv_kernel`
     the q|k|v epilogue alone (timed at 0.3-0.6x the compiled unit on the H200 at 1-65 rows, RESULTS session 22); with
     `gemv` the one-row products from the GEMV where it was timed faster (`one_row_linear`, the down projection's with
-    the gating folded in: `glu_linear`); with `attention_kernel` the targets' few-row attention alone from `block_attention` where
-    it was timed faster (its program budget among the options: the batched steps' attention)."""
+    the gating folded in: `glu_linear`); with `attention_kernel` the targets' few-row attention alone from
+    `block_attention` where it was timed faster (its program budget among the options: the batched steps')."""
 
     def __init__(self, compiled: bool, kernels: bool = False, qkv_kernel: bool = False, gemv: bool = False,
                  attention_kernel: bool = False) -> None:
