@@ -4,6 +4,8 @@ self-check's judgement, and the decode loop's early-end hook and vocabulary chec
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from conftest import VOCAB, make_drafter, make_target_model
 from prometheus_client.parser import text_string_to_metric_families
 from serve_support import add_char_tokenizer
@@ -516,3 +518,33 @@ def test_the_warm_up_decodes_full_depth_drafts_at_two_capacities_where_graphs_ar
     tokens = 2 * block if graphs else 4
     assert joined == [(size, length, tokens) for length in lengths for size in (1, 2, 4)]
     assert reserved == ([300 + SLOT_STEP] if graphs else [])  # K/V for --max-model-len, before any capture
+
+
+
+@pytest.fixture(scope="module")
+def embedded_tokenizer(converted):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(converted)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_streamed_text_is_the_decode_of_the_ids_stepped_or_windowed(embedded_tokenizer, data) -> None:
+    """The embedded tokenizer (byte-level BPE: characters split across tokens), random ids and real multi-byte text,
+    committed in chunks of 1-7: the released pieces plus the finish are `decode(ids)` exactly, through the
+    tokenizers library's `DecodeStream` (the path a fast tokenizer takes) and through the windowed decodes."""
+    tokenizer = embedded_tokenizer
+    base = tokenizer("héllo wörld 日本語 🙂🚀 naïve — “quotes” ½")["input_ids"]
+    ids = data.draw(st.one_of(
+        st.lists(st.integers(0, tokenizer.vocab_size - 1), min_size=1, max_size=30),
+        st.integers(0, len(base) - 1).map(lambda start: base[start:]),
+    ))
+    chunk = data.draw(st.integers(1, 7))
+    for stepped in (True, False):
+        output = OutputText(tokenizer, StopRules())
+        assert output._stream is not None
+        if not stepped:
+            output._stream = None
+        pieces = [output.push(ids[i:i + chunk])[0] for i in range(0, len(ids), chunk)]
+        assert "".join(pieces) + output.finish("length") == tokenizer.decode(ids, skip_special_tokens=True)
