@@ -36,38 +36,24 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows, n, k", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_the_kernel_is_f_linear(rows: int, n: int, k: int, dtype: torch.dtype, bias: bool) -> None:
+@pytest.mark.parametrize("product", ["skinny_linear", "weights_first_linear"])
+def test_the_kernel_is_f_linear(rows: int, n: int, k: int, dtype: torch.dtype, bias: bool, product: str) -> None:
+    """The few-row kernel as the engine routes it, and the one with the weights as the dot's M side
+    (`weights_first_linear`, a timed option of `skinny_linear`: K split in parts the last split sums, its counts back
+    at zero after each launch), ragged N and K included."""
+    from blockdraft.models import skinny_gemm
+
     generator = torch.Generator().manual_seed(rows * 1000 + n + k)
     x = torch.randn(rows, k, generator=generator).to(DEVICE, dtype)
     w = torch.randn(n, k, generator=generator).to(DEVICE, dtype)
     b = torch.randn(n, generator=generator).to(DEVICE, dtype) if bias else None
     with torch.inference_mode():
-        got = skinny_linear(x, w, b)
+        got = getattr(skinny_gemm, product)(x, w, b)
     want = F.linear(x.double(), w.double(), None if b is None else b.double())
     assert got.dtype == dtype and got.shape == (rows, n)
+    assert not skinny_gemm.zeroed_counters(DEVICE, 1).any()
     scale = want.abs().max().item()
     assert (got.double() - want).abs().max().item() <= TOLERANCE[dtype] * scale
-
-
-@needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows, n, k", SHAPES)
-@pytest.mark.parametrize("bias", [False, True])
-def test_the_weights_first_kernel_is_f_linear(rows: int, n: int, k: int, dtype: torch.dtype, bias: bool) -> None:
-    """The product with the weights as the dot's M side (`weights_first_linear`, a timed option of `skinny_linear`),
-    ragged N and K included, K split in parts the last split sums (its counts back at zero after each launch)."""
-    from blockdraft.models.skinny_gemm import weights_first_linear, zeroed_counters
-
-    generator = torch.Generator().manual_seed(rows * 100 + n + k)
-    x = torch.randn(rows, k, generator=generator).to(DEVICE, dtype)
-    w = torch.randn(n, k, generator=generator).to(DEVICE, dtype)
-    b = torch.randn(n, generator=generator).to(DEVICE, dtype) if bias else None
-    with torch.inference_mode():
-        got = weights_first_linear(x, w, b)
-    want = F.linear(x.double(), w.double(), None if b is None else b.double())
-    assert got.dtype == dtype and got.shape == (rows, n)
-    assert not zeroed_counters(DEVICE, 1).any()
-    assert (got.double() - want).abs().max().item() <= TOLERANCE[dtype] * want.abs().max().item()
 
 
 @needs_kernel
