@@ -87,6 +87,18 @@ def test_merging_in_the_last_split_is_the_combine_launch_and_leaves_its_counts_z
             assert not zeroed_counters(DEVICE, 1).any()
 
 
+def test_counters_a_larger_shape_outgrows_stay_alive_for_the_graphs_captured_on_them() -> None:
+    """`zeroed_counters` grows for a shape that needs more counts (the LM head's weights-first tiles), and keeps the
+    buffer it replaced: a CUDA graph captured on it holds its address, not a reference."""
+    from blockdraft.models import skinny_gemm
+
+    old = skinny_gemm.zeroed_counters(DEVICE, 1)
+    new = skinny_gemm.zeroed_counters(DEVICE, old.numel() + 1)
+    assert new.numel() > old.numel() and not new.any()
+    assert any(kept is old for kept in skinny_gemm._OUTGROWN)
+    assert skinny_gemm.zeroed_counters(DEVICE, 1) is new
+
+
 def test_it_runs_only_where_it_can() -> None:
     q = torch.zeros(1, 1, 1, 8, device=DEVICE)
     with torch.no_grad():

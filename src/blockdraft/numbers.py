@@ -11,22 +11,30 @@ from blockdraft.errors import BlockdraftError
 
 def comma_numbers(text: str, flag: str, kind: Callable[[str], Any], example: str) -> list[Any]:
     """`1,9,17` -> [1, 9, 17] (kind int), `0,0.7` -> [0.0, 0.7] (kind float); one line naming the flag otherwise."""
-    noun = "integers" if kind is int else "numbers"
     try:
-        values = [kind(x) for x in text.replace(" ", "").split(",") if x]
-    except ValueError:
-        raise BlockdraftError(f"{flag} {text!r} must be comma-separated {noun} like {example}") from None
-    if not values:
-        raise BlockdraftError(f"{flag} is empty; give comma-separated {noun} like {example}")
-    return values
+        return _values(text, kind, example)
+    except ValueError as exc:
+        raise BlockdraftError(f"{flag} {exc}") from None
 
 
 def int_list(text: str) -> list[int]:
     """An argparse `type` for a comma-separated list of positive integers (argparse names the flag and exits 2)."""
     try:
-        values = comma_numbers(text, "the list", int, "1,4,16")
-    except BlockdraftError as exc:
-        raise argparse.ArgumentTypeError(str(exc).removeprefix("the list ")) from None
+        values = _values(text, int, "1,4,16")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     if min(values) < 1:
         raise argparse.ArgumentTypeError(f"{text!r} must hold positive integers like 1,4,16")
+    return values
+
+
+def _values(text: str, kind: Callable[[str], Any], example: str) -> list[Any]:
+    """The list, or a ValueError whose message follows the flag's name: what is wrong and an example."""
+    noun = "integers" if kind is int else "numbers"
+    try:
+        values = [kind(x) for x in text.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise ValueError(f"{text!r} must be comma-separated {noun} like {example}") from None
+    if not values:
+        raise ValueError(f"is empty; give comma-separated {noun} like {example}")
     return values

@@ -241,7 +241,7 @@ def one_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 def one_row_glu_linear(reference: Callable[[], torch.Tensor], gate_up: torch.Tensor, act: str, weight: torch.Tensor,
                        bias: torch.Tensor | None = None) -> torch.Tensor:
     """`reference()` = linear(act(gate) * up, weight, bias) of a packed gate|up row (the down projection of
-    `fast_target.layer_tail`), from the GEMV with the gating folded into its loads where it runs and was timed
+    `fast_target.layer_mlp`), from the GEMV with the gating folded into its loads where it runs and was timed
     faster: one launch and one pass less a layer of a decode step (29.5 against 31.0 us on the 8B shape, H200,
     benchmarks/RESULTS.md session 24). More rows, another activation than silu, or a lost shape: the reference."""
     gate = gate_up[..., : weight.shape[1]]  # the product's input as the checks and the timing key see it
@@ -274,9 +274,7 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 def weights_first_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear` of at most MAX_ROWS rows from `_weights_first_kernel` (the weights the dot's M side)."""
     n, k = weight.shape
-    flat = x.reshape(-1, k)
-    if flat.stride(1) != 1:
-        flat = flat.contiguous()
+    flat = _matrix(x, k)
     m = flat.shape[0]
     rows = _row_tile(m)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -293,18 +291,28 @@ def weights_first_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 
 _COUNTS: dict[tuple[torch.device, int], torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []  # buffers a larger one replaced: graphs captured on them still count there
 
 
 def zeroed_counters(device: torch.device, needed: int) -> torch.Tensor:
     """Zeroed int32 counters for kernels whose last program to finish a piece of work completes it (each launch
     leaves them zero again). One buffer per device and stream, kept, so every graph replaying such a kernel on that
     stream counts in it (one made while a graph is captured is zeroed inside that graph, before the kernel reads
-    it); kernels on one stream run one after another, so they can share it."""
+    it); kernels on one stream run one after another, so they can share it. A buffer too small for a new shape is
+    replaced but never freed: a graph holds its address, not a reference."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     key = (device, stream)
     if key not in _COUNTS or _COUNTS[key].numel() < needed:
+        if key in _COUNTS:
+            _OUTGROWN.append(_COUNTS[key])
         _COUNTS[key] = torch.zeros(max(needed, 4096), dtype=torch.int32, device=device)
     return _COUNTS[key]
+
+
+def _matrix(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x [..., K] as the kernels read it: [rows, K], unit stride along K."""
+    flat = x.reshape(-1, k)
+    return flat if flat.stride(1) == 1 else flat.contiguous()
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -312,9 +320,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     """The kernel on x [..., K] (with `norm` = (delta, norm weight, eps): on rms_norm(x + delta)); returns the
     product and the new residual x + delta (x itself without `norm`)."""
     n, k = weight.shape
-    flat = x.reshape(-1, k)
-    if flat.stride(1) != 1:
-        flat = flat.contiguous()
+    flat = _matrix(x, k)
     m = flat.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     delta, norm_weight, eps = norm if norm is not None else (flat, flat, 0.0)
