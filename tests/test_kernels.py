@@ -20,8 +20,8 @@ from blockdraft.decoding.generate import generate
 from blockdraft.models.fast_ops import LayerOps, attention_bias, decode_attention, glu, kernel_attention
 from blockdraft.models.fast_target import FastTarget
 from blockdraft.models.flash_decode import fits
-from blockdraft.models.skinny_gemm import (MAX_ROWS, gemv_linear, kernel_available, one_row_glu_linear,
-                                           one_row_linear, skinny_linear)
+from blockdraft.models.skinny_gemm import (MAX_ROWS, few_row_linear, gemv_linear, kernel_available,
+                                           one_row_glu_linear, skinny_linear)
 
 from conftest import make_drafter, make_target_model
 
@@ -98,34 +98,39 @@ def test_the_gating_gemv_is_the_down_projection_of_glu(n: int, k: int, dtype: to
 @needs_kernel
 def test_the_down_projection_gates_in_the_gemv_only_for_one_silu_row() -> None:
     """`LayerOps.glu_linear`: one silu row from the gating GEMV, more rows and other activations exactly the
-    library's linear(glu(...)), and without the GEMV (a CPU engine) the library's always."""
+    engine's linear(glu(...)), and without our kernels (a CPU engine) the library's always."""
     generator = torch.Generator().manual_seed(5)
     w = torch.randn(24, 40, generator=generator).to(DEVICE)
     row = torch.randn(1, 1, 80, generator=generator).to(DEVICE)
     rows = torch.randn(2, 3, 80, generator=generator).to(DEVICE)
     with torch.inference_mode():
-        fused, plain = LayerOps(False, gemv=True), LayerOps(False)
+        fused, plain = LayerOps(False, few_rows=True), LayerOps(False)
         torch.testing.assert_close(fused.glu_linear(row, "silu", w, None), F.linear(glu(row, "silu"), w),
                                    rtol=1e-5, atol=1e-4)
-        assert torch.equal(fused.glu_linear(rows, "silu", w, None), F.linear(glu(rows, "silu"), w))
-        assert torch.equal(fused.glu_linear(row, "gelu", w, None), one_row_linear(glu(row, "gelu"), w))
+        assert torch.equal(fused.glu_linear(rows, "silu", w, None), few_row_linear(glu(rows, "silu"), w))
+        assert torch.equal(fused.glu_linear(row, "gelu", w, None), few_row_linear(glu(row, "gelu"), w))
         assert torch.equal(plain.glu_linear(row, "silu", w, None), F.linear(glu(row, "silu"), w))
 
 
 @needs_kernel
-def test_the_engines_one_row_products_take_the_gemv_and_every_other_product_is_f_linear_exactly() -> None:
-    """`LayerOps(gemv=True)` (the fast engine's default on CUDA): one row from the GEMV where it was timed faster (off
-    a GPU, under the interpreter, the GEMV), anything else exactly F.linear."""
-    assert LayerOps(False, gemv=True).linear is one_row_linear
+def test_the_engines_few_row_products_take_our_kernels_and_every_other_product_is_f_linear_exactly() -> None:
+    """`LayerOps(few_rows=True)` (the fast engine's default on CUDA): one row from the GEMV, 2 to MAX_ROWS rows from
+    the weights-first kernel, where timed faster (off a GPU, under the interpreter, the kernels); more rows, or
+    autograd on, exactly F.linear."""
+    assert LayerOps(False, few_rows=True).linear is few_row_linear
     assert LayerOps(False).linear is F.linear
     generator = torch.Generator().manual_seed(3)
     w = torch.randn(40, 96, generator=generator).to(DEVICE)
     row = torch.randn(1, 1, 96, generator=generator).to(DEVICE)
     rows = torch.randn(1, 3, 96, generator=generator).to(DEVICE)
+    many = torch.randn(MAX_ROWS + 1, 96, generator=generator).to(DEVICE)
     with torch.inference_mode():
-        torch.testing.assert_close(one_row_linear(row, w), F.linear(row, w), rtol=1e-5, atol=1e-4)
-        assert torch.equal(one_row_linear(rows, w), F.linear(rows, w))
-    assert torch.equal(one_row_linear(row, w), F.linear(row, w))  # autograd on: the library, as training needs
+        torch.testing.assert_close(few_row_linear(row, w), F.linear(row, w), rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(few_row_linear(rows, w), F.linear(rows, w), rtol=1e-5, atol=1e-4)
+        if DEVICE.type != "cuda":  # the kernels ran: the interpreter's sums are not the library's to the last bit
+            assert not torch.equal(few_row_linear(rows, w), F.linear(rows, w))
+        assert torch.equal(few_row_linear(many, w), F.linear(many, w))
+    assert torch.equal(few_row_linear(row, w), F.linear(row, w))  # autograd on: the library, as training needs
 
 
 @needs_kernel
@@ -310,12 +315,12 @@ def test_the_fused_add_norm_product_is_the_engines_composition(rows: int, n: int
 
 @needs_kernel
 def test_a_target_on_the_engines_cuda_kernels_decodes_the_same_ids_and_taps_in_float32() -> None:
-    """The fast engine's kernels as on CUDA (the GEMV, the gating GEMV, the q|k|v epilogue, the compact-mask
-    attention) against the library's: the same greedy ids, and a one-row forward's taps (each tapped layer's output,
+    """The fast engine's kernels as on CUDA (the GEMV, the gating GEMV, the weights-first kernel, the q|k|v epilogue,
+    the compact-mask attention) against the library's: the same greedy ids, and a one-row forward's taps (each tapped layer's output,
     resolved where the next layer adds and norms it: `run_stack`) and logits agree."""
     model = make_target_model("qwen3").to(DEVICE)
     plain, gemvs = FastTarget(model), FastTarget(model)
-    gemvs.ops = LayerOps(False, qkv_kernel=True, gemv=True, attention_kernel=True)
+    gemvs.ops = LayerOps(False, qkv_kernel=True, few_rows=True, attention_kernel=True)
     assert gemvs.ops.compact_masks and not plain.ops.compact_masks or DEVICE.type == "cuda"
     ids = [5, 17, 2, 40, 33]
     assert generate(gemvs, ids, None, 12).token_ids == generate(plain, ids, None, 12).token_ids

@@ -22,7 +22,7 @@ from blockdraft.models.flash_decode import BLOCK_KEYS, TARGET_PROGRAMS, fits, fl
 from blockdraft.models.graphs import power_of_two_at_least
 from blockdraft.models.kernel_choice import fastest, kernel_wins
 from blockdraft.models.qkv_rope import qkv_rope, qkv_rope_runs
-from blockdraft.models.skinny_gemm import one_row_glu_linear, one_row_linear, skinny_add_norm_linear, skinny_linear
+from blockdraft.models.skinny_gemm import few_row_linear, one_row_glu_linear, skinny_add_norm_linear, skinny_linear
 
 LONG_SPLIT_KEYS = 256  # the block-attention variant with longer key splits: 4-5 partial results to merge at 1K keys
 # instead of 17 (the splits of 64 keys lost to the library by 7-14% at 1-16 rows on the H200, RESULTS session 22)
@@ -326,17 +326,18 @@ class LayerOps:
     q|k|v epilogue (`qkv_rope`) and the few-row attention from Triton kernels (`skinny_gemm`; `block_attention` for the
     target's forwards, which give a CompactMask, `flash_decode` for the drafters') where they run; with `qkv_kernel`
     the q|k|v epilogue alone (timed at 0.3-0.6x the compiled unit on the H200 at 1-65 rows, RESULTS session 22); with
-    `gemv` the one-row products from the GEMV where it was timed faster (`one_row_linear`, the down projection's with
-    the gating folded in: `glu_linear`); with `attention_kernel` the targets' few-row attention alone from
-    `block_attention` where it was timed faster (its program budget among the options: the batched steps')."""
+    `few_rows` the products of up to 64 rows from our kernels where timed faster (`few_row_linear`: one row from the
+    GEMV, the down projection's with the gating folded in, `glu_linear`; more from the weights-first kernel); with
+    `attention_kernel` the targets' few-row attention alone from `block_attention` where it was timed faster (its
+    program budget among the options: the batched steps')."""
 
-    def __init__(self, compiled: bool, kernels: bool = False, qkv_kernel: bool = False, gemv: bool = False,
+    def __init__(self, compiled: bool, kernels: bool = False, qkv_kernel: bool = False, few_rows: bool = False,
                  attention_kernel: bool = False) -> None:
         wrap: Callable[[Callable[..., object]], Callable[..., object]] = _CompiledOrPlain if compiled else (lambda f: f)
         self.compiled = compiled
         self.kernels = kernels
         self.compact_masks = kernels or attention_kernel  # the targets' forwards give `block_attention` their masks
-        self.linear: Callable[..., torch.Tensor] = (skinny_linear if kernels else one_row_linear if gemv
+        self.linear: Callable[..., torch.Tensor] = (skinny_linear if kernels else few_row_linear if few_rows
                                                     else F.linear)
         self.rms_norm = wrap(rms_norm)
         self.add_rms_norm = wrap(add_rms_norm)
@@ -352,7 +353,7 @@ class LayerOps:
         self.block_attention = partial(kernel_block_attention, attention)
         composed = partial(add_norm_linear, self.add_rms_norm, self.linear)
         self.add_norm_linear = partial(skinny_add_norm_linear, composed) if kernels else composed
-        self.fused_glu = gemv or kernels
+        self.fused_glu = few_rows or kernels
 
     def glu_linear(self, gate_up: torch.Tensor, act: str, weight: torch.Tensor,
                    bias: torch.Tensor | None) -> torch.Tensor:

@@ -237,7 +237,7 @@ class FastTarget(Target):
         decoder = model.get_decoder()
         cuda = self.device.type == "cuda"
         self.use_graphs = cuda if graphs is None else graphs and cuda
-        self.ops = LayerOps(cuda if compiled is None else compiled, kernels, qkv_kernel=cuda, gemv=cuda,
+        self.ops = LayerOps(cuda if compiled is None else compiled, kernels, qkv_kernel=cuda, few_rows=cuda,
                             attention_kernel=cuda)
         self.eps: float = text.rms_norm_eps
         self.act: str = getattr(text, "hidden_act", "silu")

@@ -228,14 +228,19 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return options[fastest("linear", _shape(x, weight, bias), x.device, options)]()
 
 
-def one_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`, a single row from the GEMV where it runs and was timed faster at this shape (the fast engine's
-    default on CUDA: on the H200 it won every one-row product of the 8B step, 3-25% under the library,
-    benchmarks/RESULTS.md session 23); more rows, or a shape the GEMV lost, from the library."""
-    if _rows(x) != 1 or not _fits(x, weight, bias):
+def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`, from our kernel where it runs and was timed faster at this shape (the fast engine's default on
+    CUDA): a single row from the GEMV (it won every one-row product of the 8B step, 3-25% under the library,
+    benchmarks/RESULTS.md session 23), 2 to MAX_ROWS rows from the weights-first kernel (o_proj, down and the LM
+    head 4-13% under the library at 16 rows, session 25). More rows, or a shape the kernel lost, from the library."""
+    if not _fits(x, weight, bias):
         return F.linear(x, weight, bias)
-    options = {"gemv": lambda: gemv_linear(x, weight, bias), "library": lambda: F.linear(x, weight, bias)}
-    return options[fastest("one-row linear", _shape(x, weight, bias), x.device, options)]()
+    if _rows(x) == 1:
+        options = {"gemv": lambda: gemv_linear(x, weight, bias), "library": lambda: F.linear(x, weight, bias)}
+    else:
+        options = {"kernel, weights first": lambda: weights_first_linear(x, weight, bias),
+                   "library": lambda: F.linear(x, weight, bias)}
+    return options[fastest("few-row linear", _shape(x, weight, bias), x.device, options)]()
 
 
 def one_row_glu_linear(reference: Callable[[], torch.Tensor], gate_up: torch.Tensor, act: str, weight: torch.Tensor,
@@ -278,7 +283,7 @@ def weights_first_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     m = flat.shape[0]
     rows = _row_tile(m)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    parts = torch.empty(MAX_SPLITS * n * rows, dtype=torch.float32, device=x.device)
+    parts = stream_buffer("split partials", x.device, MAX_SPLITS * n * rows, torch.float32)
     counts = zeroed_counters(x.device, triton.cdiv(n, 16))  # one a tile of features (tiles of 16 and more)
     args = (flat, weight, bias if bias is not None else out, out, parts, counts, m, n, k, flat.stride(0),
             weight.stride(0), out.stride(0))
@@ -290,23 +295,29 @@ def weights_first_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return out.view(*x.shape[:-1], n)
 
 
-_COUNTS: dict[tuple[torch.device, int], torch.Tensor] = {}
-_OUTGROWN: list[torch.Tensor] = []  # buffers a larger one replaced: graphs captured on them still count there
+_BUFFERS: dict[tuple[str, torch.device, int], torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []  # buffers a larger one replaced: graphs captured on them still use them
 
 
-def zeroed_counters(device: torch.device, needed: int) -> torch.Tensor:
-    """Zeroed int32 counters for kernels whose last program to finish a piece of work completes it (each launch
-    leaves them zero again). One buffer per device and stream, kept, so every graph replaying such a kernel on that
-    stream counts in it (one made while a graph is captured is zeroed inside that graph, before the kernel reads
+def stream_buffer(kind: str, device: torch.device, needed: int, dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed buffer of at least `needed` values that every launch on the current stream shares: the counters of
+    kernels whose last program to finish a piece of work completes it (each launch leaves them zero again), the
+    float32 partials of a split K. One per kind, device and stream, kept, so every graph replaying such a kernel on
+    that stream uses it (one made while a graph is captured is zeroed inside that graph, before the kernel reads
     it); kernels on one stream run one after another, so they can share it. A buffer too small for a new shape is
     replaced but never freed: a graph holds its address, not a reference."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream)
-    if key not in _COUNTS or _COUNTS[key].numel() < needed:
-        if key in _COUNTS:
-            _OUTGROWN.append(_COUNTS[key])
-        _COUNTS[key] = torch.zeros(max(needed, 4096), dtype=torch.int32, device=device)
-    return _COUNTS[key]
+    key = (kind, device, stream)
+    if key not in _BUFFERS or _BUFFERS[key].numel() < needed:
+        if key in _BUFFERS:
+            _OUTGROWN.append(_BUFFERS[key])
+        _BUFFERS[key] = torch.zeros(max(needed, 4096), dtype=dtype, device=device)
+    return _BUFFERS[key]
+
+
+def zeroed_counters(device: torch.device, needed: int) -> torch.Tensor:
+    """The int32 counters of `stream_buffer`, zero between launches."""
+    return stream_buffer("counters", device, needed, torch.int32)
 
 
 def _matrix(x: torch.Tensor, k: int) -> torch.Tensor:
