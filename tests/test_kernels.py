@@ -20,15 +20,15 @@ from blockdraft.decoding.generate import generate
 from blockdraft.models.fast_ops import LayerOps, attention_bias, decode_attention, glu, kernel_attention
 from blockdraft.models.fast_target import FastTarget
 from blockdraft.models.flash_decode import fits
-from blockdraft.models.skinny_gemm import (MAX_ROWS, few_row_linear, gemv_linear, kernel_available,
-                                           one_row_glu_linear, skinny_linear)
+from blockdraft.models.skinny_gemm import (WEIGHTS_FIRST_MAX_ROWS, few_row_linear, gemv_linear,
+                                           kernel_available, one_row_glu_linear, skinny_linear)
 
 from conftest import make_drafter, make_target_model
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 needs_kernel = pytest.mark.skipif(not kernel_available(DEVICE),
                                   reason="the kernel needs a GPU, or TRITON_INTERPRET=1 with Triton installed")
-SHAPES = [(1, 48, 64), (3, 40, 70), (16, 64, 128), (17, 33, 200), (64, 96, 48)]
+SHAPES = [(1, 48, 64), (3, 40, 70), (16, 64, 128), (17, 33, 200), (64, 96, 48), (65, 40, 64)]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
@@ -54,6 +54,20 @@ def test_the_kernel_is_f_linear(rows: int, n: int, k: int, dtype: torch.dtype, b
     assert not skinny_gemm.zeroed_counters(DEVICE, 1).any()
     scale = want.abs().max().item()
     assert (got.double() - want).abs().max().item() <= TOLERANCE[dtype] * scale
+
+
+@needs_kernel
+def test_the_weights_first_kernel_leaves_k_whole_past_split_max_n(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Products wider than SPLIT_MAX_N features (the LM head) run unsplit, with no partials kept for them: F.linear
+    still (a shape of its own, so no earlier launch's tuned split is reused)."""
+    from blockdraft.models import skinny_gemm
+
+    monkeypatch.setattr(skinny_gemm, "SPLIT_MAX_N", 8)
+    generator = torch.Generator().manual_seed(11)
+    x = torch.randn(5, 96, generator=generator).to(DEVICE)
+    w = torch.randn(72, 96, generator=generator).to(DEVICE)
+    with torch.inference_mode():
+        torch.testing.assert_close(skinny_gemm.weights_first_linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
 
 
 @needs_kernel
@@ -114,16 +128,16 @@ def test_the_down_projection_gates_in_the_gemv_only_for_one_silu_row() -> None:
 
 @needs_kernel
 def test_the_engines_few_row_products_take_our_kernels_and_every_other_product_is_f_linear_exactly() -> None:
-    """`LayerOps(few_rows=True)` (the fast engine's default on CUDA): one row from the GEMV, 2 to MAX_ROWS rows from
-    the weights-first kernel, where timed faster (off a GPU, under the interpreter, the kernels); more rows, or
-    autograd on, exactly F.linear."""
+    """`LayerOps(few_rows=True)` (the fast engine's default on CUDA): one row from the GEMV, 2 to
+    WEIGHTS_FIRST_MAX_ROWS rows from the weights-first kernel, where timed faster (off a GPU, under the interpreter,
+    the kernels); more rows, or autograd on, exactly F.linear."""
     assert LayerOps(False, few_rows=True).linear is few_row_linear
     assert LayerOps(False).linear is F.linear
     generator = torch.Generator().manual_seed(3)
     w = torch.randn(40, 96, generator=generator).to(DEVICE)
     row = torch.randn(1, 1, 96, generator=generator).to(DEVICE)
     rows = torch.randn(1, 3, 96, generator=generator).to(DEVICE)
-    many = torch.randn(MAX_ROWS + 1, 96, generator=generator).to(DEVICE)
+    many = torch.randn(WEIGHTS_FIRST_MAX_ROWS + 1, 96, generator=generator).to(DEVICE)
     with torch.inference_mode():
         torch.testing.assert_close(few_row_linear(row, w), F.linear(row, w), rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(few_row_linear(rows, w), F.linear(rows, w), rtol=1e-5, atol=1e-4)
@@ -154,10 +168,12 @@ def test_a_target_on_kernels_decodes_the_same_ids_in_float32() -> None:
 
 
 def test_where_the_kernel_does_not_apply_it_is_f_linear_exactly() -> None:
-    """More rows than MAX_ROWS, a dtype mismatch, gradients on, or no kernel at all: F.linear's own result."""
+    """More rows than WEIGHTS_FIRST_MAX_ROWS, a dtype mismatch, gradients on, or no kernel at all: F.linear's own
+    result."""
     generator = torch.Generator().manual_seed(2)
     w = torch.randn(24, 32, generator=generator)
-    cases = [torch.randn(MAX_ROWS + 1, 32, generator=generator), torch.randn(2, 32, generator=generator).double()]
+    cases = [torch.randn(WEIGHTS_FIRST_MAX_ROWS + 1, 32, generator=generator),
+             torch.randn(2, 32, generator=generator).double()]
     with torch.inference_mode():
         assert torch.equal(skinny_linear(cases[0], w), F.linear(cases[0], w))
         assert torch.equal(skinny_linear(cases[1], w.double()[:, :], None), F.linear(cases[1], w.double()))

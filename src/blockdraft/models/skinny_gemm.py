@@ -23,7 +23,11 @@ from blockdraft.models.graphs import power_of_two_at_least
 from blockdraft.models.kernel_choice import fastest, kernel_wins
 
 MAX_ROWS = 64  # more rows than this are compute, not weight reads: cuBLAS
+WEIGHTS_FIRST_MAX_ROWS = 128  # `_weights_first_kernel`'s rows are its dot's N side, 128 of them a tile at most: a
+# DDTree@64 verify's 65 rows (an 8B step's 128-row products are 2 ms of tensor-core work, under the weights' 3.6 ms)
 MAX_SPLITS = 4  # the most ways `_weights_first_kernel` splits K (its autotuned configs')
+SPLIT_MAX_N = 16384  # K is split only for products of at most this many features (64-feature tiles fewer than two
+# an H200 SM); the LM head's 150K features never are, so no partials are kept for it
 
 try:
     import triton
@@ -171,6 +175,8 @@ if triton is not None:
                                             (64, 128, 2, 4, 4), (64, 128, 4, 4, 4), (64, 64, 2, 4, 6),
                                             (128, 128, 2, 8, 3), (64, 256, 2, 4, 3))],
         key=["N", "K", "ROWS"],
+        prune_configs_by={"early_config_prune": lambda configs, named_args, **kwargs: [
+            c for c in configs if c.kwargs["SPLITS"] == 1 or named_args["N"] <= SPLIT_MAX_N]},
     )(_weights_first_kernel)
 
     _tuned_gemv = triton.autotune(  # many small programs: a one-row product is the weights' read and nothing else
@@ -194,15 +200,15 @@ def _rows(x: torch.Tensor) -> int:
     return x.numel() // max(x.shape[-1], 1)
 
 
-def _fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    return (kernel_available(x.device) and 0 < _rows(x) <= MAX_ROWS and x.dtype == weight.dtype
+def _fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int = MAX_ROWS) -> bool:
+    return (kernel_available(x.device) and 0 < _rows(x) <= max_rows and x.dtype == weight.dtype
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and weight.dim() == 2
             and weight.stride(1) == 1 and x.shape[-1] == weight.shape[1] and not torch.is_grad_enabled()
             and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous())))
 
 
 def _row_tile(rows: int) -> int:
-    """The kernel's row tile for `rows` input rows: 16, 32 or 64 (tl.dot's smallest is 16)."""
+    """The kernels' row tile for `rows` input rows: 16 to 128 (tl.dot's smallest is 16)."""
     return max(16, power_of_two_at_least(rows))
 
 
@@ -214,14 +220,14 @@ def _shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for inputs of at most MAX_ROWS rows, from the kernel where it runs and was timed
-    faster (`kernel_choice`; float32 inputs multiply in full float32, not TF32, as F.linear does by default), the
-    kernel with the rows as its dot's M side or its N side (`weights_first_linear`); a single row also has the
-    GEMV (`gemv_linear`) to choose from."""
-    if not _fits(x, weight, bias):
+    """`F.linear(x, weight, bias)` for inputs of at most WEIGHTS_FIRST_MAX_ROWS rows, from the kernel where it runs
+    and was timed faster (`kernel_choice`; float32 inputs multiply in full float32, not TF32, as F.linear does by
+    default), the kernel with the rows as its dot's M side (up to MAX_ROWS) or its N side (`weights_first_linear`); a
+    single row also has the GEMV (`gemv_linear`) to choose from."""
+    if not _fits(x, weight, bias, WEIGHTS_FIRST_MAX_ROWS):
         return F.linear(x, weight, bias)
-    options = {"kernel": lambda: _launch(x, weight, bias)[0], "kernel, weights first": lambda: weights_first_linear(
-        x, weight, bias)}
+    options = {"kernel": lambda: _launch(x, weight, bias)[0]} if _rows(x) <= MAX_ROWS else {}
+    options["kernel, weights first"] = lambda: weights_first_linear(x, weight, bias)
     if _rows(x) == 1:
         options["gemv"] = lambda: gemv_linear(x, weight, bias)
     options["library"] = lambda: F.linear(x, weight, bias)
@@ -232,8 +238,9 @@ def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """`F.linear`, from our kernel where it runs and was timed faster at this shape (the fast engine's default on
     CUDA): a single row from the GEMV (it won every one-row product of the 8B step, 3-25% under the library,
     benchmarks/RESULTS.md session 23), 2 to MAX_ROWS rows from the weights-first kernel (o_proj, down and the LM
-    head 4-13% under the library at 16 rows, session 25). More rows, or a shape the kernel lost, from the library."""
-    if not _fits(x, weight, bias):
+    head 4-13% under the library at 16 rows, session 25), up to WEIGHTS_FIRST_MAX_ROWS. More rows, or a shape the
+    kernel lost, from the library."""
+    if not _fits(x, weight, bias, WEIGHTS_FIRST_MAX_ROWS):
         return F.linear(x, weight, bias)
     if _rows(x) == 1:
         options = {"gemv": lambda: gemv_linear(x, weight, bias), "library": lambda: F.linear(x, weight, bias)}
@@ -277,21 +284,24 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 def weights_first_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear` of at most MAX_ROWS rows from `_weights_first_kernel` (the weights the dot's M side)."""
+    """`F.linear` of at most WEIGHTS_FIRST_MAX_ROWS rows from `_weights_first_kernel` (the weights the dot's M
+    side)."""
     n, k = weight.shape
     flat = _matrix(x, k)
     m = flat.shape[0]
     rows = _row_tile(m)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    parts = stream_buffer("split partials", x.device, MAX_SPLITS * n * rows, torch.float32)
-    counts = zeroed_counters(x.device, triton.cdiv(n, 16))  # one a tile of features (tiles of 16 and more)
+    split = n <= SPLIT_MAX_N
+    parts = stream_buffer("split partials", x.device, MAX_SPLITS * n * rows if split else 1, torch.float32)
+    counts = zeroed_counters(x.device, triton.cdiv(n, 16) if split else 1)  # one a tile of features (16 and more)
     args = (flat, weight, bias if bias is not None else out, out, parts, counts, m, n, k, flat.stride(0),
             weight.stride(0), out.stride(0))
     flags = dict(HAS_BIAS=bias is not None, F32_DOT=x.dtype == torch.float32 or not x.is_cuda, ROWS=rows)
     if x.is_cuda:
         _tuned_weights_first[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLITS"])](*args, **flags)
-    else:  # Triton's interpreter (tests): no autotuning there, small tiles, K split in two
-        _weights_first_kernel[(triton.cdiv(n, 16), 2)](*args, **flags, SPLITS=2, BLOCK_N=16, BLOCK_K=32)
+    else:  # Triton's interpreter (tests): no autotuning there, small tiles, K split in two where it may be
+        _weights_first_kernel[(triton.cdiv(n, 16), 1 + split)](*args, **flags, SPLITS=1 + split, BLOCK_N=16,
+                                                               BLOCK_K=32)
     return out.view(*x.shape[:-1], n)
 
 
