@@ -11,8 +11,10 @@ methods (ABBA: on the H200 the same method's tokens/s moved up to 26% between ru
 being compared). Reported per level: requests/s, output tokens/s (usage.completion_tokens over wall time), TTFT and
 inter-chunk latency p50/p99 (the gap between streamed chunks: one per stream interval, which carries every token
 committed since), errors, and the server's own account of its decode thread from /metrics (`blockdraft:engine_*`):
-the share of the wall time in decode steps and in admissions (prefill), the steps by method (a schedule's mix) and
-the steps over STALL_S. Everything is bounded: levels, request counts and `--time-cap` per method and level (no new
+the share of the wall time in decode steps and in admissions (prefill), the steps by method (a schedule's mix), the
+steps over STALL_S, and each batch-size bucket's steps by method with the tokens/s of their step time (what the
+measured schedule compares: at concurrency 64 its steps said DFlash 1.65x AR while the level served 0.92x AR,
+session 26, and a level's totals could not say at which batch sizes the time went). Everything is bounded: levels, request counts and `--time-cap` per method and level (no new
 request after it; the run stops by itself).
 
     python benchmarks/serve_load.py --methods ar,dflash,ddtree --concurrency 1,4 --requests 12 --max-tokens 64 \
@@ -362,6 +364,8 @@ def one_request(client: httpx.Client, url: str, model: str, messages: list[dict]
 
 
 STALL_S = SLOW_STEP_S  # a decode step longer than this is a stall (a capture, a compile), as the server says
+BY_BATCH = ("blockdraft:engine_batch_steps_total", "blockdraft:engine_batch_step_seconds_total",
+            "blockdraft:engine_batch_step_tokens_total")  # the server's steps, seconds and tokens by method and batch
 OVER_S = (0.005, 0.01, 0.025, 0.1, STALL_S)  # step lengths counted by method: a mean slowed by a few long steps (a
 # graph captured mid-level) from one slowed in every step (the schedule's DDTree steps at batch 1 averaged 2.37 ms
 # against the DDTree server's 2.12 on the H200, session 22, and the sums alone could not say which)
@@ -380,6 +384,8 @@ class EngineShare:
     capturing: dict[str, int] = field(default_factory=dict)  # steps that captured CUDA graphs ...
     capturing_s: dict[str, float] = field(default_factory=dict)  # ... their seconds ...
     graphs: dict[str, int] = field(default_factory=dict)  # ... and the graphs they captured
+    by_batch: dict[tuple[str, str], tuple[float, float, float]] = field(default_factory=dict)  # (method, batch
+    # bucket) -> steps, seconds, tokens committed
 
     @classmethod
     def read(cls, url: str) -> "EngineShare":
@@ -407,6 +413,11 @@ class EngineShare:
                     share.capturing_s[method] = sample.value
                 elif sample.name == "blockdraft:engine_graph_captures_total":
                     share.graphs[method] = int(sample.value)
+                elif sample.name in BY_BATCH:
+                    key = (method, sample.labels["batch"])
+                    counts = list(share.by_batch.get(key, (0.0, 0.0, 0.0)))
+                    counts[BY_BATCH.index(sample.name)] = sample.value
+                    share.by_batch[key] = (counts[0], counts[1], counts[2])
         return share
 
     def over(self, method: str) -> dict[float, int]:
@@ -426,7 +437,8 @@ class EngineShare:
                             for m, bounds in self.within.items()},
                            {m: n - before.capturing.get(m, 0) for m, n in self.capturing.items()},
                            {m: s - before.capturing_s.get(m, 0.0) for m, s in self.capturing_s.items()},
-                           {m: n - before.graphs.get(m, 0) for m, n in self.graphs.items()})
+                           {m: n - before.graphs.get(m, 0) for m, n in self.graphs.items()},
+                           {k: _minus(v, before.by_batch.get(k)) for k, v in self.by_batch.items()})
 
     def plus(self, other: "EngineShare") -> "EngineShare":
         methods = {*self.steps, *other.steps}
@@ -437,7 +449,9 @@ class EngineShare:
                                 for b in OVER_S} for m in methods},
                            {m: self.capturing.get(m, 0) + other.capturing.get(m, 0) for m in methods},
                            {m: self.capturing_s.get(m, 0.0) + other.capturing_s.get(m, 0.0) for m in methods},
-                           {m: self.graphs.get(m, 0) + other.graphs.get(m, 0) for m in methods})
+                           {m: self.graphs.get(m, 0) + other.graphs.get(m, 0) for m in methods},
+                           {k: _plus(self.by_batch.get(k), other.by_batch.get(k))
+                            for k in {*self.by_batch, *other.by_batch}})
 
     def delta(self, wall: float) -> dict[str, Any]:
         """For the level's record: shares of its wall time, steps by method (with their seconds and how many ran
@@ -449,7 +463,36 @@ class EngineShare:
                 "capturing_steps": {m: self.capturing.get(m, 0) for m in ran},
                 "capturing_s": {m: self.capturing_s.get(m, 0.0) for m in ran},
                 "graphs_captured": {m: self.graphs.get(m, 0) for m in ran},
+                "by_batch": {m: {batch: {"steps": int(n), "step_s": s, "tokens": int(t)}
+                                 for (method, batch), (n, s, t) in sorted(self.by_batch.items()) if method == m and n}
+                             for m in ran},
                 "stalls": self.stalls}
+
+
+NO_STEPS = (0.0, 0.0, 0.0)
+
+
+def _minus(after: tuple[float, float, float], before: tuple[float, float, float] | None) -> tuple[float, float, float]:
+    b = before or NO_STEPS
+    return after[0] - b[0], after[1] - b[1], after[2] - b[2]
+
+
+def _plus(one: tuple[float, float, float] | None, other: tuple[float, float, float] | None
+          ) -> tuple[float, float, float]:
+    a, b = one or NO_STEPS, other or NO_STEPS
+    return a[0] + b[0], a[1] + b[1], a[2] + b[2]
+
+
+def by_batch_line(engine: dict[str, Any]) -> str:
+    """Each batch bucket's steps by method, with the tokens/s of their step time (what the measured schedule
+    compares), largest bucket first."""
+    buckets: dict[str, list[str]] = {}
+    for method, batches in engine["by_batch"].items():
+        for batch, run in batches.items():
+            rate = run["tokens"] / run["step_s"] if run["step_s"] else 0.0
+            buckets.setdefault(batch, []).append(f"{method} {run['steps']} ({rate:,.0f} tok/s)")
+    order = sorted(buckets, key=lambda batch: -int(batch.split("-")[-1]))
+    return "; ".join(f"{batch}: " + ", ".join(buckets[batch]) for batch in order)
 
 
 def run_requests(url: str, model: str, concurrency: int, indices: list[int], prompts: list[list[dict]],
@@ -601,7 +644,8 @@ def main() -> None:
                     f"{engine['capturing_s'][m]:.2f} s)"
                     for m, n in sorted(engine["steps"].items(), key=lambda mn: -mn[1]))
                 console.print(f"# {result.method} c={concurrency}: {result.output_tokens_per_s:.1f} tok/s, "
-                              f"{result.errors} errors; steps by method: {mix or '-'}"
+                              f"{result.errors} errors; steps by method: {mix or '-'}; by batch: "
+                              f"{by_batch_line(engine) or '-'}"
                               + "".join(f"\n#   {m}" for m in result.error_messages))
     finally:
         for method, server in servers.items():

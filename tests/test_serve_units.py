@@ -324,12 +324,14 @@ def test_every_metric_we_export_is_vllms_own() -> None:
         assert family == vllm[name], name
 
 
-def test_the_engines_busy_time_is_exposed_by_method() -> None:
+def test_the_engines_busy_time_is_exposed_by_method_and_by_batch() -> None:
     from blockdraft.serve.messages import EngineTime
 
     metrics = ServeMetrics("m", 2048, 15)
-    metrics.engine_time(EngineTime(0.5, {"dflash/15": [0.004, 0.3], "ar": [0.002]}, {"dflash/15": [(3, 0.3)]}))
-    metrics.engine_time(EngineTime(0.25, {"dflash/15": [0.006]}, {"dflash/15": [(1, 0.006)]}))
+    metrics.engine_time(EngineTime(0.5, {"dflash/15": [0.004, 0.3], "ar": [0.002]}, {"dflash/15": [(3, 0.3)]},
+                                   {("dflash/15", "33-64"): (2, 0.304, 200), ("ar", "1"): (1, 0.002, 1)}))
+    metrics.engine_time(EngineTime(0.25, {"dflash/15": [0.006]}, {"dflash/15": [(1, 0.006)]},
+                                   {("dflash/15", "33-64"): (1, 0.006, 90)}))
     samples = {(s.name, s.labels.get("method"), s.labels.get("le")): s.value
                for family in text_string_to_metric_families(metrics.exposition()[0].decode())
                if family.name.startswith("blockdraft:") for s in family.samples}
@@ -342,6 +344,13 @@ def test_the_engines_busy_time_is_exposed_by_method() -> None:
     assert samples[("blockdraft:engine_capturing_step_seconds_sum", "dflash/15", None)] == pytest.approx(0.306)
     assert samples[("blockdraft:engine_graph_captures_total", "dflash/15", None)] == 4
     assert ("blockdraft:engine_graph_captures_total", "ar", None) not in samples
+    by_batch = {(s.name, s.labels["method"], s.labels["batch"]): s.value
+                for family in text_string_to_metric_families(metrics.exposition()[0].decode())
+                if family.name.startswith("blockdraft:engine_batch") for s in family.samples}
+    assert by_batch[("blockdraft:engine_batch_steps_total", "dflash/15", "33-64")] == 3
+    assert by_batch[("blockdraft:engine_batch_step_seconds_total", "dflash/15", "33-64")] == pytest.approx(0.31)
+    assert by_batch[("blockdraft:engine_batch_step_tokens_total", "dflash/15", "33-64")] == 290
+    assert by_batch[("blockdraft:engine_batch_step_tokens_total", "ar", "1")] == 1
 
 
 def test_a_slow_step_is_named_with_what_it_did(monkeypatch) -> None:
@@ -362,7 +371,7 @@ def test_a_slow_step_is_named_with_what_it_did(monkeypatch) -> None:
     for seconds, graphs, later in ((0.01, 0, 0.1), (2.5, 4, 0.1), (0.4, 0, 1.0), (0.3, 1, 5.0), (0.5, 2, 0.1)):
         clock.starting_step()
         captured[0] += graphs
-        clock.stepped("ddtree@32", 4, seconds)
+        clock.stepped("ddtree@32", 4, seconds, 3)
         now[0] += later
     clock.flush(force=True)
     assert said == [
@@ -371,7 +380,8 @@ def test_a_slow_step_is_named_with_what_it_did(monkeypatch) -> None:
         "2 more over 0.25 s since the last such line)",
     ]
     assert reports == [EngineTime(0.0, {"ddtree@32": [0.01, 2.5, 0.4, 0.3, 0.5]},
-                                  {"ddtree@32": [(4, 2.5), (1, 0.3), (2, 0.5)]})]
+                                  {"ddtree@32": [(4, 2.5), (1, 0.3), (2, 0.5)]},
+                                  {("ddtree@32", "3-4"): (5, pytest.approx(3.71), 15)})]
 
 
 def test_outbox_sends_the_first_and_final_events_at_once_and_batches_the_rest() -> None:
@@ -452,7 +462,7 @@ def test_waiting_jobs_join_together_and_a_bad_one_gets_its_own_400() -> None:
     steps = [0]
     step = engine.step
 
-    def counting_step() -> str:
+    def counting_step() -> tuple[str, int]:
         steps[0] += 1
         return step()
 
@@ -481,6 +491,11 @@ def test_waiting_jobs_join_together_and_a_bad_one_gets_its_own_400() -> None:
     assert sum(r.admit_s for r in reports) > 0 and {m for r in reports for m in r.steps} == {"dflash"}
     step_seconds = [s for r in reports for s in r.steps["dflash"]]
     assert len(step_seconds) == steps[0] > 0 and min(step_seconds) > 0
+    by_batch = [(key, counts) for r in reports for key, counts in r.by_batch.items()]
+    assert sum(n for _, (n, _, _) in by_batch) == steps[0] and {method for (method, _), _ in by_batch} == {"dflash"}
+    assert {batch for (_, batch), _ in by_batch} <= {"1", "2", "3-4"}
+    committed = sum(tokens for _, (_, _, tokens) in by_batch)  # every token after each request's first (prefill's)
+    assert committed == sum(len(finals[i][0].output.token_ids) - 1 for i in (0, 2, 3))
     assert all(len(events) == 1 for events in finals.values())
     error = finals[1][0]
     assert isinstance(error, Failed) and error.error.status == 400 and f"id {VOCAB + 3}" in error.error.message

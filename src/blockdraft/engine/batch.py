@@ -153,6 +153,7 @@ class BatchDecoder:
         self.running: list[Sequence] = []  # sequence i lives in cache slot i (and drafter slot i)
         self.drafting: BatchDrafter | None = None  # made by the first sequence that drafts on the fast engine
         self.last_method = ""  # the method of the last step read ("ar", "dflash", "ddtree", or a schedule's label)
+        self.last_committed = 0  # the tokens the last step read committed, every sequence's together
         self.flight: _Flight | None = None  # the step launched and not read back yet
         self.deferred: list[torch.Tensor] = []  # each scheduled AR step's taps [B, 1, *], read by _catch_up
         self.deferred_rows = 0  # rows in `deferred`: a sequence's `pending` index them as if concatenated
@@ -436,6 +437,7 @@ class BatchDecoder:
         self._extend(extended, kept_taps, whole if chains else None)
         finished = self._leave()
         self.last_method = flight.method
+        self.last_committed = sum(len(committed) for _, committed in reports)
         if isinstance(self.schedule, MeasuredSchedule) and flight.candidate is not None:
             seconds = time.perf_counter() - flight.began - flight.join_s
             self.schedule.observe(len(flight.seqs), flight.candidate, seconds,

@@ -62,9 +62,14 @@ def bucket_of(batch: int) -> int:
     return power_of_two_at_least(batch)
 
 
-def bucket_label(bucket: int) -> str:
+def bucket_range(bucket: int) -> str:
+    """The batch sizes a bucket holds: "1", "2", "3-4", ..., "33-64"."""
     low = bucket // 2 + 1
-    return f"batch {bucket}" if low >= bucket else f"batch {low}-{bucket}"
+    return f"{bucket}" if low >= bucket else f"{low}-{bucket}"
+
+
+def bucket_label(bucket: int) -> str:
+    return f"batch {bucket_range(bucket)}"
 
 
 @dataclass

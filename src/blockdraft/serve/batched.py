@@ -118,12 +118,13 @@ class BatchedEngine:
             else:
                 self._runs[id(seq)] = run
 
-    def step(self) -> str:
-        """One batched step; the jobs that finished in it get their Finished event. Returns the method it ran."""
+    def step(self) -> tuple[str, int]:
+        """One batched step; the jobs that finished in it get their Finished event. Returns the method it ran and
+        the tokens it committed."""
         for seq in self.decoder.step():
             run = self._runs.pop(id(seq))
             run.job.emit(Finished(run.finish(seq.result())))
-        return self.decoder.last_method
+        return self.decoder.last_method, self.decoder.last_committed
 
     def abandon(self) -> list[Job]:
         """After a failed step: empty the batch and return its jobs (the worker answers them)."""

@@ -5,9 +5,10 @@ Under load the served tokens/s can disagree with the step rates (on the H200 the
 1.3x AR's at batch 16 while AR served more: benchmarks/RESULTS.md, session 17), and a stall of seconds in one step
 hides in a level's average (the scheduled server paused ~2.9 s mid-stream at concurrency 4 there, cause unknown).
 So the engine reports its busy time, which /metrics exposes (`blockdraft:engine_step_seconds{method}`,
-`blockdraft:engine_admit_seconds_total`, and the steps that captured CUDA graphs:
-`blockdraft:engine_capturing_step_seconds{method}`, `blockdraft:engine_graph_captures_total{method}`), and says what
-a slow step did: how many CUDA graphs it captured and how many torch.compile compilations it ran.
+`blockdraft:engine_admit_seconds_total`, the steps that captured CUDA graphs:
+`blockdraft:engine_capturing_step_seconds{method}`, `blockdraft:engine_graph_captures_total{method}`, and by batch-size
+bucket the steps, their seconds and the tokens they committed: `blockdraft:engine_batch_step*_total{method,batch}`),
+and says what a slow step did: how many CUDA graphs it captured and how many torch.compile compilations it ran.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from blockdraft.engine.measured import bucket_of, bucket_range
 from blockdraft.models.graphs import graphs_captured
 from blockdraft.serve.messages import EngineTime
 
@@ -40,6 +42,7 @@ class EngineClock:
         self._admit_s = 0.0
         self._steps: dict[str, list[float]] = {}
         self._captures: dict[str, list[tuple[int, float]]] = {}
+        self._by_batch: dict[tuple[str, str], tuple[int, float, int]] = {}
         self._last = time.monotonic()
         self._last_said = -float("inf")
         self._unsaid = 0
@@ -52,8 +55,11 @@ class EngineClock:
         """Called before each step: what a slow step did is counted from here."""
         self._before = (graphs_captured(), compilations())
 
-    def stepped(self, method: str, batch: int, seconds: float) -> None:
+    def stepped(self, method: str, batch: int, seconds: float, tokens: int) -> None:
         self._steps.setdefault(method, []).append(seconds)
+        key = (method, bucket_range(bucket_of(batch)))
+        steps, total_s, committed = self._by_batch.get(key, (0, 0.0, 0))
+        self._by_batch[key] = (steps + 1, total_s + seconds, committed + tokens)
         graphs = graphs_captured() - self._before[0]
         if graphs:
             self._captures.setdefault(method, []).append((graphs, seconds))
@@ -74,5 +80,5 @@ class EngineClock:
         now = time.monotonic()
         if not (self._admit_s or self._steps) or not (force or now - self._last >= REPORT_EVERY_S):
             return
-        self._report(EngineTime(self._admit_s, self._steps, self._captures))
-        self._admit_s, self._steps, self._captures, self._last = 0.0, {}, {}, now
+        self._report(EngineTime(self._admit_s, self._steps, self._captures, self._by_batch))
+        self._admit_s, self._steps, self._captures, self._by_batch, self._last = 0.0, {}, {}, {}, now

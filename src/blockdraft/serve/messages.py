@@ -87,12 +87,15 @@ class JobEvents:
 @dataclass(frozen=True)
 class EngineTime:
     """The decoding thread's busy time since its last report: seconds spent admitting jobs (prefill and joining the
-    batch; with --max-num-seqs 1 a job's whole decode), each batched step's seconds by the method it ran, and the
-    steps that captured CUDA graphs (by method: each one's graphs and seconds), which a mean step time hides."""
+    batch; with --max-num-seqs 1 a job's whole decode), each batched step's seconds by the method it ran, the steps
+    that captured CUDA graphs (by method: each one's graphs and seconds), which a mean step time hides, and by
+    (method, batch bucket: "1", "2", "3-4", ... as the measured schedule's) the steps, their seconds and the tokens
+    they committed: the tokens/s of steps the schedule chooses by, which a level's mix of batch sizes hides."""
 
     admit_s: float
     steps: dict[str, list[float]]
     captures: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    by_batch: dict[tuple[str, str], tuple[int, float, int]] = field(default_factory=dict)
 
 
 Reply = Say | Ready | StartFailed | Started | JobEvents | EngineTime

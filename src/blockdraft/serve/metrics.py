@@ -130,6 +130,13 @@ class ServeMetrics:
             [*labels, "method"], buckets=STEP_BUCKETS, registry=reg)
         self.graph_captures = Counter("blockdraft:engine_graph_captures", "CUDA graphs captured by decode steps.",
                                       [*labels, "method"], registry=reg)
+        by_batch = [*labels, "method", "batch"]
+        self.batch_steps = Counter("blockdraft:engine_batch_steps", "Decode steps by the method they ran and their "
+                                   "batch-size bucket (1, 2, 3-4, ...: the measured schedule's).", by_batch, registry=reg)
+        self.batch_step_seconds = Counter("blockdraft:engine_batch_step_seconds", "Seconds of decode steps by method "
+                                          "and batch-size bucket.", by_batch, registry=reg)
+        self.batch_step_tokens = Counter("blockdraft:engine_batch_step_tokens", "Tokens committed by decode steps, "
+                                         "by method and batch-size bucket.", by_batch, registry=reg)
         self.admit_seconds = counter("blockdraft:engine_admit_seconds",
                                      "Seconds the engine spent admitting requests (prefill, joining the batch; "
                                      "with --max-num-seqs 1, a request's whole decode).")
@@ -167,6 +174,10 @@ class ServeMetrics:
             for _, value in steps:
                 capturing.observe(value)
             self.graph_captures.labels(*self._values, method).inc(sum(graphs for graphs, _ in steps))
+        for (method, batch), (steps_n, seconds_sum, tokens) in report.by_batch.items():
+            self.batch_steps.labels(*self._values, method, batch).inc(steps_n)
+            self.batch_step_seconds.labels(*self._values, method, batch).inc(seconds_sum)
+            self.batch_step_tokens.labels(*self._values, method, batch).inc(tokens)
 
     def abandoned(self, timing: Timing, reason: str) -> None:
         """A request that ended without decoding (client gone while queued, drain deadline, an error)."""

@@ -50,9 +50,9 @@ class SequentialEngine:
             )
             job.emit(Finished(run.finish(result)))
 
-    def step(self) -> str:
+    def step(self) -> tuple[str, int]:
         """Nothing runs between admissions."""
-        return ""
+        return "", 0
 
     def abandon(self) -> list[Job]:
         """Nothing runs between admissions."""

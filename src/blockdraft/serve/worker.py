@@ -104,9 +104,9 @@ class Worker:
                 batch = engine.running
                 clock.starting_step()
                 began = time.perf_counter()
-                method = self._step()
+                method, tokens = self._step()
                 if method:
-                    clock.stepped(method, batch, time.perf_counter() - began)
+                    clock.stepped(method, batch, time.perf_counter() - began, tokens)
             clock.flush()
         clock.flush(force=True)
 
@@ -132,12 +132,12 @@ class Worker:
             for job, _ in admitted:
                 job.emit(Failed(ApiError(500, f"decoding failed ({type(exc).__name__}: {exc})")))
 
-    def _step(self) -> str:
-        """One step; the method it ran ("" when it failed)."""
+    def _step(self) -> tuple[str, int]:
+        """One step; the method it ran ("" when it failed) and the tokens it committed."""
         try:
             return self.engine.step()
         except Exception as exc:  # every job of the failed step gets its answer; the batch starts afresh
             log.exception("a batched decode step failed")
             for job in self.engine.abandon():
                 job.emit(Failed(ApiError(500, f"decoding failed ({type(exc).__name__}: {exc})")))
-            return ""
+            return "", 0
