@@ -7,17 +7,23 @@ from the H200 (embedded pair, bf16, benchmarks/RESULTS.md): `c1`, batch 1 as ser
 (AR 657 tokens/s, the DFlash chain 860, DDTree@32 769); `c16`, batch 16 at the rates the server's own steps
 measured in session 17 (AR 5,569, DFlash 7,357, DDTree@32 4,280); `c64`, batch 64 at session 21's rates (AR 14,271,
 DFlash 27,111, DDTree@32 9,959) after RAMP_STEPS steps of batch 16 at its rates there (AR 9,273, DFlash 13,707,
-DDTree@32 7,726), the batch-64 steps alone counted. The start-up table prefers the tree (as session 16's tunes did
-at batch 1), so the schedule has to find the chain. Short horizons matter: a load level of 32 requests at
-concurrency 16 is ~100 steps of batch 16.
+DDTree@32 7,726), the batch-64 steps alone counted; `cold64`, a server started straight into 64 concurrent
+requests (session 26, call E): two rounds of `steps` steps at batch 64, each after a step at each batch of RAMP (the
+requests joining) and ending in a drain of DRAIN_STEPS steps from 63 sequences down to 1, every step counted, at the rates of session 24 (batch 1: AR 1,030, DFlash 1,940,
+DDTree@32 1,890; batch 9-16: AR 10,224, DFlash 12,664) and session 26 (batch 33-64: AR 18,973, DFlash 31,380,
+DDTree@32 11,590), interpolated in log2(batch) between them; DDTree@32 at 16 at 0.6x DFlash (served at 0.72x there).
+The start-up table prefers the tree (as session 16's tunes did at batch 1), so the schedule has to find the chain.
+Short horizons matter: a load level of 32 requests at concurrency 16 is ~100 steps of batch 16.
 
     python benchmarks/schedule_simulation.py --scenario c1,c16,c64 --steps 150,300,1000,4000,16000 --runs 200
     python benchmarks/schedule_simulation.py --scenario c64 --unobserved 0.6   # steps that carried a join unobserved
+    python benchmarks/schedule_simulation.py --scenario cold64 --steps 150,300,700
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import statistics
 
@@ -32,6 +38,28 @@ SCENARIOS = {  # (batch, each candidate's tokens/s) in turn: a step of `batch` s
     "c64": [(16, {AR: 9273.0, CHAIN: 13707.0, TREE: 7726.0}), (64, {AR: 14271.0, CHAIN: 27111.0, TREE: 9959.0})],
 }
 RAMP_STEPS = 300  # steps of each of a scenario's batches but its last (not counted)
+COLD = {1: {AR: 1030.0, CHAIN: 1940.0, TREE: 1890.0}, 16: {AR: 10224.0, CHAIN: 12664.0, TREE: 7598.0},
+        64: {AR: 18973.0, CHAIN: 31380.0, TREE: 11590.0}}  # `cold64`'s tokens/s at the batches measured
+DRAIN_STEPS = 150  # `cold64`: steps from 63 sequences to 1 at a round's end (as requests finish one by one)
+RAMP = [1, 2, 4, 8, 16, 32]  # `cold64`: a round's first steps, while its requests are still joining
+
+
+def cold_rates(batch: int) -> dict[Candidate, float]:
+    """`cold64`'s tokens/s at `batch`: COLD interpolated in log2(batch)."""
+    low = max(b for b in COLD if b <= batch)
+    high = min((b for b in COLD if b >= batch), default=low)
+    at = 0.0 if high == low else (math.log2(batch) - math.log2(low)) / (math.log2(high) - math.log2(low))
+    return {c: COLD[low][c] + at * (COLD[high][c] - COLD[low][c]) for c in COLD[low]}
+
+
+def stages(scenario: str, steps: int) -> list[tuple[int, dict[Candidate, float], bool]]:
+    """Each step's (batch, tokens/s per candidate, counted) in a scenario of `steps` steps."""
+    if scenario == "cold64":
+        drain = [round(63 - 62 * i / (DRAIN_STEPS - 1)) for i in range(DRAIN_STEPS)]
+        return [(batch, cold_rates(batch), True) for _ in range(2) for batch in RAMP + [64] * steps + drain]
+    *ramps, last = SCENARIOS[scenario]
+    return ([(batch, rates, False) for batch, rates in ramps for _ in range(RAMP_STEPS)]
+            + [(last[0], last[1], True)] * steps)
 
 
 def table() -> Schedule:
@@ -44,28 +72,26 @@ def table() -> Schedule:
 
 def serve(scenario: str, seed: int, steps: int, fixed: Candidate | None = None, unobserved: float = 0.0
           ) -> tuple[float, Candidate]:
-    """Tokens per second over the last batch's `steps` simulated steps, and the schedule's choice there at the end;
-    a step is left unobserved with probability `unobserved` (until session 23 the decoder did not observe a step
-    during which a request joined: most steps at concurrency 64)."""
+    """Tokens per second over the scenario's counted steps, and the schedule's choice at its largest batch at the
+    end; a step is left unobserved with probability `unobserved` (until session 23 the decoder did not observe a
+    step during which a request joined: most steps at concurrency 64)."""
     rng = random.Random(seed)
     schedule = MeasuredSchedule(table())
     difficulty, tokens, seconds = 1.0, 0, 0.0
-    stages = SCENARIOS[scenario]
-    for stage, (batch, rates) in enumerate(stages):
-        last = stage == len(stages) - 1
-        for step in range(steps if last else RAMP_STEPS):
-            if step % 80 == 0:
-                difficulty = rng.uniform(0.6, 1.4)
-            candidate = fixed or schedule.pick(batch)
-            tau = TAU[candidate]
-            committed = batch if candidate == AR else sum(
-                min(16, 1 + round(rng.expovariate(1 / max(tau * difficulty - 1, 0.01)))) for _ in range(batch))
-            elapsed = batch * tau / rates[candidate] * rng.uniform(0.95, 1.05)
-            if fixed is None and rng.random() >= unobserved:
-                schedule.observe(batch, candidate, elapsed, committed)
-            if last:
-                tokens, seconds = tokens + committed, seconds + elapsed
-    return tokens / seconds, fixed or schedule.buckets[bucket_of(stages[-1][0])].choice
+    plan = stages(scenario, steps)
+    for step, (batch, rates, counted) in enumerate(plan):
+        if step % 80 == 0:
+            difficulty = rng.uniform(0.6, 1.4)
+        candidate = fixed or schedule.pick(batch)
+        tau = TAU[candidate]
+        committed = batch if candidate == AR else sum(
+            min(16, 1 + round(rng.expovariate(1 / max(tau * difficulty - 1, 0.01)))) for _ in range(batch))
+        elapsed = batch * tau / rates[candidate] * rng.uniform(0.95, 1.05)
+        if fixed is None and rng.random() >= unobserved:
+            schedule.observe(batch, candidate, elapsed, committed)
+        if counted:
+            tokens, seconds = tokens + committed, seconds + elapsed
+    return tokens / seconds, fixed or schedule.buckets[bucket_of(max(batch for batch, _, _ in plan))].choice
 
 
 def main() -> None:
