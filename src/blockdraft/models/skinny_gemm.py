@@ -26,6 +26,9 @@ MAX_ROWS = 64  # more rows than this are compute, not weight reads: cuBLAS
 WEIGHTS_FIRST_MAX_ROWS = 128  # `_weights_first_kernel`'s rows are its dot's N side, 128 of them a tile at most: a
 # DDTree@64 verify's 65 rows (an 8B step's 128-row products are 2 ms of tensor-core work, under the weights' 3.6 ms)
 MAX_SPLITS = 4  # the most ways `_weights_first_kernel` splits K (its autotuned configs')
+TUNED_ON_DISK = True  # each shape's tuned tiles kept in Triton's cache (~/.triton): a server's warm-up tunes every
+# product at every row tile (4 row tiles x 5 products x the drafter's), which a restart, the next server of a
+# benchmark or the next test process then reads instead of timing every config again
 SPLIT_MAX_N = 16384  # K is split only for products of at most this many features (64-feature tiles fewer than two
 # an H200 SM); the LM head's 150K features never are, so no partials are kept for it
 
@@ -177,6 +180,7 @@ if triton is not None:
         key=["N", "K", "ROWS"],
         prune_configs_by={"early_config_prune": lambda configs, named_args, **kwargs: [
             c for c in configs if c.kwargs["SPLITS"] == 1 or named_args["N"] <= SPLIT_MAX_N]},
+        cache_results=TUNED_ON_DISK,
     )(_weights_first_kernel)
 
     _tuned_gemv = triton.autotune(  # many small programs: a one-row product is the weights' read and nothing else
@@ -185,6 +189,7 @@ if triton is not None:
                                     (4, 1024, 4, 3), (8, 256, 4, 4), (8, 512, 4, 3), (8, 1024, 8, 3), (16, 256, 4, 4),
                                     (16, 512, 8, 3), (32, 256, 8, 3))],
         key=["N", "K", "GLU"],  # and the tensors' dtypes, which Triton's autotuner adds to every key
+        cache_results=TUNED_ON_DISK,
     )(_gemv_kernel)
 
     _tuned_kernel = triton.autotune(  # each (N, K, rows) shape picks its tiles on first use (before graph capture)
@@ -192,6 +197,7 @@ if triton is not None:
                  for n, k, w, s in ((16, 256, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3), (32, 128, 4, 4),
                                     (64, 128, 4, 3), (16, 1024, 8, 2), (32, 512, 8, 3))],
         key=["N", "K", "ROWS", "NORM"],
+        cache_results=TUNED_ON_DISK,
     )(_skinny_kernel)
 
 
