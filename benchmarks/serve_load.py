@@ -615,6 +615,9 @@ def main() -> None:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     servers: dict[str, Server] = {}
     pins = Pins(args.pin)
+    # a time limit's SIGTERM (benchmarks/gpu/unmeasured.sh) stops the servers and prints what they said, and the
+    # levels already run are in --json-out (session 26 lost a 64-concurrency level and the schedule's lines to it)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         for method in methods:  # every server up first: the levels then rotate between them
             console.print(f"# {method}: loading in-process ...")
@@ -635,6 +638,7 @@ def main() -> None:
         for concurrency in args.concurrency_levels:
             for result in rotate(methods, servers, args, concurrency, prompts):
                 levels.append(result)
+                save(args, levels, ratios)
                 engine = result.engine
                 mix = ", ".join(
                     f"{m} {n} (mean {1e3 * engine['step_s'][m] / n:.2f} ms; over "
@@ -680,6 +684,11 @@ def main() -> None:
                         fmt(r["in_process_tokens_per_s"], ".1f"), fmt(r["server_c1_tokens_per_s"], ".1f"),
                         fmt(r["ratio"], ".3f"), fmt(r["median_request_ratio"], ".3f"))
     out.print(summary)
+    save(args, levels, ratios)
+
+
+def save(args: argparse.Namespace, levels: list[LevelResult], ratios: list[dict[str, Any]]) -> None:
+    """--json-out with the levels run so far (rewritten after each)."""
     if args.json_out:
         args.json_out.write_text(json.dumps({"settings": {k: v for k, v in vars(args).items() if k != "json_out"},
                                              "levels": [asdict(r) for r in levels], "ratios": ratios}, indent=1,
