@@ -57,6 +57,34 @@ def test_the_kernel_is_f_linear(rows: int, n: int, k: int, dtype: torch.dtype, b
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows, n, k", [(3, 200, 300), (65, 72, 136)])
+def test_every_weights_first_config_is_f_linear(rows: int, n: int, k: int) -> None:
+    """Each tile and split of the weights-first kernel's tuning space (the tuning runs one a shape), ragged N and K,
+    bf16 on a GPU (float32 under the interpreter), its counts back at zero."""
+    from triton.runtime.errors import OutOfResources
+
+    from blockdraft.models import skinny_gemm
+
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+    generator = torch.Generator().manual_seed(rows + n + k)
+    x = torch.randn(rows, k, generator=generator).to(DEVICE, dtype)
+    w = torch.randn(n, k, generator=generator).to(DEVICE, dtype)
+    b = torch.randn(n, generator=generator).to(DEVICE, dtype)
+    want = F.linear(x.double(), w.double(), b.double())
+    ran = 0
+    for config in skinny_gemm.WEIGHTS_FIRST_CONFIGS:
+        with torch.inference_mode():
+            try:
+                got = skinny_gemm.weights_first_linear(x, w, b, config)
+            except OutOfResources:  # more shared memory than the GPU has (128-row tiles): the tuning skips it too
+                continue
+        ran += 1
+        assert not skinny_gemm.zeroed_counters(DEVICE, 1).any(), config
+        assert (got.double() - want).abs().max().item() <= TOLERANCE[dtype] * want.abs().max().item(), config
+    assert ran >= len(skinny_gemm.WEIGHTS_FIRST_CONFIGS) - 2
+
+
+@needs_kernel
 def test_the_weights_first_kernel_leaves_k_whole_past_split_max_n(monkeypatch: pytest.MonkeyPatch) -> None:
     """Products wider than SPLIT_MAX_N features (the LM head) run unsplit, with no partials kept for them: F.linear
     still (a shape of its own, so no earlier launch's tuned split is reused)."""

@@ -4,11 +4,13 @@
 #   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh kernels       # ~6 min (autotuning every shape)
 #   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh correctness   # ~3 min
 #   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh tree          # ~1 min: the tree kernel's tests
+#   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh fewrows       # the few-row products' tests
 #   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh speed         # ~7 min
 #   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh roofline      # issue 22's 8B table, one invocation
 #   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh blas          # ~1 min: BLAS settings, 8B products
 #   (after the GGUF is assembled, as in RESULTS) bash benchmarks/gpu/unmeasured.sh e2e   # ~4 min
-#   (same) bash benchmarks/gpu/unmeasured.sh load   # ~7.5 min (run it with a 600 s call limit): issue 22's table with the engine's own time per level
+#   (same) bash benchmarks/gpu/unmeasured.sh load   # 7.5 min in session 25, over 9.5 in session 26 (a 600 s call cut
+#     its last level; --json-out now keeps the levels run): issue 22's table with the engine's own time per level
 #   (same) bash benchmarks/gpu/unmeasured.sh steps  # ~5 min: batched DFlash steps at 1/4/16; schedule vs fixed steps
 #   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh admit   # ~1.5 min: prefill and join costs
 # Each step writes $OUT/<step>.log as it runs and has its own time limit, so a call cut short still returns every
@@ -32,6 +34,11 @@ case "${1:-}" in
     step block_attention_tests 150 python3 -m pytest -p no:cacheprovider tests/test_block_attention.py \
       tests/test_qkv_rope.py
     step kernel_tests 330 python3 -m pytest -p no:cacheprovider tests/test_kernels.py
+    ;;
+  fewrows)  # every config of the weights-first kernel (the whole test file autotunes every shape: session 26 ran 14
+    # of its cases in 240 s), the engine's few-row routing and its CUDA kernels decoding, the merging attention
+    step fewrows_tests 300 python3 -m pytest -p no:cacheprovider tests/test_kernels.py tests/test_block_attention.py \
+      -k "every_weights_first or few_row or split_max_n or cuda_kernels or gates_in or merging or counters"
     ;;
   tree)  # the DDTree tree kernel against the host heap and the tensor search, and a fast-engine decode through it
     step tree_tests 200 python3 -m pytest -p no:cacheprovider tests/test_tree_kernel.py
@@ -74,7 +81,7 @@ case "${1:-}" in
     step admit 200 python3 benchmarks/gpu/admit_profile.py --prompt-tokens 32,128 --joins 8
     ;;
   *)
-    echo "usage: bash benchmarks/gpu/unmeasured.sh kernels|tree|correctness|speed|blas|roofline|e2e|load|steps|admit" >&2
+    echo "usage: bash benchmarks/gpu/unmeasured.sh kernels|fewrows|tree|correctness|speed|blas|roofline|e2e|load|steps|admit" >&2
     exit 2
     ;;
 esac

@@ -172,11 +172,13 @@ if triton is not None:
             tl.store(y_ptr + rows[None, :] * stride_ym + cols[:, None], acc.to(y_ptr.dtype.element_ty),
                      mask=(rows[None, :] < M) & (cols[:, None] < N))
 
-    _tuned_weights_first = triton.autotune(  # wgmma's M side is 64 rows a warp group: tiles of 64 or 128 features
-        configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k, "SPLITS": splits}, num_warps=w, num_stages=s)
-                 for n, k, splits, w, s in ((64, 64, 1, 4, 6), (64, 128, 1, 4, 4), (128, 64, 1, 4, 4),
-                                            (64, 128, 2, 4, 4), (64, 128, 4, 4, 4), (64, 64, 2, 4, 6),
-                                            (128, 128, 2, 8, 3), (64, 256, 2, 4, 3))],
+    WEIGHTS_FIRST_CONFIGS = [  # wgmma's M side is 64 rows a warp group: tiles of 64 or 128 features
+        triton.Config({"BLOCK_N": n, "BLOCK_K": k, "SPLITS": splits}, num_warps=w, num_stages=s)
+        for n, k, splits, w, s in ((64, 64, 1, 4, 6), (64, 128, 1, 4, 4), (128, 64, 1, 4, 4), (64, 128, 2, 4, 4),
+                                   (64, 128, 4, 4, 4), (64, 64, 2, 4, 6), (128, 128, 2, 8, 3), (64, 256, 2, 4, 3))]
+
+    _tuned_weights_first = triton.autotune(
+        configs=WEIGHTS_FIRST_CONFIGS,
         key=["N", "K", "ROWS"],
         prune_configs_by={"early_config_prune": lambda configs, named_args, **kwargs: [
             c for c in configs if c.kwargs["SPLITS"] == 1 or named_args["N"] <= SPLIT_MAX_N]},
@@ -289,9 +291,11 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return out.view(*x.shape[:-1], n)
 
 
-def weights_first_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def weights_first_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                         config: "triton.Config | None" = None) -> torch.Tensor:
     """`F.linear` of at most WEIGHTS_FIRST_MAX_ROWS rows from `_weights_first_kernel` (the weights the dot's M
-    side)."""
+    side), with the tiles tuned for the shape or, given, one `config` of WEIGHTS_FIRST_CONFIGS (the tests run each:
+    the tuning picks one a shape, and a split the test shapes never pick must sum right too)."""
     n, k = weight.shape
     flat = _matrix(x, k)
     m = flat.shape[0]
@@ -303,7 +307,10 @@ def weights_first_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     args = (flat, weight, bias if bias is not None else out, out, parts, counts, m, n, k, flat.stride(0),
             weight.stride(0), out.stride(0))
     flags = dict(HAS_BIAS=bias is not None, F32_DOT=x.dtype == torch.float32 or not x.is_cuda, ROWS=rows)
-    if x.is_cuda:
+    if config is not None:
+        meta = config.all_kwargs()
+        _weights_first_kernel[(triton.cdiv(n, meta["BLOCK_N"]), meta["SPLITS"])](*args, **flags, **meta)
+    elif x.is_cuda:
         _tuned_weights_first[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLITS"])](*args, **flags)
     else:  # Triton's interpreter (tests): no autotuning there, small tiles, K split in two where it may be
         _weights_first_kernel[(triton.cdiv(n, 16), 1 + split)](*args, **flags, SPLITS=1 + split, BLOCK_N=16,
