@@ -9,9 +9,10 @@ measured in session 17 (AR 5,569, DFlash 7,357, DDTree@32 4,280); `c64`, batch 6
 DFlash 27,111, DDTree@32 9,959) after RAMP_STEPS steps of batch 16 at its rates there (AR 9,273, DFlash 13,707,
 DDTree@32 7,726), the batch-64 steps alone counted; `cold64`, a server started straight into 64 concurrent
 requests (session 26, call E): two rounds of `steps` steps at batch 64, each after a step at each batch of RAMP (the
-requests joining) and ending in a drain of DRAIN_STEPS steps from 63 sequences down to 1, every step counted, at the rates of session 24 (batch 1: AR 1,030, DFlash 1,940,
-DDTree@32 1,890; batch 9-16: AR 10,224, DFlash 12,664) and session 26 (batch 33-64: AR 18,973, DFlash 31,380,
-DDTree@32 11,590), interpolated in log2(batch) between them; DDTree@32 at 16 at 0.6x DFlash (served at 0.72x there).
+requests joining) and ending in a drain of DRAIN_STEPS steps from 63 sequences down to 1, every step counted, at
+the rates of session 24 (batch 1: AR 1,030, DFlash 1,940, DDTree@32 1,890; batch 9-16: AR 10,224, DFlash 12,664)
+and session 26 (batch 33-64: AR 18,973, DFlash 31,380, DDTree@32 11,590), interpolated in log2(batch) between them;
+DDTree@32 at 16 at 0.6x DFlash (served at 0.72x there).
 The start-up table prefers the tree (as session 16's tunes did at batch 1), so the schedule has to find the chain.
 Short horizons matter: a load level of 32 requests at concurrency 16 is ~100 steps of batch 16.
 

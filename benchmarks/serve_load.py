@@ -14,8 +14,8 @@ committed since), errors, and the server's own account of its decode thread from
 the share of the wall time in decode steps and in admissions (prefill), the steps by method (a schedule's mix), the
 steps over STALL_S, and each batch-size bucket's steps by method with the tokens/s of their step time (what the
 measured schedule compares: at concurrency 64 its steps said DFlash 1.65x AR while the level served 0.92x AR,
-session 26, and a level's totals could not say at which batch sizes the time went). Everything is bounded: levels, request counts and `--time-cap` per method and level (no new
-request after it; the run stops by itself).
+session 26, and a level's totals could not say at which batch sizes the time went). Everything is bounded: levels,
+request counts and `--time-cap` per method and level (no new request after it; the run stops by itself).
 
     python benchmarks/serve_load.py --methods ar,dflash,ddtree --concurrency 1,4 --requests 12 --max-tokens 64 \
         --device cpu --threads 1 --json-out serve_load.json

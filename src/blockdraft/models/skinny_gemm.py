@@ -245,9 +245,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`, from our kernel where it runs and was timed faster at this shape (the fast engine's default on
     CUDA): a single row from the GEMV (it won every one-row product of the 8B step, 3-25% under the library,
-    benchmarks/RESULTS.md session 23), 2 to MAX_ROWS rows from the weights-first kernel (o_proj, down and the LM
-    head 4-13% under the library at 16 rows, session 25), up to WEIGHTS_FIRST_MAX_ROWS. More rows, or a shape the
-    kernel lost, from the library."""
+    benchmarks/RESULTS.md session 23), 2 to WEIGHTS_FIRST_MAX_ROWS rows from the weights-first kernel (o_proj, down
+    and the LM head 4-13% under the library at 16 rows, sessions 25-26). More rows, or a shape the kernel lost, from
+    the library."""
     if not _fits(x, weight, bias, WEIGHTS_FIRST_MAX_ROWS):
         return F.linear(x, weight, bias)
     if _rows(x) == 1:
@@ -292,7 +292,7 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 def weights_first_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                         config: "triton.Config | None" = None) -> torch.Tensor:
+                         config: triton.Config | None = None) -> torch.Tensor:
     """`F.linear` of at most WEIGHTS_FIRST_MAX_ROWS rows from `_weights_first_kernel` (the weights the dot's M
     side), with the tiles tuned for the shape or, given, one `config` of WEIGHTS_FIRST_CONFIGS (the tests run each:
     the tuning picks one a shape, and a split the test shapes never pick must sum right too)."""

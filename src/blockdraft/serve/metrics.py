@@ -132,7 +132,8 @@ class ServeMetrics:
                                       [*labels, "method"], registry=reg)
         by_batch = [*labels, "method", "batch"]
         self.batch_steps = Counter("blockdraft:engine_batch_steps", "Decode steps by the method they ran and their "
-                                   "batch-size bucket (1, 2, 3-4, ...: the measured schedule's).", by_batch, registry=reg)
+                                   "batch-size bucket (1, 2, 3-4, ...: the measured schedule's).", by_batch,
+                                   registry=reg)
         self.batch_step_seconds = Counter("blockdraft:engine_batch_step_seconds", "Seconds of decode steps by method "
                                           "and batch-size bucket.", by_batch, registry=reg)
         self.batch_step_tokens = Counter("blockdraft:engine_batch_step_tokens", "Tokens committed by decode steps, "
