@@ -88,7 +88,7 @@ def test_merging_in_the_last_split_is_the_combine_launch_and_leaves_its_counts_z
 
 
 def test_counters_a_larger_shape_outgrows_stay_alive_for_the_graphs_captured_on_them() -> None:
-    """`zeroed_counters` grows for a shape that needs more counts (the LM head's weights-first tiles), and keeps the
+    """`zeroed_counters` grows for a shape that needs more counts (a wide product's weights-first tiles), and keeps the
     buffer it replaced: a CUDA graph captured on it holds its address, not a reference."""
     from blockdraft.models import skinny_gemm
 

@@ -360,8 +360,8 @@ def test_the_fused_add_norm_product_is_the_engines_composition(rows: int, n: int
 @needs_kernel
 def test_a_target_on_the_engines_cuda_kernels_decodes_the_same_ids_and_taps_in_float32() -> None:
     """The fast engine's kernels as on CUDA (the GEMV, the gating GEMV, the weights-first kernel, the q|k|v epilogue,
-    the compact-mask attention) against the library's: the same greedy ids, and a one-row forward's taps (each tapped layer's output,
-    resolved where the next layer adds and norms it: `run_stack`) and logits agree."""
+    the compact-mask attention) against the library's: the same greedy ids, and a one-row forward's taps (each tapped
+    layer's output, resolved where the next layer adds and norms it: `run_stack`) and logits agree."""
     model = make_target_model("qwen3").to(DEVICE)
     plain, gemvs = FastTarget(model), FastTarget(model)
     gemvs.ops = LayerOps(False, qkv_kernel=True, few_rows=True, attention_kernel=True)

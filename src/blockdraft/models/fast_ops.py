@@ -326,7 +326,7 @@ class LayerOps:
     q|k|v epilogue (`qkv_rope`) and the few-row attention from Triton kernels (`skinny_gemm`; `block_attention` for the
     target's forwards, which give a CompactMask, `flash_decode` for the drafters') where they run; with `qkv_kernel`
     the q|k|v epilogue alone (timed at 0.3-0.6x the compiled unit on the H200 at 1-65 rows, RESULTS session 22); with
-    `few_rows` the products of up to 64 rows from our kernels where timed faster (`few_row_linear`: one row from the
+    `few_rows` the products of up to 128 rows from our kernels where timed faster (`few_row_linear`: one row from the
     GEMV, the down projection's with the gating folded in, `glu_linear`; more from the weights-first kernel); with
     `attention_kernel` the targets' few-row attention alone from `block_attention` where it was timed faster (its
     program budget among the options: the batched steps')."""

@@ -246,7 +246,7 @@ def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """`F.linear`, from our kernel where it runs and was timed faster at this shape (the fast engine's default on
     CUDA): a single row from the GEMV (it won every one-row product of the 8B step, 3-25% under the library,
     benchmarks/RESULTS.md session 23), 2 to WEIGHTS_FIRST_MAX_ROWS rows from the weights-first kernel (o_proj, down
-    and the LM head 4-13% under the library at 16 rows, sessions 25-26). More rows, or a shape the kernel lost, from
+    and the LM head 4-16% under the library at 16 rows, sessions 25-26). More rows, or a shape the kernel lost, from
     the library."""
     if not _fits(x, weight, bias, WEIGHTS_FIRST_MAX_ROWS):
         return F.linear(x, weight, bias)
@@ -301,7 +301,7 @@ def weights_first_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     m = flat.shape[0]
     rows = _row_tile(m)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    split = n <= SPLIT_MAX_N
+    split = n <= SPLIT_MAX_N or (config is not None and config.kwargs["SPLITS"] > 1)  # partials kept for it
     parts = stream_buffer("split partials", x.device, MAX_SPLITS * n * rows if split else 1, torch.float32)
     counts = zeroed_counters(x.device, triton.cdiv(n, 16) if split else 1)  # one a tile of features (16 and more)
     args = (flat, weight, bias if bias is not None else out, out, parts, counts, m, n, k, flat.stride(0),
