@@ -138,6 +138,91 @@ def test_the_gating_gemv_is_the_down_projection_of_glu(n: int, k: int, dtype: to
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n, k", [(48, 64), (5, 70), (33, 200)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_norming_gemv_is_the_product_of_rms_norm(n: int, k: int, dtype: torch.dtype, bias: bool) -> None:
+    """The GEMV that norms as it loads: linear(rms_norm(x) * g) of one row, its squares summed on the way and its
+    K-sum scaled at the end (the normed row not rounded to the dtype first: within the dtype's tolerance of the
+    float64 product of HF's normed row), routed by `one_row_norm_linear` (on a GPU: the faster of it and the
+    reference)."""
+    from blockdraft.models.fast_ops import rms_norm
+    from blockdraft.models.skinny_gemm import one_row_norm_linear
+
+    generator = torch.Generator().manual_seed(7 * n + k)
+    x = (4 * torch.randn(1, 1, k, generator=generator)).to(DEVICE, dtype)
+    g = (1 + 0.3 * torch.randn(k, generator=generator)).to(DEVICE, dtype)
+    w = torch.randn(n, k, generator=generator).to(DEVICE, dtype)
+    b = torch.randn(n, generator=generator).to(DEVICE, dtype) if bias else None
+    with torch.inference_mode():
+        got = gemv_linear(x, w, b, norm=(g, 1e-6))
+        library = F.linear(rms_norm(x, g, 1e-6), w, b)
+        routed = one_row_norm_linear(lambda: F.linear(rms_norm(x, g, 1e-6), w, b), x, g, 1e-6, w, b)
+    normed = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6) * g.double()
+    want = F.linear(normed, w.double(), None if b is None else b.double())
+    assert got.dtype == dtype and got.shape == (1, 1, n)
+    assert (got.double() - want).abs().max().item() <= TOLERANCE[dtype] * want.abs().max().item()
+    assert torch.equal(routed, got) or (DEVICE.type == "cuda" and torch.equal(routed, library))
+    with torch.inference_mode():  # two rows: the reference exactly
+        rows = x.expand(2, 1, k).contiguous()
+        assert torch.equal(one_row_norm_linear(lambda: F.linear(rows, w, b), rows, g, 1e-6, w, b), F.linear(rows, w, b))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("glu_row", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_residual_gemv_adds_the_product_as_hf_rounds_it(dtype: torch.dtype, glu_row: bool, bias: bool) -> None:
+    """The GEMV that adds the residual as it stores (o_proj's, and down's gating one): residual + linear(x), the
+    product rounded to the dtype before the add as HF's residual add sees it; `one_row_residual_linear` gives it
+    (or None, on a GPU where it lost: the caller keeps the sum pending), and None for more than one row."""
+    from blockdraft.models.skinny_gemm import one_row_residual_linear
+
+    n, k = 40, 72
+    generator = torch.Generator().manual_seed(n + k + glu_row)
+    x = torch.randn(1, 1, (2 if glu_row else 1) * k, generator=generator).to(DEVICE, dtype)
+    residual = (8 * torch.randn(1, 1, n, generator=generator)).to(DEVICE, dtype)
+    w = torch.randn(n, k, generator=generator).to(DEVICE, dtype)
+    b = torch.randn(n, generator=generator).to(DEVICE, dtype) if bias else None
+    with torch.inference_mode():
+        product = gemv_linear(x, w, b, glu=glu_row)
+        got = gemv_linear(x, w, b, glu=glu_row, residual=residual)
+        routed = one_row_residual_linear(lambda: product, residual, x, w, b, glu_row)
+        assert one_row_residual_linear(lambda: product, residual, x.expand(2, 1, -1).contiguous(), w, b,
+                                       glu_row) is None
+    inputs = glu(x, "silu") if glu_row else x
+    want = residual.double() + F.linear(inputs.double(), w.double(), None if b is None else b.double())
+    assert got.dtype == dtype and got.shape == (1, 1, n)
+    assert (got.double() - want).abs().max().item() <= TOLERANCE[dtype] * want.abs().max().item()
+    if dtype == torch.float32:  # the product as the GEMV sums it, then the add
+        torch.testing.assert_close(got, residual + product, rtol=1e-6, atol=1e-5)
+    assert routed is None and DEVICE.type == "cuda" or torch.equal(routed, got)
+
+
+@needs_kernel
+def test_one_row_layers_keep_the_residual_whole_and_more_rows_keep_it_pending() -> None:
+    """`LayerOps.residual_linear` and `norm_linear` as a decoder layer chains them: one row of the engine with our
+    kernels adds each product into the residual as it stores and norms it as the next product loads (no pending
+    sum); more rows, or the library's ops, keep the pending sum for the add-and-norm unit; both give the same
+    residual stream and products."""
+    generator = torch.Generator().manual_seed(12)
+    k, n = 64, 48
+    w_o, w_up = torch.randn(k, k, generator=generator).to(DEVICE), torch.randn(n, k, generator=generator).to(DEVICE)
+    g = (1 + 0.2 * torch.randn(k, generator=generator)).to(DEVICE)
+    with torch.inference_mode():
+        for rows in (1, 3):
+            x = torch.randn(1, rows, k, generator=generator).to(DEVICE)
+            attended = torch.randn(1, rows, k, generator=generator).to(DEVICE)
+            results = []
+            for ops in (LayerOps(False, few_rows=True), LayerOps(False)):
+                added, delta = ops.residual_linear(x, attended, w_o, None)
+                assert (delta is None) == (rows == 1 and ops.fused_glu), (rows, ops.fused_glu)
+                results.append(ops.norm_linear(added, delta, g, 1e-6, w_up, None))
+            for fused, plain in zip(*results):
+                torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
 def test_the_down_projection_gates_in_the_gemv_only_for_one_silu_row() -> None:
     """`LayerOps.glu_linear`: one silu row from the gating GEMV, more rows and other activations exactly the
     engine's linear(glu(...)), and without our kernels (a CPU engine) the library's always."""

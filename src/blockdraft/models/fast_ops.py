@@ -22,7 +22,8 @@ from blockdraft.models.flash_decode import BLOCK_KEYS, TARGET_PROGRAMS, fits, fl
 from blockdraft.models.graphs import power_of_two_at_least
 from blockdraft.models.kernel_choice import fastest, kernel_wins
 from blockdraft.models.qkv_rope import qkv_rope, qkv_rope_runs
-from blockdraft.models.skinny_gemm import few_row_linear, one_row_glu_linear, skinny_add_norm_linear, skinny_linear
+from blockdraft.models.skinny_gemm import (few_row_linear, one_row_glu_linear, one_row_norm_linear,
+                                           one_row_residual_linear, skinny_add_norm_linear, skinny_linear)
 
 LONG_SPLIT_KEYS = 256  # the block-attention variant with longer key splits: 4-5 partial results to merge at 1K keys
 # instead of 17 (the splits of 64 keys lost to the library by 7-14% at 1-16 rows on the H200, RESULTS session 22)
@@ -363,3 +364,35 @@ class LayerOps:
             return self.linear(self.glu(gate_up, act), weight, bias)
 
         return one_row_glu_linear(reference, gate_up, act, weight, bias) if self.fused_glu else reference()
+
+    def residual_linear(self, x: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                        act: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A product whose output joins the residual stream x (o_proj's; with `act`, the down projection of a packed
+        gate|up row): (x + product, None) where one GEMV adds it as it stores (`one_row_residual_linear`: one row,
+        timed faster), else the pending sum (x, product) that the next add-and-norm unit resolves."""
+        glu = act is not None
+        if glu:
+            def product() -> torch.Tensor:
+                return self.glu_linear(inputs, act, weight, bias)
+        else:
+            def product() -> torch.Tensor:
+                return self.linear(inputs, weight, bias)
+
+        if self.fused_glu and (not glu or act in ("silu", "swish")):
+            added = one_row_residual_linear(product, x, inputs, weight, bias, glu)
+            if added is not None:
+                return added, None
+        return x, product()
+
+    def norm_linear(self, x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                    weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, linear(rms_norm(x + delta) * norm_weight)): the residual stream resolved and the product that
+        norms it; with `delta` None (x already the whole sum, `residual_linear`) the norm and product alone, one row
+        from the GEMV that norms as it loads (`one_row_norm_linear`, timed faster)."""
+        if delta is not None:
+            return self.add_norm_linear(x, delta, norm_weight, eps, weight, bias)
+
+        def reference() -> torch.Tensor:
+            return self.linear(self.rms_norm(x, norm_weight, eps), weight, bias)
+
+        return x, one_row_norm_linear(reference, x, norm_weight, eps, weight, bias) if self.fused_glu else reference()

@@ -167,38 +167,38 @@ def attend(ops: LayerOps, layer: LayerWeights, q: torch.Tensor, keys: torch.Tens
 
 
 def layer_mlp(ops: LayerOps, layer: LayerWeights, x: torch.Tensor, attended: torch.Tensor, eps: float,
-              act: str) -> tuple[torch.Tensor, torch.Tensor]:
+              act: str) -> tuple[torch.Tensor, torch.Tensor | None]:
     """After attention (heads merged): o_proj, residual and norm, the gated MLP. Returns the layer's output as the
     pair (x, delta) it is the sum of: the add waits for the next layer's norm and product (`run_stack`), so that
-    one unit does all three (one kernel on the kernel engine, where its fused product was timed faster)."""
-    x, gate_up = ops.add_norm_linear(x, ops.linear(attended, layer.o_proj.weight, layer.o_proj.bias),
-                                     layer.norm_post, eps, layer.gate_up, layer.gate_up_bias)
-    return x, ops.glu_linear(gate_up, act, layer.down.weight, layer.down.bias)
+    one unit does all three (one kernel on the kernel engine, where its fused product was timed faster); delta is
+    None where the product added itself to x as it stored (one row: `LayerOps.residual_linear`)."""
+    x, delta = ops.residual_linear(x, attended, layer.o_proj.weight, layer.o_proj.bias)
+    x, gate_up = ops.norm_linear(x, delta, layer.norm_post, eps, layer.gate_up, layer.gate_up_bias)
+    return ops.residual_linear(x, gate_up, layer.down.weight, layer.down.bias, act)
 
 
-LayerStep = Callable[[int, LayerWeights, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+LayerStep = Callable[[int, LayerWeights, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor | None]]
 
 
 def run_stack(ops: LayerOps, layers: list[LayerWeights], x: torch.Tensor, step: LayerStep, final_norm: torch.Tensor,
               eps: float, tap_layers: tuple[int, ...] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A decoder stack (targets and drafters, batch 1 and batched) over embeddings `x`: `step(i, layer, x, qkv)`
     runs layer i from its residual input and q|k|v product and returns its output as a pending sum (`layer_mlp`),
-    which the next layer's norm and product resolve in one unit (`LayerOps.add_norm_linear`, as the norm and
-    product inside a layer). Returns the final-normed states and the concatenated taps (the OUTPUT of each tapped layer;
+    which the next layer's norm and product resolve in one unit (`LayerOps.norm_linear`, as the norm and product
+    inside a layer). Returns the final-normed states and the concatenated taps (the OUTPUT of each tapped layer;
     HF's last hidden state is the final-normed one)."""
     wanted = set(tap_layers or ())
     taps: dict[int, torch.Tensor] = {}
     delta: torch.Tensor | None = None
     for i, layer in enumerate(layers):
-        if delta is None:
-            qkv = ops.linear(ops.rms_norm(x, layer.norm_in, eps), layer.qkv, layer.qkv_bias)
-        else:
-            x, qkv = ops.add_norm_linear(x, delta, layer.norm_in, eps, layer.qkv, layer.qkv_bias)
-            if i - 1 in wanted:
-                taps[i - 1] = x
+        x, qkv = ops.norm_linear(x, delta, layer.norm_in, eps, layer.qkv, layer.qkv_bias)
+        if i - 1 in wanted:
+            taps[i - 1] = x
         x, delta = step(i, layer, x, qkv)
-    assert delta is not None, "a decoder stack has layers"
-    x, h = ops.add_rms_norm(x, delta, final_norm, eps)
+    if delta is None:
+        h = ops.rms_norm(x, final_norm, eps)
+    else:
+        x, h = ops.add_rms_norm(x, delta, final_norm, eps)
     taps[len(layers) - 1] = h
     tapped = torch.cat([taps[i] for i in tap_layers], dim=-1) if tap_layers is not None else None
     return h, tapped

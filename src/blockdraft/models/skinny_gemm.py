@@ -101,13 +101,19 @@ if triton is not None:
                  mask=(rows[:, None] < M) & (cols[None, :] < N))
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, stride_wn, HAS_BIAS: tl.constexpr, GLU: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, N, K, eps, stride_wn, HAS_BIAS: tl.constexpr,
+                     GLU: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
         """One row: each program owns BLOCK_N output features, multiplies and adds in registers (no tl.dot, so no
         row padded to 16) and sums across K once at the end. With GLU the row is silu(gate) * up of a packed
-        gate|up row of 2K values, rounded as `fast_ops.glu` rounds it (silu's output, then the product)."""
+        gate|up row of 2K values, rounded as `fast_ops.glu` rounds it (silu's output, then the product). With NORM
+        the row is rms_norm(x) * g: every program reads the whole row anyway, so it sums its squares on the way and
+        scales its K-sum by rsqrt(mean + eps) at the end (no pass over the row before the weights stream in, no norm
+        kernel before it). With RESIDUAL the output is r + the product, each rounded as HF's residual add rounds it
+        (the product, then the sum)."""
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
         dtype = x_ptr.dtype.element_ty
         for start in range(0, K, BLOCK_K):
             ks = start + tl.arange(0, BLOCK_K)
@@ -115,12 +121,19 @@ if triton is not None:
             if GLU:
                 up = tl.load(x_ptr + K + ks, mask=ks < K, other=0.0).to(tl.float32)
                 x = ((x / (1.0 + tl.exp(-x))).to(dtype).to(tl.float32) * up).to(dtype).to(tl.float32)
+            if NORM:
+                squares += x * x
+                x = x * tl.load(g_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K),
                         other=0.0)
             acc += w.to(tl.float32) * x[None, :]
         y = tl.sum(acc, axis=1)
+        if NORM:
+            y = y * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
         if HAS_BIAS:
             y += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+        if RESIDUAL:
+            y = y.to(dtype).to(tl.float32) + tl.load(r_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
         tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
 
     @triton.jit
@@ -190,7 +203,7 @@ if triton is not None:
                  for n, k, w, s in ((1, 1024, 2, 4), (2, 1024, 4, 3), (2, 2048, 4, 3), (4, 512, 4, 4),
                                     (4, 1024, 4, 3), (8, 256, 4, 4), (8, 512, 4, 3), (8, 1024, 8, 3), (16, 256, 4, 4),
                                     (16, 512, 8, 3), (32, 256, 8, 3))],
-        key=["N", "K", "GLU"],  # and the tensors' dtypes, which Triton's autotuner adds to every key
+        key=["N", "K", "GLU", "NORM", "RESIDUAL"],  # and the tensors' dtypes, which Triton's autotuner adds to every key
         cache_results=TUNED_ON_DISK,
     )(_gemv_kernel)
 
@@ -272,23 +285,58 @@ def one_row_glu_linear(reference: Callable[[], torch.Tensor], gate_up: torch.Ten
     return options[fastest("one-row glu linear", _shape(gate, weight, bias), gate_up.device, options)]()
 
 
-def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                glu: bool = False) -> torch.Tensor:
+def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, glu: bool = False,
+                norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear` of one row (x [..., K] holding K values; with `glu`, [..., 2K] holding a gate|up row whose
-    silu(gate) * up is the input) from `_gemv_kernel`. Why a kernel of its own: on the H200 the library's narrow
-    one-row products (q|k|v, o_proj, down) read their weights at 2.6-3.4 TB/s against gate|up's 4.0
-    (benchmarks/RESULTS.md, session 22), and `_skinny_kernel` pads a row to tl.dot's 16."""
+    silu(gate) * up is the input) from `_gemv_kernel`; with `norm` = (norm weight, eps) of rms_norm(x) * weight,
+    with `residual` (K-shaped as the output) the residual + the product. Why a kernel of its own: on the H200 the
+    library's narrow one-row products (q|k|v, o_proj, down) read their weights at 2.6-3.4 TB/s against gate|up's
+    4.0 (benchmarks/RESULTS.md, session 22), and `_skinny_kernel` pads a row to tl.dot's 16."""
     n, k = weight.shape
     flat = x.reshape((2 if glu else 1) * k)
     if flat.stride(0) != 1:
         flat = flat.contiguous()
     out = torch.empty(n, dtype=x.dtype, device=x.device)
-    args = (flat, weight, bias if bias is not None else out, out, n, k, weight.stride(0))
+    norm_weight, eps = norm if norm is not None else (out, 0.0)
+    added = residual.reshape(n) if residual is not None else out
+    args = (flat, weight, bias if bias is not None else out, out, norm_weight, added, n, k, eps, weight.stride(0))
+    flags = dict(HAS_BIAS=bias is not None, GLU=glu, NORM=norm is not None, RESIDUAL=residual is not None)
     if x.is_cuda:
-        _tuned_gemv[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, HAS_BIAS=bias is not None, GLU=glu)
+        _tuned_gemv[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
     else:  # Triton's interpreter (tests): no autotuning there, small tiles
-        _gemv_kernel[(triton.cdiv(n, 4),)](*args, HAS_BIAS=bias is not None, GLU=glu, BLOCK_N=4, BLOCK_K=32)
+        _gemv_kernel[(triton.cdiv(n, 4),)](*args, **flags, BLOCK_N=4, BLOCK_K=32)
     return out.view(*x.shape[:-1], n)
+
+
+def one_row_norm_linear(reference: Callable[[], torch.Tensor], x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                        weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`reference()` = linear(rms_norm(x) * norm_weight, weight, bias) of one row, from the GEMV that norms as it
+    loads where it runs and was timed faster: the norm's launch and pass gone from a decode step (two a layer: the
+    q|k|v and gate|up products). Its sums are not HF's to the last bit (the normed row is not rounded to the dtype
+    before the product), as no kernel's K-sum is the library's. More rows or a lost shape: the reference."""
+    if not (_rows(x) == 1 and _fits(x, weight, bias) and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
+            and norm_weight.shape == (x.shape[-1],)):
+        return reference()
+    options = {"gemv": lambda: gemv_linear(x, weight, bias, norm=(norm_weight, eps)), "library": reference}
+    return options[fastest("one-row norm linear", _shape(x, weight, bias), x.device, options)]()
+
+
+def one_row_residual_linear(product: Callable[[], torch.Tensor], residual: torch.Tensor, x: torch.Tensor,
+                            weight: torch.Tensor, bias: torch.Tensor | None = None, glu: bool = False
+                            ) -> torch.Tensor | None:
+    """residual + `product()` (= linear(x, weight, bias); with `glu`, of silu(gate) * up of a packed gate|up row x)
+    from the GEMV that adds the residual as it stores, where it runs and was timed faster than the product and a
+    separate add (o_proj's and down's: a decode step's residual stream then needs no add of its own, and the next
+    product norms it as it loads, `one_row_norm_linear`); None where not (more rows, a lost shape): the caller
+    keeps the sum pending for the next add-and-norm unit, which adds it in the norm's pass."""
+    row = x[..., : weight.shape[1]] if glu else x
+    if not (_rows(row) == 1 and _fits(row, weight, bias) and residual.dtype == x.dtype
+            and residual.numel() == weight.shape[0] and x.shape[-1] == (2 if glu else 1) * weight.shape[1]):
+        return None
+    options = {"gemv": lambda: gemv_linear(x, weight, bias, glu=glu, residual=residual),
+               "library": lambda: residual + product().view(residual.shape)}
+    chosen = fastest("one-row residual linear", (*_shape(row, weight, bias), glu), x.device, options)
+    return options["gemv"]().view(residual.shape) if chosen == "gemv" else None
 
 
 def weights_first_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
