@@ -148,7 +148,8 @@ def run_batch(target: FastTarget, kv: torch.Tensor, lengths: torch.Tensor, ids: 
               for w in {layer.window for layer in target.layers}}
     mask = compact_mask(ops, seq[:, 0], lengths, own, positions)
 
-    def step(i: int, layer: LayerWeights, x: torch.Tensor, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(i: int, layer: LayerWeights, x: torch.Tensor, qkv: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
         q = ops.batched_qkv_heads(qkv, layer.q_norm, layer.k_norm, cos, sin, target.heads, target.kv_heads,
                                   target.eps, kv[i, 0], kv[i, 1], seq, cols)
         keys, values = kv[i, 0, :batch, :, :cap], kv[i, 1, :batch, :, :cap]

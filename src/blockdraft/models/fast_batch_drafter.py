@@ -291,7 +291,8 @@ class BatchDrafter:
         biases = {rule: batched_context_bias(lengths, slot_ids, positions, valid, *rule, groups, self.dtype)
                   for rule in set(self.rules)}
         x = self.target.embed(ids, self.drafter.cfg.input_embedding_scale)
-        def step(i: int, layer: LayerWeights, x: torch.Tensor, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def step(i: int, layer: LayerWeights, x: torch.Tensor, qkv: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
             q = ops.batched_qkv_heads(qkv, layer.q_norm, layer.k_norm, cos, sin, self.heads, self.kv_heads, self.eps,
                                       kv[i, 0], kv[i, 1], seq, cols)
             out = attend(ops, layer, q, kv[i, 0, :n, :, :cap], kv[i, 1, :n, :, :cap], biases[self.rules[i]], t)

@@ -290,7 +290,8 @@ class FastDrafter:
             for rule in set(self.rules)
         }
         x = self.target.embed(ids, self.drafter.cfg.input_embedding_scale)
-        def step(i: int, layer: LayerWeights, x: torch.Tensor, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def step(i: int, layer: LayerWeights, x: torch.Tensor, qkv: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
             return layer_step(ops, layer, x, qkv, cos, sin, kv[i], slots, cap, biases[self.rules[i]], self.heads,
                               self.kv_heads, self.eps, self.act)
 

@@ -135,7 +135,7 @@ def layer_step(
     eps: float,
     act: str,
     mask: CompactMask | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One decoder layer on a static cache (target and drafter alike) from its residual input `x` and q|k|v product
     (`run_stack` makes both): K/V of the t new rows written at `slots` of `kv` ([2, kv_heads, slots, d]), attention
     over its first `cap` slots under `bias` (`mask`: the same mask in compact form, for the kernels); returns the
@@ -375,7 +375,8 @@ class FastTarget(Target):
         mask = compact_mask(ops, self.slot_ids[:1], self.storage.length.view(1), own.unsqueeze(0),
                             positions.unsqueeze(0))
 
-        def step(i: int, layer: LayerWeights, x: torch.Tensor, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        def step(i: int, layer: LayerWeights, x: torch.Tensor, qkv: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
             return layer_step(ops, layer, x, qkv, cos, sin, kv[i], slots, cap, biases[layer.window], self.heads,
                               self.kv_heads, self.eps, self.act, mask)
 
