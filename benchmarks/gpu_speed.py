@@ -374,7 +374,8 @@ def e2e(args: argparse.Namespace, rec: Recorder) -> None:
     def row(label: str, run: Callable[[list[int], int], tuple[list[int], list[int], Any]], same_as: list[list[int]] | None) -> list[list[int]] | None:
         """One method's row; runs of ours also return their SpecStats, whose stage times give the per-step split."""
         try:
-            run(prompts[0], min(8, n))  # warm-up: first-call costs (graph capture, compilation) are not measured
+            run(prompts[0], n)  # warm-up, a whole prompt: the graphs of each cache capacity and row count it meets
+            # (captured on first use, each with its shapes' kernel timing) are a server's start-up, not its steps
             sync()
             t0 = time.perf_counter()
             outs = [run(p, n) for p in prompts]

@@ -373,6 +373,18 @@ def test_where_flash_decoding_does_not_run_it_is_decode_attention_exactly() -> N
                                decode_attention(q, k, v, bias, 0.2))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_an_option_is_timed_as_calls_back_to_back_in_one_graph() -> None:
+    """`kernel_choice._milliseconds` captures CALLS_PER_GRAPH calls in one graph and replays it (a step's graph runs
+    its kernels back to back; one call a graph timed the host's launches): every call the graph holds ran."""
+    from blockdraft.models import kernel_choice
+
+    count = torch.zeros(1, device="cuda")
+    milliseconds = kernel_choice._milliseconds(lambda: count.add_(1), calls=4, replays=2)
+    assert milliseconds > 0
+    assert count.item() == 3 + 4 * (1 + 2)  # the eager warm-up, then the graph's warm replay and the timed ones
+
+
 def test_a_kernel_runs_a_shape_only_where_it_was_timed_faster(monkeypatch) -> None:
     """`kernel_choice.kernel_wins` on a GPU: both sides timed once per shape, the faster kept and never timed again;
     while a CUDA graph is being captured an untimed shape keeps the library call. (Timings are faked: no GPU here.)"""
@@ -463,6 +475,45 @@ def test_a_target_on_the_engines_cuda_kernels_decodes_the_same_ids_and_taps_in_f
     torch.testing.assert_close(outputs[1].taps, outputs[0].taps, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(outputs[1].logits, outputs[0].logits, rtol=1e-4, atol=1e-4)
     assert outputs[0].taps.shape[-1] == 3 * model.config.hidden_size
+
+
+@needs_kernel
+def test_a_tree_past_the_two_matmul_rows_attends_through_the_kernel_as_sdpa_does() -> None:
+    """A verify of more than DECODE_ATTENTION_MAX_TOKENS rows (a DDTree@64 verify: 65) on the engine's attention
+    kernel gets its mask in compact form (timed against SDPA on a GPU; the kernel under the interpreter): a random
+    tree's logits and taps as the library's SDPA gives them, and a DDTree decode of that size the same ids."""
+    from blockdraft.decoding.draft import Draft
+    from blockdraft.decoding.methods import build_proposer
+    from blockdraft.models import fast_target
+
+    model = make_target_model("qwen3").to(DEVICE)
+    plain, kernel = FastTarget(model), FastTarget(model)
+    kernel.ops = LayerOps(False, attention_kernel=True)
+    nodes = fast_target.DECODE_ATTENTION_MAX_TOKENS + 5
+    generator = torch.Generator().manual_seed(4)
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=generator)) - 1 for i in range(1, nodes)]
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    tokens = torch.randint(0, model.config.vocab_size, (nodes,), generator=generator).to(DEVICE)
+    draft = Draft(tokens=tokens, parents=parents, depths=depths)
+    prompt = [5, 17, 2, 40, 33, 8, 1]
+    outputs = []
+    for target in (plain, kernel):
+        cache = target.new_cache()
+        target.forward(torch.tensor([prompt], device=DEVICE), torch.arange(len(prompt), device=DEVICE), cache)
+        ids = torch.cat([torch.tensor([9], device=DEVICE), tokens]).unsqueeze(0)
+        outputs.append(target.forward(ids, draft.positions(len(prompt), DEVICE), cache, (0, 2),
+                                      attention_mask=draft.tree_mask(len(cache), DEVICE)))
+    assert fast_target.compact_mask(kernel.ops, *(torch.zeros(1, dtype=torch.long),) * 2,
+                                    torch.ones(1, nodes + 1, nodes + 1, dtype=torch.bool),
+                                    torch.zeros(1, nodes + 1, dtype=torch.long)) is not None
+    torch.testing.assert_close(outputs[1].logits, outputs[0].logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(outputs[1].taps, outputs[0].taps, rtol=1e-4, atol=1e-4)
+    drafter = make_drafter("all_full").to(DEVICE)
+    decoded = [generate(target, prompt, build_proposer("ddtree", target, drafter, nodes), 8).token_ids
+               for target in (plain, kernel)]
+    assert decoded[0] == decoded[1]
 
 
 @needs_kernel

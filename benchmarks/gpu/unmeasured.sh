@@ -5,6 +5,7 @@
 #   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh correctness   # ~3 min
 #   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh tree          # ~1 min: the tree kernel's tests
 #   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh fewrows       # the few-row products' tests
+#   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh onerow        # session 27's kernels' tests
 #   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh speed         # ~7 min
 #   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh roofline      # issue 22's 8B table, one invocation
 #   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh blas          # ~1 min: BLAS settings, 8B products
@@ -37,8 +38,14 @@ case "${1:-}" in
     ;;
   fewrows)  # every config of the weights-first kernel (the whole test file autotunes every shape: session 26 ran 14
     # of its cases in 240 s), the engine's few-row routing and its CUDA kernels decoding, the merging attention
+    # (session 27: 8 passed in 99 s)
     step fewrows_tests 300 python3 -m pytest -p no:cacheprovider tests/test_kernels.py tests/test_block_attention.py \
       -k "every_weights_first or few_row or split_max_n or cuda_kernels or gates_in or merging or counters"
+    ;;
+  onerow)  # session 27's kernels: the GEMVs that norm as they load and add the residual as they store, a layer
+    # chaining them, the tree verify past 64 rows on the attention kernel, options timed as calls in one graph
+    step onerow_tests 300 python3 -m pytest -p no:cacheprovider tests/test_kernels.py -k "norming or residual or \
+      one_row_layers or past_the_two_matmul or timed_as_calls or cuda_kernels"
     ;;
   tree)  # the DDTree tree kernel against the host heap and the tensor search, and a fast-engine decode through it
     step tree_tests 200 python3 -m pytest -p no:cacheprovider tests/test_tree_kernel.py
@@ -81,7 +88,7 @@ case "${1:-}" in
     step admit 200 python3 benchmarks/gpu/admit_profile.py --prompt-tokens 32,128 --joins 8
     ;;
   *)
-    echo "usage: bash benchmarks/gpu/unmeasured.sh kernels|fewrows|tree|correctness|speed|blas|roofline|e2e|load|steps|admit" >&2
+    echo "usage: bash benchmarks/gpu/unmeasured.sh kernels|fewrows|onerow|tree|correctness|speed|blas|roofline|e2e|load|steps|admit" >&2
     exit 2
     ;;
 esac

@@ -185,6 +185,13 @@ def decode_attention(
     return torch.matmul(scores.softmax(-1).to(v.dtype), v)
 
 
+def sdpa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """`decode_attention` from the fused SDPA kernels, for many query rows (prefills, large trees)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+
+
 def add_norm_linear(
     add_rms_norm_unit: Callable[..., tuple[torch.Tensor, torch.Tensor]], linear: Callable[..., torch.Tensor],
     x: torch.Tensor, delta: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
@@ -275,9 +282,9 @@ def kernel_block_attention(
 ) -> torch.Tensor:
     """`decode_attention` from the compact-mask kernel (`block_attention`: the mask's pieces instead of the dense
     `bias`, keys read only up to each sequence's own length) where it runs and was timed faster at this shape than
-    `reference` (`kernel_choice`: key lengths by power of two; splits of 64 keys or of LONG_SPLIT_KEYS, merged by a
-    second launch or by each row block's last split, or twice the programs, whichever was faster), else
-    `reference`."""
+    `reference` (the engine's own attention for these rows: two matmuls for a few, SDPA for many; `kernel_choice`:
+    key lengths by power of two; splits of 64 keys or of LONG_SPLIT_KEYS, merged by a second launch or by each row
+    block's last split, or twice the programs, whichever was faster), else `reference`."""
     def library() -> torch.Tensor:
         return reference(q, k, v, bias, scale)
 
@@ -329,8 +336,8 @@ class LayerOps:
     the q|k|v epilogue alone (timed at 0.3-0.6x the compiled unit on the H200 at 1-65 rows, RESULTS session 22); with
     `few_rows` the products of up to 128 rows from our kernels where timed faster (`few_row_linear`: one row from the
     GEMV, the down projection's with the gating folded in, `glu_linear`; more from the weights-first kernel); with
-    `attention_kernel` the targets' few-row attention alone from `block_attention` where it was timed faster (its
-    program budget among the options: the batched steps')."""
+    `attention_kernel` the targets' attention alone (up to `fast_target.BLOCK_ATTENTION_MAX_TOKENS` rows a sequence)
+    from `block_attention` where it was timed faster (its program budget among the options: the batched steps')."""
 
     def __init__(self, compiled: bool, kernels: bool = False, qkv_kernel: bool = False, few_rows: bool = False,
                  attention_kernel: bool = False) -> None:
@@ -352,6 +359,7 @@ class LayerOps:
         attention = wrap(decode_attention)
         self.decode_attention = partial(kernel_attention, attention) if kernels else attention
         self.block_attention = partial(kernel_block_attention, attention)
+        self.many_row_block_attention = partial(kernel_block_attention, sdpa_attention)
         composed = partial(add_norm_linear, self.add_rms_norm, self.linear)
         self.add_norm_linear = partial(skinny_add_norm_linear, composed) if kernels else composed
         self.fused_glu = few_rows or kernels

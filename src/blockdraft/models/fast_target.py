@@ -20,7 +20,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from blockdraft.models.fast_ops import ACTIVATIONS, CompactMask, LayerOps
+from blockdraft.models.fast_ops import ACTIVATIONS, CompactMask, LayerOps, sdpa_attention
 from blockdraft.models.graphs import capture, graph_pool, power_of_two_at_least
 from blockdraft.models.host_to_device import long_tensor
 from blockdraft.models.static_cache import KVStorage, StaticTargetCache, round_up
@@ -37,6 +37,10 @@ PREFILL_GRAPHS = 16  # prefill graphs kept (least recently used dropped): they s
 # Forwards of up to this many new tokens (decode, chain verify, small trees) attend with two matmuls, which suit
 # few query rows; longer ones (prefill, large trees) use the fused SDPA kernels.
 DECODE_ATTENTION_MAX_TOKENS = 64
+# Forwards of up to this many new tokens give `block_attention` their mask in compact form, where the kernels are on:
+# a DDTree@64 verify's 65 rows ran cuDNN's SDPA at 36 us a layer, 21% of that verify on the 8B shape, against
+# 22 us for the kernel at 33 rows (H200, benchmarks/RESULTS.md session 27); past 64 rows it is timed against SDPA
+BLOCK_ATTENTION_MAX_TOKENS = 512
 
 
 def fast_engine_problem(model: PreTrainedModel) -> str | None:
@@ -150,20 +154,22 @@ def compact_mask(ops: LayerOps, slots: torch.Tensor, lengths: torch.Tensor, own:
                  positions: torch.Tensor) -> CompactMask | None:
     """A target forward's mask in compact form (`CompactMask.of`) where `attend` may give it to `block_attention`:
     the attention kernel on (`LayerOps.compact_masks`), and few enough rows per sequence; else None."""
-    if ops.compact_masks and own.shape[-1] <= DECODE_ATTENTION_MAX_TOKENS:
+    if ops.compact_masks and own.shape[-1] <= BLOCK_ATTENTION_MAX_TOKENS:
         return CompactMask.of(slots, lengths, own, positions)
     return None
 
 
 def attend(ops: LayerOps, layer: LayerWeights, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
            bias: torch.Tensor, t: int, mask: CompactMask | None = None) -> torch.Tensor:
-    """Attention of `t` new rows per sequence: two matmuls for a few rows (with the mask given in compact form,
-    `compact_mask`, `block_attention` where it wins), the fused SDPA kernels for many."""
-    if t <= DECODE_ATTENTION_MAX_TOKENS:
-        if mask is not None:
-            return ops.block_attention(q, keys, values, bias, layer.scaling, mask, layer.window)
+    """Attention of `t` new rows per sequence: two matmuls for a few rows, the fused SDPA kernels for many; with the
+    mask given in compact form (`compact_mask`), `block_attention` where it was timed faster than either."""
+    few = t <= DECODE_ATTENTION_MAX_TOKENS
+    if mask is not None:
+        kernel = ops.block_attention if few else ops.many_row_block_attention
+        return kernel(q, keys, values, bias, layer.scaling, mask, layer.window)
+    if few:
         return ops.decode_attention(q, keys, values, bias, layer.scaling)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=bias, scale=layer.scaling)
+    return sdpa_attention(q, keys, values, bias, layer.scaling)
 
 
 def layer_mlp(ops: LayerOps, layer: LayerWeights, x: torch.Tensor, attended: torch.Tensor, eps: float,

@@ -4,10 +4,10 @@ A kernel is only worth its place where it is faster on the device at hand, and t
 runs the largest decode GEMMs of an 8B model at 96% of copy bandwidth, the narrow ones at 73%; benchmarks/RESULTS.md,
 2026-11-30 session 4). So each kernel call site asks `kernel_wins` with a key naming the shape; the first time, both
 run a few times under CUDA events and the faster is kept, so turning kernels on never makes a step slower. Each side
-is timed replaying a CUDA graph of it, as the engine's steps run: timed eagerly, the library side also paid the CPU
-cost of launching it (its compiled wrapper's guards, our dispatch), which a captured step does not, and the chooser
-picked the folded kernel for gate|up at 16 rows though in the step it ran 68.7 us against cuBLAS's 48.7 (H200,
-benchmarks/RESULTS.md session 17; graph timing not yet run there). The first call comes from a CUDA graph's warm-up,
+is timed replaying a CUDA graph of ten calls of it, as the engine's steps run: timed eagerly, the library side also
+paid the CPU cost of launching it (its compiled wrapper's guards, our dispatch), which a captured step does not, and
+the chooser picked the folded kernel for gate|up at 16 rows though in the step it ran 68.7 us against cuBLAS's 48.7
+(H200, benchmarks/RESULTS.md session 17); a graph of one call timed the launch of each replay on small shapes. The first call comes from a CUDA graph's warm-up,
 before its capture; a shape first met while capturing keeps the library call. Off a GPU (Triton's interpreter, the
 tests) the kernel always runs. `fastest` does the same among several variants of a kernel and the library call. A
 kernel that fails to compile or run on the device counts as the slowest (one warning): with the q|k|v kernel on by
@@ -22,25 +22,30 @@ from collections.abc import Callable, Hashable
 import torch
 
 _TIMES: dict[tuple[str, Hashable], dict[str, float]] = {}  # each option's milliseconds a call
+CALLS_PER_GRAPH = 10  # calls of an option in one timed graph, as a step's graph runs its kernels: one call a graph
+# timed the host's launch of each replay on the smaller shapes (the embedded 135M pair's options all took 4-8 us a
+# call whatever their kernels, benchmarks/RESULTS.md session 27), not the kernels a step's graph runs back to back
+REPLAYS = 3  # replays of that graph timed
 
 
-def _milliseconds(run: Callable[[], object], repeats: int = 20) -> float:
-    """Milliseconds a call over `repeats` replays of a CUDA graph of `run` (after eager calls that autotune,
-    compile and allocate)."""
+def _milliseconds(run: Callable[[], object], calls: int = CALLS_PER_GRAPH, replays: int = REPLAYS) -> float:
+    """Milliseconds a call: `calls` of `run` captured back to back in one CUDA graph (after eager calls that
+    autotune, compile and allocate), the graph replayed `replays` times."""
     for _ in range(3):
         run()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        run()
+        for _ in range(calls):
+            run()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     graph.replay()
     start.record()
-    for _ in range(repeats):
+    for _ in range(replays):
         graph.replay()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) / repeats
+    return start.elapsed_time(end) / (replays * calls)
 
 
 def fastest(kind: str, key: Hashable, device: torch.device, options: dict[str, Callable[[], object]]) -> str:
