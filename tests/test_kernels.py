@@ -200,6 +200,60 @@ def test_the_residual_gemv_adds_the_product_as_hf_rounds_it(dtype: torch.dtype, 
 
 
 @needs_kernel
+@pytest.mark.parametrize("flags", ["plain", "glu", "norm", "residual", "glu+residual"])
+def test_every_gemv_config_is_its_product(flags: str) -> None:
+    """Each tile of the GEMV's tuning spaces, K whole or split 2-8 ways (the last split to finish sums the parts, the
+    norm's squares included), with each epilogue a decode layer uses, against float64: ragged N and K, bf16 on a GPU
+    (float32 under the interpreter), the counts back at zero."""
+    from blockdraft.models import skinny_gemm
+    from blockdraft.models.fast_ops import rms_norm
+
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+    n, k = 40, 1100  # every config's K really split: 2 to 5 parts with work
+    generator = torch.Generator().manual_seed(len(flags))
+    glu_row, norm, residual = "glu" in flags, flags == "norm", "residual" in flags
+    x = torch.randn(1, (2 if glu_row else 1) * k, generator=generator).to(DEVICE, dtype)
+    w = torch.randn(n, k, generator=generator).to(DEVICE, dtype)
+    b = torch.randn(n, generator=generator).to(DEVICE, dtype)
+    g = (1 + 0.2 * torch.randn(k, generator=generator)).to(DEVICE, dtype)
+    r = (4 * torch.randn(1, n, generator=generator)).to(DEVICE, dtype)
+    inputs = glu(x, "silu") if glu_row else rms_norm(x.double(), g.double(), 1e-6) if norm else x
+    want = F.linear(inputs.double(), w.double(), b.double()) + (r.double() if residual else 0)
+    for config in skinny_gemm.GEMV_CONFIGS + skinny_gemm.SPLIT_GEMV_CONFIGS:
+        with torch.inference_mode():
+            got = gemv_linear(x, w, b, glu=glu_row, norm=(g, 1e-6) if norm else None,
+                              residual=r if residual else None, config=config)
+        assert not skinny_gemm.zeroed_counters(DEVICE, 1).any(), config
+        assert (got.double() - want).abs().max().item() <= TOLERANCE[dtype] * want.abs().max().item(), config
+
+
+@needs_kernel
+def test_the_kernel_engine_may_split_the_gemv_and_the_fast_engine_does_not(monkeypatch) -> None:
+    """`LayerOps(kernels=True)` offers the one-row products' K-split GEMV as one more timed option (keyed apart, so
+    the fast engine's timings never stand in for it); `LayerOps(few_rows=True)`, the default, does not."""
+    from blockdraft.models import skinny_gemm
+
+    offered: list[list[str]] = []
+
+    def record(kind, key, device, options):  # noqa: ANN001
+        offered.append(list(options))
+        return next(iter(options))
+
+    monkeypatch.setattr(skinny_gemm, "fastest", record)
+    generator = torch.Generator().manual_seed(8)
+    x, attended = (torch.randn(1, 1, 64, generator=generator).to(DEVICE) for _ in range(2))
+    w, g = torch.randn(64, 64, generator=generator).to(DEVICE), torch.ones(64).to(DEVICE)
+    gate_up = torch.randn(1, 1, 128, generator=generator).to(DEVICE)
+    with torch.inference_mode():
+        for ops, split in ((LayerOps(False, few_rows=True), False), (LayerOps(False, kernels=True), True)):
+            offered.clear()
+            ops.residual_linear(x, attended, w, None)
+            ops.norm_linear(x, None, g, 1e-6, w, None)
+            ops.residual_linear(x, gate_up, w, None, "silu")
+            assert offered and all(("gemv, split K" in names) == split for names in offered), offered
+
+
+@needs_kernel
 def test_one_row_layers_keep_the_residual_whole_and_more_rows_keep_it_pending() -> None:
     """`LayerOps.residual_linear` and `norm_linear` as a decoder layer chains them: one row of the engine with our
     kernels adds each product into the residual as it stores and norms it as the next product loads (no pending

@@ -43,9 +43,10 @@ case "${1:-}" in
       -k "every_weights_first or few_row or split_max_n or cuda_kernels or gates_in or merging or counters"
     ;;
   onerow)  # session 27's kernels: the GEMVs that norm as they load and add the residual as they store, a layer
-    # chaining them, the tree verify past 64 rows on the attention kernel, options timed as calls in one graph
+    # chaining them, every GEMV config (K whole or split), the tree verify past 64 rows on the attention kernel,
+    # options timed as calls in one graph
     step onerow_tests 300 python3 -m pytest -p no:cacheprovider tests/test_kernels.py -k "norming or residual or \
-      one_row_layers or past_the_two_matmul or timed_as_calls or cuda_kernels"
+      one_row_layers or every_gemv_config or may_split or past_the_two_matmul or timed_as_calls or cuda_kernels"
     ;;
   tree)  # the DDTree tree kernel against the host heap and the tensor search, and a fast-engine decode through it
     step tree_tests 200 python3 -m pytest -p no:cacheprovider tests/test_tree_kernel.py

@@ -371,7 +371,9 @@ class LayerOps:
         def reference() -> torch.Tensor:
             return self.linear(self.glu(gate_up, act), weight, bias)
 
-        return one_row_glu_linear(reference, gate_up, act, weight, bias) if self.fused_glu else reference()
+        if not self.fused_glu:
+            return reference()
+        return one_row_glu_linear(reference, gate_up, act, weight, bias, split=self.kernels)
 
     def residual_linear(self, x: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                         act: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -387,7 +389,7 @@ class LayerOps:
                 return self.linear(inputs, weight, bias)
 
         if self.fused_glu and (not glu or act in ("silu", "swish")):
-            added = one_row_residual_linear(product, x, inputs, weight, bias, glu)
+            added = one_row_residual_linear(product, x, inputs, weight, bias, glu, split=self.kernels)
             if added is not None:
                 return added, None
         return x, product()
@@ -403,4 +405,6 @@ class LayerOps:
         def reference() -> torch.Tensor:
             return self.linear(self.rms_norm(x, norm_weight, eps), weight, bias)
 
-        return x, one_row_norm_linear(reference, x, norm_weight, eps, weight, bias) if self.fused_glu else reference()
+        if not self.fused_glu:
+            return x, reference()
+        return x, one_row_norm_linear(reference, x, norm_weight, eps, weight, bias, split=self.kernels)

@@ -26,6 +26,8 @@ MAX_ROWS = 64  # more rows than this are compute, not weight reads: cuBLAS
 WEIGHTS_FIRST_MAX_ROWS = 128  # `_weights_first_kernel`'s rows are its dot's N side, 128 of them a tile at most: a
 # DDTree@64 verify's 65 rows (an 8B step's 128-row products are 2 ms of tensor-core work, under the weights' 3.6 ms)
 MAX_SPLITS = 4  # the most ways `_weights_first_kernel` splits K (its autotuned configs')
+GEMV_MAX_SPLITS = 8  # the most ways `_gemv_kernel` splits K (SPLIT_GEMV_CONFIGS), and its fewest features a tile:
+MIN_SPLIT_GEMV_BLOCK_N = 2
 TUNED_ON_DISK = True  # each shape's tuned tiles kept in Triton's cache (~/.triton): a server's warm-up tunes every
 # product at every row tile (4 row tiles x 5 products x the drafter's), which a restart, the next server of a
 # benchmark or the next test process then reads instead of timing every config again
@@ -101,40 +103,71 @@ if triton is not None:
                  mask=(rows[:, None] < M) & (cols[None, :] < N))
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, N, K, eps, stride_wn, HAS_BIAS: tl.constexpr,
-                     GLU: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+    def _gemv_finish(y, squares, cols, b_ptr, y_ptr, r_ptr, N, K, eps, dtype, HAS_BIAS: tl.constexpr,
+                     NORM: tl.constexpr, RESIDUAL: tl.constexpr):
+        """A GEMV tile's K-sums `y` (float32, BLOCK_N) to its output: the norm's scale from the row's sum of
+        `squares`, the bias, the residual (the product rounded to the dtype first, as HF's residual add sees it)."""
+        if NORM:
+            y = y * tl.rsqrt(squares / K + eps)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+        if RESIDUAL:
+            y = y.to(dtype).to(tl.float32) + tl.load(r_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+        tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, part_ptr, count_ptr, N, K, eps, stride_wn,
+                     HAS_BIAS: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
+                     SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """One row: each program owns BLOCK_N output features, multiplies and adds in registers (no tl.dot, so no
         row padded to 16) and sums across K once at the end. With GLU the row is silu(gate) * up of a packed
         gate|up row of 2K values, rounded as `fast_ops.glu` rounds it (silu's output, then the product). With NORM
         the row is rms_norm(x) * g: every program reads the whole row anyway, so it sums its squares on the way and
         scales its K-sum by rsqrt(mean + eps) at the end (no pass over the row before the weights stream in, no norm
         kernel before it). With RESIDUAL the output is r + the product, each rounded as HF's residual add rounds it
-        (the product, then the sum)."""
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        (the product, then the sum). With SPLITS > 1 each program takes one of SPLITS parts of K (a narrow product's
+        long rows in more, shorter streams) and stores its K-sums (and its part's squares); the last of a tile's
+        splits to finish (an atomic count that resets itself, so graphs replay it) sums them in split order and
+        finishes the tile: the same sums every launch, no second kernel."""
+        tile, split = tl.program_id(0), tl.program_id(1)
+        cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        chunk = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLITS) * BLOCK_K
+        first = split * chunk
+        end = tl.minimum(K, first + chunk)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
         dtype = x_ptr.dtype.element_ty
-        for start in range(0, K, BLOCK_K):
+        for start in range(first, end, BLOCK_K):
             ks = start + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + ks, mask=ks < end, other=0.0).to(tl.float32)
             if GLU:
-                up = tl.load(x_ptr + K + ks, mask=ks < K, other=0.0).to(tl.float32)
+                up = tl.load(x_ptr + K + ks, mask=ks < end, other=0.0).to(tl.float32)
                 x = ((x / (1.0 + tl.exp(-x))).to(dtype).to(tl.float32) * up).to(dtype).to(tl.float32)
             if NORM:
                 squares += x * x
-                x = x * tl.load(g_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
-            w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :], mask=(cols[:, None] < N) & (ks[None, :] < K),
-                        other=0.0)
+                x = x * tl.load(g_ptr + ks, mask=ks < end, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :],
+                        mask=(cols[:, None] < N) & (ks[None, :] < end), other=0.0)
             acc += w.to(tl.float32) * x[None, :]
         y = tl.sum(acc, axis=1)
-        if NORM:
-            y = y * tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
-        if HAS_BIAS:
-            y += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-        if RESIDUAL:
-            y = y.to(dtype).to(tl.float32) + tl.load(r_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
-        tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
+        total = tl.sum(squares, axis=0)
+        if SPLITS == 1:
+            _gemv_finish(y, total, cols, b_ptr, y_ptr, r_ptr, N, K, eps, dtype, HAS_BIAS, NORM, RESIDUAL)
+        else:
+            tl.store(part_ptr + split * N + cols, y, mask=cols < N)
+            squares_at = part_ptr + SPLITS * N + tile * SPLITS  # each tile's own copy: no tile waits for another
+            tl.store(squares_at + split, total)
+            tl.debug_barrier()  # every thread's partial stored before the release below
+            if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLITS - 1:
+                tl.debug_barrier()
+                tl.store(count_ptr + tile, 0)  # ready for the next launch (a CUDA graph replays this one)
+                summed = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                summed_squares = tl.sum(tl.zeros((1,), dtype=tl.float32), axis=0)
+                for part in tl.static_range(SPLITS):
+                    summed += tl.load(part_ptr + part * N + cols, mask=cols < N, other=0.0, cache_modifier=".cg")
+                    summed_squares += tl.load(squares_at + part, cache_modifier=".cg")
+                _gemv_finish(summed, summed_squares, cols, b_ptr, y_ptr, r_ptr, N, K, eps, dtype, HAS_BIAS, NORM,
+                             RESIDUAL)
 
     @triton.jit
     def _weights_first_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn,
@@ -198,13 +231,25 @@ if triton is not None:
         cache_results=TUNED_ON_DISK,
     )(_weights_first_kernel)
 
-    _tuned_gemv = triton.autotune(  # many small programs: a one-row product is the weights' read and nothing else
-        configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-                 for n, k, w, s in ((1, 1024, 2, 4), (2, 1024, 4, 3), (2, 2048, 4, 3), (4, 512, 4, 4),
-                                    (4, 1024, 4, 3), (8, 256, 4, 4), (8, 512, 4, 3), (8, 1024, 8, 3), (16, 256, 4, 4),
-                                    (16, 512, 8, 3), (32, 256, 8, 3))],
+    GEMV_CONFIGS = [  # many small programs: a one-row product is the weights' read and nothing else
+        triton.Config({"BLOCK_N": n, "BLOCK_K": k, "SPLITS": 1}, num_warps=w, num_stages=s)
+        for n, k, w, s in ((1, 1024, 2, 4), (2, 1024, 4, 3), (2, 2048, 4, 3), (4, 512, 4, 4), (4, 1024, 4, 3),
+                           (8, 256, 4, 4), (8, 512, 4, 3), (8, 1024, 8, 3), (16, 256, 4, 4), (16, 512, 8, 3),
+                           (32, 256, 8, 3))]
+
+    _tuned_gemv = triton.autotune(
+        configs=GEMV_CONFIGS,
         key=["N", "K", "GLU", "NORM", "RESIDUAL"],  # and the tensors' dtypes, which Triton's autotuner adds to every key
         cache_results=TUNED_ON_DISK,
+    )(_gemv_kernel)
+
+    SPLIT_GEMV_CONFIGS = [  # K split 2-8 ways: a narrow product's (o_proj, down, q|k|v) long rows in shorter streams
+        triton.Config({"BLOCK_N": n, "BLOCK_K": k, "SPLITS": splits}, num_warps=w, num_stages=s)
+        for n, k, splits, w, s in ((2, 1024, 2, 4, 3), (4, 512, 2, 4, 4), (4, 512, 4, 4, 4), (8, 256, 2, 4, 4),
+                                   (8, 256, 4, 4, 4), (8, 512, 2, 4, 3), (16, 256, 2, 4, 4), (4, 256, 8, 4, 4))]
+
+    _tuned_split_gemv = triton.autotune(
+        configs=SPLIT_GEMV_CONFIGS, key=["N", "K", "GLU", "NORM", "RESIDUAL"], cache_results=TUNED_ON_DISK,
     )(_gemv_kernel)
 
     _tuned_kernel = triton.autotune(  # each (N, K, rows) shape picks its tiles on first use (before graph capture)
@@ -244,13 +289,13 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """`F.linear(x, weight, bias)` for inputs of at most WEIGHTS_FIRST_MAX_ROWS rows, from the kernel where it runs
     and was timed faster (`kernel_choice`; float32 inputs multiply in full float32, not TF32, as F.linear does by
     default), the kernel with the rows as its dot's M side (up to MAX_ROWS) or its N side (`weights_first_linear`); a
-    single row also has the GEMV (`gemv_linear`) to choose from."""
+    single row also has the GEMV (`gemv_linear`) to choose from, K split or not."""
     if not _fits(x, weight, bias, WEIGHTS_FIRST_MAX_ROWS):
         return F.linear(x, weight, bias)
     options = {"kernel": lambda: _launch(x, weight, bias)[0]} if _rows(x) <= MAX_ROWS else {}
     options["kernel, weights first"] = lambda: weights_first_linear(x, weight, bias)
     if _rows(x) == 1:
-        options["gemv"] = lambda: gemv_linear(x, weight, bias)
+        options.update(_gemv_options(functools.partial(gemv_linear, x, weight, bias), weight.shape[0], True))
     options["library"] = lambda: F.linear(x, weight, bias)
     return options[fastest("linear", _shape(x, weight, bias), x.device, options)]()
 
@@ -272,26 +317,31 @@ def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 def one_row_glu_linear(reference: Callable[[], torch.Tensor], gate_up: torch.Tensor, act: str, weight: torch.Tensor,
-                       bias: torch.Tensor | None = None) -> torch.Tensor:
+                       bias: torch.Tensor | None = None, split: bool = False) -> torch.Tensor:
     """`reference()` = linear(act(gate) * up, weight, bias) of a packed gate|up row (the down projection of
     `fast_target.layer_mlp`), from the GEMV with the gating folded into its loads where it runs and was timed
     faster: one launch and one pass less a layer of a decode step (29.5 against 31.0 us on the 8B shape, H200,
-    benchmarks/RESULTS.md session 24). More rows, another activation than silu, or a lost shape: the reference."""
+    benchmarks/RESULTS.md session 24). With `split` (the kernel engine's) its K-split variant is an option too.
+    More rows, another activation than silu, or a lost shape: the reference."""
     gate = gate_up[..., : weight.shape[1]]  # the product's input as the checks and the timing key see it
     if (act not in ("silu", "swish") or gate_up.shape[-1] != 2 * gate.shape[-1] or _rows(gate_up) != 1
             or not _fits(gate, weight, bias)):
         return reference()
-    options = {"gemv": lambda: gemv_linear(gate_up, weight, bias, glu=True), "library": reference}
-    return options[fastest("one-row glu linear", _shape(gate, weight, bias), gate_up.device, options)]()
+    options = {**_gemv_options(functools.partial(gemv_linear, gate_up, weight, bias, glu=True), weight.shape[0], split),
+               "library": reference}
+    key = (*_shape(gate, weight, bias), split)
+    return options[fastest("one-row glu linear", key, gate_up.device, options)]()
 
 
 def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, glu: bool = False,
-                norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+                norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None,
+                split: bool = False, config: triton.Config | None = None) -> torch.Tensor:
     """`F.linear` of one row (x [..., K] holding K values; with `glu`, [..., 2K] holding a gate|up row whose
     silu(gate) * up is the input) from `_gemv_kernel`; with `norm` = (norm weight, eps) of rms_norm(x) * weight,
-    with `residual` (K-shaped as the output) the residual + the product. Why a kernel of its own: on the H200 the
-    library's narrow one-row products (q|k|v, o_proj, down) read their weights at 2.6-3.4 TB/s against gate|up's
-    4.0 (benchmarks/RESULTS.md, session 22), and `_skinny_kernel` pads a row to tl.dot's 16."""
+    with `residual` (K-shaped as the output) the residual + the product; with `split` K split 2-8 ways
+    (SPLIT_GEMV_CONFIGS, tuned per shape), or one `config` given (the tests run each). Why a kernel of its own: on the
+    H200 the library's narrow one-row products (q|k|v, o_proj, down) read their weights at 2.6-3.4 TB/s against
+    gate|up's 4.0 (benchmarks/RESULTS.md, session 22), and `_skinny_kernel` pads a row to tl.dot's 16."""
     n, k = weight.shape
     flat = x.reshape((2 if glu else 1) * k)
     if flat.stride(0) != 1:
@@ -299,44 +349,67 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     out = torch.empty(n, dtype=x.dtype, device=x.device)
     norm_weight, eps = norm if norm is not None else (out, 0.0)
     added = residual.reshape(n) if residual is not None else out
-    args = (flat, weight, bias if bias is not None else out, out, norm_weight, added, n, k, eps, weight.stride(0))
+    parts, counts = out, out  # no partials unless K is split
+    if split or (config is not None and config.kwargs["SPLITS"] > 1):
+        tiles = triton.cdiv(n, MIN_SPLIT_GEMV_BLOCK_N)  # the most tiles a split config makes
+        parts = stream_buffer("split partials", x.device, GEMV_MAX_SPLITS * (n + tiles), torch.float32)
+        counts = zeroed_counters(x.device, tiles)
+    args = (flat, weight, bias if bias is not None else out, out, norm_weight, added, parts, counts, n, k, eps,
+            weight.stride(0))
     flags = dict(HAS_BIAS=bias is not None, GLU=glu, NORM=norm is not None, RESIDUAL=residual is not None)
-    if x.is_cuda:
-        _tuned_gemv[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
-    else:  # Triton's interpreter (tests): no autotuning there, small tiles
-        _gemv_kernel[(triton.cdiv(n, 4),)](*args, **flags, BLOCK_N=4, BLOCK_K=32)
+    if config is not None:
+        meta = config.all_kwargs()
+        _gemv_kernel[(triton.cdiv(n, meta["BLOCK_N"]), meta["SPLITS"])](*args, **flags, **meta)
+    elif x.is_cuda:
+        tuned = _tuned_split_gemv if split else _tuned_gemv
+        tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLITS"])](*args, **flags)
+    else:  # Triton's interpreter (tests): no autotuning there, small tiles, K split in two where asked
+        _gemv_kernel[(triton.cdiv(n, 4), 1 + split)](*args, **flags, SPLITS=1 + split, BLOCK_N=4, BLOCK_K=32)
     return out.view(*x.shape[:-1], n)
 
 
+def _gemv_options(run: Callable[..., torch.Tensor], n: int, split: bool) -> dict[str, Callable[[], torch.Tensor]]:
+    """The GEMV's options for a one-row product of `n` features: `run(split=...)` unsplit, and with K split where
+    asked (the kernel engine's) and the product is narrow enough to keep partials for (SPLIT_MAX_N)."""
+    options = {"gemv": lambda: run(split=False)}
+    if split and n <= SPLIT_MAX_N:
+        options["gemv, split K"] = lambda: run(split=True)
+    return options
+
+
 def one_row_norm_linear(reference: Callable[[], torch.Tensor], x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                        weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+                        weight: torch.Tensor, bias: torch.Tensor | None = None, split: bool = False) -> torch.Tensor:
     """`reference()` = linear(rms_norm(x) * norm_weight, weight, bias) of one row, from the GEMV that norms as it
     loads where it runs and was timed faster: the norm's launch and pass gone from a decode step (two a layer: the
     q|k|v and gate|up products). Its sums are not HF's to the last bit (the normed row is not rounded to the dtype
-    before the product), as no kernel's K-sum is the library's. More rows or a lost shape: the reference."""
+    before the product), as no kernel's K-sum is the library's. With `split` its K-split variant is an option too.
+    More rows or a lost shape: the reference."""
     if not (_rows(x) == 1 and _fits(x, weight, bias) and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
             and norm_weight.shape == (x.shape[-1],)):
         return reference()
-    options = {"gemv": lambda: gemv_linear(x, weight, bias, norm=(norm_weight, eps)), "library": reference}
-    return options[fastest("one-row norm linear", _shape(x, weight, bias), x.device, options)]()
+    options = {**_gemv_options(functools.partial(gemv_linear, x, weight, bias, norm=(norm_weight, eps)), weight.shape[0], split),
+               "library": reference}
+    return options[fastest("one-row norm linear", (*_shape(x, weight, bias), split), x.device, options)]()
 
 
 def one_row_residual_linear(product: Callable[[], torch.Tensor], residual: torch.Tensor, x: torch.Tensor,
-                            weight: torch.Tensor, bias: torch.Tensor | None = None, glu: bool = False
-                            ) -> torch.Tensor | None:
+                            weight: torch.Tensor, bias: torch.Tensor | None = None, glu: bool = False,
+                            split: bool = False) -> torch.Tensor | None:
     """residual + `product()` (= linear(x, weight, bias); with `glu`, of silu(gate) * up of a packed gate|up row x)
     from the GEMV that adds the residual as it stores, where it runs and was timed faster than the product and a
     separate add (o_proj's and down's: a decode step's residual stream then needs no add of its own, and the next
     product norms it as it loads, `one_row_norm_linear`); None where not (more rows, a lost shape): the caller
-    keeps the sum pending for the next add-and-norm unit, which adds it in the norm's pass."""
+    keeps the sum pending for the next add-and-norm unit, which adds it in the norm's pass. With `split` its K-split
+    variant is an option too."""
     row = x[..., : weight.shape[1]] if glu else x
     if not (_rows(row) == 1 and _fits(row, weight, bias) and residual.dtype == x.dtype
             and residual.numel() == weight.shape[0] and x.shape[-1] == (2 if glu else 1) * weight.shape[1]):
         return None
-    options = {"gemv": lambda: gemv_linear(x, weight, bias, glu=glu, residual=residual),
+    options = {**_gemv_options(functools.partial(gemv_linear, x, weight, bias, glu=glu, residual=residual), weight.shape[0],
+                               split),
                "library": lambda: residual + product().view(residual.shape)}
-    chosen = fastest("one-row residual linear", (*_shape(row, weight, bias), glu), x.device, options)
-    return options["gemv"]().view(residual.shape) if chosen == "gemv" else None
+    chosen = fastest("one-row residual linear", (*_shape(row, weight, bias), glu, split), x.device, options)
+    return None if chosen == "library" else options[chosen]().view(residual.shape)
 
 
 def weights_first_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
