@@ -7,8 +7,9 @@ run a few times under CUDA events and the faster is kept, so turning kernels on 
 is timed replaying a CUDA graph of ten calls of it, as the engine's steps run: timed eagerly, the library side also
 paid the CPU cost of launching it (its compiled wrapper's guards, our dispatch), which a captured step does not, and
 the chooser picked the folded kernel for gate|up at 16 rows though in the step it ran 68.7 us against cuBLAS's 48.7
-(H200, benchmarks/RESULTS.md session 17); a graph of one call timed the launch of each replay on small shapes. The first call comes from a CUDA graph's warm-up,
-before its capture; a shape first met while capturing keeps the library call. Off a GPU (Triton's interpreter, the
+(H200, benchmarks/RESULTS.md session 17); a graph of one call timed the launch of each replay on small shapes. The
+first call comes from a CUDA graph's warm-up, before its capture; a shape first met while capturing keeps the
+library call. Off a GPU (Triton's interpreter, the
 tests) the kernel always runs. `fastest` does the same among several variants of a kernel and the library call. A
 kernel that fails to compile or run on the device counts as the slowest (one warning): with the q|k|v kernel on by
 default on CUDA, a GPU it cannot serve must still decode.

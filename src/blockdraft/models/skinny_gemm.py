@@ -26,8 +26,8 @@ MAX_ROWS = 64  # more rows than this are compute, not weight reads: cuBLAS
 WEIGHTS_FIRST_MAX_ROWS = 128  # `_weights_first_kernel`'s rows are its dot's N side, 128 of them a tile at most: a
 # DDTree@64 verify's 65 rows (an 8B step's 128-row products are 2 ms of tensor-core work, under the weights' 3.6 ms)
 MAX_SPLITS = 4  # the most ways `_weights_first_kernel` splits K (its autotuned configs')
-GEMV_MAX_SPLITS = 8  # the most ways `_gemv_kernel` splits K (SPLIT_GEMV_CONFIGS), and its fewest features a tile:
-MIN_SPLIT_GEMV_BLOCK_N = 2
+GEMV_MAX_SPLITS = 8  # the most ways `_gemv_kernel` splits K (SPLIT_GEMV_CONFIGS' configs) ...
+MIN_SPLIT_GEMV_BLOCK_N = 2  # ... and the fewest features a tile of theirs has: what their partials are sized for
 TUNED_ON_DISK = True  # each shape's tuned tiles kept in Triton's cache (~/.triton): a server's warm-up tunes every
 # product at every row tile (4 row tiles x 5 products x the drafter's), which a restart, the next server of a
 # benchmark or the next test process then reads instead of timing every config again
@@ -131,9 +131,13 @@ if triton is not None:
         finishes the tile: the same sums every launch, no second kernel."""
         tile, split = tl.program_id(0), tl.program_id(1)
         cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        chunk = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLITS) * BLOCK_K
-        first = split * chunk
-        end = tl.minimum(K, first + chunk)
+        if SPLITS == 1:  # the whole of K: the loop as measured before K could be split
+            first = 0
+            end = K
+        else:
+            chunk = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLITS) * BLOCK_K
+            first = split * chunk
+            end = tl.minimum(K, first + chunk)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
         dtype = x_ptr.dtype.element_ty
@@ -239,7 +243,7 @@ if triton is not None:
 
     _tuned_gemv = triton.autotune(
         configs=GEMV_CONFIGS,
-        key=["N", "K", "GLU", "NORM", "RESIDUAL"],  # and the tensors' dtypes, which Triton's autotuner adds to every key
+        key=["N", "K", "GLU", "NORM", "RESIDUAL"],  # and the tensors' dtypes, which the autotuner adds to every key
         cache_results=TUNED_ON_DISK,
     )(_gemv_kernel)
 
@@ -327,8 +331,8 @@ def one_row_glu_linear(reference: Callable[[], torch.Tensor], gate_up: torch.Ten
     if (act not in ("silu", "swish") or gate_up.shape[-1] != 2 * gate.shape[-1] or _rows(gate_up) != 1
             or not _fits(gate, weight, bias)):
         return reference()
-    options = {**_gemv_options(functools.partial(gemv_linear, gate_up, weight, bias, glu=True), weight.shape[0], split),
-               "library": reference}
+    gemv = functools.partial(gemv_linear, gate_up, weight, bias, glu=True)
+    options = {**_gemv_options(gemv, weight.shape[0], split), "library": reference}
     key = (*_shape(gate, weight, bias), split)
     return options[fastest("one-row glu linear", key, gate_up.device, options)]()
 
@@ -387,8 +391,8 @@ def one_row_norm_linear(reference: Callable[[], torch.Tensor], x: torch.Tensor, 
     if not (_rows(x) == 1 and _fits(x, weight, bias) and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
             and norm_weight.shape == (x.shape[-1],)):
         return reference()
-    options = {**_gemv_options(functools.partial(gemv_linear, x, weight, bias, norm=(norm_weight, eps)), weight.shape[0], split),
-               "library": reference}
+    gemv = functools.partial(gemv_linear, x, weight, bias, norm=(norm_weight, eps))
+    options = {**_gemv_options(gemv, weight.shape[0], split), "library": reference}
     return options[fastest("one-row norm linear", (*_shape(x, weight, bias), split), x.device, options)]()
 
 
@@ -405,8 +409,8 @@ def one_row_residual_linear(product: Callable[[], torch.Tensor], residual: torch
     if not (_rows(row) == 1 and _fits(row, weight, bias) and residual.dtype == x.dtype
             and residual.numel() == weight.shape[0] and x.shape[-1] == (2 if glu else 1) * weight.shape[1]):
         return None
-    options = {**_gemv_options(functools.partial(gemv_linear, x, weight, bias, glu=glu, residual=residual), weight.shape[0],
-                               split),
+    gemv = functools.partial(gemv_linear, x, weight, bias, glu=glu, residual=residual)
+    options = {**_gemv_options(gemv, weight.shape[0], split),
                "library": lambda: residual + product().view(residual.shape)}
     chosen = fastest("one-row residual linear", (*_shape(row, weight, bias), glu, split), x.device, options)
     return None if chosen == "library" else options[chosen]().view(residual.shape)
