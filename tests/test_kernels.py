@@ -535,7 +535,8 @@ def test_a_target_on_the_engines_cuda_kernels_decodes_the_same_ids_and_taps_in_f
 def test_a_tree_past_the_two_matmul_rows_attends_through_the_kernel_as_sdpa_does() -> None:
     """A verify of more than DECODE_ATTENTION_MAX_TOKENS rows (a DDTree@64 verify: 65) on the engine's attention
     kernel gets its mask in compact form (timed against SDPA on a GPU; the kernel under the interpreter): a random
-    tree's logits and taps as the library's SDPA gives them, and a DDTree decode of that size the same ids."""
+    tree's logits and taps as the library's SDPA gives them, after a prefill of as many rows (causal, the same
+    path), and a DDTree decode of that size the same ids."""
     from blockdraft.decoding.draft import Draft
     from blockdraft.decoding.methods import build_proposer
     from blockdraft.models import fast_target
@@ -551,21 +552,23 @@ def test_a_tree_past_the_two_matmul_rows_attends_through_the_kernel_as_sdpa_does
         depths.append(1 if parent < 0 else depths[parent] + 1)
     tokens = torch.randint(0, model.config.vocab_size, (nodes,), generator=generator).to(DEVICE)
     draft = Draft(tokens=tokens, parents=parents, depths=depths)
-    prompt = [5, 17, 2, 40, 33, 8, 1]
-    outputs = []
+    prompt = torch.randint(0, model.config.vocab_size, (nodes + 3,), generator=generator).tolist()
+    outputs, prefills = [], []
     for target in (plain, kernel):
         cache = target.new_cache()
-        target.forward(torch.tensor([prompt], device=DEVICE), torch.arange(len(prompt), device=DEVICE), cache)
+        prefills.append(target.forward(torch.tensor([prompt], device=DEVICE), torch.arange(len(prompt), device=DEVICE),
+                                       cache).logits)
         ids = torch.cat([torch.tensor([9], device=DEVICE), tokens]).unsqueeze(0)
         outputs.append(target.forward(ids, draft.positions(len(prompt), DEVICE), cache, (0, 2),
                                       attention_mask=draft.tree_mask(len(cache), DEVICE)))
     assert fast_target.compact_mask(kernel.ops, *(torch.zeros(1, dtype=torch.long),) * 2,
                                     torch.ones(1, nodes + 1, nodes + 1, dtype=torch.bool),
                                     torch.zeros(1, nodes + 1, dtype=torch.long)) is not None
+    torch.testing.assert_close(prefills[1], prefills[0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(outputs[1].logits, outputs[0].logits, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(outputs[1].taps, outputs[0].taps, rtol=1e-4, atol=1e-4)
     drafter = make_drafter("all_full").to(DEVICE)
-    decoded = [generate(target, prompt, build_proposer("ddtree", target, drafter, nodes), 8).token_ids
+    decoded = [generate(target, prompt[:7], build_proposer("ddtree", target, drafter, nodes), 8).token_ids
                for target in (plain, kernel)]
     assert decoded[0] == decoded[1]
 
