@@ -45,7 +45,8 @@ def ab_table(runs: list[tuple[str, dict]]) -> str:
             values = [data["rows"].get(row, {}).get(engine) for _, data in runs]
             if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
                 continue
-            means = {side: statistics.fmean(v for (s, _), v in zip(runs, values) if s == side) for side in ("old", "new")}
+            means = {side: statistics.fmean(v for (s, _), v in zip(runs, values) if s == side)
+                     for side in ("old", "new")}
             ratio = f"{means['new'] / means['old']:.3f}" if means["old"] else "-"
             lines.append(f"| {row} | {engine} | {' | '.join(f'{v:.3f}' for v in values)} | {ratio} |")
     return "\n".join(lines)

@@ -41,7 +41,8 @@ def test_a_row_missing_from_one_run_is_left_out() -> None:
 
 def test_each_side_runs_its_own_code(tmp_path: Path) -> None:
     argv, env = ab_speed.side_command("old", tmp_path, tmp_path / "o.json", ["--engines", "fast"])
-    assert argv[1] == str(tmp_path / "benchmarks" / "gpu_speed.py") and argv[-2:] == ["--json", str(tmp_path / "o.json")]
+    assert argv[1] == str(tmp_path / "benchmarks" / "gpu_speed.py")
+    assert argv[-2:] == ["--json", str(tmp_path / "o.json")]
     assert env["PYTHONPATH"].split(":")[0] == str(tmp_path / "src")
     argv, env = ab_speed.side_command("new", tmp_path, tmp_path / "n.json", [])
     assert argv[1] == str(SCRIPT.parent / "gpu_speed.py")
