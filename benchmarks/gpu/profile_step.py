@@ -67,6 +67,26 @@ def batched_step(target: FastTarget, batch: int, rows: int, context: int) -> Cal
     return step
 
 
+CATEGORIES = (  # what a kernel's name says it does, first match wins: the step's GPU time by part
+    ("weight products", ("_gemv_kernel", "_weights_first_kernel", "_skinny_kernel", "nvjet", "gemm", "gemv",
+                         "splitkreduce", "cutlass", "xmma")),
+    ("attention", ("_block_split_kernel", "_combine_kernel", "_split_kernel", "sdpa", "flash", "fmha", "softmax")),
+    ("q|k|v epilogue", ("_qkv_rope_kernel",)),
+    ("norms", ("rsqrt",)),
+    ("glu", ("silu",)),
+)
+
+
+def by_category(kernels: list[tuple[str, float]], steps: int) -> dict[str, float]:
+    """Milliseconds a step per part (CATEGORIES, then "other") from (kernel name, microseconds) over `steps` steps."""
+    totals = {name: 0.0 for name, _ in CATEGORIES} | {"other": 0.0}
+    for kernel, us in kernels:
+        lowered = kernel.lower()
+        part = next((name for name, marks in CATEGORIES if any(mark in lowered for mark in marks)), "other")
+        totals[part] += us / 1000 / steps
+    return totals
+
+
 def profile(step: Callable[[], None], device: torch.device, label: str, rows: int) -> None:
     """Profile STEPS calls of `step`; print the kernel table."""
     for _ in range(3):
@@ -80,6 +100,8 @@ def profile(step: Callable[[], None], device: torch.device, label: str, rows: in
     busy_ms = sum(e.device_time for e in kernels) / 1000 / STEPS
     print(f"\n### {label}, {rows} row(s): {len(kernels) // STEPS} kernels/step, GPU busy {busy_ms:.2f} ms/step\n",
           flush=True)
+    parts = by_category([(e.name, e.device_time) for e in kernels], STEPS)
+    print("ms a step: " + ", ".join(f"{name} {ms:.3f}" for name, ms in parts.items()) + "\n", flush=True)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70), flush=True)
 
 

@@ -1,0 +1,26 @@
+"""benchmarks/gpu/profile_step.py's breakdown of a step's GPU time by part, from kernel names (CPU: no profiling)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "profile_step.py"
+SPEC = importlib.util.spec_from_file_location("profile_step", SCRIPT)
+profile_step = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(profile_step)
+
+
+def test_the_kernels_of_an_h200_step_fall_in_their_parts() -> None:
+    """Names from the H200's profiles (benchmarks/RESULTS.md, session 27): Triton's, cuBLAS's, cuDNN's, inductor's."""
+    kernels = [("_gemv_kernel", 2000.0), ("nvjet_sm90_tst_64x72_64x12_2x1_v_bz_splitK_TNT", 1000.0),
+               ("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>", 100.0),
+               ("_weights_first_kernel", 500.0), ("_block_split_kernel", 300.0), ("_combine_kernel", 100.0),
+               ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7", 700.0),
+               ("_qkv_rope_kernel", 50.0), ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", 80.0),
+               ("triton_poi_fused_mul_silu_split_0", 40.0), ("triton_poi_fused_clone_transpose_view_0", 30.0)]
+    parts = profile_step.by_category(kernels, steps=2)
+    assert parts == pytest.approx({"weight products": 1.8, "attention": 0.55, "q|k|v epilogue": 0.025, "norms": 0.04,
+                                   "glu": 0.02, "other": 0.015})
