@@ -26,6 +26,7 @@ if triton is not None:
 
     from blockdraft.models.flash_decode import (block_scores, empty_state, keys_per_split, load_block,
                                                 merge_splits, online_softmax_step)
+    from blockdraft.models.skinny_gemm import last_to_finish
 
     @triton.jit
     def _block_split_kernel(q_ptr, k_ptr, v_ptr, seq_ptr, length_ptr, own_ptr, pos_ptr, acc_ptr, m_ptr, l_ptr,
@@ -74,11 +75,7 @@ if triton is not None:
             tl.store(acc_ptr + row_index[:, None] * BLOCK_D + dims[None, :], acc, mask=(rows[:, None] < R))
             if MERGE:  # the last of the row block's splits to finish merges them all: no combine launch
                 active = tl.cdiv(total, per)
-                counter = count_ptr + bh * tl.num_programs(1) + rblock
-                tl.debug_barrier()  # every thread's partial stored before the release below
-                if tl.atomic_add(counter, 1, sem="acq_rel") == active - 1:
-                    tl.debug_barrier()
-                    tl.store(counter, 0)  # ready for the next launch (a CUDA graph replays this one)
+                if last_to_finish(count_ptr + bh * tl.num_programs(1) + rblock, active):
                     out = merge_splits(acc_ptr, m_ptr, l_ptr, bh, rows, R, splits, active, BLOCK_R, BLOCK_D, ".cg")
                     tl.store(out_ptr + b * so_b + h * so_h + rows[:, None] * so_r + dims[None, :],
                              out.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < R) & (dims[None, :] < D))

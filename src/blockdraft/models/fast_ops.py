@@ -380,16 +380,13 @@ class LayerOps:
         """A product whose output joins the residual stream x (o_proj's; with `act`, the down projection of a packed
         gate|up row): (x + product, None) where one GEMV adds it as it stores (`one_row_residual_linear`: one row,
         timed faster), else the pending sum (x, product) that the next add-and-norm unit resolves."""
-        glu = act is not None
-        if glu:
-            def product() -> torch.Tensor:
-                return self.glu_linear(inputs, act, weight, bias)
-        else:
-            def product() -> torch.Tensor:
+        def product() -> torch.Tensor:
+            if act is None:
                 return self.linear(inputs, weight, bias)
+            return self.glu_linear(inputs, act, weight, bias)
 
-        if self.fused_glu and (not glu or act in ("silu", "swish")):
-            added = one_row_residual_linear(product, x, inputs, weight, bias, glu, split=self.kernels)
+        if self.fused_glu and act in (None, "silu", "swish"):
+            added = one_row_residual_linear(product, x, inputs, weight, bias, act is not None, split=self.kernels)
             if added is not None:
                 return added, None
         return x, product()

@@ -62,6 +62,19 @@ def _capable(index: int) -> bool:
 if triton is not None:
 
     @triton.jit
+    def last_to_finish(counter, programs):
+        """Whether this program is the last of `programs` sharing `counter` (an int32, zero between launches) to get
+        here: every thread's stores made before the release, so the last one reads them all; it sets the count back
+        to zero for the next launch (a CUDA graph replays this one). The split-K products' and the merging
+        attention's (`block_attention`) last program finishes the work the others left."""
+        tl.debug_barrier()  # every thread's partial stored before the release below
+        last = tl.atomic_add(counter, 1, sem="acq_rel") == programs - 1
+        if last:
+            tl.debug_barrier()
+            tl.store(counter, 0)
+        return last
+
+    @triton.jit
     def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, d_ptr, nw_ptr, xo_ptr, M, N, K, eps, stride_xm, stride_wn,
                        stride_ym, stride_dm, stride_xom, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
                        F32_DOT: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -161,10 +174,7 @@ if triton is not None:
             tl.store(part_ptr + split * N + cols, y, mask=cols < N)
             squares_at = part_ptr + SPLITS * N + tile * SPLITS  # each tile's own copy: no tile waits for another
             tl.store(squares_at + split, total)
-            tl.debug_barrier()  # every thread's partial stored before the release below
-            if tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLITS - 1:
-                tl.debug_barrier()
-                tl.store(count_ptr + tile, 0)  # ready for the next launch (a CUDA graph replays this one)
+            if last_to_finish(count_ptr + tile, SPLITS):
                 summed = tl.zeros((BLOCK_N,), dtype=tl.float32)
                 summed_squares = tl.sum(tl.zeros((1,), dtype=tl.float32), axis=0)
                 for part in tl.static_range(SPLITS):
@@ -208,11 +218,8 @@ if triton is not None:
         if SPLITS > 1:
             parts = part_ptr + cols[:, None] * ROWS + rows[None, :]
             tl.store(parts + split * N * ROWS, acc, mask=cols[:, None] < N)
-            tl.debug_barrier()  # every thread's partial stored before the release below
-            finish = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel") == SPLITS - 1
+            finish = last_to_finish(count_ptr + tile, SPLITS)
             if finish:
-                tl.debug_barrier()
-                tl.store(count_ptr + tile, 0)  # ready for the next launch (a CUDA graph replays this one)
                 acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
                 for s in tl.static_range(SPLITS):
                     acc += tl.load(parts + s * N * ROWS, mask=cols[:, None] < N, other=0.0, cache_modifier=".cg")
