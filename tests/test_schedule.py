@@ -20,6 +20,7 @@ from blockdraft.engine.schedule import (
     Schedule,
     ScheduleEntry,
     choose,
+    estimate,
     expected_tokens_per_s,
     render,
 )
@@ -137,6 +138,45 @@ def test_cost_table_round_trips(tmp_path: Path) -> None:
         again.commit_time(128)
 
 
+def test_cost_table_round_trips_each_candidates_commit_cost(tmp_path: Path) -> None:
+    table = costs({1: {1: 0.01, 33: 0.0125}, 64: {1: 0.03, 33: 0.31}}, {1: 0.002, 64: 0.011})
+    table.commit_by_candidate_s = {"ddtree@32": {1: 1e-3, 64: 0.0}, "dflash/15": {64: 2e-3}, "dflash/3": {1: 4e-4}}
+    table.save(tmp_path / "costs.json")
+    data = json.loads((tmp_path / "costs.json").read_text())
+    assert list(data["commit_by_candidate_s"]) == ["dflash/3", "dflash/15", "ddtree@32"]  # fewest rows first
+    assert data["commit_by_candidate_s"]["ddtree@32"] == {"1": 1e-3, "64": 0.0}
+    assert CostTable.load(tmp_path / "costs.json") == table
+    del data["commit_by_candidate_s"]  # a table from before it was measured
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    assert CostTable.load(tmp_path / "old.json").commit_by_candidate_s == {}
+
+
+def test_commit_time_is_the_candidates_own_where_measured() -> None:
+    table = costs({1: {1: 0.01, 33: 0.02}, 16: {1: 0.02, 33: 0.05}}, {1: 0.002, 16: 0.004})
+    tree, chain = Candidate("ddtree", budget=32), Candidate("dflash", 7)
+    assert table.commit_time(4, tree) == 0.0  # neither measured
+    table.commit_s = {1: 1e-4, 16: 4e-4}
+    table.commit_by_candidate_s = {"ddtree@32": {1: 1e-3, 4: 2e-3, 16: 5e-3}}
+    assert table.commit_time(4, tree) == 2e-3 and table.commit_time(16, tree) == 5e-3
+    assert table.commit_time(10, tree) == pytest.approx(2e-3 + 3e-3 * 6 / 12)
+    assert table.commit_time(16, chain) == 4e-4 == table.commit_time(16, AR) == table.commit_time(16)  # AR's
+    with pytest.raises(BlockdraftError, match=r"ddtree@32 commit batch sizes 1\.\.16; .*batch size 32 is outside"):
+        table.commit_time(32, tree)
+    table.commit_by_candidate_s["ddtree@32"] = {4: 2e-3, 16: 5e-3}
+    with pytest.raises(BlockdraftError, match="commit batch size 1 is outside"):
+        table.commit_time(1, tree)  # not AR's in place of its own outside its range
+    assert table.commit_time(1, chain) == 1e-4
+
+
+def test_device_time_is_verify_draft_and_trees() -> None:
+    table = costs({4: {1: 0.010, 8: 0.012, 33: 0.020}}, {4: 0.003}, {32: 0.001})
+    assert table.device_time(4, AR) == 0.010
+    assert table.device_time(4, Candidate("dflash", 7)) == pytest.approx(0.015)
+    assert table.device_time(4, Candidate("ddtree", budget=32)) == pytest.approx(0.020 + 0.003 + 4 * 0.001)
+    with pytest.raises(BlockdraftError, match="row count 65 is outside"):
+        table.device_time(4, Candidate("ddtree", budget=64))
+
+
 def _mutate(data: dict, path: list[str], value: object) -> None:
     for key in path[:-1]:
         data = data[key]
@@ -157,6 +197,12 @@ _DELETE = object()
     (["tree_build_s", "32"], None, "tree_build_s['32']"),
     (["commit_s"], {"1": -0.5}, "commit_s['1'] = -0.5 must be a number of seconds >= 0"),
     (["trees_s"], {"4": {"32": 0}}, "trees_s['4']['32'] = 0 must be a positive number of seconds"),
+    (["commit_by_candidate_s"], {"dflash/x": {"1": 0.1}}, "a key of commit_by_candidate_s = 'dflash/x'"),
+    (["commit_by_candidate_s"], {"ar": {"1": 0.1}}, "a key of commit_by_candidate_s = 'ar' must be a speculative"),
+    (["commit_by_candidate_s"], {"ddtree@32": {"1": -0.5}},
+     "commit_by_candidate_s['ddtree@32']['1'] = -0.5 must be a number of seconds >= 0"),
+    (["commit_by_candidate_s"], {"ddtree@32": {}}, "commit_by_candidate_s['ddtree@32'] = {} must be a non-empty"),
+    (["commit_by_candidate_s"], [], "commit_by_candidate_s = [] must be an object"),
     (["context_tokens"], -5, "context_tokens"),
     (["device"], _DELETE, "device"),
     (["format"], "blockdraft-cost-table/0", "format"),
@@ -222,6 +268,22 @@ def test_candidates() -> None:
             bad()
 
 
+@pytest.mark.parametrize("candidate", [AR, Candidate("dflash", 1), Candidate("dflash", 15),
+                                       Candidate("ddtree", budget=8), Candidate("ddtree", budget=128)])
+def test_a_candidate_reads_back_from_its_label(candidate: Candidate) -> None:
+    assert Candidate.from_label(candidate.label) == candidate
+
+
+@pytest.mark.parametrize("label", ["", "AR", "dflash", "dflash/0", "dflash/07", "dflash/3/", "ddtree@", "ddtree@-4",
+                                   "ddtree/32", "dflash@3", " ar", "eagle/3", 3, None])
+def test_a_bad_label_names_itself_and_the_accepted_forms(label: object) -> None:
+    with pytest.raises(BlockdraftError) as err:
+        Candidate.from_label(label)  # type: ignore[arg-type]
+    message = str(err.value)
+    assert "\n" not in message and f"candidate label {label!r}" in message
+    assert all(form in message for form in ("'ar'", "'dflash/N'", "'ddtree@N'"))
+
+
 def test_expected_tokens_per_s_adds_draft_and_tree_costs() -> None:
     table = costs({4: {1: 0.010, 8: 0.012, 33: 0.020}}, {4: 0.003}, {32: 0.001})
     profile = AcceptanceProfile(RATES, {32: 5.0, 16: 4.0}, "m")
@@ -258,6 +320,20 @@ def test_a_steps_host_work_counts_for_every_method_and_favours_committing_more()
 
 
 # --- choosing ---------------------------------------------------------------------------------------------------
+
+
+def test_a_trees_own_host_work_can_hand_the_batch_to_the_chain() -> None:
+    """DDTree@32 wins on device time with AR's host work counted for it, and loses to the chain once its own, larger
+    host work is (what chose DDTree@32 at batch 9-16 of a server where it ran at 0.84x AR)."""
+    table = costs({16: {1: 0.010, 8: 0.012, 33: 0.013}}, {16: 0.002})
+    table.commit_s = {16: 0.001}
+    profile = AcceptanceProfile(RATES, {32: 5.0}, "m")  # the 7-token chain commits 4.0 a step, the tree 5.0
+    chain, tree = Candidate("dflash", 7), Candidate("ddtree", budget=32)
+    assert choose(table, profile, [chain, tree], [16]).pick(16) == tree
+    table.commit_by_candidate_s = {"dflash/7": {16: 0.002}, "ddtree@32": {16: 0.006}}
+    assert estimate(table, profile, tree, 16).step_ms == pytest.approx(1000 * (0.013 + 0.002 + 0.006))
+    assert estimate(table, profile, chain, 16).step_ms == pytest.approx(1000 * (0.012 + 0.002 + 0.002))
+    assert choose(table, profile, [chain, tree], [16]).pick(16) == chain
 
 
 def test_expensive_drafting_chooses_ar_everywhere() -> None:

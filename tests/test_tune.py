@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from blockdraft.cli import app
-from blockdraft.engine.schedule import CostTable, Schedule
+from blockdraft.engine.schedule import AR, AcceptanceProfile, Candidate, CostTable, Schedule, estimate
 
 
 def test_tune_writes_costs_and_a_consistent_schedule(trained_pairs: dict[str, tuple[Path, Path]],
@@ -63,5 +64,75 @@ def test_commit_costs_time_the_servers_commit_work_on_every_sequence() -> None:
 
     costs = measure_costs(target, make_drafter("all_full"), "t", "d", [1, 3], [1], [4], 8, 2, commit_work)
     assert sorted(costs.commit_s) == [1, 3]
-    # the first token, a warm-up, 3 timed steps, then the step that ends each (drained before the next batch size)
-    assert len(hooks) == 4 and all(len(seen) == 6 for seen in hooks)
+    # the first token, a warm-up, 3 timed steps; the step then in flight is dropped as each is ended
+    assert len(hooks) == 4 and all(len(seen) == 5 for seen in hooks)
+
+
+def test_each_speculative_candidate_gets_its_own_commit_cost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """measure_costs times every speculative candidate's whole step at every batch size, with the server's hook on
+    each sequence, and ends the timed sequences without decoding them out."""
+    from conftest import make_drafter, make_target_model
+
+    from blockdraft.engine import tune
+    from blockdraft.engine.batch import BatchDecoder
+    from blockdraft.models.fast_target import FastTarget
+
+    decoders: list[BatchDecoder] = []
+
+    class Recorded(BatchDecoder):
+        def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+            super().__init__(*args, **kwargs)
+            decoders.append(self)
+
+    monkeypatch.setattr(tune, "BatchDecoder", Recorded)
+    hooks: list[list[list[int]]] = []
+
+    def commit_work():  # noqa: ANN202
+        seen: list[list[int]] = []
+        hooks.append(seen)
+        return lambda tokens: seen.append(tokens) and False
+
+    chain, tree = Candidate("dflash", 3), Candidate("ddtree", budget=4)
+    costs = tune.measure_costs(FastTarget(make_target_model("qwen3")), make_drafter("all_full"), "t", "d", [1, 3],
+                               [1, chain.rows, tree.rows], [4], 8, 2, commit_work, candidates=[AR, chain, tree])
+    assert {label: sorted(curve) for label, curve in costs.commit_by_candidate_s.items()} == {
+        "dflash/3": [1, 3], "ddtree@4": [1, 3]}
+    assert all(t >= 0 for curve in costs.commit_by_candidate_s.values() for t in curve.values())
+    assert len(decoders) == 3 and all(not d.running and d.flight is None for d in decoders)
+    # AR's, the chain's and the tree's sequences (1 + 3 each): the first token, a warm-up and 3 timed steps each
+    assert len(hooks) == 12 and all(len(seen) == 5 for seen in hooks)
+    assert costs.commit_time(3, chain) == costs.commit_by_candidate_s["dflash/3"][3]
+
+
+def test_a_speculative_step_splits_into_device_time_and_its_own_commit_cost(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the timer fixed, estimate's step at a measured batch size is the candidate's timed whole step: its own
+    host work is what the table's device time leaves of it, not AR's."""
+    from conftest import make_drafter, make_target_model
+
+    from blockdraft.engine import tune
+    from blockdraft.engine.batch import BatchDecoder
+    from blockdraft.models.fast_target import FastTarget
+
+    steps: dict[tuple[str, int], float] = {}
+    parts = iter(range(1, 1000))
+
+    def timer(run, device, repeats) -> float:  # noqa: ANN001
+        decoder = getattr(run, "__self__", None)
+        if not isinstance(decoder, BatchDecoder):
+            return 1e-4 * next(parts)  # a verify, drafter or tree cost: small and all different
+        run()
+        proposer = decoder.running[0].proposer
+        key = (proposer.name if proposer else "ar", len(decoder.running))
+        steps[key] = 0.05 + 0.01 * len(steps)
+        return steps[key]
+
+    monkeypatch.setattr(tune, "_seconds", timer)
+    tree = Candidate("ddtree", budget=4)
+    costs = tune.measure_costs(FastTarget(make_target_model("qwen3")), make_drafter("all_full"), "t", "d", [1, 3],
+                               [1, tree.rows], [4], 8, 2, candidates=[tree])
+    assert sorted(steps) == [("ar", 1), ("ar", 3), ("ddtree", 1), ("ddtree", 3)]
+    profile = AcceptanceProfile([0.5] * 5, {4: 2.0}, "m")
+    for batch in (1, 3):
+        for candidate, method in ((tree, "ddtree"), (AR, "ar")):
+            step_ms = estimate(costs, profile, candidate, batch).step_ms
+            assert step_ms == pytest.approx(1000 * steps[(method, batch)], rel=1e-12)

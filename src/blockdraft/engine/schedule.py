@@ -1,10 +1,11 @@
 """The speculation schedule: per batch size, the method (AR, a DFlash chain, a DDTree) that makes the most tokens/s.
 
-Speculating costs extra verify rows and a drafter forward, and pays back tau tokens per step instead of one. At small
-batches a target forward is bound by reading the weights, so extra rows are nearly free; at large batches it is bound
-by compute, and they are not. Which method wins therefore depends on the batch size, and only step costs measured on
-the device (`CostTable`, written by `blockdraft tune`) and the drafter's measured acceptance (`AcceptanceProfile`)
-can say which.
+Speculating costs extra verify rows, a drafter forward and more host work to land each step (walking the drafts,
+committing several tokens, extending the drafter's context), and pays back tau tokens per step instead of one. At
+small batches a target forward is bound by reading the weights, so extra rows are nearly free; at large batches it is
+bound by compute, and they are not. Which method wins therefore depends on the batch size, and only step costs
+measured on the device (`CostTable`, written by `blockdraft tune`: each candidate's device work and its own host
+work) and the drafter's measured acceptance (`AcceptanceProfile`) can say which.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import bisect
 import json
 import math
+import re
 from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,6 +33,8 @@ _RESCHEDULE = "write the schedule again from its cost table and acceptance profi
 # host. Kept here rather than imported from decoding.methods, which pulls in torch; the schedule is arithmetic.
 _METHOD_RANK = {"ar": 0, "dflash": 1, "ddtree": 2}
 _ROUNDING = 1e-6
+_LABEL = re.compile(r"ar|dflash/(?P<chain>[1-9][0-9]*)|ddtree@(?P<budget>[1-9][0-9]*)")
+_LABELS = "'ar', 'dflash/N' (a chain of N draft tokens) or 'ddtree@N' (a tree of N nodes), N >= 1"
 
 
 @dataclass(frozen=True)
@@ -129,6 +133,77 @@ def _interpolate(curve: dict[int, float], x: int) -> float | None:
     return _between(curve, around, x) if around else None
 
 
+@dataclass(frozen=True)
+class Candidate:
+    """One way to decode a step: AR, a DFlash chain of `draft_tokens`, or a DDTree of `budget` nodes.
+
+    A DDTree is keyed by its budget alone (its tau and build time are measured per budget), so its draft_tokens is 0.
+    """
+
+    method: str
+    draft_tokens: int = 0
+    budget: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in _METHOD_RANK:
+            raise BlockdraftError(f"candidate method {self.method!r} must be one of {', '.join(_METHOD_RANK)}")
+        if self.method == "dflash" and not self.draft_tokens >= 1:
+            raise BlockdraftError(f"a dflash candidate needs draft_tokens >= 1, not {self.draft_tokens}")
+        if self.method != "dflash" and self.draft_tokens != 0:
+            raise BlockdraftError(f"a {self.method} candidate drafts no chain; leave draft_tokens at 0, "
+                                  f"not {self.draft_tokens}")
+        if self.method == "ddtree" and not (self.budget or 0) >= 1:
+            raise BlockdraftError(f"a ddtree candidate needs a budget >= 1, not {self.budget}")
+        if self.method != "ddtree" and self.budget is not None:
+            raise BlockdraftError(f"a {self.method} candidate has no tree; leave budget unset, not {self.budget}")
+
+    @property
+    def rows(self) -> int:
+        """Rows per sequence in the verify forward: the last committed token plus every drafted one."""
+        if self.method == "ddtree":
+            return 1 + int(self.budget or 0)
+        return 1 + self.draft_tokens
+
+    @property
+    def label(self) -> str:
+        if self.method == "dflash":
+            return f"dflash/{self.draft_tokens}"
+        if self.method == "ddtree":
+            return f"ddtree@{self.budget}"
+        return "ar"
+
+    @classmethod
+    def from_label(cls, label: str) -> Candidate:
+        """The candidate `label` names (the inverse of `.label`): a cost table keys each candidate's host work by it."""
+        match = _LABEL.fullmatch(label) if isinstance(label, str) else None
+        if match is None:
+            raise BlockdraftError(f"candidate label {label!r} must be {_LABELS}")
+        if match["chain"]:
+            return cls("dflash", int(match["chain"]))
+        if match["budget"]:
+            return cls("ddtree", budget=int(match["budget"]))
+        return cls("ar")
+
+    def cheapness(self) -> tuple[int, int]:
+        """Sort key for ties: fewer verify rows first, then no drafter, then no host-built tree."""
+        return self.rows, _METHOD_RANK[self.method]
+
+
+AR = Candidate("ar")
+
+
+def _speculative_label(check: _Check, raw: Any) -> str:
+    """A key of commit_by_candidate_s: a speculative candidate's label (AR's host work is commit_s)."""
+    try:
+        candidate = Candidate.from_label(raw)
+    except BlockdraftError:
+        candidate = AR
+    if candidate == AR:
+        raise check.fail(f"a key of commit_by_candidate_s = {raw!r} must be a speculative candidate's label, "
+                         "'dflash/N' or 'ddtree@N' (AR's host work is commit_s)")
+    return candidate.label
+
+
 @dataclass
 class CostTable:
     """Step costs measured on one device at one KV length: what `blockdraft tune` writes.
@@ -136,10 +211,13 @@ class CostTable:
     `verify_s[batch][rows]`: one target forward over batch x rows; `draft_s[batch]`: one drafter forward over every
     sequence's block; `tree_build_s[budget]`: host time to build one sequence's DDTree; `trees_s[batch][budget]`: to
     build every sequence's DDTree of a batch together, as the batched engine does (one top-k and one read for all;
-    where measured it replaces batch x tree_build_s); `commit_s[batch]`: the rest of a step for `batch` sequences,
-    whatever the method (reading the verdicts back, each sequence's commit, cache bookkeeping and the server's text
-    work; empty in tables from before it was measured: then nothing). `where` names the table in errors (the file
-    it came from).
+    where measured it replaces batch x tree_build_s); `commit_s[batch]`: the rest of an AR step for `batch`
+    sequences (reading the verdicts back, each sequence's commit, cache bookkeeping and the server's text work; empty
+    in tables from before it was measured: then nothing); `commit_by_candidate_s[label][batch]`: the same for a
+    speculative candidate's step (its whole step less `device_time`), which lands more: walking drafts and trees,
+    committing several tokens, extending the drafter's context (on a CPU 7x AR's at batch 4 for DFlash, 20x for
+    DDTree@32, benchmarks/commit_cost.py). A candidate without its own pays commit_s, as every candidate did in
+    tables from before it was measured. `where` names the table in errors (the file it came from).
     """
 
     device: str
@@ -152,6 +230,7 @@ class CostTable:
     tree_build_s: dict[int, float] = field(default_factory=dict)
     commit_s: dict[int, float] = field(default_factory=dict)
     trees_s: dict[int, dict[int, float]] = field(default_factory=dict)
+    commit_by_candidate_s: dict[str, dict[int, float]] = field(default_factory=dict)
     where: InitVar[str] = "cost table"
 
     def __post_init__(self, where: str) -> None:
@@ -180,6 +259,13 @@ class CostTable:
                 check.mapping(budgets, f"trees_s[{batch!r}]"), f"trees_s[{batch!r}]", budget_must
             )
             for batch, budgets in check.mapping(self.trees_s, "trees_s", empty_ok=True).items()
+        }
+        self.commit_by_candidate_s = {
+            _speculative_label(check, label): check.seconds(
+                check.mapping(curve, f"commit_by_candidate_s[{label!r}]"), f"commit_by_candidate_s[{label!r}]",
+                batch_must, zero_ok=True)
+            for label, curve in check.mapping(self.commit_by_candidate_s, "commit_by_candidate_s",
+                                              empty_ok=True).items()
         }
 
     def _name(self) -> str:
@@ -221,14 +307,27 @@ class CostTable:
             raise self._outside("drafter batch size", batch, sorted(self.draft_s), "--batch-sizes")
         return seconds
 
-    def commit_time(self, batch: int) -> float:
-        """Seconds of a step's host work for `batch` sequences: measured, else linear between measured batch sizes;
-        0 for a table that did not measure it."""
-        if not self.commit_s:
+    def commit_time(self, batch: int, candidate: Candidate = AR) -> float:
+        """Seconds of a `candidate` step's host work for `batch` sequences: its own where measured, else AR's
+        (commit_s); measured, else linear between measured batch sizes; 0 for a table that measured neither."""
+        own = self.commit_by_candidate_s.get(candidate.label)
+        curve, what = (own, f"{candidate.label} commit batch size") if own else (self.commit_s, "commit batch size")
+        if not curve:
             return 0.0
-        seconds = _interpolate(self.commit_s, batch)
+        seconds = _interpolate(curve, batch)
         if seconds is None:
-            raise self._outside("commit batch size", batch, sorted(self.commit_s), "--batch-sizes")
+            raise self._outside(what, batch, sorted(curve), "--batch-sizes")
+        return seconds
+
+    def device_time(self, batch: int, candidate: Candidate) -> float:
+        """Seconds of a `candidate` step's timed parts for `batch` sequences: the verify over its rows, the drafter
+        unless AR, the batch's trees if DDTree. With commit_time, a step: `tune` measures a candidate's host work as
+        its whole step less this, so the two parts sum back to the measured step."""
+        seconds = self.verify_time(batch, candidate.rows)
+        if candidate.method != "ar":
+            seconds += self.draft_time(batch)
+        if candidate.method == "ddtree":
+            seconds += self.tree_time(batch, int(candidate.budget or 0))
         return seconds
 
     def tree_time(self, batch: int, budget: int) -> float:
@@ -257,6 +356,10 @@ class CostTable:
             "tree_build_s": _keyed(self.tree_build_s),
             "commit_s": _keyed(self.commit_s),
             "trees_s": {str(b): _keyed(budgets) for b, budgets in sorted(self.trees_s.items())},
+            "commit_by_candidate_s": {
+                label: _keyed(curve) for label, curve in sorted(
+                    self.commit_by_candidate_s.items(), key=lambda item: Candidate.from_label(item[0]).cheapness())
+            },
         }
 
     @classmethod
@@ -266,7 +369,8 @@ class CostTable:
         required = ("device", "dtype", "target", "drafter", "context_tokens", "verify_s")  # checked in __post_init__
         return cls(**{name: raw.get(name) for name in required}, draft_s=raw.get("draft_s", {}),
                    tree_build_s=raw.get("tree_build_s", {}), commit_s=raw.get("commit_s", {}),
-                   trees_s=raw.get("trees_s", {}), where=where)
+                   trees_s=raw.get("trees_s", {}), commit_by_candidate_s=raw.get("commit_by_candidate_s", {}),
+                   where=where)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=2) + "\n")
@@ -344,53 +448,6 @@ class AcceptanceProfile:
 
 
 @dataclass(frozen=True)
-class Candidate:
-    """One way to decode a step: AR, a DFlash chain of `draft_tokens`, or a DDTree of `budget` nodes.
-
-    A DDTree is keyed by its budget alone (its tau and build time are measured per budget), so its draft_tokens is 0.
-    """
-
-    method: str
-    draft_tokens: int = 0
-    budget: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.method not in _METHOD_RANK:
-            raise BlockdraftError(f"candidate method {self.method!r} must be one of {', '.join(_METHOD_RANK)}")
-        if self.method == "dflash" and not self.draft_tokens >= 1:
-            raise BlockdraftError(f"a dflash candidate needs draft_tokens >= 1, not {self.draft_tokens}")
-        if self.method != "dflash" and self.draft_tokens != 0:
-            raise BlockdraftError(f"a {self.method} candidate drafts no chain; leave draft_tokens at 0, "
-                                  f"not {self.draft_tokens}")
-        if self.method == "ddtree" and not (self.budget or 0) >= 1:
-            raise BlockdraftError(f"a ddtree candidate needs a budget >= 1, not {self.budget}")
-        if self.method != "ddtree" and self.budget is not None:
-            raise BlockdraftError(f"a {self.method} candidate has no tree; leave budget unset, not {self.budget}")
-
-    @property
-    def rows(self) -> int:
-        """Rows per sequence in the verify forward: the last committed token plus every drafted one."""
-        if self.method == "ddtree":
-            return 1 + int(self.budget or 0)
-        return 1 + self.draft_tokens
-
-    @property
-    def label(self) -> str:
-        if self.method == "dflash":
-            return f"dflash/{self.draft_tokens}"
-        if self.method == "ddtree":
-            return f"ddtree@{self.budget}"
-        return "ar"
-
-    def cheapness(self) -> tuple[int, int]:
-        """Sort key for ties: fewer verify rows first, then no drafter, then no host-built tree."""
-        return self.rows, _METHOD_RANK[self.method]
-
-
-AR = Candidate("ar")
-
-
-@dataclass(frozen=True)
 class Estimate:
     """One candidate at one batch size: tokens per sequence per step, and milliseconds per step.
 
@@ -408,29 +465,31 @@ class Estimate:
 
 
 def estimate(costs: CostTable, profile: AcceptanceProfile, candidate: Candidate, batch: int) -> Estimate:
-    """Tokens per step and step time: verify and the step's host work, plus the drafter unless AR, plus each
-    sequence's tree if DDTree. The host work is the same per step for every method, so it favours the methods that
-    commit more per step: at batch 64 it was most of an AR step on the H200 (benchmarks/RESULTS.md, session 15)."""
+    """Tokens per step and step time: the step's device work (`CostTable.device_time`: verify, the drafter unless
+    AR, the trees if DDTree) plus its host work (`commit_time`), the candidate's own where the table measured it.
+    Host work is paid per step, so it favours the methods that commit more per step (at batch 64 it was most of an
+    AR step on the H200, benchmarks/RESULTS.md session 15), but it is not the same for every method: a DDTree step
+    lands far more than an AR one, and counting AR's for it chose DDTree@32 where it ran at 0.84x AR."""
     if batch < 1:
         raise BlockdraftError(f"batch size {batch} must be >= 1")
-    step_s = costs.verify_time(batch, candidate.rows) + costs.commit_time(batch)
+    step_s = costs.device_time(batch, candidate) + costs.commit_time(batch, candidate)
+    return Estimate(candidate, batch, _tau(profile, candidate), 1000.0 * step_s)
+
+
+def _tau(profile: AcceptanceProfile, candidate: Candidate) -> float:
+    """Tokens `candidate` commits per step: 1 for AR, the chain's from per-position rates, a tree's as measured."""
     if candidate.method == "ar":
-        tau = 1.0
-    else:
-        step_s += costs.draft_time(batch)
-        if candidate.method == "dflash":
-            tau = profile.chain_tau(candidate.draft_tokens)
-        else:
-            budget = int(candidate.budget or 0)
-            if budget not in profile.tree_tau:
-                raise BlockdraftError(
-                    f"{profile.source}: no measured tau for DDTree budget {budget} (tree_tau has budgets "
-                    f"{sorted(profile.tree_tau) or 'none'}); measure it with "
-                    f"`blockdraft bench --methods ddtree --budget {budget}`"
-                )
-            tau = profile.tree_tau[budget]
-            step_s += costs.tree_time(batch, budget)
-    return Estimate(candidate, batch, tau, 1000.0 * step_s)
+        return 1.0
+    if candidate.method == "dflash":
+        return profile.chain_tau(candidate.draft_tokens)
+    budget = int(candidate.budget or 0)
+    if budget not in profile.tree_tau:
+        raise BlockdraftError(
+            f"{profile.source}: no measured tau for DDTree budget {budget} (tree_tau has budgets "
+            f"{sorted(profile.tree_tau) or 'none'}); measure it with "
+            f"`blockdraft bench --methods ddtree --budget {budget}`"
+        )
+    return profile.tree_tau[budget]
 
 
 def expected_tokens_per_s(costs: CostTable, profile: AcceptanceProfile, candidate: Candidate, batch: int) -> float:

@@ -6,9 +6,11 @@ around each): one verify forward over B sequences x R rows at `context` tokens o
 own batch-1 forward, which a lone sequence runs; more: `BatchForward`, CUDA graphs per batch bucket), one batched
 drafter step for B sequences (`BatchDrafter`: the pass over every block, then the context extension of a whole
 block per sequence, the most a step commits), one DDTree build per budget (and a whole batch's, built together),
-and the rest of a step (an AR step of the batched engine itself over B sequences, less its verify forward: reading
-the verdicts back, the commits, the cache bookkeeping, and, given the server's per-commit hook, the text each commit
-adds).
+and the rest of a step: a whole step of the batched engine itself over B sequences, less the timed parts of it above
+(reading the verdicts back, the commits, the cache bookkeeping, and, given the server's per-commit hook, the text
+each commit adds). That is AR's step for every candidate (commit_s), and each speculative candidate passed in
+`candidates` its own step too (commit_by_candidate_s): landing a DDTree@32 step took 20x an AR step's host time
+on a CPU (benchmarks/commit_cost.py), which AR's alone left out of the schedule.
 Acceptance is measured by decoding the prompts greedily: the DFlash chain over the whole block (per-position rates)
 and DDTree at each budget (tau).
 """
@@ -17,13 +19,14 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
 from blockdraft.decoding.ddtree import DDTreeProposer, build_tree, build_trees
 from blockdraft.decoding.draft import DFlashProposer
 from blockdraft.decoding.generate import OnCommit, generate
+from blockdraft.decoding.methods import build_proposer
 from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.engine.batch import BatchDecoder, Request, bucket_sizes
 from blockdraft.engine.schedule import AR, AcceptanceProfile, Candidate, CostTable, Schedule, choose
@@ -55,9 +58,13 @@ def _seconds(run: Callable[[], object], device: torch.device, repeats: int) -> f
 @torch.inference_mode()
 def measure_costs(target: Target, drafter: DFlashDrafter, target_name: str, drafter_name: str,
                   batch_sizes: list[int], rows: list[int], budgets: list[int], context: int,
-                  repeats: int, commit_work: Callable[[], OnCommit] | None = None) -> CostTable:
+                  repeats: int, commit_work: Callable[[], OnCommit] | None = None, *,
+                  candidates: Sequence[Candidate] = ()) -> CostTable:
     """The cost table of the batched engine on this device (see the module docstring); `commit_work()` gives each
-    timed sequence the hook the server runs on its commits (its text), so commit_s is the server's."""
+    timed sequence the hook the server runs on its commits (its text), so the host work is the server's. Each
+    speculative candidate in `candidates` gets its own host work; one whose device work the table cannot cost (its
+    rows or budget not measured) is skipped, not failed: without a device time its step cannot be split, and it
+    pays AR's host work as tables without commit_by_candidate_s do."""
     if not isinstance(target, FastTarget):
         raise BlockdraftError("tune times the batched engine, which needs the fast engine; pass --engine fast")
     device = target.device
@@ -84,32 +91,60 @@ def measure_costs(target: Target, drafter: DFlashDrafter, target_name: str, draf
                    (lambda: batched(ids, positions, own, taps)))
             verify_s[batch][r] = _seconds(run, device, repeats)
     draft_s = _draft_costs(target, drafter, batch_sizes, context, repeats)
-    ar_steps = _ar_steps(target, batch_sizes, context, repeats, commit_work)
+    ar_steps = _steps(target, drafter, AR, batch_sizes, context, repeats, commit_work)
     commit_s = {batch: max(0.0, ar_steps[batch] - verify_s[batch][1]) for batch in batch_sizes if 1 in verify_s[batch]}
     log_probs = torch.randn(drafter.cfg.block_size - 1, target.vocab_size, device=device).log_softmax(-1)
     tree_build_s = {b: _seconds(lambda b=b: build_tree(log_probs, b), device, repeats) for b in budgets}
     trees_s = {batch: {b: _seconds(lambda b=b, rows=log_probs.expand(batch, -1, -1): build_trees(
         rows, [rows.shape[1]] * batch, b), device, repeats) for b in budgets} for batch in batch_sizes}
-    return CostTable(device=device.type, dtype=str(target.dtype).removeprefix("torch."), target=target_name,
-                     drafter=drafter_name, context_tokens=context, verify_s=verify_s,
-                     draft_s=draft_s, tree_build_s=tree_build_s, commit_s=commit_s, trees_s=trees_s)
+    table = CostTable(device=device.type, dtype=str(target.dtype).removeprefix("torch."), target=target_name,
+                      drafter=drafter_name, context_tokens=context, verify_s=verify_s,
+                      draft_s=draft_s, tree_build_s=tree_build_s, commit_s=commit_s, trees_s=trees_s)
+    for candidate in {c.label: c for c in candidates if c != AR}.values():
+        try:
+            device_s = {batch: table.device_time(batch, candidate) for batch in batch_sizes}
+        except BlockdraftError:
+            continue
+        steps = _steps(target, drafter, candidate, batch_sizes, context, repeats, commit_work)
+        table.commit_by_candidate_s[candidate.label] = {batch: max(0.0, steps[batch] - device_s[batch])
+                                                        for batch in batch_sizes}
+    return table
 
 
-def _ar_steps(target: FastTarget, batch_sizes: list[int], context: int, repeats: int,
-              commit_work: Callable[[], OnCommit] | None) -> dict[int, float]:
-    """Seconds of one AR step of the batched engine over each batch size's sequences of `context` prompt tokens,
-    in one decoder with the largest batch's slots (as a server's, graphs and buffers shared across sizes)."""
-    decoder = BatchDecoder(target, lambda: None, max(batch_sizes))
+def _steps(target: FastTarget, drafter: DFlashDrafter, candidate: Candidate, batch_sizes: list[int], context: int,
+           repeats: int, commit_work: Callable[[], OnCommit] | None) -> dict[int, float]:
+    """Seconds of one whole `candidate` step of the batched engine over each batch size's sequences of `context`
+    prompt tokens, in one decoder with the largest batch's slots (as a server's, graphs and buffers shared across
+    sizes). The sequences are then ended where they are, as a hook ends one: decoding them out would time nothing."""
+    decoder = BatchDecoder(target, lambda: build_proposer(candidate.method, target, drafter, candidate.budget,
+                                                          candidate.draft_tokens or None), max(batch_sizes))
     prompt = torch.randint(0, target.vocab_size, (context,)).tolist()
+    tokens = _step_tokens(target, context, candidate.rows, repeats)
     seconds: dict[int, float] = {}
     for batch in batch_sizes:
-        decoder.join_many([Request(prompt, repeats + 4, on_commit=commit_work() if commit_work else None)
+        decoder.join_many([Request(prompt, tokens, on_commit=commit_work() if commit_work else None)
                            for _ in range(batch)])
         decoder.step()  # graphs for this shape, off the clock
         seconds[batch] = _seconds(decoder.step, target.device, repeats)
-        while decoder.running:
+        for seq in decoder.running:
+            seq.ended_early = True
+        while decoder.running:  # the step in flight is landed, its rows dropped, and the sequences leave
             decoder.step()
     return seconds
+
+
+def _step_tokens(target: Target, context: int, rows: int, repeats: int) -> int:
+    """max_new_tokens of a timed sequence: room for the untimed step, the timed ones and the step in flight at the
+    end to commit up to `rows` tokens each, so every timed step drafts in full and none ends a sequence; within the
+    target's window, which must also hold the `rows` a verify writes past the commits."""
+    wanted = (repeats + 4) * rows
+    limit = target.max_positions
+    if limit is None:
+        return wanted
+    if limit - context - rows < repeats + 4:
+        raise BlockdraftError(f"--context {context} leaves {limit - context} of the target's {limit} positions; "
+                              f"timing {rows}-row steps needs {rows + repeats + 4}: lower --context or --repeats")
+    return min(wanted, limit - context - rows)
 
 
 def _draft_costs(target: FastTarget, drafter: DFlashDrafter, batch_sizes: list[int], context: int,
@@ -162,6 +197,6 @@ def auto_schedule(target: Target, drafter: DFlashDrafter, target_name: str, draf
     sizes = bucket_sizes(max_num_seqs)
     candidates = [AR, Candidate("dflash", depth), Candidate("ddtree", budget=budget)]
     costs = measure_costs(target, drafter, target_name, drafter_name, sizes, sorted({c.rows for c in candidates}),
-                          [budget], context=128, repeats=3, commit_work=commit_work)
+                          [budget], context=128, repeats=3, commit_work=commit_work, candidates=candidates)
     profile = measure_acceptance(target, drafter, prompts, [budget], 32, stop_token_ids, "start-up decodes")
     return choose(costs, profile, candidates, sizes)
