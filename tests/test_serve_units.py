@@ -563,3 +563,22 @@ def test_streamed_text_is_the_decode_of_the_ids_stepped_or_windowed(embedded_tok
             output._stream = None
         pieces = [output.push(ids[i:i + chunk])[0] for i in range(0, len(ids), chunk)]
         assert "".join(pieces) + output.finish("length") == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_the_schedule_is_auto_by_default_only_on_a_gpu_with_batching_a_drafter_and_no_method() -> None:
+    """`blockdraft serve` with no --schedule measures one where it was measured to pay (the fast engine on a GPU,
+    continuous batching, a drafter) unless --method asks for one method; a given --schedule always wins."""
+    from dataclasses import replace
+
+    from blockdraft.serve.engine_process import schedule_choice
+    from blockdraft.serve.settings import ServeSettings
+
+    default = ServeSettings()
+    assert default.served_method == "ddtree" and replace(default, method="ar").served_method == "ar"
+    assert schedule_choice(default, 64, True, True) == "auto"
+    assert [schedule_choice(default, 1, True, True), schedule_choice(default, 64, False, True),
+            schedule_choice(default, 64, True, False)] == ["off"] * 3
+    assert schedule_choice(replace(default, method="ddtree"), 64, True, True) == "off"
+    assert schedule_choice(replace(default, schedule="off"), 64, True, True) == "off"
+    assert schedule_choice(replace(default, method="dflash", schedule="tune/schedule.json"), 1, False, False) == \
+        "tune/schedule.json"

@@ -379,7 +379,9 @@ def demo(
 def serve(
     target: str = TargetOpt,
     drafter: Optional[str] = typer.Option(None, "--drafter", help="Default: the shipped drafter for the embedded target."),
-    method: str = typer.Option("ddtree", "--method", help="ar, dflash or ddtree."),
+    method: Optional[str] = typer.Option(
+        None, "--method", help="ar, dflash or ddtree (default: ddtree; on a GPU with continuous batching the measured "
+        "--schedule picks among them per batch size unless --method is given)."),
     budget: Optional[int] = typer.Option(None, "--budget", help="DDTree nodes per step (default: 32 on a GPU, 4 on a CPU)."),
     draft_tokens: Optional[int] = typer.Option(
         None, "--draft-tokens", help="Tokens drafted per step, 1..B-1 (default: the whole block on a GPU, 3 on a CPU)."
@@ -396,10 +398,11 @@ def serve(
         "interleaved steps on the HF engine); 1: one at a time. Default: up to 64 on a GPU with the fast engine "
         "(as many as the KV cache holds at --max-model-len), 1 elsewhere.",
     ),
-    schedule: str = typer.Option(
-        "off", "--schedule",
+    schedule: Optional[str] = typer.Option(
+        None, "--schedule",
         help="With --max-num-seqs > 1: the method per batch size from `blockdraft tune`'s schedule.json (FILE), "
-        "measured at start-up (auto), or the fixed --method (off).",
+        "measured at start-up (auto), or the fixed --method (off). Default: auto on a GPU with continuous batching "
+        "and no --method, else off.",
     ),
     schedule_adapt: bool = typer.Option(
         True, "--schedule-adapt/--no-schedule-adapt",

@@ -60,7 +60,7 @@ class BlockdraftServer:
     """A started engine and an app bound to its port; `run()` serves until stopped."""
 
     def __init__(self, settings: ServeSettings, say: Callable[[str], None]) -> None:
-        method = settings.method
+        method = settings.served_method
         if method not in METHODS:
             raise BlockdraftError(f"--method {method!r} is not one of {', '.join(METHODS)}")
         if settings.max_num_seqs is not None and settings.max_num_seqs < 1:

@@ -14,7 +14,7 @@ class ServeSettings:
 
     target: str = EMBEDDED_TARGET_NAME
     drafter: str | None = None
-    method: str = "ddtree"
+    method: str | None = None  # ddtree, unless the schedule picks per batch size (`schedule_choice`)
     budget: int | None = None
     draft_tokens: int | None = None
     host: str = "127.0.0.1"
@@ -24,7 +24,7 @@ class ServeSettings:
     max_model_len: int | None = None
     max_queue: int = 256
     max_num_seqs: int | None = None
-    schedule: str = "off"
+    schedule: str | None = None  # auto or off by `schedule_choice`
     device: str | None = None
     dtype: str | None = None
     engine: str = "auto"
@@ -33,3 +33,8 @@ class ServeSettings:
     drain_timeout: float = 30.0
     stream_interval_ms: float = 20.0
     schedule_adapt: bool = True
+
+    @property
+    def served_method(self) -> str:
+        """--method, else DDTree: the fastest for one request at a time on the embedded pair (RESULTS, session 28)."""
+        return self.method or "ddtree"
