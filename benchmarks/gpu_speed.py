@@ -420,7 +420,7 @@ def e2e(args: argparse.Namespace, rec: Recorder) -> None:
             log(f"e2e engine {engine} unavailable: {type(exc).__name__}: {exc}")
             rec.data["errors"].append(f"e2e engine {engine}: {exc}")
             continue
-        for method, budget in (("ar", None), ("dflash", None), ("ddtree", args.budget)):
+        for method, budget in (("ar", None), ("dflash", None), *(("ddtree", b) for b in args.budget)):
             proposer = build_proposer(method, target, drafter, budget)
 
             def run(prompt: list[int], new: int, proposer: Any = proposer, target: Any = target) -> tuple[list[int], list[int], Any]:
@@ -461,6 +461,23 @@ def reference_dflash(args: argparse.Namespace, model: Any, drafter: Any, row: Ca
     row("reference dflash_generate", run, reference or None)
 
 
+def tree_goals(entries: list[dict[str, Any]]) -> list[str]:
+    """Issue 24's end-to-end goals per engine: DDTree@32 against AR, the best DDTree budget against the chain."""
+    lines = []
+    rates = {e["method"]: e["tokens_per_s"] for e in entries}
+    for engine in dict.fromkeys(m.split()[1] for m in rates if m.startswith("ours ")):
+        ar, chain = rates.get(f"ours {engine} ar"), rates.get(f"ours {engine} dflash")
+        trees = {m.rsplit("@", 1)[1]: r for m, r in rates.items() if m.startswith(f"ours {engine} ddtree@")}
+        if not trees:
+            continue
+        best = max(trees, key=lambda b: trees[b])
+        if ar and "32" in trees:
+            lines.append(f"ours {engine} ddtree@32 / ar: {trees['32'] / ar:.2f}x (goal >= 1.8x)")
+        if chain:
+            lines.append(f"ours {engine} best ddtree (@{best}) / dflash: {trees[best] / chain:.2f}x (goal >= 1.3x)")
+    return lines
+
+
 def print_tables(args: argparse.Namespace, rec: Recorder) -> None:
     columns = ["any", *args.engines]
     print(f"\n## Per-step times, {args.shape} shape, batch 1, context {args.context}, {args.device} "
@@ -486,6 +503,8 @@ def print_tables(args: argparse.Namespace, rec: Recorder) -> None:
             print(f"\nours fast dflash / reference dflash_generate: {fast / ref:.2f}x (goal >= 1.5x)")
         if ar_hf and fast:
             print(f"ours fast dflash / ours hf ar: {fast / ar_hf:.2f}x")
+        for line in tree_goals(rec.data["e2e"]):
+            print(line)
     if rec.data["errors"]:
         print("\nFailures:\n" + "\n".join(f"- {e}" for e in rec.data["errors"]))
     sys.stdout.flush()
@@ -508,7 +527,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompts", default="demo", help="end to end: JSONL file or built-in set")
     parser.add_argument("--limit", type=int, default=None, help="end to end: at most this many prompts (--quick: 2)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="end to end: tokens per prompt (default 128; --quick 32)")
-    parser.add_argument("--budget", type=int, default=64, help="end to end: DDTree budget")
+    parser.add_argument("--budget", type=int_list, default="64",
+                        help="end to end: DDTree budgets, one row each (e.g. 32,64,128,256: issue 24's best budget)")
     parser.add_argument("--e2e-engines", default="hf,fast", help="end to end: engines for our methods")
     parser.add_argument("--e2e-dtype", choices=["auto", "bfloat16", "float32"], default="auto",
                         help="end to end: weights dtype (auto: bf16 on CUDA; float32 makes same-ids exact across kernels)")

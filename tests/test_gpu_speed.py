@@ -27,7 +27,7 @@ def test_cpu_smoke_run(tiny_dirs: tuple[Path, Path], tmp_path: Path) -> None:
     res = subprocess.run(
         [sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--shape", "tiny", "--context", "40",
          "--budgets", "4,8", "--iters", "2", "--warmup", "1", "--target", str(target), "--drafter", str(drafter),
-         "--prompts", str(prompts), "--budget", "6", "--max-new-tokens", "16", "--json", str(out)],
+         "--prompts", str(prompts), "--budget", "6,3", "--max-new-tokens", "16", "--json", str(out)],
         capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -37,7 +37,8 @@ def test_cpu_smoke_run(tiny_dirs: tuple[Path, Path], tmp_path: Path) -> None:
     assert set(data["rows"]["DDTree verify @8 (ms)"]) == {"hf", "fast"}
     assert data["rows"][AGREEMENT_ROW]["fast"].startswith("1.00")
     methods = {e["method"]: e for e in data["e2e"]}
-    assert {"ours fast dflash", "ours hf ddtree@6", "HF generate (greedy)"} <= set(methods)
+    assert {"ours fast dflash", "ours hf ddtree@6", "ours fast ddtree@3", "HF generate (greedy)"} <= set(methods)
+    assert "best ddtree" in res.stdout
     assert all(e["same_ids"] in (None, "2/2") for e in data["e2e"])
     split = methods["ours fast dflash"]["step_ms_draft_verify_rest"]  # the loop's per-step cost, by stage
     assert len(split) == 3 and split[0] > 0 and split[1] > 0
@@ -59,3 +60,11 @@ def test_logits_agreement_tells_near_ties_from_disagreements() -> None:
     agree, diff, widest = (float(x) for x in gpu_speed.logits_agreement(wrong, reference).split(" / "))
     assert agree == 0.5 and widest == pytest.approx(0.5)
     assert gpu_speed.logits_agreement(reference, reference) == "1.00 / 0.0e+00 / 0.0e+00"
+
+
+def test_tree_goals_name_ddtree32_against_ar_and_the_best_budget_against_the_chain() -> None:
+    entries = [{"method": m, "tokens_per_s": r} for m, r in (
+        ("ours fast ar", 1000.0), ("ours fast dflash", 1200.0), ("ours fast ddtree@32", 1500.0),
+        ("ours fast ddtree@256", 1800.0), ("ours hf ar", 50.0), ("HF generate (greedy)", 40.0))]
+    assert gpu_speed.tree_goals(entries) == ["ours fast ddtree@32 / ar: 1.50x (goal >= 1.8x)",
+                                             "ours fast best ddtree (@256) / dflash: 1.50x (goal >= 1.3x)"]
