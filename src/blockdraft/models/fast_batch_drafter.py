@@ -21,12 +21,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from blockdraft.models.drafter import DFlashDrafter, apply_rope
+from blockdraft.models.drafter import DFlashDrafter
 from blockdraft.models.fast_batch import BATCH_GRAPHS, BatchKV, batch_bucket
-from blockdraft.models.fast_drafter import FastDrafter, batched_context_bias, fast_drafter_problem, packed_layers
-from blockdraft.models.fast_ops import rms_norm
+from blockdraft.models.fast_drafter import (ContextProjection, FastDrafter, batched_context_bias, fast_drafter_problem,
+                                            packed_layers)
 from blockdraft.models.fast_target import (PREFILL_ROWS, FastTarget, LayerWeights, attend, graph_rows, layer_mlp,
                                             prefill_rows, run_stack)
 from blockdraft.models.graphs import capture, graph_pool
@@ -73,6 +72,7 @@ class BatchDrafter:
         self.eps, self.act = cfg.rms_norm_eps, cfg.hidden_act
         self.final_norm = drafter.norm.weight
         self.layers = packed_layers(drafter)
+        self.context = ContextProjection.of(self.layers, self.heads, self.kv_heads, self.head_dim, self.eps)
         self.rules = [(layer.self_attn.causal, layer.self_attn.window) for layer in drafter.layers]
         self.store = BatchKV(len(self.layers), self.kv_heads, self.head_dim, slots, self.dtype, self.device)
         self.use_graphs = target.use_graphs
@@ -227,16 +227,10 @@ class BatchDrafter:
         else:
             seq = entry.table[0].unsqueeze(1).expand(bucket, rows)
             cols = entry.table[1].unsqueeze(1) + torch.arange(rows, device=self.device)
-        ctx = self.drafter.project_context(entry.taps)
         cos, sin = self._rope(cols)  # slot = position
-        q_width, d = self.heads * self.head_dim, self.head_dim
-        for i, layer in enumerate(self.layers):
-            bias = None if layer.qkv_bias is None else layer.qkv_bias[q_width:]
-            k, v = F.linear(ctx, layer.qkv[q_width:], bias).view(bucket, rows, 2, self.kv_heads, d).unbind(2)
-            assert layer.k_norm is not None
-            self.store.kv[i, 0][seq, :, cols] = apply_rope(rms_norm(k, layer.k_norm, self.eps).transpose(1, 2), cos,
-                                                     sin).transpose(1, 2)
-            self.store.kv[i, 1][seq, :, cols] = v
+        # [bucket, rows, layers, 2, kv_heads, d]: the store's [layers, 2, slots, kv_heads, positions, d] indexed at
+        # (seq, cols) puts those two first
+        self.store.kv[:, :, seq, :, cols] = self.context(self.drafter.project_context(entry.taps), cos, sin)
 
     @torch.inference_mode()
     def draft(self, anchors: list[int], starts: list[int], visibles: list[int]) -> torch.Tensor:

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from blockdraft.models.drafter import DFlashDrafter, apply_rope, visibility_mask
+from blockdraft.models.drafter import DFlashDrafter, rotate_half, visibility_mask
 from blockdraft.models.fast_ops import ACTIVATIONS, rms_norm
 from blockdraft.models.fast_target import (
     LENGTH_DEPENDENT_ROPE, MAX_GRAPHS, FastTarget, LayerWeights, graph_rows, layer_step, pack_layer, run_stack,
@@ -102,13 +102,53 @@ def batched_context_bias(
     return bias.repeat(1, groups, 1).unsqueeze(1)
 
 
-def context_kv(
-    kv: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_heads: int, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed k|v [1, t, 2 * kv_heads * d] -> normed, rotated keys and values [1, kv_heads, t, d]; cos/sin [1, t, d]."""
-    t, d = kv.shape[1], cos.shape[-1]
-    k, v = kv.view(1, t, 2, kv_heads, d).unbind(2)
-    return apply_rope(rms_norm(k, k_norm, eps).transpose(1, 2), cos, sin), v.transpose(1, 2)
+@dataclass(frozen=True)
+class ContextProjection:
+    """Every drafter layer's context K|V projection as one product: in DFlash all layers take their context K/V
+    from the same projected features, so one matrix of the layers' k|v rows stacked makes all of them at once, and
+    one pass norms, rotates and writes them, instead of a product and a dozen small launches per layer (the
+    8B-shaped drafter's 16-row extension took 0.33-0.37 ms on an H200, a fifth of its whole pass; the embedded
+    pair's chain step spent 0.18 ms outside its draft and verify: benchmarks/RESULTS.md, session 28)."""
+
+    weight: torch.Tensor  # [layers * 2 * kv_heads * head_dim, hidden]: each layer's k rows, then its v rows
+    bias: torch.Tensor | None
+    k_norms: torch.Tensor  # [layers, 1, head_dim]: each layer's key norm, broadcast over its heads
+    layers: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+
+    @classmethod
+    def of(cls, layers: list[LayerWeights], heads: int, kv_heads: int, head_dim: int, eps: float
+           ) -> ContextProjection:
+        """Stacked from the packed layers (a copy: the layers' k|v rows sit between their q and the next layer's)."""
+        q_width = heads * head_dim
+        if any(layer.k_norm is None for layer in layers):
+            raise ValueError("the static drafter path needs every drafter layer's key norm (a DFlash drafter's)")
+        biases = [layer.qkv_bias for layer in layers]
+        return cls(
+            weight=torch.cat([layer.qkv[q_width:] for layer in layers]),
+            bias=None if any(b is None for b in biases) else torch.cat([b[q_width:] for b in biases]),
+            k_norms=torch.stack([layer.k_norm for layer in layers]).unsqueeze(1),  # type: ignore[misc]
+            layers=len(layers), kv_heads=kv_heads, head_dim=head_dim, eps=eps,
+        )
+
+    def __call__(self, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Context features [b, t, hidden] -> [b, t, layers, 2, kv_heads, head_dim]: each layer's keys normed and
+        rotated (cos/sin [b, t, r] at the rows' positions, the first r of head_dim rotated), then its values: what
+        the eager drafter computes layer by layer (`DFlashDrafter.extend_context`), elementwise the same ops."""
+        b, t = ctx.shape[:2]
+        kv = F.linear(ctx, self.weight, self.bias).view(b, t, self.layers, 2, self.kv_heads, self.head_dim)
+        keys = _rotate(rms_norm(kv[:, :, :, 0], self.k_norms, self.eps), cos[:, :, None, None], sin[:, :, None, None])
+        return torch.stack([keys, kv[:, :, :, 1]], dim=3)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rope`'s rotation with cos/sin already broadcastable to x[..., :r] (any layout of heads and rows)."""
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat([_rotate(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
+    return x * cos + rotate_half(x) * sin
 
 
 @dataclass
@@ -163,6 +203,7 @@ class FastDrafter:
         self.taps_width = drafter.fc.in_features
         self.final_norm = drafter.norm.weight
         self.layers = packed_layers(drafter)
+        self.context = ContextProjection.of(self.layers, self.heads, self.kv_heads, self.head_dim, self.eps)
         self.rules = [(layer.self_attn.causal, layer.self_attn.window) for layer in drafter.layers]
         slots = cache_slots or min(target.max_positions or 4096, 4096)
         self.storage = KVStorage(len(self.layers), self.kv_heads, self.head_dim, slots, self.dtype, self.device)
@@ -231,16 +272,10 @@ class FastDrafter:
     def _extend_run(self, taps: torch.Tensor) -> None:
         """Context K/V for taps at slots length .. length + t - 1 (padding rows write past the context)."""
         t = taps.shape[1]
-        ctx = self.drafter.project_context(taps)
         slots = self.storage.length + self.slot_ids[:t]
-        cos, sin = self.cos[slots].unsqueeze(0), self.sin[slots].unsqueeze(0)
-        q_width = self.heads * self.head_dim
-        kv = self.storage.kv
-        for i, layer in enumerate(self.layers):
-            bias = None if layer.qkv_bias is None else layer.qkv_bias[q_width:]
-            k, v = context_kv(F.linear(ctx, layer.qkv[q_width:], bias), layer.k_norm, cos, sin, self.kv_heads, self.eps)
-            kv[i, 0].index_copy_(1, slots, k[0])
-            kv[i, 1].index_copy_(1, slots, v[0])
+        new = self.context(self.drafter.project_context(taps), self.cos[slots].unsqueeze(0),
+                           self.sin[slots].unsqueeze(0))
+        self.storage.kv.index_copy_(3, slots, new[0].permute(1, 2, 3, 0, 4))  # [layers, 2, kv_heads, t, d]
 
     def _capture_extend(self, rows: int) -> _ExtendGraph:
         """Capture the extension for `rows` rows; warm-up writes only past the context, like a replay's padding."""
