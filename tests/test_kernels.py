@@ -20,8 +20,8 @@ from blockdraft.decoding.generate import generate
 from blockdraft.models.fast_ops import LayerOps, attention_bias, decode_attention, glu, kernel_attention
 from blockdraft.models.fast_target import FastTarget
 from blockdraft.models.flash_decode import fits
-from blockdraft.models.skinny_gemm import (WEIGHTS_FIRST_MAX_ROWS, few_row_linear, gemv_linear,
-                                           kernel_available, one_row_glu_linear, skinny_linear)
+from blockdraft.models.skinny_gemm import (WEIGHTS_FIRST_MAX_ROWS, few_row_glu_linear, few_row_linear, gemv_linear,
+                                           kernel_available, skinny_linear, weights_first_linear)
 
 from conftest import make_drafter, make_target_model
 
@@ -130,7 +130,7 @@ def test_the_gating_gemv_is_the_down_projection_of_glu(n: int, k: int, dtype: to
     with torch.inference_mode():
         got = gemv_linear(gate_up, w, b, glu=True)
         library = F.linear(glu(gate_up, "silu"), w, b)
-        routed = one_row_glu_linear(lambda: F.linear(glu(gate_up, "silu"), w, b), gate_up, "silu", w, b)
+        routed = few_row_glu_linear(lambda: F.linear(glu(gate_up, "silu"), w, b), gate_up, "silu", w, b)
     want = F.linear(glu(gate_up, "silu").double(), w.double(), None if b is None else b.double())
     assert got.dtype == dtype and got.shape == (1, 1, n)
     assert (got.double() - want).abs().max().item() <= TOLERANCE[dtype] * want.abs().max().item()
@@ -144,10 +144,10 @@ def test_the_gating_gemv_is_the_down_projection_of_glu(n: int, k: int, dtype: to
 def test_the_norming_gemv_is_the_product_of_rms_norm(n: int, k: int, dtype: torch.dtype, bias: bool) -> None:
     """The GEMV that norms as it loads: linear(rms_norm(x) * g) of one row, its squares summed on the way and its
     K-sum scaled at the end (the normed row not rounded to the dtype first: within the dtype's tolerance of the
-    float64 product of HF's normed row), routed by `one_row_norm_linear` (on a GPU: the faster of it and the
-    reference)."""
+    float64 product of HF's normed row), routed by `few_row_norm_linear` (on a GPU: the faster of it and the
+    reference); more rows than WEIGHTS_FIRST_MAX_ROWS the reference exactly."""
     from blockdraft.models.fast_ops import rms_norm
-    from blockdraft.models.skinny_gemm import one_row_norm_linear
+    from blockdraft.models.skinny_gemm import few_row_norm_linear
 
     generator = torch.Generator().manual_seed(7 * n + k)
     x = (4 * torch.randn(1, 1, k, generator=generator)).to(DEVICE, dtype)
@@ -157,15 +157,15 @@ def test_the_norming_gemv_is_the_product_of_rms_norm(n: int, k: int, dtype: torc
     with torch.inference_mode():
         got = gemv_linear(x, w, b, norm=(g, 1e-6))
         library = F.linear(rms_norm(x, g, 1e-6), w, b)
-        routed = one_row_norm_linear(lambda: F.linear(rms_norm(x, g, 1e-6), w, b), x, g, 1e-6, w, b)
+        routed = few_row_norm_linear(lambda: F.linear(rms_norm(x, g, 1e-6), w, b), x, g, 1e-6, w, b)
     normed = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6) * g.double()
     want = F.linear(normed, w.double(), None if b is None else b.double())
     assert got.dtype == dtype and got.shape == (1, 1, n)
     assert (got.double() - want).abs().max().item() <= TOLERANCE[dtype] * want.abs().max().item()
     assert torch.equal(routed, got) or (DEVICE.type == "cuda" and torch.equal(routed, library))
-    with torch.inference_mode():  # two rows: the reference exactly
-        rows = x.expand(2, 1, k).contiguous()
-        assert torch.equal(one_row_norm_linear(lambda: F.linear(rows, w, b), rows, g, 1e-6, w, b), F.linear(rows, w, b))
+    with torch.inference_mode():  # more rows than the weights-first kernel takes: the reference exactly
+        rows = x.expand(WEIGHTS_FIRST_MAX_ROWS + 1, 1, k).contiguous()
+        assert torch.equal(few_row_norm_linear(lambda: F.linear(rows, w, b), rows, g, 1e-6, w, b), F.linear(rows, w, b))
 
 
 @needs_kernel
@@ -174,9 +174,10 @@ def test_the_norming_gemv_is_the_product_of_rms_norm(n: int, k: int, dtype: torc
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_residual_gemv_adds_the_product_as_hf_rounds_it(dtype: torch.dtype, glu_row: bool, bias: bool) -> None:
     """The GEMV that adds the residual as it stores (o_proj's, and down's gating one): residual + linear(x), the
-    product rounded to the dtype before the add as HF's residual add sees it; `one_row_residual_linear` gives it
-    (or None, on a GPU where it lost: the caller keeps the sum pending), and None for more than one row."""
-    from blockdraft.models.skinny_gemm import one_row_residual_linear
+    product rounded to the dtype before the add as HF's residual add sees it; `few_row_residual_linear` gives it
+    (or None, on a GPU where it lost: the caller keeps the sum pending), and None for more rows than
+    WEIGHTS_FIRST_MAX_ROWS."""
+    from blockdraft.models.skinny_gemm import few_row_residual_linear
 
     n, k = 40, 72
     generator = torch.Generator().manual_seed(n + k + glu_row)
@@ -187,9 +188,10 @@ def test_the_residual_gemv_adds_the_product_as_hf_rounds_it(dtype: torch.dtype, 
     with torch.inference_mode():
         product = gemv_linear(x, w, b, glu=glu_row)
         got = gemv_linear(x, w, b, glu=glu_row, residual=residual)
-        routed = one_row_residual_linear(lambda: product, residual, x, w, b, glu_row)
-        assert one_row_residual_linear(lambda: product, residual, x.expand(2, 1, -1).contiguous(), w, b,
-                                       glu_row) is None
+        routed = few_row_residual_linear(lambda: product, residual, x, w, b, glu_row)
+        many = WEIGHTS_FIRST_MAX_ROWS + 1
+        assert few_row_residual_linear(lambda: product, residual.expand(many, 1, -1).contiguous(),
+                                       x.expand(many, 1, -1).contiguous(), w, b, glu_row) is None
     inputs = glu(x, "silu") if glu_row else x
     want = residual.double() + F.linear(inputs.double(), w.double(), None if b is None else b.double())
     assert got.dtype == dtype and got.shape == (1, 1, n)
@@ -227,6 +229,144 @@ def test_every_gemv_config_is_its_product(flags: str) -> None:
         assert (got.double() - want).abs().max().item() <= TOLERANCE[dtype] * want.abs().max().item(), config
 
 
+EPILOGUES = ["glu", "norm", "residual", "norm+bias", "glu+residual"]
+
+
+def epilogue_case(flags: str, rows: int, n: int, k: int, dtype: torch.dtype, seed: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict, torch.Tensor]:
+    """Inputs of the weights-first kernel with the epilogues `flags` names (x, the weight, the bias, the kernel's
+    keywords) and the float64 product of HF's numerics it must match: silu(gate) * up rounded to the dtype
+    (`fast_ops.glu`), the normed rows not rounded (the GEMV's sums), the residual added to the product."""
+    generator = torch.Generator().manual_seed(seed)
+    gated, normed, added = "glu" in flags, "norm" in flags, "residual" in flags
+    x = (2 * torch.randn(rows, (2 if gated else 1) * k, generator=generator)).to(DEVICE, dtype)
+    w = torch.randn(n, k, generator=generator).to(DEVICE, dtype)
+    b = torch.randn(n, generator=generator).to(DEVICE, dtype) if "bias" in flags else None
+    g = (1 + 0.2 * torch.randn(k, generator=generator)).to(DEVICE, dtype)
+    r = (4 * torch.randn(rows, n, generator=generator)).to(DEVICE, dtype)
+    inputs = glu(x, "silu").double() if gated else x.double()
+    if normed:
+        inputs = inputs * torch.rsqrt(inputs.pow(2).mean(-1, keepdim=True) + 1e-6) * g.double()
+    want = F.linear(inputs, w.double(), None if b is None else b.double()) + (r.double() if added else 0)
+    kwargs = dict(glu=gated, norm=(g, 1e-6) if normed else None, residual=r if added else None)
+    return x, w, b, kwargs, want
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, n, k", [(3, 40, 100), (17, 33, 200)])
+@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("flags", EPILOGUES)
+def test_the_weights_first_kernel_fuses_the_gemvs_epilogues(flags: str, splits: int, rows: int, n: int, k: int,
+                                                           dtype: torch.dtype) -> None:
+    """The weights-first kernel gating packed gate|up rows as it loads, norming its rows as it loads (each split's
+    squares summed by the last to finish: one left out would scale every output by several percent), adding the
+    residual as it stores, against float64 with HF's roundings: ragged rows, N and K, K whole or in two parts that
+    both hold work, the counts back at zero."""
+    import triton
+
+    from blockdraft.models import skinny_gemm
+
+    x, w, b, kwargs, want = epilogue_case(flags, rows, n, k, dtype, seed=rows + n + k + splits)
+    config = triton.Config({"BLOCK_N": 16, "BLOCK_K": 32, "SPLITS": splits}, num_warps=4, num_stages=2)
+    with torch.inference_mode():
+        got = weights_first_linear(x, w, b, config, **kwargs)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    assert not skinny_gemm.zeroed_counters(DEVICE, 1).any()
+    assert (got.double() - want).abs().max().item() <= TOLERANCE[dtype] * want.abs().max().item()
+
+
+@needs_kernel
+@pytest.mark.parametrize("flags", ["norm+bias", "glu+residual"])
+def test_every_weights_first_config_fuses_the_epilogues(flags: str) -> None:
+    """Each tile and split of the weights-first kernel's tuning space with the epilogues a verify's layer uses, K
+    long enough that every part of every split holds work (the norm's squares of all of them summed), ragged rows
+    and N, bf16 on a GPU (float32 under the interpreter), the counts back at zero."""
+    from triton.runtime.errors import OutOfResources
+
+    from blockdraft.models import skinny_gemm
+
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+    x, w, b, kwargs, want = epilogue_case(flags, 17, 72, 1000, dtype, seed=len(flags))
+    ran = 0
+    for config in skinny_gemm.WEIGHTS_FIRST_CONFIGS:
+        with torch.inference_mode():
+            try:
+                got = weights_first_linear(x, w, b, config, **kwargs)
+            except OutOfResources:  # more shared memory than the GPU has: the tuning skips it too
+                continue
+        ran += 1
+        assert not skinny_gemm.zeroed_counters(DEVICE, 1).any(), config
+        assert (got.double() - want).abs().max().item() <= TOLERANCE[dtype] * want.abs().max().item(), config
+    assert ran >= len(skinny_gemm.WEIGHTS_FIRST_CONFIGS) - 2
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 1), (1, 2), (2, 3), (1, WEIGHTS_FIRST_MAX_ROWS + 1)])
+def test_the_few_row_units_fuse_up_to_the_weights_first_rows(shape: tuple[int, int], dtype: torch.dtype,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """`few_row_norm_linear`, `few_row_glu_linear` and `few_row_residual_linear` on [batch, rows, K] inputs: one
+    row the GEMV exactly as before, 2 to WEIGHTS_FIRST_MAX_ROWS rows the weights-first kernel with the same
+    epilogue (under the interpreter, the first option; on a GPU it or the reference, whichever was faster), shaped
+    as the reference; more rows the reference exactly (the residual unit: None, the sum left pending). Each unit's
+    timing key tells a single row from a row tile."""
+    from blockdraft.models import skinny_gemm
+    from blockdraft.models.fast_ops import rms_norm
+    from blockdraft.models.skinny_gemm import few_row_norm_linear, few_row_residual_linear
+
+    keys: list[tuple] = []
+    timed = skinny_gemm.fastest
+
+    def record(kind, key, device, options):  # noqa: ANN001
+        keys.append((kind, key, tuple(options)))
+        return timed(kind, key, device, options)
+
+    monkeypatch.setattr(skinny_gemm, "fastest", record)
+    rows = shape[0] * shape[1]
+    n, k = 40, 72
+    generator = torch.Generator().manual_seed(rows)
+    x = (2 * torch.randn(*shape, k, generator=generator)).to(DEVICE, dtype)
+    gate_up = (2 * torch.randn(*shape, 2 * k, generator=generator)).to(DEVICE, dtype)
+    w = torch.randn(n, k, generator=generator).to(DEVICE, dtype)
+    b = torch.randn(n, generator=generator).to(DEVICE, dtype)
+    g = (1 + 0.2 * torch.randn(k, generator=generator)).to(DEVICE, dtype)
+    r = (4 * torch.randn(*shape, n, generator=generator)).to(DEVICE, dtype)
+    references = {"norm": F.linear(rms_norm(x, g, 1e-6), w, b), "glu": F.linear(glu(gate_up, "silu"), w, b),
+                  "residual": r + F.linear(x, w, b), "glu+residual": r + F.linear(glu(gate_up, "silu"), w)}
+    with torch.inference_mode():
+        routed = {"norm": few_row_norm_linear(lambda: references["norm"], x, g, 1e-6, w, b),
+                  "glu": few_row_glu_linear(lambda: references["glu"], gate_up, "silu", w, b),
+                  "residual": few_row_residual_linear(lambda: F.linear(x, w, b), r, x, w, b),
+                  "glu+residual": few_row_residual_linear(lambda: F.linear(glu(gate_up, "silu"), w), r, gate_up, w,
+                                                          glu=True)}
+        if rows == 1:
+            fused = {"norm": gemv_linear(x, w, b, norm=(g, 1e-6)), "glu": gemv_linear(gate_up, w, b, glu=True),
+                     "residual": gemv_linear(x, w, b, residual=r), "glu+residual": gemv_linear(gate_up, w, glu=True,
+                                                                                               residual=r)}
+        elif rows <= WEIGHTS_FIRST_MAX_ROWS:
+            fused = {"norm": weights_first_linear(x, w, b, norm=(g, 1e-6)),
+                     "glu": weights_first_linear(gate_up, w, b, glu=True),
+                     "residual": weights_first_linear(x, w, b, residual=r),
+                     "glu+residual": weights_first_linear(gate_up, w, glu=True, residual=r)}
+    for name, reference in references.items():
+        got = routed[name]
+        if rows > WEIGHTS_FIRST_MAX_ROWS:
+            assert got is None if "residual" in name else torch.equal(got, reference), name
+            continue
+        if DEVICE.type == "cuda" and (got is None or torch.equal(got, reference)):  # the reference was faster
+            continue
+        assert got.shape == reference.shape and got.dtype == dtype, name
+        assert torch.equal(got, fused[name]), name
+        scale = reference.double().abs().max().item()
+        assert (got.double() - reference.double()).abs().max().item() <= 2 * TOLERANCE[dtype] * scale, name
+    if rows <= WEIGHTS_FIRST_MAX_ROWS:
+        assert len(keys) == 4 and all(key[2] == (1 if rows == 1 else 16) for _, key, _ in keys), keys
+        assert all(("kernel, weights first" in options) == (rows > 1) for _, _, options in keys), keys
+    else:
+        assert not keys
+
+
 @needs_kernel
 def test_the_kernel_engine_may_split_the_gemv_and_the_fast_engine_does_not(monkeypatch) -> None:
     """`LayerOps(kernels=True)` offers the one-row products' K-split GEMV as one more timed option (keyed apart, so
@@ -254,43 +394,60 @@ def test_the_kernel_engine_may_split_the_gemv_and_the_fast_engine_does_not(monke
 
 
 @needs_kernel
-def test_one_row_layers_keep_the_residual_whole_and_more_rows_keep_it_pending() -> None:
-    """`LayerOps.residual_linear` and `norm_linear` as a decoder layer chains them: one row of the engine with our
-    kernels adds each product into the residual as it stores and norms it as the next product loads (no pending
-    sum); more rows, or the library's ops, keep the pending sum for the add-and-norm unit; both give the same
-    residual stream and products."""
-    generator = torch.Generator().manual_seed(12)
-    k, n = 64, 48
-    w_o, w_up = torch.randn(k, k, generator=generator).to(DEVICE), torch.randn(n, k, generator=generator).to(DEVICE)
-    g = (1 + 0.2 * torch.randn(k, generator=generator)).to(DEVICE)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, WEIGHTS_FIRST_MAX_ROWS + 1])
+def test_few_row_layers_keep_the_residual_whole_and_more_rows_keep_it_pending(rows: int, dtype: torch.dtype) -> None:
+    """`LayerOps.residual_linear` and `norm_linear` as a decoder layer chains them (o_proj, the gate|up product that
+    norms its sum, the gating down projection): 1 to WEIGHTS_FIRST_MAX_ROWS rows of the engine with our kernels add
+    each product into the residual as it stores and norm it as the next product loads (no pending sum); more rows,
+    or the library's ops, keep the pending sum for the add-and-norm unit; both give the same residual stream and
+    products, within the dtype's rounding."""
+    generator = torch.Generator().manual_seed(12 + rows)
+    k, inner = 64, 40
+    w_o = (torch.randn(k, k, generator=generator) / 8).to(DEVICE, dtype)
+    w_up = (torch.randn(2 * inner, k, generator=generator) / 8).to(DEVICE, dtype)
+    w_down = (torch.randn(k, inner, generator=generator) / 8).to(DEVICE, dtype)
+    g = (1 + 0.2 * torch.randn(k, generator=generator)).to(DEVICE, dtype)
+    x = torch.randn(1, rows, k, generator=generator).to(DEVICE, dtype)
+    attended = torch.randn(1, rows, k, generator=generator).to(DEVICE, dtype)
+    fuses = rows <= WEIGHTS_FIRST_MAX_ROWS
+    results = []
     with torch.inference_mode():
-        for rows in (1, 3):
-            x = torch.randn(1, rows, k, generator=generator).to(DEVICE)
-            attended = torch.randn(1, rows, k, generator=generator).to(DEVICE)
-            results = []
-            for ops in (LayerOps(False, few_rows=True), LayerOps(False)):
-                added, delta = ops.residual_linear(x, attended, w_o, None)
-                assert (delta is None) == (rows == 1 and ops.fused_glu), (rows, ops.fused_glu)
-                results.append(ops.norm_linear(added, delta, g, 1e-6, w_up, None))
-            for fused, plain in zip(*results):
-                torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-4)
+        for ops in (LayerOps(False, few_rows=True), LayerOps(False)):
+            added, delta = ops.residual_linear(x, attended, w_o, None)
+            assert (delta is None) == (fuses and ops.fused_glu), (rows, ops.fused_glu)
+            added, gate_up = ops.norm_linear(added, delta, g, 1e-6, w_up, None)
+            out, delta = ops.residual_linear(added, gate_up, w_down, None, "silu")
+            assert (delta is None) == (fuses and ops.fused_glu), (rows, ops.fused_glu)
+            results.append((added, gate_up, out if delta is None else out + delta))
+    for fused, plain in zip(*results):
+        assert fused.shape == plain.shape and fused.dtype == plain.dtype
+        scale = plain.double().abs().max().item()
+        assert (fused.double() - plain.double()).abs().max().item() <= 2 * TOLERANCE[dtype] * scale
 
 
 @needs_kernel
-def test_the_down_projection_gates_in_the_gemv_only_for_one_silu_row() -> None:
-    """`LayerOps.glu_linear`: one silu row from the gating GEMV, more rows and other activations exactly the
-    engine's linear(glu(...)), and without our kernels (a CPU engine) the library's always."""
+def test_the_down_projection_gates_in_our_kernels_only_for_few_silu_rows() -> None:
+    """`LayerOps.glu_linear`: silu rows from the kernels that gate as they load (one row the GEMV, 2 to
+    WEIGHTS_FIRST_MAX_ROWS the weights-first kernel), more rows and other activations exactly the engine's
+    linear(glu(...)), and without our kernels (a CPU engine) the library's always."""
     generator = torch.Generator().manual_seed(5)
     w = torch.randn(24, 40, generator=generator).to(DEVICE)
     row = torch.randn(1, 1, 80, generator=generator).to(DEVICE)
     rows = torch.randn(2, 3, 80, generator=generator).to(DEVICE)
+    many = torch.randn(WEIGHTS_FIRST_MAX_ROWS + 1, 80, generator=generator).to(DEVICE)
     with torch.inference_mode():
         fused, plain = LayerOps(False, few_rows=True), LayerOps(False)
         torch.testing.assert_close(fused.glu_linear(row, "silu", w, None), F.linear(glu(row, "silu"), w),
                                    rtol=1e-5, atol=1e-4)
-        assert torch.equal(fused.glu_linear(rows, "silu", w, None), few_row_linear(glu(rows, "silu"), w))
+        gated = fused.glu_linear(rows, "silu", w, None)
+        torch.testing.assert_close(gated, F.linear(glu(rows, "silu"), w), rtol=1e-5, atol=1e-4)
+        if DEVICE.type != "cuda":  # the first option: the weights-first kernel gating as it loads
+            assert torch.equal(gated, weights_first_linear(rows, w, glu=True))
+        assert torch.equal(fused.glu_linear(many, "silu", w, None), few_row_linear(glu(many, "silu"), w))
         assert torch.equal(fused.glu_linear(row, "gelu", w, None), few_row_linear(glu(row, "gelu"), w))
         assert torch.equal(plain.glu_linear(row, "silu", w, None), F.linear(glu(row, "silu"), w))
+        assert torch.equal(plain.glu_linear(rows, "silu", w, None), F.linear(glu(rows, "silu"), w))
 
 
 @needs_kernel

@@ -6,6 +6,7 @@
 #   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh tree          # ~1 min: the tree kernel's tests
 #   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh fewrows       # the few-row products' tests
 #   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh onerow        # session 27's kernels' tests
+#   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh fewfused      # the fused units at 2-128 rows
 #   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh speed         # ~7 min
 #   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh roofline      # issue 22's 8B table, one invocation
 #   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh blas          # ~1 min: BLAS settings, 8B products
@@ -46,7 +47,12 @@ case "${1:-}" in
     # chaining them, every GEMV config (K whole or split), the tree verify past 64 rows on the attention kernel,
     # options timed as calls in one graph
     step onerow_tests 300 python3 -m pytest -p no:cacheprovider tests/test_kernels.py -k "norming or residual or \
-      one_row_layers or every_gemv_config or may_split or past_the_two_matmul or timed_as_calls or cuda_kernels"
+      few_row_layers or every_gemv_config or may_split or past_the_two_matmul or timed_as_calls or cuda_kernels"
+    ;;
+  fewfused)  # the weights-first kernel with the GEMV's epilogues (gating, norm, residual; every config), the units
+    # routing 2-128 rows to it, a layer chaining them against the pending sums, and the engine decoding on them
+    step fewfused_tests 240 python3 -m pytest -p no:cacheprovider tests/test_kernels.py -k "epilogues or \
+      few_row_units or few_row_layers or gates_in or norming or residual_gemv or cuda_kernels or batched_sequences"
     ;;
   tree)  # the DDTree tree kernel against the host heap and the tensor search, and a fast-engine decode through it
     step tree_tests 200 python3 -m pytest -p no:cacheprovider tests/test_tree_kernel.py
@@ -89,7 +95,7 @@ case "${1:-}" in
     step admit 200 python3 benchmarks/gpu/admit_profile.py --prompt-tokens 32,128 --joins 8
     ;;
   *)
-    echo "usage: bash benchmarks/gpu/unmeasured.sh kernels|fewrows|onerow|tree|correctness|speed|blas|roofline|e2e|load|steps|admit" >&2
+    echo "usage: bash benchmarks/gpu/unmeasured.sh kernels|fewrows|onerow|fewfused|tree|correctness|speed|blas|roofline|e2e|load|steps|admit" >&2
     exit 2
     ;;
 esac

@@ -22,8 +22,8 @@ from blockdraft.models.flash_decode import BLOCK_KEYS, TARGET_PROGRAMS, fits, fl
 from blockdraft.models.graphs import power_of_two_at_least
 from blockdraft.models.kernel_choice import fastest, kernel_wins
 from blockdraft.models.qkv_rope import qkv_rope, qkv_rope_runs
-from blockdraft.models.skinny_gemm import (few_row_linear, one_row_glu_linear, one_row_norm_linear,
-                                           one_row_residual_linear, skinny_add_norm_linear, skinny_linear)
+from blockdraft.models.skinny_gemm import (few_row_glu_linear, few_row_linear, few_row_norm_linear,
+                                           few_row_residual_linear, skinny_add_norm_linear, skinny_linear)
 
 LONG_SPLIT_KEYS = 256  # the block-attention variant with longer key splits: 4-5 partial results to merge at 1K keys
 # instead of 17 (the splits of 64 keys lost to the library by 7-14% at 1-16 rows on the H200, RESULTS session 22)
@@ -335,9 +335,10 @@ class LayerOps:
     target's forwards, which give a CompactMask, `flash_decode` for the drafters') where they run; with `qkv_kernel`
     the q|k|v epilogue alone (timed at 0.3-0.6x the compiled unit on the H200 at 1-65 rows, RESULTS session 22); with
     `few_rows` the products of up to 128 rows from our kernels where timed faster (`few_row_linear`: one row from the
-    GEMV, the down projection's with the gating folded in, `glu_linear`; more from the weights-first kernel); with
-    `attention_kernel` the targets' attention alone (up to `fast_target.BLOCK_ATTENTION_MAX_TOKENS` rows a sequence)
-    from `block_attention` where it was timed faster (its program budget among the options: the batched steps')."""
+    GEMV, more from the weights-first kernel), with the norms, the residual adds and the down projection's gating
+    folded into them (`norm_linear`, `residual_linear`, `glu_linear`); with `attention_kernel` the targets'
+    attention alone (up to `fast_target.BLOCK_ATTENTION_MAX_TOKENS` rows a sequence) from `block_attention` where it
+    was timed faster (its program budget among the options: the batched steps')."""
 
     def __init__(self, compiled: bool, kernels: bool = False, qkv_kernel: bool = False, few_rows: bool = False,
                  attention_kernel: bool = False) -> None:
@@ -366,27 +367,29 @@ class LayerOps:
 
     def glu_linear(self, gate_up: torch.Tensor, act: str, weight: torch.Tensor,
                    bias: torch.Tensor | None) -> torch.Tensor:
-        """linear(glu(gate_up, act), weight, bias): the MLP's down projection, for one row from the GEMV that gates
-        as it loads (`one_row_glu_linear`) where the one-row products run there."""
+        """linear(glu(gate_up, act), weight, bias): the MLP's down projection, for 1 to WEIGHTS_FIRST_MAX_ROWS silu
+        rows from a kernel that gates as it loads (`few_row_glu_linear`: the GEMV or the weights-first kernel) where
+        the few-row products run there and it was timed faster."""
         def reference() -> torch.Tensor:
             return self.linear(self.glu(gate_up, act), weight, bias)
 
         if not self.fused_glu:
             return reference()
-        return one_row_glu_linear(reference, gate_up, act, weight, bias, split=self.kernels)
+        return few_row_glu_linear(reference, gate_up, act, weight, bias, split=self.kernels)
 
     def residual_linear(self, x: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                         act: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A product whose output joins the residual stream x (o_proj's; with `act`, the down projection of a packed
-        gate|up row): (x + product, None) where one GEMV adds it as it stores (`one_row_residual_linear`: one row,
-        timed faster), else the pending sum (x, product) that the next add-and-norm unit resolves."""
+        gate|up row): (x + product, None) where one kernel adds it as it stores (`few_row_residual_linear`: 1 to
+        WEIGHTS_FIRST_MAX_ROWS rows, timed faster), else the pending sum (x, product) that the next add-and-norm unit
+        resolves."""
         def product() -> torch.Tensor:
             if act is None:
                 return self.linear(inputs, weight, bias)
             return self.glu_linear(inputs, act, weight, bias)
 
         if self.fused_glu and act in (None, "silu", "swish"):
-            added = one_row_residual_linear(product, x, inputs, weight, bias, act is not None, split=self.kernels)
+            added = few_row_residual_linear(product, x, inputs, weight, bias, act is not None, split=self.kernels)
             if added is not None:
                 return added, None
         return x, product()
@@ -394,8 +397,8 @@ class LayerOps:
     def norm_linear(self, x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                     weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, linear(rms_norm(x + delta) * norm_weight)): the residual stream resolved and the product that
-        norms it; with `delta` None (x already the whole sum, `residual_linear`) the norm and product alone, one row
-        from the GEMV that norms as it loads (`one_row_norm_linear`, timed faster)."""
+        norms it; with `delta` None (x already the whole sum, `residual_linear`) the norm and product alone, 1 to
+        WEIGHTS_FIRST_MAX_ROWS rows from a kernel that norms as it loads (`few_row_norm_linear`, timed faster)."""
         if delta is not None:
             return self.add_norm_linear(x, delta, norm_weight, eps, weight, bias)
 
@@ -404,4 +407,4 @@ class LayerOps:
 
         if not self.fused_glu:
             return x, reference()
-        return x, one_row_norm_linear(reference, x, norm_weight, eps, weight, bias, split=self.kernels)
+        return x, few_row_norm_linear(reference, x, norm_weight, eps, weight, bias, split=self.kernels)

@@ -177,7 +177,7 @@ def layer_mlp(ops: LayerOps, layer: LayerWeights, x: torch.Tensor, attended: tor
     """After attention (heads merged): o_proj, residual and norm, the gated MLP. Returns the layer's output as the
     pair (x, delta) it is the sum of: the add waits for the next layer's norm and product (`run_stack`), so that
     one unit does all three (one kernel on the kernel engine, where its fused product was timed faster); delta is
-    None where the product added itself to x as it stored (one row: `LayerOps.residual_linear`)."""
+    None where the product added itself to x as it stored (1-128 rows: `LayerOps.residual_linear`)."""
     x, delta = ops.residual_linear(x, attended, layer.o_proj.weight, layer.o_proj.bias)
     x, gate_up = ops.norm_linear(x, delta, layer.norm_post, eps, layer.gate_up, layer.gate_up_bias)
     return ops.residual_linear(x, gate_up, layer.down.weight, layer.down.bias, act)

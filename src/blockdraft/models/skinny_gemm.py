@@ -184,8 +184,9 @@ if triton is not None:
                              RESIDUAL)
 
     @triton.jit
-    def _weights_first_kernel(x_ptr, w_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, stride_xm, stride_wn,
-                              stride_ym, HAS_BIAS: tl.constexpr, F32_DOT: tl.constexpr, ROWS: tl.constexpr,
+    def _weights_first_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, part_ptr, count_ptr, M, N, K, eps, stride_xm,
+                              stride_wn, stride_ym, stride_rm, HAS_BIAS: tl.constexpr, GLU: tl.constexpr,
+                              NORM: tl.constexpr, RESIDUAL: tl.constexpr, F32_DOT: tl.constexpr, ROWS: tl.constexpr,
                               SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """`_skinny_kernel`'s product with the operands swapped: y^T = W x^T, a weight tile of BLOCK_N features the
         dot's M side and the rows its N side. On Hopper a tl.dot whose M side is at least 64 runs as wgmma straight
@@ -193,7 +194,12 @@ if triton is not None:
         mma.sync (compiled for sm_90 ahead of time: benchmarks/RESULTS.md session 25). Tiles of 64+ features leave
         a narrow product (o_proj, down: 64 tiles) too few programs for 132 SMs, so K may be split SPLITS ways: each
         split stores its float32 partial, and the last of a tile's splits to finish (an atomic count that resets
-        itself, so graphs replay it) sums them in split order, the same sum every launch."""
+        itself, so graphs replay it) sums them in split order, the same sum every launch. GLU, NORM and RESIDUAL
+        are `_gemv_kernel`'s epilogues for every row, rounded as it rounds them, so a verify's rows skip the
+        launches a decode step's row does: packed gate|up rows gated as they load; rms_norm(x) * g, x * g the dot's
+        operand (in the dtype, float32 under F32_DOT), each row's squares summed as its tiles stream in (a split's
+        own, summed in split order by the last) and its outputs scaled at the end; the residual added as they are
+        stored."""
         tile, split = tl.program_id(0), tl.program_id(1)
         cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.arange(0, ROWS)
@@ -203,11 +209,26 @@ if triton is not None:
         end = tl.minimum(K, first + chunk)
         w_ptrs = w_ptr + cols[:, None] * stride_wn + first + ks[None, :]
         x_ptrs = x_ptr + rows[:, None] * stride_xm + first + ks[None, :]
+        dtype = x_ptr.dtype.element_ty
         acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+        squares = tl.zeros((ROWS,), dtype=tl.float32)
         for k in range(0, tl.cdiv(end - first, BLOCK_K)):
             left = end - first - k * BLOCK_K
             w = tl.load(w_ptrs, mask=(cols[:, None] < N) & (ks[None, :] < left), other=0.0)
             x = tl.load(x_ptrs, mask=(rows[:, None] < M) & (ks[None, :] < left), other=0.0)
+            if GLU:  # silu's output rounded, then the product: `fast_ops.glu`'s roundings
+                gate = x.to(tl.float32)
+                up = tl.load(x_ptrs + K, mask=(rows[:, None] < M) & (ks[None, :] < left), other=0.0).to(tl.float32)
+                x = ((gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32) * up).to(dtype)
+            if NORM:
+                scaled = x.to(tl.float32)
+                squares += tl.sum(scaled * scaled, axis=1)
+                scaled = scaled * tl.load(g_ptr + first + k * BLOCK_K + ks, mask=ks < left, other=0.0).to(
+                    tl.float32)[None, :]
+                if F32_DOT:
+                    x = scaled
+                else:
+                    x = scaled.to(dtype)
             if F32_DOT:
                 acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
             else:
@@ -218,16 +239,28 @@ if triton is not None:
         if SPLITS > 1:
             parts = part_ptr + cols[:, None] * ROWS + rows[None, :]
             tl.store(parts + split * N * ROWS, acc, mask=cols[:, None] < N)
+            squares_at = part_ptr + SPLITS * N * ROWS + tile * SPLITS * ROWS + rows  # each tile's own copy
+            if NORM:
+                tl.store(squares_at + split * ROWS, squares)
             finish = last_to_finish(count_ptr + tile, SPLITS)
             if finish:
                 acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
+                if NORM:
+                    squares = tl.zeros((ROWS,), dtype=tl.float32)
                 for s in tl.static_range(SPLITS):
                     acc += tl.load(parts + s * N * ROWS, mask=cols[:, None] < N, other=0.0, cache_modifier=".cg")
+                    if NORM:
+                        squares += tl.load(squares_at + s * ROWS, cache_modifier=".cg")
         if finish:
+            if NORM:
+                acc = acc * tl.rsqrt(squares / K + eps)[None, :]
             if HAS_BIAS:
                 acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[:, None]
-            tl.store(y_ptr + rows[None, :] * stride_ym + cols[:, None], acc.to(y_ptr.dtype.element_ty),
-                     mask=(rows[None, :] < M) & (cols[:, None] < N))
+            inside = (rows[None, :] < M) & (cols[:, None] < N)
+            if RESIDUAL:  # the product rounded first, as HF's residual add sees it (`_gemv_finish`)
+                acc = acc.to(dtype).to(tl.float32) + tl.load(r_ptr + rows[None, :] * stride_rm + cols[:, None],
+                                                              mask=inside, other=0.0).to(tl.float32)
+            tl.store(y_ptr + rows[None, :] * stride_ym + cols[:, None], acc.to(y_ptr.dtype.element_ty), mask=inside)
 
     WEIGHTS_FIRST_CONFIGS = [  # wgmma's M side is 64 rows a warp group: tiles of 64 or 128 features
         triton.Config({"BLOCK_N": n, "BLOCK_K": k, "SPLITS": splits}, num_warps=w, num_stages=s)
@@ -236,7 +269,7 @@ if triton is not None:
 
     _tuned_weights_first = triton.autotune(
         configs=WEIGHTS_FIRST_CONFIGS,
-        key=["N", "K", "ROWS"],
+        key=["N", "K", "ROWS", "GLU", "NORM", "RESIDUAL"],
         prune_configs_by={"early_config_prune": lambda configs, named_args, **kwargs: [
             c for c in configs if c.kwargs["SPLITS"] == 1 or named_args["N"] <= SPLIT_MAX_N]},
         cache_results=TUNED_ON_DISK,
@@ -327,21 +360,23 @@ def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return options[fastest("few-row linear", _shape(x, weight, bias), x.device, options)]()
 
 
-def one_row_glu_linear(reference: Callable[[], torch.Tensor], gate_up: torch.Tensor, act: str, weight: torch.Tensor,
+def few_row_glu_linear(reference: Callable[[], torch.Tensor], gate_up: torch.Tensor, act: str, weight: torch.Tensor,
                        bias: torch.Tensor | None = None, split: bool = False) -> torch.Tensor:
-    """`reference()` = linear(act(gate) * up, weight, bias) of a packed gate|up row (the down projection of
-    `fast_target.layer_mlp`), from the GEMV with the gating folded into its loads where it runs and was timed
-    faster: one launch and one pass less a layer of a decode step (29.5 against 31.0 us on the 8B shape, H200,
-    benchmarks/RESULTS.md session 24). With `split` (the kernel engine's) its K-split variant is an option too.
-    More rows, another activation than silu, or a lost shape: the reference."""
+    """`reference()` = linear(act(gate) * up, weight, bias) of packed gate|up rows (the down projection of
+    `fast_target.layer_mlp`) from a kernel that gates as it loads, where it runs and was timed faster: one launch
+    and one pass less a layer (one row from the GEMV, 29.5 against 31.0 us on the 8B shape, H200,
+    benchmarks/RESULTS.md session 24; 2 to WEIGHTS_FIRST_MAX_ROWS rows from the weights-first kernel, a verify's).
+    With `split` (the kernel engine's) the one-row GEMV's K-split variant is an option too. More rows, another
+    activation than silu, or a lost shape: the reference."""
     gate = gate_up[..., : weight.shape[1]]  # the product's input as the checks and the timing key see it
-    if (act not in ("silu", "swish") or gate_up.shape[-1] != 2 * gate.shape[-1] or _rows(gate_up) != 1
-            or not _fits(gate, weight, bias)):
+    if (act not in ("silu", "swish") or gate_up.shape[-1] != 2 * gate.shape[-1]
+            or not _fits(gate, weight, bias, WEIGHTS_FIRST_MAX_ROWS)):
         return reference()
-    gemv = functools.partial(gemv_linear, gate_up, weight, bias, glu=True)
-    options = {**_gemv_options(gemv, weight.shape[0], split), "library": reference}
+    options = {**_fused_options(gate, weight, split, functools.partial(gemv_linear, gate_up, weight, bias, glu=True),
+                                lambda: weights_first_linear(gate_up, weight, bias, glu=True)),
+               "library": reference}
     key = (*_shape(gate, weight, bias), split)
-    return options[fastest("one-row glu linear", key, gate_up.device, options)]()
+    return options[fastest("few-row glu linear", key, gate_up.device, options)]()
 
 
 def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, glu: bool = False,
@@ -388,57 +423,84 @@ def _gemv_options(run: Callable[..., torch.Tensor], n: int, split: bool) -> dict
     return options
 
 
-def one_row_norm_linear(reference: Callable[[], torch.Tensor], x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+def _fused_options(x: torch.Tensor, weight: torch.Tensor, split: bool, gemv: Callable[..., torch.Tensor],
+                   weights_first: Callable[[], torch.Tensor]) -> dict[str, Callable[[], torch.Tensor]]:
+    """A fused unit's kernel options at x's rows: one row the GEMV's (`_gemv_options`: it won every one-row
+    product), more the weights-first kernel with the same epilogue (`weights_first`)."""
+    if _rows(x) == 1:
+        return _gemv_options(gemv, weight.shape[0], split)
+    return {"kernel, weights first": weights_first}
+
+
+def few_row_norm_linear(reference: Callable[[], torch.Tensor], x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                         weight: torch.Tensor, bias: torch.Tensor | None = None, split: bool = False) -> torch.Tensor:
-    """`reference()` = linear(rms_norm(x) * norm_weight, weight, bias) of one row, from the GEMV that norms as it
-    loads where it runs and was timed faster: the norm's launch and pass gone from a decode step (two a layer: the
-    q|k|v and gate|up products). Its sums are not HF's to the last bit (the normed row is not rounded to the dtype
-    before the product), as no kernel's K-sum is the library's. With `split` its K-split variant is an option too.
-    More rows or a lost shape: the reference."""
-    if not (_rows(x) == 1 and _fits(x, weight, bias) and norm_weight.dtype == x.dtype and norm_weight.is_contiguous()
-            and norm_weight.shape == (x.shape[-1],)):
+    """`reference()` = linear(rms_norm(x) * norm_weight, weight, bias) of 1 to WEIGHTS_FIRST_MAX_ROWS rows, from a
+    kernel that norms as it loads (one row the GEMV, more the weights-first kernel) where it runs and was timed
+    faster: the norm's launch and pass gone (two a layer: the q|k|v and gate|up products). Its sums are not HF's to
+    the last bit (the rows are scaled after the product, not normed and rounded to the dtype before it), as no
+    kernel's K-sum is the library's. With `split` the one-row GEMV's K-split variant is an option too. More rows or
+    a lost shape: the reference."""
+    if not (_fits(x, weight, bias, WEIGHTS_FIRST_MAX_ROWS) and norm_weight.dtype == x.dtype
+            and norm_weight.is_contiguous() and norm_weight.shape == (x.shape[-1],)):
         return reference()
-    gemv = functools.partial(gemv_linear, x, weight, bias, norm=(norm_weight, eps))
-    options = {**_gemv_options(gemv, weight.shape[0], split), "library": reference}
-    return options[fastest("one-row norm linear", (*_shape(x, weight, bias), split), x.device, options)]()
+    norm = (norm_weight, eps)
+    options = {**_fused_options(x, weight, split, functools.partial(gemv_linear, x, weight, bias, norm=norm),
+                                lambda: weights_first_linear(x, weight, bias, norm=norm)),
+               "library": reference}
+    return options[fastest("few-row norm linear", (*_shape(x, weight, bias), split), x.device, options)]()
 
 
-def one_row_residual_linear(product: Callable[[], torch.Tensor], residual: torch.Tensor, x: torch.Tensor,
+def few_row_residual_linear(product: Callable[[], torch.Tensor], residual: torch.Tensor, x: torch.Tensor,
                             weight: torch.Tensor, bias: torch.Tensor | None = None, glu: bool = False,
                             split: bool = False) -> torch.Tensor | None:
-    """residual + `product()` (= linear(x, weight, bias); with `glu`, of silu(gate) * up of a packed gate|up row x)
-    from the GEMV that adds the residual as it stores, where it runs and was timed faster than the product and a
-    separate add (o_proj's and down's: a decode step's residual stream then needs no add of its own, and the next
-    product norms it as it loads, `one_row_norm_linear`); None where not (more rows, a lost shape): the caller
-    keeps the sum pending for the next add-and-norm unit, which adds it in the norm's pass. With `split` its K-split
-    variant is an option too."""
+    """residual + `product()` (= linear(x, weight, bias); with `glu`, of silu(gate) * up of packed gate|up rows x)
+    for 1 to WEIGHTS_FIRST_MAX_ROWS rows from a kernel that adds the residual as it stores (one row the GEMV, more
+    the weights-first kernel), where it runs and was timed faster than the product and a separate add (o_proj's and
+    down's: the residual stream then needs no add of its own, and the next product norms it as it loads,
+    `few_row_norm_linear`); None where not (more rows, a lost shape): the caller keeps the sum pending for the next
+    add-and-norm unit, which adds it in the norm's pass. With `split` the one-row GEMV's K-split variant is an
+    option too."""
     row = x[..., : weight.shape[1]] if glu else x
-    if not (_rows(row) == 1 and _fits(row, weight, bias) and residual.dtype == x.dtype
-            and residual.numel() == weight.shape[0] and x.shape[-1] == (2 if glu else 1) * weight.shape[1]):
+    n = weight.shape[0]
+    if not (_fits(row, weight, bias, WEIGHTS_FIRST_MAX_ROWS) and residual.dtype == x.dtype
+            and residual.shape[-1] == n and residual.numel() == _rows(row) * n
+            and x.shape[-1] == (2 if glu else 1) * weight.shape[1]):
         return None
-    gemv = functools.partial(gemv_linear, x, weight, bias, glu=glu, residual=residual)
-    options = {**_gemv_options(gemv, weight.shape[0], split),
+    options = {**_fused_options(row, weight, split,
+                                functools.partial(gemv_linear, x, weight, bias, glu=glu, residual=residual),
+                                lambda: weights_first_linear(x, weight, bias, glu=glu, residual=residual)),
                "library": lambda: residual + product().view(residual.shape)}
-    chosen = fastest("one-row residual linear", (*_shape(row, weight, bias), glu, split), x.device, options)
+    chosen = fastest("few-row residual linear", (*_shape(row, weight, bias), glu, split), x.device, options)
     return None if chosen == "library" else options[chosen]().view(residual.shape)
 
 
 def weights_first_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                         config: triton.Config | None = None) -> torch.Tensor:
+                         config: triton.Config | None = None, *, glu: bool = False,
+                         norm: tuple[torch.Tensor, float] | None = None,
+                         residual: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear` of at most WEIGHTS_FIRST_MAX_ROWS rows from `_weights_first_kernel` (the weights the dot's M
-    side), with the tiles tuned for the shape or, given, one `config` of WEIGHTS_FIRST_CONFIGS (the tests run each:
-    the tuning picks one a shape, and a split the test shapes never pick must sum right too)."""
+    side), with the tiles tuned for the shape (and the epilogues) or, given, one `config` of WEIGHTS_FIRST_CONFIGS
+    (the tests run each: the tuning picks one a shape, and a split the test shapes never pick must sum right too).
+    As `gemv_linear`'s for one row: with `glu` x [..., 2K] holds packed gate|up rows whose silu(gate) * up is the
+    input; with `norm` = (norm weight, eps) the input is rms_norm(x) * weight; with `residual` (shaped as the
+    output) the output is the residual + the product."""
     n, k = weight.shape
-    flat = _matrix(x, k)
+    flat = _matrix(x, (2 if glu else 1) * k)
     m = flat.shape[0]
     rows = _row_tile(m)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    norm_weight, eps = norm if norm is not None else (out, 0.0)
+    added = _matrix(residual, n) if residual is not None else out
     split = n <= SPLIT_MAX_N or (config is not None and config.kwargs["SPLITS"] > 1)  # partials kept for it
-    parts = stream_buffer("split partials", x.device, MAX_SPLITS * n * rows if split else 1, torch.float32)
-    counts = zeroed_counters(x.device, triton.cdiv(n, 16) if split else 1)  # one a tile of features (16 and more)
-    args = (flat, weight, bias if bias is not None else out, out, parts, counts, m, n, k, flat.stride(0),
-            weight.stride(0), out.stride(0))
-    flags = dict(HAS_BIAS=bias is not None, F32_DOT=x.dtype == torch.float32 or not x.is_cuda, ROWS=rows)
+    tiles = triton.cdiv(n, 16)  # the most tiles a config makes (16 features and more): one count each
+    squares = tiles if norm is not None else 0  # each tile's copy of its rows' squares, a split's each
+    parts = stream_buffer("split partials", x.device, MAX_SPLITS * rows * (n + squares) if split else 1,
+                          torch.float32)
+    counts = zeroed_counters(x.device, tiles if split else 1)
+    args = (flat, weight, bias if bias is not None else out, out, norm_weight, added, parts, counts, m, n, k, eps,
+            flat.stride(0), weight.stride(0), out.stride(0), added.stride(0))
+    flags = dict(HAS_BIAS=bias is not None, GLU=glu, NORM=norm is not None, RESIDUAL=residual is not None,
+                 F32_DOT=x.dtype == torch.float32 or not x.is_cuda, ROWS=rows)
     if config is not None:
         meta = config.all_kwargs()
         _weights_first_kernel[(triton.cdiv(n, meta["BLOCK_N"]), meta["SPLITS"])](*args, **flags, **meta)
