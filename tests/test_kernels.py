@@ -12,6 +12,9 @@ the same ids as one without.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -61,8 +64,6 @@ def test_the_kernel_is_f_linear(rows: int, n: int, k: int, dtype: torch.dtype, b
 def test_every_weights_first_config_is_f_linear(rows: int, n: int, k: int) -> None:
     """Each tile and split of the weights-first kernel's tuning space (the tuning runs one a shape), ragged N and K,
     bf16 on a GPU (float32 under the interpreter), its counts back at zero."""
-    from triton.runtime.errors import OutOfResources
-
     from blockdraft.models import skinny_gemm
 
     dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
@@ -70,12 +71,23 @@ def test_every_weights_first_config_is_f_linear(rows: int, n: int, k: int) -> No
     x = torch.randn(rows, k, generator=generator).to(DEVICE, dtype)
     w = torch.randn(n, k, generator=generator).to(DEVICE, dtype)
     b = torch.randn(n, generator=generator).to(DEVICE, dtype)
-    want = F.linear(x.double(), w.double(), b.double())
+    check_every_weights_first_config(lambda config: skinny_gemm.weights_first_linear(x, w, b, config),
+                                     F.linear(x.double(), w.double(), b.double()), dtype)
+
+
+def check_every_weights_first_config(run: Callable[[Any], torch.Tensor], want: torch.Tensor,
+                                     dtype: torch.dtype) -> None:
+    """`run(config)` for each config of WEIGHTS_FIRST_CONFIGS within the dtype's tolerance of `want` (float64), the
+    split counters back at zero after each; at most two configs skipped for want of shared memory."""
+    from triton.runtime.errors import OutOfResources
+
+    from blockdraft.models import skinny_gemm
+
     ran = 0
     for config in skinny_gemm.WEIGHTS_FIRST_CONFIGS:
         with torch.inference_mode():
             try:
-                got = skinny_gemm.weights_first_linear(x, w, b, config)
+                got = run(config)
             except OutOfResources:  # more shared memory than the GPU has (128-row tiles): the tuning skips it too
                 continue
         ran += 1
@@ -282,23 +294,9 @@ def test_every_weights_first_config_fuses_the_epilogues(flags: str) -> None:
     """Each tile and split of the weights-first kernel's tuning space with the epilogues a verify's layer uses, K
     long enough that every part of every split holds work (the norm's squares of all of them summed), ragged rows
     and N, bf16 on a GPU (float32 under the interpreter), the counts back at zero."""
-    from triton.runtime.errors import OutOfResources
-
-    from blockdraft.models import skinny_gemm
-
     dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
     x, w, b, kwargs, want = epilogue_case(flags, 17, 72, 1000, dtype, seed=len(flags))
-    ran = 0
-    for config in skinny_gemm.WEIGHTS_FIRST_CONFIGS:
-        with torch.inference_mode():
-            try:
-                got = weights_first_linear(x, w, b, config, **kwargs)
-            except OutOfResources:  # more shared memory than the GPU has: the tuning skips it too
-                continue
-        ran += 1
-        assert not skinny_gemm.zeroed_counters(DEVICE, 1).any(), config
-        assert (got.double() - want).abs().max().item() <= TOLERANCE[dtype] * want.abs().max().item(), config
-    assert ran >= len(skinny_gemm.WEIGHTS_FIRST_CONFIGS) - 2
+    check_every_weights_first_config(lambda config: weights_first_linear(x, w, b, config, **kwargs), want, dtype)
 
 
 @needs_kernel
