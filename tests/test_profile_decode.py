@@ -29,7 +29,7 @@ def test_busy_time_counts_overlapping_kernels_once_and_only_inside_the_decode_ra
         event("copy", "gpu_memcpy", 1900, 300),  # runs past the range's end: 100 us of it inside
         event("c", "kernel", 5000, 500),
         event("cudaGraphLaunch", "cuda_runtime", 1050, 5), event("cudaLaunchKernel", "cuda_runtime", 1060, 5),
-        event("cudaLaunchKernel", "cuda_runtime", 5010, 5), event("cudaStreamSynchronize", "cuda_runtime", 1500, 400),
+        event("cuLaunchKernel", "cuda_driver", 5010, 5), event("cudaStreamSynchronize", "cuda_runtime", 1500, 400),
         event("cudaLaunchKernel", "cuda_runtime", 3000, 5),  # between the ranges: not counted
     ]
     row = profile_decode.summarize(trace, "ddtree@32", steps=4, tau=2.5)

@@ -34,6 +34,7 @@ DECODE = "blockdraft decode"  # the profiler range around each prompt's decode s
 DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # trace categories of work on the device
 LAUNCHES = {"graph": ("cudaGraphLaunch",), "eager": ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC",
                                                      "cuLaunchKernelEx")}
+HOST_CALLS = ("cuda_runtime", "cuda_driver")  # the host's CUDA calls (Triton launches through the driver API)
 WAITS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy")
 
 
@@ -75,7 +76,7 @@ def summarize(events: list[dict[str, Any]], method: str, steps: int, tau: float)
         return e.get("ph") == "X" and any(a <= e["ts"] < b for a, b in windows)
 
     work = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") in DEVICE_WORK and inside(e)]
-    runtime = [e for e in events if e.get("cat") == "cuda_runtime" and inside(e)]
+    runtime = [e for e in events if e.get("cat") in HOST_CALLS and inside(e)]
     wall = sum(b - a for a, b in windows) / 1000.0
     busy = sum(union_ms(work, a, b) for a, b in windows)
 
