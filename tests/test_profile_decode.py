@@ -24,6 +24,7 @@ def test_busy_time_counts_overlapping_kernels_once_and_only_inside_the_decode_ra
     trace = [
         event(profile_decode.DECODE, "user_annotation", 1000, 1000),  # two decode ranges of 1 ms each
         event(profile_decode.DECODE, "user_annotation", 5000, 1000),
+        event(profile_decode.DECODE, "gpu_user_annotation", 1010, 1200),  # the same range on the device: no window
         event("prefill gemm", "kernel", 500, 400),  # before the first range: the prefill, not counted
         event("a", "kernel", 1100, 200), event("b", "kernel", 1200, 200),  # overlap: 300 us busy
         event("copy", "gpu_memcpy", 1900, 300),  # runs past the range's end: 100 us of it inside

@@ -68,7 +68,8 @@ def union_ms(intervals: Iterable[tuple[float, float]], start: float, end: float)
 
 def summarize(events: list[dict[str, Any]], method: str, steps: int, tau: float) -> StepProfile:
     """A chrome trace's events (`export_chrome_trace`) -> per-step numbers inside the DECODE ranges."""
-    windows = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("name") == DECODE and e.get("ph") == "X"]
+    windows = [(e["ts"], e["ts"] + e["dur"]) for e in events  # the host's ranges, not their "gpu_user_annotation"
+               if e.get("name") == DECODE and e.get("ph") == "X" and e.get("cat") == "user_annotation"]
     if not windows or steps < 1:
         raise ValueError(f"{method}: no decode steps in the trace (ranges {len(windows)}, steps {steps})")
 
