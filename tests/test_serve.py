@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 from serve_support import running, settings, text_pair_dirs
 from typer.testing import CliRunner
@@ -470,6 +471,20 @@ def test_schedule_auto_tunes_at_start_up(text_pair) -> None:
         reply = httpx.post(f"{server.url}/v1/completions", json={"prompt": [5, 6], "max_tokens": 4}, timeout=60)
         assert reply.status_code == 200
     assert any(line.startswith("schedule (measured at start-up): batch 1: ") and "batch 2: " in line for line in said)
+
+
+def test_a_schedule_over_a_dflash2_drafter_is_refused_at_start_up(text_pair, tmp_path: Path) -> None:
+    """The schedule switches between the plain DFlash chain and trees, which a DFlash-2 drafter's selector does not
+    draft: asked for one, the server names the fix instead of serving the wrong drafting."""
+    from conftest import make_drafter
+
+    from blockdraft.errors import BlockdraftError
+    from blockdraft.models.loading import save_drafter
+
+    save_drafter(make_drafter("dflash2"), tmp_path / "dflash2", dtype=torch.float32)
+    with pytest.raises(BlockdraftError, match="DFlash-2 selector or DSpark head drafts otherwise"):
+        with running(settings(text_pair[0], tmp_path / "dflash2", max_num_seqs=2, engine="fast", schedule="auto")):
+            pass
 
 
 def test_a_batched_client_that_leaves_frees_its_slot_while_the_others_decode(text_pair) -> None:

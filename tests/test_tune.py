@@ -47,6 +47,19 @@ def test_tune_needs_a_drafter(tiny_dirs: tuple[Path, Path]) -> None:
     assert result.exit_code != 0 and "tune needs --drafter PATH" in str(result.exception)
 
 
+def test_tune_refuses_a_drafter_it_cannot_schedule(tiny_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    """A DFlash-2 drafter drafts through its selector, not the plain chain and trees the schedule switches between."""
+    import torch
+    from conftest import make_drafter
+
+    from blockdraft.models.loading import save_drafter
+
+    save_drafter(make_drafter("dflash2"), tmp_path / "dflash2", dtype=torch.float32)
+    result = CliRunner().invoke(app, ["tune", "--target", str(tiny_dirs[0]), "--drafter", str(tmp_path / "dflash2"),
+                                      "--device", "cpu"])
+    assert result.exit_code != 0 and "DFlash-2 selector or DSpark head" in str(result.exception)
+
+
 def test_commit_costs_time_the_servers_commit_work_on_every_sequence() -> None:
     """measure_costs gives each timed sequence its own hook from `commit_work` and runs it on every commit."""
     from conftest import make_drafter, make_target_model

@@ -217,6 +217,9 @@ def tune(
         raise BlockdraftError("tune needs --drafter PATH (only the embedded target has a default drafter)")
     loaded = Loaded(target, drafter_dir, device, dtype, "fast")
     assert loaded.drafter is not None
+    if loaded.drafter.markov_head is not None or loaded.drafter.candidate_selector is not None:
+        raise BlockdraftError("tune measures a schedule over a DFlash drafter's plain chain and trees, which this "
+                              "drafter's DFlash-2 selector or DSpark head does not draft; serve it with one --method")
     most = loaded.drafter.cfg.block_size - 1
     chains = sorted({d for d in (parse_ids(draft_tokens, "--draft-tokens") if draft_tokens else [1, 3, 7]) if d <= most}
                     | ({most} if draft_tokens is None else set()))

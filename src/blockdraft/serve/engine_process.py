@@ -91,11 +91,16 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
     seqs = settings.max_num_seqs or default_max_num_seqs(target, model_len)
     schedule = None
     fast_gpu = isinstance(target, FastTarget) and target.device.type == "cuda"
-    chosen = schedule_choice(settings, seqs, loaded.drafter is not None, fast_gpu)
+    drafter = loaded.drafter
+    plain = drafter is not None and drafter.markov_head is None and drafter.candidate_selector is None
+    chosen = schedule_choice(settings, seqs, plain, fast_gpu)
     if chosen != "off":
         if seqs < 2 or loaded.drafter is None or depth is None:
             raise BlockdraftError("--schedule needs continuous batching and a drafter: add --max-num-seqs N (N > 1) "
                                   "and serve --method dflash or ddtree, or pass --schedule off")
+        if not plain:
+            raise BlockdraftError("--schedule switches between AR and a DFlash drafter's plain chain and trees; this "
+                                  "drafter's DFlash-2 selector or DSpark head drafts otherwise: pass --schedule off")
         if settings.schedule is None:
             say("--schedule auto: the default on a GPU with continuous batching (the measured schedule served "
                 "1.02-1.04x the best fixed method at 1-64 concurrent requests); --method or --schedule off serve "
@@ -139,15 +144,16 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
     return worker, info
 
 
-def schedule_choice(settings: ServeSettings, seqs: int, has_drafter: bool, fast_gpu: bool) -> str:
+def schedule_choice(settings: ServeSettings, seqs: int, plain_drafter: bool, fast_gpu: bool) -> str:
     """--schedule as given; by default auto where it was measured to pay and can run: continuous batching on the
-    fast engine on a GPU, a drafter, and no --method asking for one method (on the H200 it served 1.02-1.04x the best
-    fixed method and 1.12-1.54x AR at 1-64 concurrent requests, where a fixed DDTree@32 fell to 0.66x AR at 64;
-    benchmarks/RESULTS.md session 28). Elsewhere off: measured on a GPU only, and the start-up tune times the
-    fast engine's batched steps."""
+    fast engine on a GPU, a plain DFlash drafter (the schedule switches between its chain and its trees; a DFlash-2
+    selector or a DSpark head drafts otherwise), and no --method asking for one method (on the H200 it served
+    1.02-1.04x the best fixed method and 1.12-1.54x AR at 1-64 concurrent requests, where a fixed DDTree@32 fell to
+    0.66x AR at 64; benchmarks/RESULTS.md session 28). Elsewhere off: measured on a GPU only, and the start-up tune
+    times the fast engine's batched steps."""
     if settings.schedule is not None:
         return settings.schedule
-    return "auto" if settings.method is None and seqs > 1 and has_drafter and fast_gpu else "off"
+    return "auto" if settings.method is None and seqs > 1 and plain_drafter and fast_gpu else "off"
 
 
 def _schedule(choice: str, seqs: int, drafter_dir: str, loaded: Loaded, depth: int, budget: int,
