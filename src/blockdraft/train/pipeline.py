@@ -159,9 +159,14 @@ def run_training(settings: TrainSettings, prompts: list[TokenizedPrompt] | None 
     ctx = init_distributed(settings.device, settings.parallel)
     console = Console(file=sys.stderr, quiet=not ctx.is_main)
     try:
-        return _run(settings, prompts, ctx, console, on_step)
-    finally:
-        shutdown(ctx)
+        summary = _run(settings, prompts, ctx, console, on_step)
+    except BaseException:
+        shutdown(ctx)  # no barrier: another rank may be gone
+        raise
+    ctx.barrier()  # every rank's collectives done before any tears gloo down: a CPU rank destroying the group with
+    # work in flight aborted now and then ("terminate called without an active exception", CI, session 28)
+    shutdown(ctx)
+    return summary
 
 
 def _run(settings: TrainSettings, prompts: list[TokenizedPrompt] | None, ctx: DistContext, console: Console,
