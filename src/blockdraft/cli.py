@@ -217,7 +217,7 @@ def tune(
         raise BlockdraftError("tune needs --drafter PATH (only the embedded target has a default drafter)")
     loaded = Loaded(target, drafter_dir, device, dtype, "fast")
     assert loaded.drafter is not None
-    if loaded.drafter.markov_head is not None or loaded.drafter.candidate_selector is not None:
+    if not loaded.drafter.plain:
         raise BlockdraftError("tune measures a schedule over a DFlash drafter's plain chain and trees, which this "
                               "drafter's DFlash-2 selector or DSpark head does not draft; serve it with one --method")
     most = loaded.drafter.cfg.block_size - 1

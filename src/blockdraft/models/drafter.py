@@ -303,6 +303,12 @@ class DFlashDrafter(nn.Module):
                                       "per token)")
             self.markov_head = DSparkMarkovHead(cfg.vocab_size, cfg.dspark.markov_rank)
 
+    @property
+    def plain(self) -> bool:
+        """Drafts with the DFlash head alone (no DFlash-2 selector, no DSpark Markov head): the chain and trees the
+        speculation schedule switches between are its own drafting."""
+        return self.candidate_selector is None and self.markov_head is None
+
     def rope(self, like: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin for positions [b, t] (or [t]) in the dtype of `like`."""
         if positions.dim() == 1:

@@ -91,8 +91,7 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
     seqs = settings.max_num_seqs or default_max_num_seqs(target, model_len)
     schedule = None
     fast_gpu = isinstance(target, FastTarget) and target.device.type == "cuda"
-    drafter = loaded.drafter
-    plain = drafter is not None and drafter.markov_head is None and drafter.candidate_selector is None
+    plain = loaded.drafter is not None and loaded.drafter.plain
     chosen = schedule_choice(settings, seqs, plain, fast_gpu)
     if chosen != "off":
         if seqs < 2 or loaded.drafter is None or depth is None:
