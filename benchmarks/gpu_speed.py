@@ -354,6 +354,8 @@ def e2e(args: argparse.Namespace, rec: Recorder) -> None:
     from blockdraft.pair import encode_item
     from blockdraft.decoding.generate import generate
     from blockdraft.decoding.methods import build_proposer
+    from blockdraft.decoding.warm import warm_decode
+    from blockdraft.models.graphs import graphs_captured
     from blockdraft.models.loading import load_drafter, load_target
 
     device, n = args.device, args.max_new_tokens
@@ -371,16 +373,22 @@ def e2e(args: argparse.Namespace, rec: Recorder) -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    def row(label: str, run: Callable[[list[int], int], tuple[list[int], list[int], Any]], same_as: list[list[int]] | None) -> list[list[int]] | None:
-        """One method's row; runs of ours also return their SpecStats, whose stage times give the per-step split."""
+    def row(label: str, run: Callable[[list[int], int], tuple[list[int], list[int], Any]], same_as: list[list[int]] | None,
+            warm: Callable[[], int] | None = None) -> list[list[int]] | None:
+        """One method's row; runs of ours also return their SpecStats, whose stage times give the per-step split.
+        Graphs captured and kernel shapes timed inside the timed runs are counted: a row is steady state only with
+        none (`warm`, ours: every graph of the method up to the longest prompt's context, `warm_decode`)."""
         try:
-            run(prompts[0], n)  # warm-up, a whole prompt: the graphs of each cache capacity and row count it meets
-            # (captured on first use, each with its shapes' kernel timing) are a server's start-up, not its steps
+            warmed = warm() if warm is not None else 0
+            run(prompts[0], n)  # warm-up, a whole prompt: the graphs and kernels of each shape are a server's
+            # start-up, not its steps
             sync()
+            captured, timed = graphs_captured(), len(choices())
             t0 = time.perf_counter()
             outs = [run(p, n) for p in prompts]
             sync()
             seconds = time.perf_counter() - t0
+            captured, timed = graphs_captured() - captured, len(choices()) - timed
         except Exception as exc:
             line = f"e2e {label} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             log(line)
@@ -400,10 +408,12 @@ def e2e(args: argparse.Namespace, rec: Recorder) -> None:
             "tau": sum(lengths) / len(lengths) if lengths else None,
             "same_ids": None if same_as is None else f"{sum(a == b for a, b in zip(ids, same_as))}/{len(ids)}",
             "step_ms_draft_verify_rest": split,
+            "graphs_warmed": warmed, "graphs_captured_timed": captured, "kernel_shapes_timed": timed,
         }
         rec.data["e2e"].append(entry)
         rec.save()
-        log(f"e2e {label}: {entry['tokens_per_s']:.1f} tok/s, tau {fmt(entry['tau'])}, same ids {entry['same_ids']}")
+        log(f"e2e {label}: {entry['tokens_per_s']:.1f} tok/s, tau {fmt(entry['tau'])}, same ids {entry['same_ids']}, "
+            f"graphs warmed {warmed}, captured / kernel shapes timed while timed {captured} / {timed}")
         return ids
 
     def hf_generate(prompt: list[int], new: int) -> tuple[list[int], list[int], Any]:
@@ -427,8 +437,11 @@ def e2e(args: argparse.Namespace, rec: Recorder) -> None:
                 result = generate(target, prompt, proposer, max_new_tokens=new)
                 return result.token_ids, result.acceptance_lengths, result.stats
 
+            def warm(proposer: Any = proposer, target: Any = target) -> int:
+                return warm_decode(target, proposer, max(map(len, prompts)) + n)
+
             label = f"ours {engine} {method}" + (f"@{budget}" if budget else "")
-            ids = row(label, run, ours.get(f"{engine} ar") or (reference or None if method == "ar" else None))
+            ids = row(label, run, ours.get(f"{engine} ar") or (reference or None if method == "ar" else None), warm)
             if ids is not None and method == "ar":
                 ours[f"{engine} ar"] = ids
                 reference = reference or ids
@@ -490,13 +503,15 @@ def print_tables(args: argparse.Namespace, rec: Recorder) -> None:
         print(f"| {row} | " + " | ".join(fmt(values.get(c)) for c in columns) + " |")
     if rec.data["e2e"]:
         print(f"\n## End to end: {args.target} + {args.drafter}, prompts {args.prompts}, {args.max_new_tokens} new tokens, dtype {args.e2e_dtype}\n")
-        print("| method | tokens/s | tau | same ids as AR (AR rows: as ours hf ar) | ms per step: draft / verify / rest |")
-        print("|---|---|---|---|---|")
+        print("| method | tokens/s | tau | same ids as AR (AR rows: as ours hf ar) | ms per step: draft / verify / rest "
+              "| graphs warmed / captured while timed / kernel shapes timed while timed |")
+        print("|---|---|---|---|---|---|")
         ar_hf = next((e["tokens_per_s"] for e in rec.data["e2e"] if e["method"] == "ours hf ar"), None)
         for e in rec.data["e2e"]:
             split = e.get("step_ms_draft_verify_rest")
             cost = " / ".join(f"{x:.3f}" for x in split) if split else "-"
-            print(f"| {e['method']} | {e['tokens_per_s']:.1f} | {fmt(e['tau'])} | {e['same_ids'] or '-'} | {cost} |")
+            shapes = f"{e['graphs_warmed']} / {e['graphs_captured_timed']} / {e['kernel_shapes_timed']}"
+            print(f"| {e['method']} | {e['tokens_per_s']:.1f} | {fmt(e['tau'])} | {e['same_ids'] or '-'} | {cost} | {shapes} |")
         ref = next((e["tokens_per_s"] for e in rec.data["e2e"] if e["method"] == "reference dflash_generate"), None)
         fast = next((e["tokens_per_s"] for e in rec.data["e2e"] if e["method"].endswith("fast dflash")), None)
         if ref and fast:

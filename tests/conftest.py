@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import torch
+from filelock import FileLock
 
 if not torch.cuda.is_available():  # Triton kernels (where Triton is installed) run under its interpreter, tested
     os.environ.setdefault("TRITON_INTERPRET", "1")  # on a CPU; set before any kernel is defined
@@ -107,33 +111,55 @@ def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return root / "target", root / "drafter"
 
 
+Built = TypeVar("Built")
+
+
+def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], Built]) -> Built:
+    """`build(folder)` once per test run, whichever pytest-xdist worker asks first (the others wait on a lock and
+    read its result): the session fixtures that train or convert models would otherwise run once per worker."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the run's folder, shared by workers
+    folder, result = root / f"built-{name}", root / f"built-{name}.pickle"
+    with FileLock(str(root / f"built-{name}.lock")):
+        if not result.exists():
+            folder.mkdir()
+            result.write_bytes(pickle.dumps(build(folder)))
+        return pickle.loads(result.read_bytes())
+
+
 @pytest.fixture(scope="session")
 def trained_pairs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
-    """Two tiny trained (target_dir, drafter_dir) pairs, built once per session side by side (one per core):
+    """Two tiny trained (target_dir, drafter_dir) pairs, built once per run side by side (one per core):
     "full" (two bidirectional layers) and "swa" (a causal sliding-window layer, window 8, + a full layer)."""
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     import trained_pair
 
-    swa_root, full_root = tmp_path_factory.mktemp("pair_swa"), tmp_path_factory.mktemp("pair_full")
-    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        swa = pool.submit(
-            trained_pair.build_trained_pair, swa_root, layer_types=["sliding_attention", "full_attention"], sliding_window=8
-        )
-        full = trained_pair.build_trained_pair(full_root)
-        return {"swa": swa.result(), "full": full}
+    def build(root: Path) -> dict[str, tuple[Path, Path]]:
+        (root / "swa").mkdir()
+        (root / "full").mkdir()
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            swa = pool.submit(trained_pair.build_trained_pair, root / "swa",
+                              layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+            full = trained_pair.build_trained_pair(root / "full")
+            return {"swa": swa.result(), "full": full}
+
+    return built_once(tmp_path_factory, "trained-pairs", build)
 
 
 @pytest.fixture(scope="session")
 def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The embedded SmolLM2 target, converted once per session into a fresh cache (real weights, offline)."""
+    """The embedded SmolLM2 target, converted once per run into a fresh cache (real weights, offline)."""
     from blockdraft import assets
 
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("BLOCKDRAFT_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
-        mp.delenv(assets.GGUF_ENV, raising=False)
-        return assets.ensure_embedded_target(progress=False)
+    def build(cache: Path) -> Path:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("BLOCKDRAFT_CACHE_DIR", str(cache))
+            mp.delenv(assets.GGUF_ENV, raising=False)
+            return assets.ensure_embedded_target(progress=False)
+
+    return built_once(tmp_path_factory, "converted", build)
 
 
 @pytest.fixture
@@ -146,6 +172,8 @@ def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The trained-pair target for the training tests (torch runs single-threaded here, as their subprocesses do)."""
     from trained_pair import _train_target
 
-    folder = tmp_path_factory.mktemp("tiny") / "target"
-    _train_target(folder, seed=0)
-    return folder
+    def build(root: Path) -> Path:
+        _train_target(root / "target", seed=0)
+        return root / "target"
+
+    return built_once(tmp_path_factory, "target-dir", build)

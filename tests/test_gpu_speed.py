@@ -43,6 +43,8 @@ def test_cpu_smoke_run(tiny_dirs: tuple[Path, Path], tmp_path: Path) -> None:
     split = methods["ours fast dflash"]["step_ms_draft_verify_rest"]  # the loop's per-step cost, by stage
     assert len(split) == 3 and split[0] > 0 and split[1] > 0
     assert methods["HF generate (greedy)"]["step_ms_draft_verify_rest"] is None
+    counts = [(e["graphs_warmed"], e["graphs_captured_timed"], e["kernel_shapes_timed"]) for e in data["e2e"]]
+    assert counts == [(0, 0, 0)] * len(data["e2e"])  # a CPU captures no graph and times no kernel
     assert "| ms per step: draft / verify / rest |" in res.stdout
 
 

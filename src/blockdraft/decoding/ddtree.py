@@ -330,6 +330,11 @@ class DDTreeProposer(OverChain):
     def plan(self, max_depth: int) -> tuple[int, int] | None:
         return self.chain.plan(max_depth)
 
+    def verify_rows(self) -> tuple[int, ...]:
+        """The anchor and a full tree: a smaller tree (built on the host, T > 0) replays its graph
+        (`FastTarget._captured_rows`)."""
+        return (1 + self.budget,)
+
     def finish(self, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None,
                budget: int | None = None) -> Draft:
         """The best `budget` (default: this proposer's) prefixes under the slot logits [slots, V]."""

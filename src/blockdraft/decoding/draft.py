@@ -93,6 +93,10 @@ class Proposer(Protocol):
         self, anchor: int, start: int, max_depth: int, sampling: SamplingParams, generator: torch.Generator | None
     ) -> Draft: ...
 
+    def verify_rows(self) -> tuple[int, ...]: ...
+
+    def warm(self, positions: int) -> None: ...
+
 
 class DrafterProposer(Proposer, Protocol):
     """A proposer over a DFlash drafter whose pass a batch can run for it: `plan` says which rows this step needs
@@ -181,6 +185,17 @@ class DFlashProposer:
         hidden = self.drafter(embeds, positions, self.cache)
         return hidden[0, first_row : first_row + slots]
 
+    def verify_rows(self) -> tuple[int, ...]:
+        """The row counts of this proposer's verifies: the anchor and up to `depth` drafted tokens (fewer near the
+        end), what a warm-up captures graphs for (`warm_decode`)."""
+        return tuple(range(1, self.depth + 2))
+
+    def warm(self, positions: int) -> None:
+        """Capture the static drafter path's graphs for contexts of up to `positions` positions (`warm_decode`);
+        the eager drafter has none."""
+        if self.fast is not None:
+            self.fast.warm(positions)
+
     def block_rows(self, max_depth: int, depth: int | None = None) -> tuple[int, int]:
         """(slots drafted, mask rows the drafter sees) for a step that may add at most `max_depth` tokens, drafting
         `depth` tokens (default: this proposer's)."""
@@ -229,3 +244,9 @@ class OverChain:
 
     def add_context(self, taps: torch.Tensor) -> None:
         self.chain.add_context(taps)
+
+    def verify_rows(self) -> tuple[int, ...]:
+        return self.chain.verify_rows()
+
+    def warm(self, positions: int) -> None:
+        self.chain.warm(positions)

@@ -41,6 +41,13 @@ class SwitchingProposer:
     def add_context(self, taps: torch.Tensor) -> None:
         self.tree.add_context(taps)
 
+    def verify_rows(self) -> tuple[int, ...]:
+        """An AR step's row, a chain's and the largest tree's."""
+        return self.tree.chain.verify_rows() + self.tree.verify_rows()
+
+    def warm(self, positions: int) -> None:
+        self.tree.warm(positions)
+
     def plan(self, max_depth: int) -> tuple[int, int] | None:
         method = self.candidate.method
         if method == "dflash":

@@ -28,7 +28,7 @@ from blockdraft.models.fast_target import (
     LENGTH_DEPENDENT_ROPE, MAX_GRAPHS, FastTarget, LayerWeights, graph_rows, layer_step, pack_layer, run_stack,
 )
 from blockdraft.models.graphs import capture
-from blockdraft.models.static_cache import KVStorage, round_up
+from blockdraft.models.static_cache import SLOT_STEP, KVStorage, round_up
 
 
 def fast_drafter_problem(drafter: DFlashDrafter) -> str | None:
@@ -212,6 +212,7 @@ class FastDrafter:
         self._draft_graphs: OrderedDict[int, _DraftGraph] = OrderedDict()
         self._extend_graphs: dict[int, _ExtendGraph] = {}
         self._graphs_version = self.storage.version
+        self.graph_limit = MAX_GRAPHS  # block-pass graphs kept (least recently used dropped); `warm` raises it
 
     @torch.inference_mode()
     def _set_length(self, length: int) -> None:
@@ -240,6 +241,24 @@ class FastDrafter:
         """Room for `positions` context positions and a block after them now (a buffer that grows later drops the
         graphs captured on it)."""
         self._room(positions + self.block_size)
+
+    @torch.inference_mode()
+    def warm(self, positions: int) -> None:
+        """Capture the block pass at every key capacity a context of up to `positions` positions meets and the
+        extension of every row count a step can commit (1 .. B, padded), so that no step of a decode within them
+        captures (`FastTarget.warm_verify`). Empties the context."""
+        if not self.use_graphs:
+            return
+        self.reset()
+        self._room(positions + self.block_size)  # the buffers grow once, before any graph is captured on them
+        caps = range(SLOT_STEP, round_up(positions + self.block_size) + 1, SLOT_STEP)
+        self.graph_limit = max(self.graph_limit, len(caps))
+        for cap in caps:
+            if cap not in self._draft_graphs:
+                self._draft_graphs[cap] = self._capture_draft(cap)
+        for rows in sorted({graph_rows(t) for t in range(1, self.block_size + 1)}):
+            if rows not in self._extend_graphs:
+                self._extend_graphs[rows] = self._capture_extend(rows)
 
     @torch.inference_mode()
     def load_rows(self, kv: torch.Tensor, length: int) -> None:
@@ -294,7 +313,7 @@ class FastDrafter:
         if self.use_graphs and entry is None:
             entry = self._capture_draft(cap)
             self._draft_graphs[cap] = entry
-            if len(self._draft_graphs) > MAX_GRAPHS:
+            if len(self._draft_graphs) > self.graph_limit:
                 self._draft_graphs.popitem(last=False)
         if entry is not None:
             self._draft_graphs.move_to_end(cap)

@@ -11,7 +11,7 @@ Anything else stays on the HF `Target`, the general fallback.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +23,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from blockdraft.models.fast_ops import ACTIVATIONS, CompactMask, LayerOps, sdpa_attention
 from blockdraft.models.graphs import capture, graph_pool, power_of_two_at_least
 from blockdraft.models.host_to_device import long_tensor
-from blockdraft.models.static_cache import KVStorage, StaticTargetCache, round_up
+from blockdraft.models.static_cache import SLOT_STEP, KVStorage, StaticTargetCache, round_up
 from blockdraft.models.target import Target, TargetOutput
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")
@@ -261,6 +261,7 @@ class FastTarget(Target):
         self.storage = KVStorage(self.num_layers, self.kv_heads, self.head_dim, slots, self.dtype, self.device)
         self._tables_for = -1
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self.graph_limit = MAX_GRAPHS  # verify graphs kept (least recently used dropped); `warm_verify` raises it
         self._prefill_graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self._prefill_pool: object = None  # the prefill graphs' shared memory pool, made by their first capture
         self._graphs_version = self.storage.version
@@ -408,23 +409,9 @@ class FastTarget(Target):
         graphs each keep their own memory; prefill graphs share one pool (only one runs at a time, and their
         outputs are copied out at once)."""
         t = input_ids.shape[1]
+        rows = self._captured_rows(rows, len(cache), tap_layers) if head else rows
         cache.reserve(rows)
-        self._tables()
-        if self._graphs_version != self.storage.version:  # the cache grew: old graphs point at freed buffers
-            self._graphs.clear()
-            self._prefill_graphs.clear()
-            self._prefill_pool = None  # a new pool for the graphs to come (`graph_pool`)
-            self._graphs_version = self.storage.version
-        cap = round_up(len(cache) + rows)
-        graphs, limit = (self._graphs, MAX_GRAPHS) if head else (self._prefill_graphs, PREFILL_GRAPHS)
-        key = (rows, cap, tap_layers)
-        entry = graphs.get(key)
-        if entry is None:
-            entry = self._capture(rows, cap, tap_layers, head)
-            graphs[key] = entry
-            if len(graphs) > limit:
-                graphs.popitem(last=False)
-        graphs.move_to_end(key)
+        entry = self._entry(rows, round_up(len(cache) + rows), tap_layers, head)
         entry.ids[:, :t].copy_(input_ids)
         entry.positions[:t].copy_(positions)
         if own is None:
@@ -435,6 +422,36 @@ class FastTarget(Target):
         entry.graph.replay()
         taps = None if entry.taps is None else entry.taps[:, :t].clone()
         return entry.out[:, :t].clone(), taps
+
+    def _captured_rows(self, rows: int, length: int, tap_layers: tuple[int, ...] | None) -> int:
+        """The rows of the verify graph to replay for a forward of `rows` rows after `length` cached positions:
+        for a tree (past 16 rows) without its own graph, the smallest captured one of up to twice its rows, rather
+        than capture a graph for its size. Trees built on the host (T > 0) vary in size from step to step, and each
+        new size captured mid-decode (timing the kernels' new shapes too) was a stall of tens of ms; padding rows
+        see only themselves and are never read."""
+        if rows <= 16 or (rows, round_up(length + rows), tap_layers) in self._graphs:
+            return rows
+        return min((r for r, cap, taps in self._graphs
+                    if rows < r <= 2 * rows and cap == round_up(length + r) and taps == tap_layers), default=rows)
+
+    def _entry(self, rows: int, cap: int, tap_layers: tuple[int, ...] | None, head: bool) -> _Graph:
+        """The graph for `rows` rows at key capacity `cap`, captured now if there is none."""
+        self._tables()
+        if self._graphs_version != self.storage.version:  # the cache grew: old graphs point at freed buffers
+            self._graphs.clear()
+            self._prefill_graphs.clear()
+            self._prefill_pool = None  # a new pool for the graphs to come (`graph_pool`)
+            self._graphs_version = self.storage.version
+        graphs, limit = (self._graphs, self.graph_limit) if head else (self._prefill_graphs, PREFILL_GRAPHS)
+        key = (rows, cap, tap_layers)
+        entry = graphs.get(key)
+        if entry is None:
+            entry = self._capture(rows, cap, tap_layers, head)
+            graphs[key] = entry
+            if len(graphs) > limit:
+                graphs.popitem(last=False)
+        graphs.move_to_end(key)
+        return entry
 
     def _capture(self, rows: int, cap: int, tap_layers: tuple[int, ...] | None, head: bool) -> _Graph:
         """Capture the forward for one shape. Warm-up runs write only slots past the cache length (rows nobody
@@ -462,6 +479,24 @@ class FastTarget(Target):
             self.forward(torch.zeros(1, rows, dtype=torch.long, device=self.device),
                          torch.arange(rows, device=self.device), self.new_cache(), tap_layers, last_logits_only=True)
             rows *= 2
+
+    @torch.inference_mode()
+    def warm_verify(self, rows: Iterable[int], positions: int, tap_layers: tuple[int, ...] | None) -> None:
+        """Capture the verify graph of each row count in `rows` at every key capacity a context of up to
+        `positions` positions meets (a server's warm-up, a benchmark's), so that no step of a decode within them
+        captures: a capture mid-decode also times every kernel shape it meets first, and a benchmark's rows
+        absorbed those stalls (benchmarks/RESULTS.md, session 29). Empties the target's cache; the graph limit
+        grows to keep every graph warmed here."""
+        counts = sorted({graph_rows(r) for r in rows})
+        if not self.use_graphs or not counts:
+            return
+        self.new_cache().reserve(positions + counts[-1])  # the buffers grow once, before any graph is captured
+        caps = range(SLOT_STEP, round_up(positions + counts[-1]) + 1, SLOT_STEP)
+        self.graph_limit = max(self.graph_limit, len(self._graphs) + len(caps) * len(counts))
+        for cap in caps:
+            for count in counts:
+                if count <= cap:
+                    self._entry(count, cap, tap_layers, True)
 
 
 _MASKS: dict[tuple[str, int, torch.device], torch.Tensor] = {}

@@ -1,0 +1,30 @@
+"""Warming a decode up front: every CUDA graph a method's steps can meet within a context length, captured before
+the first decode that would meet it.
+
+The fast engine captures a graph per shape on first use (the verify per row count and key capacity, the drafter's
+block pass per capacity, its context extension per row count), timing the kernels of each shape it meets first.
+Met in the middle of a decode, each is a stall of tens of ms: a benchmark's rows absorbed them (DDTree@32's draft
+1.72 ms a step against 0.41 in steady state, benchmarks/RESULTS.md, session 29). `gpu_speed.py` warms each
+end-to-end row with it; a server's sequential warm-up does not yet (its start-up cost unmeasured).
+"""
+
+from __future__ import annotations
+
+from blockdraft.decoding.draft import Proposer
+from blockdraft.models.fast_target import FastTarget
+from blockdraft.models.graphs import graphs_captured
+from blockdraft.models.target import Target
+
+
+def warm_decode(target: Target, proposer: Proposer | None, positions: int) -> int:
+    """Capture the graphs of a decode with `proposer` (None: AR) in contexts of up to `positions` positions: the
+    verify of each of its row counts at every key capacity, and the drafter's. Returns how many were captured (none
+    off the fast engine or off a GPU). Empties the target's cache and the drafter's context."""
+    if not isinstance(target, FastTarget):
+        return 0
+    before = graphs_captured()
+    rows = proposer.verify_rows() if proposer is not None else (1,)
+    target.warm_verify(rows, positions, proposer.tap_layers if proposer is not None else None)
+    if proposer is not None:
+        proposer.warm(positions)
+    return graphs_captured() - before

@@ -1,0 +1,77 @@
+"""warm_decode: a method's verify row counts, the fast target's graph lookup for smaller trees, and (on a GPU) no
+graph captured by a decode inside the warmed context with the same ids as without warming."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_drafter, make_target_model
+
+from blockdraft.decoding.generate import generate
+from blockdraft.decoding.methods import build_proposer
+from blockdraft.decoding.sampling import SamplingParams
+from blockdraft.decoding.warm import warm_decode
+from blockdraft.engine.switching import SwitchingProposer
+from blockdraft.models.fast_target import FastTarget
+from blockdraft.models.graphs import graphs_captured
+from blockdraft.models.target import Target
+
+
+def test_each_method_names_the_verify_rows_its_steps_take() -> None:
+    target = FastTarget(make_target_model("qwen3"))
+    drafter = make_drafter("all_full")
+    block = drafter.cfg.block_size
+    assert build_proposer("dflash", target, drafter).verify_rows() == tuple(range(1, block + 1))
+    assert build_proposer("dflash", target, drafter, draft_tokens=2).verify_rows() == (1, 2, 3)
+    assert build_proposer("ddtree", target, drafter, budget=40).verify_rows() == (41,)
+    assert SwitchingProposer(drafter, target, 24).verify_rows() == (*range(1, block + 1), 25)
+
+
+def test_off_a_gpu_warming_captures_nothing_and_the_decode_is_unchanged() -> None:
+    model = make_target_model("qwen3")
+    drafter = make_drafter("all_full")
+    for target in (FastTarget(model), Target(model)):
+        proposer = build_proposer("ddtree", target, drafter, budget=6)
+        before = generate(target, [3, 4, 5], proposer, 12).token_ids
+        assert warm_decode(target, proposer, 64) == 0
+        assert generate(target, [3, 4, 5], proposer, 12).token_ids == before
+
+
+def test_a_tree_without_its_own_graph_replays_a_captured_one_of_up_to_twice_its_rows() -> None:
+    target = FastTarget(make_target_model("qwen3"))
+    taps = (0, 2)
+    for key in [(33, 256, taps), (65, 512, taps), (16, 256, taps), (40, 256, None)]:
+        target._graphs[key] = object()  # only the keys are read: which graph a forward would replay
+    assert target._captured_rows(20, 100, taps) == 33  # 33 <= 2 x 20, same capacity
+    assert target._captured_rows(33, 100, taps) == 33
+    assert target._captured_rows(16, 100, taps) == 16  # short forwards keep their power-of-two graphs
+    assert target._captured_rows(12, 100, taps) == 12
+    assert target._captured_rows(17, 100, taps) == 33
+    assert target._captured_rows(30, 400, taps) == 30  # 65 > 2 x 30: its own graph
+    assert target._captured_rows(30, 230, taps) == 30  # 230 + 33 needs capacity 512, where no 33-row graph is
+    assert target._captured_rows(40, 420, taps) == 65  # 420 + 65 fits capacity 512's 65-row graph
+    assert target._captured_rows(20, 100, None) == 40  # taps must match
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("method,budget,sampling", [("ar", None, SamplingParams()), ("dflash", None, SamplingParams()),
+                                                    ("ddtree", 12, SamplingParams()),
+                                                    ("ddtree", 20, SamplingParams(temperature=1.0))])
+def test_after_warming_a_decode_inside_the_context_captures_no_graph(method: str, budget: int | None,
+                                                                      sampling: SamplingParams) -> None:
+    model = make_target_model("qwen3").cuda()
+    drafter = make_drafter("all_full").cuda()
+    prompts = [[(3 * i + 1) % 60 + 1 for i in range(n)] for n in (5, 200, 300)]
+    new = 180
+    cold = FastTarget(model)
+    cold_ids = [generate(cold, p, build_proposer(method, cold, drafter, budget), new, sampling, seed=3).token_ids
+                for p in prompts]
+    target = FastTarget(model)
+    proposer = build_proposer(method, target, drafter, budget)
+    target.warm_prefill(proposer.tap_layers if proposer else None)  # the prompts' graphs, as a server warms them
+    assert warm_decode(target, proposer, max(map(len, prompts)) + new) > 0
+    generate(target, prompts[0], proposer, 2 * drafter.cfg.block_size, sampling)  # the tree search's own graphs
+    before = graphs_captured()
+    ids = [generate(target, p, proposer, new, sampling, seed=3).token_ids for p in prompts]
+    assert graphs_captured() == before
+    assert ids == cold_ids
