@@ -427,8 +427,8 @@ class FastTarget(Target):
         """The rows of the verify graph to replay for a forward of `rows` rows after `length` cached positions:
         for a tree (past 16 rows) without its own graph, the smallest captured one of up to twice its rows, rather
         than capture a graph for its size. Trees built on the host (T > 0) vary in size from step to step, and each
-        new size captured mid-decode (timing the kernels' new shapes too) was a stall of tens of ms; padding rows
-        see only themselves and are never read."""
+        new size would capture mid-decode (timing the kernels' new shapes too), stalling that step and, past the
+        graph limit, dropping a warmed graph; padding rows see only themselves and are never read."""
         if rows <= 16 or (rows, round_up(length + rows), tap_layers) in self._graphs:
             return rows
         return min((r for r, cap, taps in self._graphs
