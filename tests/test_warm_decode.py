@@ -25,6 +25,10 @@ def test_each_method_names_the_verify_rows_its_steps_take() -> None:
     assert build_proposer("dflash", target, drafter, draft_tokens=2).verify_rows() == (1, 2, 3)
     assert build_proposer("ddtree", target, drafter, budget=40).verify_rows() == (41,)
     assert SwitchingProposer(drafter, target, 24).verify_rows() == (*range(1, block + 1), 25)
+    selector = make_drafter("dflash2")  # DFlash-2: its walk verifies as a chain, its trees as trees
+    walk = build_proposer("dflash", target, selector)
+    assert walk.verify_rows() == tuple(range(1, walk.chain.depth + 2))
+    assert build_proposer("ddtree", target, selector, budget=9).verify_rows() == (10,)
 
 
 def test_off_a_gpu_warming_captures_nothing_and_the_decode_is_unchanged() -> None:

@@ -84,10 +84,6 @@ class DFlash2Proposer(OverChain):
             return Draft.empty(self.chain.target.device)
         return self.from_candidates(*self.candidates(anchor, start, *planned), sampling, generator)
 
-    def verify_rows(self) -> tuple[int, ...]:
-        """The anchor and a full tree (`DDTreeProposer.verify_rows`)."""
-        return (1 + self.budget,)
-
     def from_candidates(self, candidates: torch.Tensor, scores: torch.Tensor, sampling: SamplingParams,
                         generator: torch.Generator | None) -> Draft:
         """The step's draft from the pass's candidates and edge scores: the selector's walk."""
