@@ -177,7 +177,8 @@ def _eager_capture(self: FastTarget, rows: int, cap: int, tap_layers: tuple[int,
     own = torch.eye(rows, dtype=torch.bool)
 
     def run() -> tuple[torch.Tensor, torch.Tensor | None]:
-        hidden, taps = self._run(ids_, positions, own, cap, tap_layers)  # like the warm-up: writes past the length
+        hidden, taps = self._run(ids_, positions, own, cap, tap_layers,  # as the warm-up: past the length
+                                 self.ops if head else self.prefill_ops)
         return (self.lm_head(hidden) if head else hidden), taps
 
     out, taps = run()

@@ -516,6 +516,26 @@ def test_a_target_built_with_kernels_decodes_what_one_without_does() -> None:
             == generate(FastTarget(model), ids, None, 10).token_ids)
 
 
+@needs_kernel
+def test_a_prefill_multiplies_with_the_library_and_a_verify_with_the_kernels(monkeypatch: pytest.MonkeyPatch
+                                                                          ) -> None:
+    """A prefill's 16-128-row products would each autotune the few-row kernels' configs per row tile on a fresh
+    machine (minutes of warm-up for a forward run once a request): its units take F.linear, a verify's the kernels."""
+    from blockdraft.models import skinny_gemm
+    launched: list[int] = []
+    for name in ("_launch", "weights_first_linear", "gemv_linear"):
+        kernel = getattr(skinny_gemm, name)
+        monkeypatch.setattr(skinny_gemm, name, lambda *a, _kernel=kernel, **k: launched.append(1) or _kernel(*a, **k))
+    target = FastTarget(make_target_model("qwen3").to(DEVICE), kernels=True)
+    assert target.prefill_ops.linear is F.linear and not target.prefill_ops.fused_glu
+    cache = target.new_cache()
+    prompt = torch.arange(1, 21, device=DEVICE).unsqueeze(0)
+    target.prefill(prompt, torch.arange(20, device=DEVICE), None, cache)
+    assert not launched
+    target.forward(prompt[:, :4], torch.arange(20, 24, device=DEVICE), cache)
+    assert launched
+
+
 def random_attention(batch: int, heads: int, rows: int, keys: int, dim: int, dtype: torch.dtype, seed: int
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [B, G, R, d] and keys/values [B, G, S, d] as views into a longer cache (the engine's layout)."""

@@ -72,8 +72,8 @@ def test_after_warming_a_decode_inside_the_context_captures_no_graph(method: str
                 for p in prompts]
     target = FastTarget(model)
     proposer = build_proposer(method, target, drafter, budget)
+    assert warm_decode(target, proposer, max(map(len, prompts)) + new) > 0  # first: it may grow the K/V storage
     target.warm_prefill(proposer.tap_layers if proposer else None)  # the prompts' graphs, as a server warms them
-    assert warm_decode(target, proposer, max(map(len, prompts)) + new) > 0
     generate(target, prompts[0], proposer, 2 * drafter.cfg.block_size, sampling)  # the tree search's own graphs
     before = graphs_captured()
     ids = [generate(target, p, proposer, new, sampling, seed=3).token_ids for p in prompts]

@@ -8,6 +8,7 @@ if compilation fails, so a missing compiler toolchain costs speed, never correct
 
 from __future__ import annotations
 
+import copy
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -364,6 +365,18 @@ class LayerOps:
         composed = partial(add_norm_linear, self.add_rms_norm, self.linear)
         self.add_norm_linear = partial(skinny_add_norm_linear, composed) if kernels else composed
         self.fused_glu = few_rows or kernels
+
+    def library_products(self) -> LayerOps:
+        """These units with every weight product from the library (F.linear, the norms, residual adds and gating
+        unfused): a prefill's. Its forwards of 16-128 rows would otherwise time the few-row kernels at each row tile
+        they meet, whose first use autotunes and compiles every config of the weights-first kernel per tile and
+        epilogue, minutes of a fresh machine's warm-up (a tiny float32 target's `warm_prefill` was still compiling
+        them when a 7-minute test ran out on the H200, benchmarks/RESULTS.md session 31), for a forward each request runs once."""
+        plain = copy.copy(self)
+        plain.kernels = plain.fused_glu = False
+        plain.linear = F.linear
+        plain.add_norm_linear = partial(add_norm_linear, self.add_rms_norm, F.linear)
+        return plain
 
     def glu_linear(self, gate_up: torch.Tensor, act: str, weight: torch.Tensor,
                    bias: torch.Tensor | None) -> torch.Tensor:

@@ -245,6 +245,7 @@ class FastTarget(Target):
         self.use_graphs = cuda if graphs is None else graphs and cuda
         self.ops = LayerOps(cuda if compiled is None else compiled, kernels, qkv_kernel=cuda, few_rows=cuda,
                             attention_kernel=cuda)
+        self.prefill_ops = self.ops.library_products()
         self.eps: float = text.rms_norm_eps
         self.act: str = getattr(text, "hidden_act", "silu")
         self.heads: int = text.num_attention_heads
@@ -315,7 +316,7 @@ class FastTarget(Target):
             if self.use_graphs and t <= GRAPH_MAX_TOKENS and not last_logits_only:
                 logits, taps = self._replay(input_ids, positions, own, cache, tap_layers, graph_rows(t), True)
             else:
-                hidden, taps = self._eager(input_ids, positions, own, cache, tap_layers)
+                hidden, taps = self._eager(input_ids, positions, own, cache, tap_layers, self.ops)
                 logits = self.head(hidden[:, -1:] if last_logits_only else hidden)
         return TargetOutput(logits=logits, taps=taps)
 
@@ -345,20 +346,20 @@ class FastTarget(Target):
                 if self.use_graphs:
                     hidden, taps = self._replay(ids, at, own, cache, tap_layers, prefill_rows(ids.shape[1]), False)
                 else:
-                    hidden, taps = self._eager(ids, at, own, cache, tap_layers)
+                    hidden, taps = self._eager(ids, at, own, cache, tap_layers, self.prefill_ops)
             states.append(hidden)
             if taps is not None:
                 tapped.append(taps)
         return torch.cat(states, dim=1), torch.cat(tapped, dim=1) if tapped else None
 
     def _eager(self, ids: torch.Tensor, positions: torch.Tensor, own: torch.Tensor | None, cache: StaticTargetCache,
-               tap_layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The forward run directly (a CPU, or rows past what graphs are captured for)."""
+               tap_layers: tuple[int, ...] | None, ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward run directly with `ops` (a CPU, or rows past what graphs are captured for)."""
         t = ids.shape[1]
         cache.reserve(t)
         self._tables()
         own = fixed_mask("tril", t, self.device) if own is None else own
-        return self._run(ids, positions, own, round_up(len(cache) + t), tap_layers)
+        return self._run(ids, positions, own, round_up(len(cache) + t), tap_layers, ops)
 
     def _run(
         self,
@@ -367,10 +368,11 @@ class FastTarget(Target):
         own: torch.Tensor,
         cap: int,
         tap_layers: tuple[int, ...] | None,
+        ops: LayerOps,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The forward itself up to the final norm (states, taps): only device work on fixed buffers, so a CUDA
-        graph can capture it."""
-        ops, kv = self.ops, self.storage.kv
+        """The forward itself up to the final norm (states, taps) with `ops` (a verify's, or a prefill's library
+        products): only device work on fixed buffers, so a CUDA graph can capture it."""
+        kv = self.storage.kv
         t = ids.shape[1]
         groups = self.heads // self.kv_heads
         slots = self.storage.length + self.slot_ids[:t]
@@ -387,12 +389,13 @@ class FastTarget(Target):
             return layer_step(ops, layer, x, qkv, cos, sin, kv[i], slots, cap, biases[layer.window], self.heads,
                               self.kv_heads, self.eps, self.act, mask)
 
-        return self.run_layers(F.embedding(ids, self.embedding_weight), step, tap_layers)
+        return self.run_layers(F.embedding(ids, self.embedding_weight), step, tap_layers, ops)
 
-    def run_layers(self, x: torch.Tensor, step: LayerStep,
-                   tap_layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """This target's decoder stack over embeddings `x` (batch-1 and batched forwards alike; `run_stack`)."""
-        return run_stack(self.ops, self.layers, x, step, self.final_norm, self.eps, tap_layers)
+    def run_layers(self, x: torch.Tensor, step: LayerStep, tap_layers: tuple[int, ...] | None,
+                   ops: LayerOps | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This target's decoder stack over embeddings `x` (batch-1 and batched forwards alike; `run_stack`), with
+        its verify units unless `ops` says otherwise."""
+        return run_stack(ops or self.ops, self.layers, x, step, self.final_norm, self.eps, tap_layers)
 
     def _replay(
         self,
@@ -463,7 +466,7 @@ class FastTarget(Target):
         own = torch.eye(rows, dtype=torch.bool, device=self.device)
 
         def run() -> tuple[torch.Tensor, torch.Tensor | None]:
-            hidden, taps = self._run(ids, positions, own, cap, tap_layers)
+            hidden, taps = self._run(ids, positions, own, cap, tap_layers, self.ops if head else self.prefill_ops)
             return (self.head(hidden) if head else hidden), taps
 
         graph, (out, taps) = capture(run, self.device, None if head else self._prefill_pool)
