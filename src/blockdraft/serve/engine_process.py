@@ -135,7 +135,7 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
     elif seqs > 1:
         engine = BatchedEngine(target, new_proposer, loaded.tokenizer, seqs, max_model_len=info.max_model_len)
     else:
-        engine = SequentialEngine(target, new_proposer(), loaded.tokenizer)
+        engine = SequentialEngine(target, new_proposer(), loaded.tokenizer, info.max_model_len)
     if seqs > 1:
         say(f"continuous batching: up to {seqs} requests decode together (--max-num-seqs)")
     worker = Worker(engine, lambda job: outbox.send(Started(job.spec.job_id)), EngineClock(outbox.send, say))

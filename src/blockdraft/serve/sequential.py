@@ -12,11 +12,15 @@ from typing import Any
 
 from blockdraft.decoding.draft import Proposer
 from blockdraft.decoding.generate import generate
+from blockdraft.decoding.warm import warm_decode
 from blockdraft.models.target import Target
 from blockdraft.serve.jobs import Finished, Job
 from blockdraft.serve.job_run import JobRun
 
 _WARMUP_TOKENS = 4
+WARM_POSITIONS = 4096  # contexts whose every decode graph the warm-up captures: on the H200 the embedded pair warmed
+# a 4K context in 1.6-9 s and 0.3-1.2 GiB, after which a decode reaching it captured nothing (benchmarks/RESULTS.md,
+# sessions 31-32); longer contexts capture each new shape when first met, as before
 
 
 class SequentialEngine:
@@ -26,14 +30,20 @@ class SequentialEngine:
     busy = False
     running = 0
 
-    def __init__(self, target: Target, proposer: Proposer | None, tokenizer: Any) -> None:
+    def __init__(self, target: Target, proposer: Proposer | None, tokenizer: Any,
+                 max_model_len: int | None = None) -> None:
         self.target = target
         self.proposer = proposer
         self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
 
     def warm_up(self, prompt_ids: list[int]) -> None:
-        """The prefill graphs and one short decode, so the first request does not pay for first-call costs (kernels,
-        graphs)."""
+        """Every graph a decode of up to min(max_model_len, the target's positions, WARM_POSITIONS) positions meets
+        (`warm_decode`; first, as its K/V reserve would drop graphs captured before it), the prefill graphs, then
+        one short decode, so no request pays for first-call costs (kernels, graphs) within that context: a capture
+        mid-decode is a stall of tens of ms."""
+        bounds = (self.max_model_len, self.target.max_positions, WARM_POSITIONS)
+        warm_decode(self.target, self.proposer, min(b for b in bounds if b is not None))
         self.target.warm_prefill(self.proposer.tap_layers if self.proposer else None)
         generate(self.target, prompt_ids, self.proposer, _WARMUP_TOKENS)
 
