@@ -370,8 +370,9 @@ class LayerOps:
         """These units with every weight product from the library (F.linear, the norms, residual adds and gating
         unfused): a prefill's. Its forwards of 16-128 rows would otherwise time the few-row kernels at each row tile
         they meet, whose first use autotunes and compiles every config of the weights-first kernel per tile and
-        epilogue, minutes of a fresh machine's warm-up (a tiny float32 target's `warm_prefill` was still compiling
-        them when a 7-minute test ran out on the H200, benchmarks/RESULTS.md session 31), for a forward each request runs once."""
+        epilogue: minutes of a fresh machine's warm-up (a tiny float32 target's `warm_prefill` was still compiling
+        them when a 7-minute test ran out on the H200, benchmarks/RESULTS.md session 31) for a forward that each
+        request runs once."""
         plain = copy.copy(self)
         plain.kernels = plain.fused_glu = False
         plain.linear = F.linear
