@@ -68,7 +68,8 @@ def main() -> None:
                    "decode_warm_s": t1 - t0, "prefill_warm_s": t2 - t1, "graphs_warmed": warmed,
                    "long_prefill_graphs": captured - before_prefill,
                    "memory_mib": (torch.cuda.memory_reserved() - memory) / 2**20,
-                   "graphs_captured_after": graphs_captured() - captured, "kernel_shapes_timed_after": len(choices()) - timed}
+                   "graphs_captured_after": graphs_captured() - captured,
+                   "kernel_shapes_timed_after": len(choices()) - timed}
             rows.append(row)
             print(json.dumps(row), flush=True)
             del target, proposer
