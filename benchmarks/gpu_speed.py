@@ -3,7 +3,8 @@
 Part 1 (always): a Qwen3-8B-shaped target and a published-shape DFlash drafter (5 layers, B=16) with random bf16
 weights, batch 1, a 1K context. Per engine (hf = HF forward, fast = FastTarget with compiled ops + CUDA graphs,
 fast-graphs = FastTarget without torch.compile, fast-eager = no graphs either, fast-kernels = fast with the
-weight products from `models/skinny_gemm.py`'s Triton kernel): AR step, DFlash verify (16 rows),
+weight products from `models/skinny_gemm.py`'s Triton kernel, fast-stepwise = fast with greedy steps launched op by
+op instead of `decoding/fused_steps.py`'s two graphs and one read): AR step, DFlash verify (16 rows),
 drafter pass and context extension (the eager drafter under hf, the static FastDrafter under the fast engines,
 graphed where the engine graphs), DDTree verify per budget, the step ratios against issue 7's goals, and the 8B tokens/s projected at
 the papers' tau. Part 2 (with --target/--drafter): end-to-end tokens/s, tau and same-ids checks on a real pair.
@@ -176,9 +177,10 @@ def make_engine(name: str, model: Any) -> Any:
     if name == "hf":
         return Target(model)
     options = {"fast": {}, "fast-graphs": {"compiled": False}, "fast-eager": {"compiled": False, "graphs": False},
-               "fast-kernels": {"kernels": True}}
+               "fast-kernels": {"kernels": True}, "fast-stepwise": {"fused": False}}
     if name not in options:
-        raise ValueError(f"unknown engine {name!r}; use hf, fast, fast-graphs, fast-eager or fast-kernels")
+        raise ValueError(f"unknown engine {name!r}; use hf, fast, fast-graphs, fast-eager, fast-kernels or "
+                         "fast-stepwise")
     return FastTarget(model, **options[name])
 
 
@@ -531,7 +533,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="8b", help="synthetic target shape (tiny: smoke)")
     parser.add_argument("--context", type=int, default=1024, help="context length for the per-step rows")
     parser.add_argument("--budgets", type=int_list, default="32,64,128,256,512", help="DDTree budgets for the per-step rows")
-    parser.add_argument("--engines", default=None, help="hf,fast,fast-graphs,fast-eager,fast-kernels (default: hf,fast-graphs,fast on CUDA, hf,fast on CPU)")
+    parser.add_argument("--engines", default=None, help="hf,fast,fast-graphs,fast-eager,fast-kernels,fast-stepwise (default: hf,fast-graphs,fast on CUDA, hf,fast on CPU)")
     parser.add_argument("--iters", type=int, default=None, help="timed iterations per row (default 20; --quick 5)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up iterations per row (default 5; --quick 2)")
     parser.add_argument("--bandwidth", type=float, default=None, help="state the bandwidth in B/s instead of measuring")

@@ -536,21 +536,19 @@ def test_the_warm_up_decodes_full_depth_drafts_at_two_capacities_where_graphs_ar
 
 
 @pytest.mark.parametrize("max_model_len, bound", [(300, 300), (None, 512), (100_000, 512)])
-def test_the_sequential_warm_up_warms_every_decode_graph_up_to_its_bound_before_the_prefill_graphs(
+def test_the_sequential_warm_up_warms_every_decode_graph_up_to_its_bound(
         monkeypatch, max_model_len: int | None, bound: int) -> None:
     """A sequential server warms the decode of contexts up to min(--max-model-len, the target's 512 positions,
-    WARM_POSITIONS) (no capture mid-decode within them), before the prefill graphs: its K/V reserve would drop graphs
-    captured earlier."""
+    WARM_POSITIONS): no capture mid-decode within them."""
     from blockdraft.models.fast_target import FastTarget
     from blockdraft.serve import sequential
 
     target = FastTarget(make_target_model("qwen3"))
     proposer = build_proposer("ddtree", target, make_drafter(), 6)
-    calls: list[tuple[str, object]] = []
-    monkeypatch.setattr(sequential, "warm_decode", lambda t, p, positions: calls.append(("decode", positions)) or 0)
-    monkeypatch.setattr(target, "warm_prefill", lambda tap_layers: calls.append(("prefill", tap_layers)))
+    calls: list[tuple[object, int]] = []
+    monkeypatch.setattr(sequential, "warm_decode", lambda t, p, positions: calls.append((p, positions)) or 0)
     sequential.SequentialEngine(target, proposer, None, max_model_len).warm_up([3, 4, 5])
-    assert calls == [("decode", bound), ("prefill", proposer.tap_layers)]
+    assert calls == [(proposer, bound)]
 
 
 

@@ -41,6 +41,33 @@ def test_off_a_gpu_warming_captures_nothing_and_the_decode_is_unchanged() -> Non
         assert generate(target, [3, 4, 5], proposer, 12).token_ids == before
 
 
+@pytest.mark.parametrize("method,budget", [("ar", None), ("dflash", None), ("ddtree", 40)])
+def test_warming_reserves_the_target_cache_before_any_part_captures(monkeypatch, method: str,
+                                                                    budget: int | None) -> None:
+    """The target's K/V are reserved for every part of the warm-up (verify, drafter, fused steps, prefill) before
+    the first part runs, which run in that order: a buffer that grows drops every graph captured on it. (A CPU
+    captures nothing; on a GPU, test_after_warming_a_decode_inside_the_context_captures_no_graph covers the drafter's
+    buffers too.)"""
+    from blockdraft.decoding import fused_steps as fused
+
+    target = FastTarget(make_target_model("qwen3"), cache_slots=16, fused=True)
+    proposer = build_proposer(method, target, make_drafter("all_full"), budget)
+    seen: list[tuple[str, int]] = []
+    parts = [(target, "warm_verify"), (target, "warm_prefill"), (fused.FusedSteps, "warm")]
+    if proposer is not None:
+        parts.append((type(proposer), "warm"))
+    for owner, name in parts:
+        real = getattr(owner, name)
+        label = "drafter" if owner is not target and owner is not fused.FusedSteps else name
+        monkeypatch.setattr(owner, name, lambda *a, _real=real, _label=label: (
+            seen.append((_label, target.storage.version)), _real(*a))[1])
+    warm_decode(target, proposer, 700)
+    expected = ["warm_verify", *(["drafter"] if proposer else []), "warm", "warm_prefill"]
+    assert [name for name, _ in seen] == expected
+    assert {version for _, version in seen} == {target.storage.version} != {0}
+    assert target.storage.slots >= 700 + 41 and target.storage.slots >= target.prefill_room
+
+
 def test_a_tree_without_its_own_graph_replays_a_captured_one_of_up_to_twice_its_rows() -> None:
     target = FastTarget(make_target_model("qwen3"))
     taps = (0, 2)
@@ -67,13 +94,12 @@ def test_after_warming_a_decode_inside_the_context_captures_no_graph(method: str
     drafter = make_drafter("all_full").cuda()
     prompts = [[(3 * i + 1) % 60 + 1 for i in range(n)] for n in (5, 200, 300)]
     new = 180
-    cold = FastTarget(model)
+    cold = FastTarget(model, fused=False)  # step by step and captured as met: the fused, warmed steps must agree
     cold_ids = [generate(cold, p, build_proposer(method, cold, drafter, budget), new, sampling, seed=3).token_ids
                 for p in prompts]
     target = FastTarget(model)
     proposer = build_proposer(method, target, drafter, budget)
-    assert warm_decode(target, proposer, max(map(len, prompts)) + new) > 0  # first: it may grow the K/V storage
-    target.warm_prefill(proposer.tap_layers if proposer else None)  # the prompts' graphs, as a server warms them
+    assert warm_decode(target, proposer, max(map(len, prompts)) + new) > 0
     generate(target, prompts[0], proposer, 2 * drafter.cfg.block_size, sampling)  # the tree search's own graphs
     before = graphs_captured()
     ids = [generate(target, p, proposer, new, sampling, seed=3).token_ids for p in prompts]

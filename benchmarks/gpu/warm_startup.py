@@ -1,7 +1,8 @@
 """What warming a whole decode up front costs a server's start-up: per method and context bound, the seconds and
 GPU memory `warm_decode` takes on the fast engine, how many graphs it captures, and whether a decode reaching that
 bound afterwards still captures a graph or times a kernel shape (it should not; its prompt's prefill, run once
-before, captures the prefill chunks' graphs at the capacities past `warm_prefill`'s, which a long prompt meets).
+before, captures the prefill chunks' graphs at the capacities past those `warm_decode` warms, which a long prompt
+meets).
 The sequential server's warm-up (`SequentialEngine.warm_up`) warms up to a bound chosen from these figures.
 
     python3 benchmarks/gpu/warm_startup.py --target smollm2-135m-instruct \
@@ -52,12 +53,9 @@ def main() -> None:
             torch.cuda.synchronize()
             memory = torch.cuda.memory_reserved()
             t0 = time.perf_counter()
-            warmed = warm_decode(target, proposer, positions)  # first: growing the K/V drops the prefill graphs
+            warmed = warm_decode(target, proposer, positions)
             torch.cuda.synchronize()
             t1 = time.perf_counter()
-            target.warm_prefill(taps)
-            torch.cuda.synchronize()
-            t2 = time.perf_counter()
             long_prompt = (prompt * (positions // len(prompt) + 1))[: positions - args.new_tokens]
             before_prefill = graphs_captured()
             ids = torch.tensor([long_prompt], device=device)
@@ -65,7 +63,7 @@ def main() -> None:
             captured, timed = graphs_captured(), len(choices())
             generate(target, long_prompt, proposer, args.new_tokens)
             row = {"method": method + (f"@{budget}" if budget else ""), "positions": positions,
-                   "decode_warm_s": t1 - t0, "prefill_warm_s": t2 - t1, "graphs_warmed": warmed,
+                   "warm_s": t1 - t0, "graphs_warmed": warmed,
                    "long_prefill_graphs": captured - before_prefill,
                    "memory_mib": (torch.cuda.memory_reserved() - memory) / 2**20,
                    "graphs_captured_after": graphs_captured() - captured,

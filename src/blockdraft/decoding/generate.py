@@ -16,6 +16,7 @@ import torch
 
 from blockdraft.decoding.ddtree import DDTreeProposer
 from blockdraft.decoding.draft import Draft, Proposer
+from blockdraft.decoding.fused_steps import fused_steps
 from blockdraft.decoding.sampling import SamplingParams, pick
 from blockdraft.decoding.verify import verify
 from blockdraft.errors import BlockdraftError
@@ -117,6 +118,15 @@ def check_context(target: Target, prompt_len: int, max_new_tokens: int) -> None:
         )
 
 
+def _until_stop(committed: list[int], depth_left: int, stops: set[int]) -> tuple[list[int], int | None]:
+    """A step's tokens cut to the `depth_left` still wanted and after the first stop token, and that stop token."""
+    committed = committed[:depth_left]
+    for i, token in enumerate(committed):
+        if token in stops:
+            return committed[: i + 1], token
+    return committed, None
+
+
 @torch.inference_mode()
 def generate(
     target: Target,
@@ -161,12 +171,33 @@ def generate(
     draft_lengths: list[int] = []
     # greedy DDTree on the fast engine (which reads a tree mask's own rows only): the tree built on the device
     trees_on_device = type(proposer) is DDTreeProposer and sampling.greedy and isinstance(target, FastTarget)
+    fused = fused_steps(target, proposer) if sampling.greedy else None
+    begun = False
 
     t_decode = clock.now()
     while len(tokens) < max_new_tokens and stopped_on is None and not ended_early:
         start = len(prompt_ids) + len(tokens) - 1
         anchor = tokens[-1]
         depth_left = max_new_tokens - len(tokens)
+
+        if fused is not None and depth_left >= fused.min_depth_left:  # until a step could commit past the end
+            if not begun:
+                fused.begin(anchor, cache)
+                begun = True
+            t_verify = stages.mark()
+            fused.verify(cache)
+            t_draft = stages.mark()
+            fused.draft(cache)  # the next step's, launched before this one's read
+            stages.add("verify", t_verify, t_draft)
+            stages.add("draft", t_draft, stages.mark())
+            nodes, committed = fused.read(cache)
+            stats.drafted_tokens += nodes
+            draft_lengths.append(nodes)
+            committed, stopped_on = _until_stop(committed, depth_left, stops)
+            tokens.extend(committed)
+            stats.acceptance_lengths.append(len(committed))
+            ended_early = bool(on_commit and on_commit(committed))
+            continue
 
         t_draft = stages.mark()
         trees = proposer.propose_on_device(anchor, start, depth_left) if trees_on_device else None
@@ -187,13 +218,7 @@ def generate(
         stats.drafted_tokens += len(draft)
         draft_lengths.append(len(draft))
 
-        committed = verdict.tokens + [verdict.bonus]
-        committed = committed[:depth_left]
-        for i, token in enumerate(committed):
-            if token in stops:
-                committed = committed[: i + 1]
-                stopped_on = token
-                break
+        committed, stopped_on = _until_stop(verdict.tokens + [verdict.bonus], depth_left, stops)
         produced = len(committed)
         rows: slice | torch.Tensor
         if draft.is_chain:  # the committed rows are the first `produced`

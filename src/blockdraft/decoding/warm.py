@@ -2,30 +2,41 @@
 the first decode that would meet it.
 
 The fast engine captures a graph per shape on first use (the verify per row count and key capacity, the drafter's
-block pass per capacity, its context extension per row count), timing the kernels of each shape it meets first.
-Met in the middle of a decode, each is a stall of tens of ms: a benchmark's rows absorbed them (DDTree@32's draft
-1.72 ms a step against 0.41 in steady state, benchmarks/RESULTS.md, session 29). `gpu_speed.py` warms each
-end-to-end row with it, and a sequential server's warm-up up to a bound (`serve.sequential.WARM_POSITIONS`, from
-its measured start-up cost).
+block pass per capacity, its context extension per row count, the fused greedy steps per capacity, the prefill
+per row bucket), timing the kernels of each shape it meets first. Met in the middle of a decode, each is a stall of
+tens of ms: a benchmark's rows absorbed them (DDTree@32's draft 1.72 ms a step against 0.41 in steady state,
+benchmarks/RESULTS.md, session 29). `gpu_speed.py` warms each end-to-end row with it, and a sequential server's
+warm-up up to a bound (`serve.sequential.WARM_POSITIONS`, from its measured start-up cost).
 """
 
 from __future__ import annotations
 
 from blockdraft.decoding.draft import Proposer
-from blockdraft.models.fast_target import FastTarget
+from blockdraft.decoding.fused_steps import fused_steps
+from blockdraft.models.fast_target import FastTarget, graph_rows
 from blockdraft.models.graphs import graphs_captured
 from blockdraft.models.target import Target
 
 
 def warm_decode(target: Target, proposer: Proposer | None, positions: int) -> int:
     """Capture the graphs of a decode with `proposer` (None: AR) in contexts of up to `positions` positions: the
-    verify of each of its row counts at every key capacity, and the drafter's. Returns how many were captured (none
-    off the fast engine or off a GPU). Empties the target's cache and the drafter's context."""
+    verify of each of its row counts at every key capacity, the drafter's, the fused greedy steps' (`fused_steps`)
+    and the prefill's. Returns how many were captured (none off the fast engine or off a GPU). Empties the target's
+    cache and the drafter's context.
+
+    Every buffer is first reserved for all of them: one that grows drops every graph captured on it (warming the
+    prefill after the verify graphs once dropped them)."""
     if not isinstance(target, FastTarget):
         return 0
     before = graphs_captured()
     rows = proposer.verify_rows() if proposer is not None else (1,)
-    target.warm_verify(rows, positions, proposer.tap_layers if proposer is not None else None)
+    taps = proposer.tap_layers if proposer is not None else None
+    steps = fused_steps(target, proposer)
+    target.new_cache().reserve(max(positions + max(map(graph_rows, rows)), target.prefill_room))
+    target.warm_verify(rows, positions, taps)
     if proposer is not None:
-        proposer.warm(positions)
+        proposer.warm(positions + (steps.commit_rows if steps is not None else 0))  # room for a fused step's draft
+    if steps is not None:
+        steps.warm(positions)
+    target.warm_prefill(taps)
     return graphs_captured() - before

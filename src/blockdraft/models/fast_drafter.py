@@ -223,7 +223,12 @@ class FastDrafter:
         """Empty the context; the buffers, and the graphs that point at them, stay."""
         self._set_length(0)
 
-    def _room(self, slots: int) -> None:
+    def advanced(self, t: int) -> None:
+        """The context grew by `t` positions on the device (a fused step's graph wrote them and moved the device
+        length): the host's length follows, without a launch."""
+        self.length += t
+
+    def room(self, slots: int) -> None:
         """Buffers and RoPE tables for `slots` slots; graphs captured on replaced buffers are dropped."""
         self.storage.ensure(slots, self.length)
         if self._graphs_version != self.storage.version:
@@ -240,7 +245,7 @@ class FastDrafter:
     def reserve(self, positions: int) -> None:
         """Room for `positions` context positions and a block after them now (a buffer that grows later drops the
         graphs captured on it)."""
-        self._room(positions + self.block_size)
+        self.room(positions + self.block_size)
 
     @torch.inference_mode()
     def warm(self, positions: int) -> None:
@@ -250,7 +255,7 @@ class FastDrafter:
         if not self.use_graphs:
             return
         self.reset()
-        self._room(positions + self.block_size)  # the buffers grow once, before any graph is captured on them
+        self.room(positions + self.block_size)  # the buffers grow once, before any graph is captured on them
         caps = range(SLOT_STEP, round_up(positions + self.block_size) + 1, SLOT_STEP)
         self.graph_limit = max(self.graph_limit, len(caps))
         for cap in caps:
@@ -264,7 +269,7 @@ class FastDrafter:
     def load_rows(self, kv: torch.Tensor, length: int) -> None:
         """Take `length` positions of context K/V laid out [layers, 2, kv_heads, positions, head_dim] (a batch
         slot's) as this drafter's context."""
-        self._room(length + self.block_size)
+        self.room(length + self.block_size)
         self.storage.kv[:, :, :, :length] = kv[:, :, :, :length]
         self._set_length(length)
 
@@ -276,7 +281,7 @@ class FastDrafter:
             return
         if self.use_graphs and t <= self.block_size:
             rows = graph_rows(t)
-            self._room(self.length + rows)
+            self.room(self.length + rows)
             entry = self._extend_graphs.get(rows)
             if entry is None:
                 entry = self._capture_extend(rows)
@@ -284,11 +289,11 @@ class FastDrafter:
             entry.taps[:, :t].copy_(taps)
             entry.graph.replay()
         else:
-            self._room(self.length + t)
-            self._extend_run(taps)
+            self.room(self.length + t)
+            self.write_context(taps)
         self._set_length(self.length + t)
 
-    def _extend_run(self, taps: torch.Tensor) -> None:
+    def write_context(self, taps: torch.Tensor) -> None:
         """Context K/V for taps at slots length .. length + t - 1 (padding rows write past the context)."""
         t = taps.shape[1]
         slots = self.storage.length + self.slot_ids[:t]
@@ -299,7 +304,7 @@ class FastDrafter:
     def _capture_extend(self, rows: int) -> _ExtendGraph:
         """Capture the extension for `rows` rows; warm-up writes only past the context, like a replay's padding."""
         taps = torch.zeros(1, rows, self.taps_width, dtype=self.dtype, device=self.device)
-        graph, _ = capture(lambda: self._extend_run(taps), self.device)
+        graph, _ = capture(lambda: self.write_context(taps), self.device)
         return _ExtendGraph(graph=graph, taps=taps)
 
     @torch.inference_mode()
@@ -307,7 +312,7 @@ class FastDrafter:
         """Draft logits [slots, V] for positions start+1 .. start+slots from one pass of all B block rows, the rows
         past `visible` (>= slots) hidden from the others (the eager pass leaves them out)."""
         rows = self.block_size
-        self._room(max(start, self.length) + rows)
+        self.room(max(start, self.length) + rows)
         cap = round_up(self.length + rows)
         entry = self._draft_graphs.get(cap) if self.use_graphs else None
         if self.use_graphs and entry is None:
@@ -327,11 +332,11 @@ class FastDrafter:
         torch.add(self.slot_ids[:rows], start, out=positions)
         valid.fill_(visible + 1)
         if entry is None:
-            return self._draft_run(ids, positions, valid, cap)[:slots]
+            return self.block_pass(ids, positions, valid, cap)[:slots]
         entry.graph.replay()
         return entry.logits[:slots].clone()
 
-    def _draft_run(self, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, cap: int) -> torch.Tensor:
+    def block_pass(self, ids: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, cap: int) -> torch.Tensor:
         """The block pass itself, logits of rows 1 .. B-1: only device work on fixed buffers, so it can be captured."""
         ops, kv = self.ops, self.storage.kv
         t = ids.shape[1]
@@ -358,5 +363,5 @@ class FastDrafter:
         ids = torch.zeros(1, rows, dtype=torch.long, device=self.device)
         positions = torch.zeros(rows, dtype=torch.long, device=self.device)
         valid = torch.full((), rows, dtype=torch.long, device=self.device)
-        graph, logits = capture(lambda: self._draft_run(ids, positions, valid, cap), self.device)
+        graph, logits = capture(lambda: self.block_pass(ids, positions, valid, cap), self.device)
         return _DraftGraph(graph=graph, ids=ids, positions=positions, valid=valid, logits=logits)

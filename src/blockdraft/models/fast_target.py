@@ -234,6 +234,7 @@ class FastTarget(Target):
         graphs: bool | None = None,
         compiled: bool | None = None,
         kernels: bool = False,
+        fused: bool | None = None,
     ) -> None:
         problem = fast_engine_problem(model)
         if problem is not None:
@@ -243,6 +244,7 @@ class FastTarget(Target):
         decoder = model.get_decoder()
         cuda = self.device.type == "cuda"
         self.use_graphs = cuda if graphs is None else graphs and cuda
+        self.fused = cuda if fused is None else fused  # greedy batch-1 steps as `decoding.fused_steps` (CPU: eager)
         self.ops = LayerOps(cuda if compiled is None else compiled, kernels, qkv_kernel=cuda, few_rows=cuda,
                             attention_kernel=cuda)
         self.prefill_ops = self.ops.library_products()
@@ -391,6 +393,14 @@ class FastTarget(Target):
 
         return self.run_layers(F.embedding(ids, self.embedding_weight), step, tap_layers, ops)
 
+    def verify_pass(self, ids: torch.Tensor, positions: torch.Tensor, own: torch.Tensor, cap: int,
+                    tap_layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A verify's forward over rows [1, t] after the cache's device length, reading `cap` key slots, up to the
+        final norm (states, taps), with no host work: what a fused step's graph captures with its own buffers
+        (`decoding.fused_steps`). The caller reserves the rows and moves the length."""
+        self._tables()
+        return self._run(ids, positions, own, cap, tap_layers, self.ops)
+
     def run_layers(self, x: torch.Tensor, step: LayerStep, tap_layers: tuple[int, ...] | None,
                    ops: LayerOps | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This target's decoder stack over embeddings `x` (batch-1 and batched forwards alike; `run_stack`), with
@@ -472,13 +482,18 @@ class FastTarget(Target):
         graph, (out, taps) = capture(run, self.device, None if head else self._prefill_pool)
         return _Graph(graph=graph, ids=ids, positions=positions, own=own, out=out, taps=taps)
 
+    @property
+    def prefill_room(self) -> int:
+        """The most rows one prefill forward takes (`warm_prefill` captures up to it)."""
+        return min(PREFILL_ROWS, self.max_positions or PREFILL_ROWS)
+
     def warm_prefill(self, tap_layers: tuple[int, ...] | None) -> None:
         """Capture the prefill graph of every size up to PREFILL_ROWS (a server's warm-up), so that no request's
         first token waits for a capture."""
         if not self.use_graphs:
             return
         rows = 16
-        while rows <= min(PREFILL_ROWS, self.max_positions or PREFILL_ROWS):
+        while rows <= self.prefill_room:
             self.forward(torch.zeros(1, rows, dtype=torch.long, device=self.device),
                          torch.arange(rows, device=self.device), self.new_cache(), tap_layers, last_logits_only=True)
             rows *= 2

@@ -100,6 +100,12 @@ class StaticTargetCache:
         yield
         self._set_length(self.length + input_ids.shape[1])
 
+    def advanced(self, t: int) -> None:
+        """`t` positions were committed on the device (a fused step's graph wrote them and moved the device length):
+        the host's length follows, without a launch."""
+        self._check_live()
+        self.length += t
+
     @torch.inference_mode()
     def _set_length(self, length: int) -> None:
         self.length = length

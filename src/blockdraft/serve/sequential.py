@@ -39,12 +39,10 @@ class SequentialEngine:
 
     def warm_up(self, prompt_ids: list[int]) -> None:
         """Every graph a decode of up to min(max_model_len, the target's positions, WARM_POSITIONS) positions meets
-        (`warm_decode`; first, as its K/V reserve would drop graphs captured before it), the prefill graphs, then
-        one short decode, so no request pays for first-call costs (kernels, graphs) within that context: a capture
-        mid-decode is a stall of tens of ms."""
+        (`warm_decode`: the prefill's too), then one short decode, so no request pays for first-call costs (kernels,
+        graphs) within that context: a capture mid-decode is a stall of tens of ms."""
         bounds = (self.max_model_len, self.target.max_positions, WARM_POSITIONS)
         warm_decode(self.target, self.proposer, min(b for b in bounds if b is not None))
-        self.target.warm_prefill(self.proposer.tap_layers if self.proposer else None)
         generate(self.target, prompt_ids, self.proposer, _WARMUP_TOKENS)
 
     def admit(self, jobs: list[tuple[Job, Callable[[], bool]]]) -> None:

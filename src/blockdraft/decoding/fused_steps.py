@@ -1,0 +1,256 @@
+"""Greedy batch-1 steps on the fast engine with the walk on the device: two graph replays and one read a step.
+
+Why: on the embedded pair a DDTree@32 step took ~1.9 ms of wall time for ~1.2 ms of device work; the device idled
+while the host read the verify, walked the tree, compacted the cache, extended the drafter's context and launched
+the next draft and tree one op at a time (3 graph replays, ~35 eager launches and ~11 copies a step: benchmarks/
+RESULTS.md, session 29). Here a step is two graphs, replayed back to back:
+
+- the verify: the target's forward over the drafted rows, the greedy walk of the draft (`device_walk`), the
+  accepted rows' K/V moved into place, the length moved, the next anchor picked;
+- the draft: the drafter's context extended by the accepted rows, its block pass from the new anchor, and the
+  next chain or DDTree laid out as the next verify's rows (the tree kernel, or the tensor search).
+
+The host then reads the committed tokens once. The state between the graphs and between steps (the verify's rows,
+the anchor, the accepted rows' taps, the result) lives in fixed buffers that every graph reads and writes, so a
+graph is keyed by its key capacity alone and all of them share one memory pool. `generate` keeps its step-by-step
+path for sampling (T > 0), the last steps (where a step could commit past max_new_tokens), other proposers and
+other engines; both give the same ids. On a CPU the same functions run eagerly (what the tests compare).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from blockdraft.decoding.ddtree import DDTreeProposer, _tree_rows
+from blockdraft.decoding.draft import DFlashProposer
+from blockdraft.decoding.tree_kernel import kernel_runs, tree_rows
+from blockdraft.models.fast_drafter import FastDrafter
+from blockdraft.models.fast_target import FastTarget
+from blockdraft.models.graphs import capture, graph_pool
+from blockdraft.models.static_cache import SLOT_STEP, StaticTargetCache, round_up
+
+
+def device_walk(ids: torch.Tensor, picks: torch.Tensor, own: torch.Tensor, parent_rows: torch.Tensor,
+                positions: torch.Tensor, nodes: torch.Tensor, commit_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify.walk` at T=0 on the device, with static shapes: for verify rows [R] (the anchor, then nodes whose
+    parents precede them), the target's picks [R], the ancestor mask `own` [R, R] (a row sees its ancestors and
+    itself), each row's parent row (the anchor's: itself), positions and the drafted node count, return how many
+    tokens the step commits (a 0-d tensor) and the accepted path's rows in order, padded to `commit_rows`.
+
+    A node is accepted when it and every ancestor carry the token the target picked at their parent; siblings carry
+    distinct tokens, so the accepted rows form one path and its deepest row picks the bonus token."""
+    rows = torch.arange(ids.shape[0], device=ids.device)
+    ok = (ids == picks[parent_rows]) | (rows == 0)
+    accepted = ~(own & ~ok).any(dim=-1) & (rows <= nodes)
+    depth = positions - positions[0]
+    deepest = torch.where(accepted, depth, -1).argmax().view(1)  # indexed by tensors only: no read in a graph
+    keys = torch.where(own.index_select(0, deepest)[0], rows, rows + ids.shape[0])
+    path = keys.sort().values[:commit_rows] % ids.shape[0]
+    return depth.gather(0, deepest)[0] + 1, path
+
+
+class FusedSteps:
+    """The fused steps of one decode method (AR, the DFlash chain or DDTree) on one FastTarget.
+
+    Rows R of a verify: 1 (AR), 1 + the chain's depth, or 1 + the tree's budget; a step commits at most K = 1 +
+    depth rows (AR: 1; a tree smaller than its depth: R)."""
+
+    def __init__(self, target: FastTarget, proposer: DFlashProposer | DDTreeProposer | None) -> None:
+        self.target: FastTarget = weakref.proxy(target)  # the AR steps are cached on the target itself
+        self.device = target.device
+        chain = proposer.chain if isinstance(proposer, DDTreeProposer) else proposer
+        self.drafter: FastDrafter | None = chain.fast if chain is not None else None
+        self.tap_layers = proposer.tap_layers if proposer is not None else None
+        self.budget = proposer.budget if isinstance(proposer, DDTreeProposer) else None
+        self.slots = chain.depth if chain is not None else 0
+        visible = chain.block_rows(chain.block_size)[1] if chain is not None else 0
+        self.rows = 1 + (self.budget if self.budget is not None else self.slots)
+        self.commit_rows = min(1 + self.slots, self.rows)  # a path of the tree's nodes at most
+        self.min_depth_left = max(self.commit_rows, visible)  # a step then commits whole and drafts a whole plan
+        long = dict(dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            self.ids = torch.zeros(1, self.rows, **long)
+            self.positions = torch.zeros(self.rows, **long)
+            self.own = torch.ones(self.rows, self.rows, dtype=torch.bool, device=self.device).tril()
+            self.parent_rows = (torch.arange(self.rows, **long) - 1).clamp_min(0)
+            self.nodes = torch.full((), self.rows - 1, **long)
+            self.anchor = torch.zeros((), **long)
+            self.result = torch.zeros(2 + self.commit_rows, **long)  # committed count, drafted nodes, tokens
+            self.row_ids = torch.arange(self.rows, **long)
+            if chain is not None and self.drafter is not None:
+                d = self.drafter
+                self.taps = torch.zeros(1, self.commit_rows, d.taps_width, dtype=d.dtype, device=self.device)
+                self.block_ids = torch.full((1, d.block_size), chain.cfg.mask_token_id, **long)
+                self.valid = torch.full((), visible + 1, **long)
+                self.host = torch.tensor([[self.slots, 0, 0]], **long)  # a tree's slots, anchor and start
+        self._verify_graphs: dict[int, Any] = {}
+        self._draft_graphs: dict[int, Any] = {}
+        self._pool: Any = None
+        self._versions = self._storage_versions()
+
+    def _storage_versions(self) -> tuple[int, int]:
+        return self.target.storage.version, self.drafter.storage.version if self.drafter is not None else 0
+
+    def _state(self) -> list[torch.Tensor]:
+        """Every buffer a step's graphs write, the device lengths included (a capture's warm-up runs write them)."""
+        state = [self.ids, self.positions, self.own, self.parent_rows, self.nodes, self.anchor, self.result,
+                 self.target.storage.length]
+        if self.drafter is not None:
+            state += [self.taps, self.block_ids, self.host, self.drafter.storage.length]
+        return state
+
+    @torch.inference_mode()
+    def begin(self, anchor: int, cache: StaticTargetCache) -> None:
+        """Lay out the first step's rows after the prefill: the anchor (the prefill's token), then its draft."""
+        self.anchor.fill_(anchor)
+        self.result[0].fill_(0)  # the draft graph's context extension then adds nothing
+        if self.drafter is None:
+            self._next_anchor_row()
+        else:
+            self.draft(cache)
+
+    @torch.inference_mode()
+    def verify(self, cache: StaticTargetCache) -> None:
+        """Launch the verify of the rows laid out (`begin`, or the last step's draft)."""
+        cache.reserve(self.rows)
+        if self.drafter is not None:  # the draft's room now: a buffer grown with a graph in flight drops it
+            self.drafter.room(len(cache) + self.commit_rows + self.drafter.block_size)
+        self._replay(self._verify_graphs, round_up(len(cache) + self.rows), self._verify_run)
+
+    @torch.inference_mode()
+    def draft(self, cache: StaticTargetCache) -> None:
+        """Launch the next draft (nothing for AR), from the contexts before the step in flight commits: its key
+        capacity covers a whole commit."""
+        if self.drafter is None:
+            return
+        self.drafter.room(len(cache) + self.commit_rows + self.drafter.block_size)
+        self._replay(self._draft_graphs, round_up(len(cache) + self.commit_rows + self.drafter.block_size),
+                     self._draft_run)
+
+    def read(self, cache: StaticTargetCache) -> tuple[int, list[int]]:
+        """The step's one wait for the device: (nodes drafted, tokens committed); the host's lengths follow."""
+        read = self.result.tolist()
+        count = read[0]
+        cache.advanced(count)
+        if self.drafter is not None:
+            self.drafter.advanced(count)
+        return read[1], read[2 : 2 + count]
+
+    @torch.inference_mode()
+    def warm(self, positions: int) -> None:
+        """Capture the verify and draft graphs of every key capacity a context of up to `positions` positions
+        meets (`warm_decode`, which reserves the buffers first)."""
+        if not self.target.use_graphs:
+            return
+        cache = self.target.new_cache()
+        cache.reserve(positions + self.rows)
+        for cap in range(SLOT_STEP, round_up(positions + self.rows) + 1, SLOT_STEP):
+            if cap >= self.rows:
+                self._graph(self._verify_graphs, cap, self._verify_run)
+        if self.drafter is not None:
+            extra = self.commit_rows + self.drafter.block_size
+            self.drafter.room(positions + extra)
+            for cap in range(SLOT_STEP, round_up(positions + extra) + 1, SLOT_STEP):
+                self._graph(self._draft_graphs, cap, self._draft_run)
+
+    def _replay(self, graphs: dict[int, Any], cap: int, run: Any) -> None:
+        if not self.target.use_graphs:
+            run(cap)
+            return
+        self._graph(graphs, cap, run).replay()
+
+    def _graph(self, graphs: dict[int, Any], cap: int, run: Any) -> Any:
+        """The graph of `run` at key capacity `cap`, captured now if there is none (the state restored after the
+        capture's warm-up runs, so capturing in the middle of a decode changes nothing); every graph is dropped
+        when a buffer it reads grew."""
+        if self._versions != self._storage_versions():
+            self._verify_graphs.clear()
+            self._draft_graphs.clear()
+            self._pool = None
+            self._versions = self._storage_versions()
+        if cap not in graphs:
+            if self._pool is None:
+                self._pool = graph_pool(True)
+            saved = [x.clone() for x in self._state()]
+            graphs[cap], _ = capture(lambda: run(cap), self.device, self._pool)
+            for x, old in zip(self._state(), saved):
+                x.copy_(old)
+        return graphs[cap]
+
+    def _verify_run(self, cap: int) -> None:
+        """The verify graph's work: forward, walk, result, cache compaction, length, next anchor."""
+        target = self.target
+        hidden, taps = target.verify_pass(self.ids, self.positions, self.own, cap, self.tap_layers)
+        picks = target.head(hidden)[0].argmax(dim=-1)
+        count, path = device_walk(self.ids[0], picks, self.own, self.parent_rows, self.positions, self.nodes,
+                                  self.commit_rows)
+        tokens = picks[path]
+        self.result.copy_(torch.cat([count.view(1), self.nodes.view(1), tokens]))
+        length = target.storage.length
+        if self.budget is not None:  # a tree's accepted rows move to the slots after the context
+            kv = target.storage.kv
+            kv.index_copy_(3, length + self.row_ids[: self.commit_rows], kv.index_select(3, length + path))
+        self.anchor.copy_(tokens.gather(0, (count - 1).view(1)).view(()))
+        if taps is not None:
+            self.taps.copy_(taps[:, path])
+        length.add_(count)
+        if self.drafter is None:
+            self._next_anchor_row()
+
+    def _next_anchor_row(self) -> None:
+        """AR's next verify row: the anchor at the cache's length."""
+        self.ids.view(-1).copy_(self.anchor.view(1))
+        self.positions.copy_(self.target.storage.length.view(1))
+
+    def _draft_run(self, cap: int) -> None:
+        """The draft graph's work: the context extended by the last step's accepted rows, the block pass from the
+        anchor, the next verify's rows."""
+        drafter = self.drafter
+        assert drafter is not None
+        drafter.write_context(self.taps)
+        drafter.storage.length.add_(self.result[0])
+        start = self.target.storage.length
+        self.block_ids[0, :1].copy_(self.anchor.view(1))
+        logits = drafter.block_pass(self.block_ids, start + drafter.slot_ids[: drafter.block_size], self.valid,
+                                    cap)[: self.slots]
+        if self.budget is None:
+            self.ids[0, 1:].copy_(logits.argmax(dim=-1))
+            self.ids[0, :1].copy_(self.anchor.view(1))
+            self.positions.copy_(start + self.row_ids)
+            return
+        log_probs = torch.log_softmax(logits.float(), dim=-1).unsqueeze(0)
+        top = torch.topk(log_probs, min(self.budget, log_probs.shape[-1]), dim=-1)
+        self.host[0, 1:].copy_(torch.stack([self.anchor, start]))
+        rows = (tree_rows(top.values, top.indices, self.host, self.budget)[:4] if kernel_runs(self.device, self.budget)
+                else _tree_rows(top.values, top.indices, self.host, self.budget))
+        ids, positions, own, shape = rows
+        self.ids.copy_(ids)
+        self.positions.copy_(positions[0])
+        self.own.copy_(own[0])
+        self.parent_rows[1:].copy_(shape[0, 1 : 1 + self.budget] + 1)
+        self.nodes.copy_(shape[0, 0])
+
+
+def fused_steps(target: Any, proposer: Any) -> FusedSteps | None:
+    """The fused steps of this target and method (None: AR), made once and kept on the proposer (AR: on the target)
+    with their graphs; None where they do not apply: off the fast engine or with its fused steps off, another
+    proposer (DFlash-2, DSpark), or a drafter off the static path."""
+    if not isinstance(target, FastTarget) or not target.fused:
+        return None
+    if proposer is not None:
+        if type(proposer) not in (DFlashProposer, DDTreeProposer):
+            return None
+        chain = proposer.chain if isinstance(proposer, DDTreeProposer) else proposer
+        if chain.fast is None or chain.target is not target:
+            return None
+    owner = target if proposer is None else proposer
+    steps = _STEPS.get(owner)
+    if steps is None or steps.target.storage is not target.storage:
+        steps = _STEPS[owner] = FusedSteps(target, proposer)
+    return steps
+
+
+_STEPS: "weakref.WeakKeyDictionary[Any, FusedSteps]" = weakref.WeakKeyDictionary()

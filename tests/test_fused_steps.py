@@ -1,0 +1,124 @@
+"""Fused greedy steps (`decoding.fused_steps`): the device walk against the host walk, and whole decodes on the
+trained pairs (all-full and sliding-window drafters) giving the step-by-step path's ids, acceptance and draft
+lengths, with stop tokens, early ends and the switch back for the last steps. On a CPU the fused functions run
+eagerly; the GPU runs them as graphs (tests/test_warm_decode.py's CUDA cases decode through them)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_drafter, make_target_model
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from blockdraft.decoding.ddtree import _tree_rows, build_tree
+from blockdraft.decoding.fused_steps import FusedSteps, device_walk, fused_steps
+from blockdraft.decoding.generate import generate
+from blockdraft.decoding.methods import build_proposer
+from blockdraft.decoding.sampling import SamplingParams
+from blockdraft.decoding.verify import walk
+from blockdraft.models.fast_target import FastTarget
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), budget=st.integers(1, 24), slots=st.integers(1, 6), follow=st.floats(0, 1))
+def test_the_device_walk_commits_what_the_host_walk_commits(seed: int, budget: int, slots: int,
+                                                            follow: float) -> None:
+    """On random trees (and chains: budget 1 per depth), with target picks that follow the tree for a random
+    while: the same committed count, and the path's rows in order."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = 8
+    log_probs = torch.log_softmax(torch.randn(slots, vocab, generator=gen) * 3, dim=-1)
+    top = torch.topk(log_probs.unsqueeze(0), min(budget, vocab), dim=-1)
+    host = torch.tensor([[slots, 5, 100]])
+    ids, positions, own, shape = _tree_rows(top.values, top.indices, host, budget)
+    draft = build_tree(log_probs, budget)
+    count = int(shape[0, 0])
+    assert count == len(draft)
+    parent_rows = torch.cat([torch.zeros(1, dtype=torch.long), shape[0, 1 : 1 + budget] + 1])
+    # the target picks the token of a random child of each row (or not), so paths of every length occur
+    picks = torch.randint(0, vocab, (budget + 1,), generator=gen)
+    for row in range(count + 1):
+        children = [c + 1 for c in range(count) if int(parent_rows[c + 1]) == row]
+        if children and torch.rand(1, generator=gen).item() < follow:
+            picks[row] = ids[0, children[torch.randint(len(children), (1,), generator=gen).item()]]
+    verdict = walk(draft, picks[: count + 1].tolist(), ids[0, 1 : 1 + count].tolist())
+    committed, path = device_walk(ids[0], picks, own[0], parent_rows, positions[0], shape[0, 0], slots + 1)
+    assert int(committed) == len(verdict.accepted) + 1
+    assert path[: int(committed)].tolist() == [0] + [node + 1 for node in verdict.accepted]
+
+
+@pytest.fixture(scope="module")
+def pairs(trained_pairs: dict) -> dict:
+    """Each trained pair's target model and drafter on the CPU, in float32."""
+    from blockdraft.models.loading import load_drafter, load_target
+
+    loaded = {}
+    for name, (target_dir, drafter_dir) in trained_pairs.items():
+        target, _ = load_target(str(target_dir), torch.device("cpu"), torch.float32)
+        loaded[name] = (target.model, load_drafter(drafter_dir, target))
+    return loaded
+
+
+def _decode(model: torch.nn.Module, drafter: object, method: str, fused: bool, prompt: list[int], n: int,
+            **kwargs: object) -> tuple[list[int], list[int], list[int], int]:
+    target = FastTarget(model, fused=fused)
+    budget = kwargs.pop("budget", None)
+    proposer = None if method == "ar" else build_proposer(method, target, drafter, budget)  # type: ignore[arg-type]
+    steps = fused_steps(target, proposer)
+    reads = [0]
+    if steps is not None:
+        read = steps.read
+
+        def counted(cache: object) -> tuple[int, list[int]]:
+            reads[0] += 1
+            return read(cache)
+
+        steps.read = counted  # type: ignore[method-assign]
+    result = generate(target, prompt, proposer, n, **kwargs)  # type: ignore[arg-type]
+    return result.token_ids, result.acceptance_lengths, result.draft_lengths, reads[0]
+
+
+@pytest.mark.parametrize("pair", ["full", "swa"])
+@pytest.mark.parametrize("method,budget", [("ar", None), ("dflash", None), ("ddtree", 6), ("ddtree", 40)])
+def test_fused_steps_decode_as_the_step_by_step_path(pairs: dict, pair: str, method: str, budget: int | None) -> None:
+    from trained_pair import prompts
+
+    model, drafter = pairs[pair]
+    for prompt in prompts(seed=3, count=3):
+        plain = _decode(model, drafter, method, False, prompt.ids, 53, budget=budget)
+        fused = _decode(model, drafter, method, True, prompt.ids, 53, budget=budget)
+        assert plain[3] == 0 and fused[3] > 0  # the fused steps ran, then the last steps took the other path
+        assert fused[:3] == plain[:3]
+        if method != "ar":
+            assert max(fused[1]) > 2  # whole paths were committed, not only the anchor's bonus
+
+
+def test_fused_steps_stop_on_a_stop_token_and_when_the_caller_ends(pairs: dict) -> None:
+    from trained_pair import prompts
+
+    model, drafter = pairs["full"]
+    prompt = prompts(seed=5, count=1)[0].ids
+    whole = _decode(model, drafter, "ddtree", False, prompt, 60, budget=12)[0]
+    stop = whole[20]
+    for fused in (False, True):
+        ids = _decode(model, drafter, "ddtree", fused, prompt, 60, budget=12, stop_token_ids=(stop,))[0]
+        assert ids == whole[: whole.index(stop) + 1]
+        seen: list[list[int]] = []
+        ended = _decode(model, drafter, "dflash", fused, prompt, 60,
+                        on_commit=lambda c: seen.append(c) or len(seen) == 4)
+        assert len(seen) == 4 and ended[0] == [t for chunk in seen for t in chunk]
+
+
+def test_fused_steps_apply_to_greedy_ar_chains_and_trees_on_the_fast_engine_only() -> None:
+    model = make_target_model("qwen3")
+    target = FastTarget(model, fused=True)
+    assert isinstance(fused_steps(target, None), FusedSteps)
+    assert fused_steps(target, None) is fused_steps(target, None)  # made once: its graphs stay warm
+    assert isinstance(fused_steps(target, build_proposer("ddtree", target, make_drafter("all_full"), 8)), FusedSteps)
+    assert fused_steps(target, build_proposer("dflash", target, make_drafter("dflash2"))) is None
+    assert fused_steps(FastTarget(model, fused=False), None) is None
+    sampled = SamplingParams(temperature=0.8)
+    runs = [generate(FastTarget(model, fused=fused), [3, 4, 5], None, 12, sampling=sampled, seed=4).token_ids
+            for fused in (False, True)]
+    assert runs[0] == runs[1]
