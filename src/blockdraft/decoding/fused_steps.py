@@ -80,10 +80,10 @@ class FusedSteps:
             self.anchor = torch.zeros((), **long)
             self.result = torch.zeros(2 + self.commit_rows, **long)  # committed count, drafted nodes, tokens
             self.row_ids = torch.arange(self.rows, **long)
-            if chain is not None and self.drafter is not None:
+            if self.drafter is not None:
                 d = self.drafter
                 self.taps = torch.zeros(1, self.commit_rows, d.taps_width, dtype=d.dtype, device=self.device)
-                self.block_ids = torch.full((1, d.block_size), chain.cfg.mask_token_id, **long)
+                self.block_ids = torch.full((1, d.block_size), d.drafter.cfg.mask_token_id, **long)
                 self.valid = torch.full((), visible + 1, **long)
                 self.host = torch.tensor([[self.slots, 0, 0]], **long)  # a tree's slots, anchor and start
         self._verify_graphs: dict[int, Any] = {}
@@ -235,9 +235,9 @@ class FusedSteps:
 
 
 def fused_steps(target: Any, proposer: Any) -> FusedSteps | None:
-    """The fused steps of this target and method (None: AR), made once and kept on the proposer (AR: on the target)
-    with their graphs; None where they do not apply: off the fast engine or with its fused steps off, another
-    proposer (DFlash-2, DSpark), or a drafter off the static path."""
+    """The fused steps of this target and method (None: AR), made once per proposer (AR: per target) and kept with
+    their graphs for as long as it lives; None where they do not apply: off the fast engine or with its fused steps
+    off, another proposer (DFlash-2, DSpark, a schedule's), or a drafter off the static path."""
     if not isinstance(target, FastTarget) or not target.fused:
         return None
     if proposer is not None:
@@ -248,7 +248,7 @@ def fused_steps(target: Any, proposer: Any) -> FusedSteps | None:
             return None
     owner = target if proposer is None else proposer
     steps = _STEPS.get(owner)
-    if steps is None or steps.target.storage is not target.storage:
+    if steps is None:
         steps = _STEPS[owner] = FusedSteps(target, proposer)
     return steps
 
