@@ -3,6 +3,7 @@ recorded figures, and a chat request at T=0 gives `generate`'s ids (the same loo
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import openai
@@ -28,7 +29,8 @@ def test_embedded_pair_serves_generates_ids_after_passing_its_self_check(convert
         streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
             model="smol", messages=MESSAGES, max_tokens=24, temperature=0, stream=True))
     assert any(line.startswith("self-check passed") and "probe.json" in line for line in said), said
-    assert any("trees of 4 nodes, 3 drafted tokens deep on cpu" in line for line in said), said
+    assert any("trees of 4 nodes, 3 drafted tokens deep on cpu" in line and "(loaded in " in line for line in said)
+    assert any(re.fullmatch(r"warmed up in \d+\.\d s", line) for line in said), said  # start-up, phase by phase
     loaded = Loaded(str(converted), str(EMBEDDED_DRAFTER), "cpu", None)
     ids = encode_messages(MESSAGES, loaded.tokenizer)
     proposer = build_proposer("ddtree", loaded.target, loaded.drafter, 4, 3)

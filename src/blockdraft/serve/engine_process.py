@@ -10,6 +10,7 @@ closes (the HTTP process is gone).
 from __future__ import annotations
 
 import signal
+import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -67,7 +68,9 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
     """Load, pick the method's sizes, self-check and warm up; the worker is running when this returns."""
     method = settings.served_method
     say(f"loading target {settings.target}" + (f" and drafter {drafter_dir}" if drafter_dir else "") + " ...")
+    began = time.perf_counter()
     loaded = Loaded(settings.target, drafter_dir, settings.device, settings.dtype, settings.engine)
+    loaded_s = time.perf_counter() - began
     target = loaded.target
     if target.device.type == "cuda":
         # The GPU does the work; the host only launches. One intra-op thread, as vLLM's processes run (OMP_NUM_THREADS
@@ -116,11 +119,12 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
     sizes = {"ar": "", "dflash": f", {depth} drafted tokens per step",
              "ddtree": f", trees of {budget} nodes, {depth} drafted tokens deep"}[method]
     say(f"method {method}{sizes} on {target.device.type} ({dtype}, engine {target.engine}); --method, --budget "
-        "and --draft-tokens change it")
+        f"and --draft-tokens change it (loaded in {loaded_s:.1f} s)")
     if settings.self_check and loaded.drafter is not None and depth is not None:
+        began = time.perf_counter()
         check = self_check(target, loaded.drafter, loaded.tokenizer, depth, stops, settings.expect,
                            Path(drafter_dir) if drafter_dir else None)
-        say(f"self-check passed: {check.summary}")
+        say(f"self-check passed: {check.summary} ({time.perf_counter() - began:.1f} s)")
     engine: SequentialEngine | BatchedEngine
     if schedule is not None:
         largest = max((c.budget or 0 for c in schedule.candidates), default=0) or 1
@@ -139,7 +143,10 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
     if seqs > 1:
         say(f"continuous batching: up to {seqs} requests decode together (--max-num-seqs)")
     worker = Worker(engine, lambda job: outbox.send(Started(job.spec.job_id)), EngineClock(outbox.send, say))
+    began = time.perf_counter()
     worker.start(warmup_ids=check_prompts(loaded.tokenizer, target.vocab_size)[0])
+    say(f"warmed up in {time.perf_counter() - began:.1f} s (kernels compiled and CUDA graphs captured now, so no "
+        "request waits for them)" if fast_gpu else f"warmed up in {time.perf_counter() - began:.1f} s")
     return worker, info
 
 
