@@ -244,7 +244,7 @@ class FastTarget(Target):
         decoder = model.get_decoder()
         cuda = self.device.type == "cuda"
         self.use_graphs = cuda if graphs is None else graphs and cuda
-        self.fused = cuda if fused is None else fused  # greedy batch-1 steps as `decoding.fused_steps` (CPU: eager)
+        self.fused = cuda if fused is None else fused  # greedy steps as `decoding.fused_steps`; a CPU runs them eagerly
         self.ops = LayerOps(cuda if compiled is None else compiled, kernels, qkv_kernel=cuda, few_rows=cuda,
                             attention_kernel=cuda)
         self.prefill_ops = self.ops.library_products()
