@@ -268,15 +268,25 @@ def trees_on_device(log_probs: torch.Tensor, slots: list[int], budget: int, anch
     read back (`DeviceTrees`): one top-k, then the tree kernel (`tree_kernel`, where it runs; `kernel` forces
     either path in tests and benchmarks), else the tensor search, on a GPU as one graph replay."""
     check_budget(budget)
+    host = long_tensor([list(row) for row in zip(slots, anchors, starts)], log_probs.device)
+    return DeviceTrees(*tree_layout(log_probs, host, budget, kernel))
+
+
+def tree_layout(log_probs: torch.Tensor, host: torch.Tensor, budget: int, kernel: bool | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`trees_on_device`'s rows (DeviceTrees' fields) from the [n, L, V] log-probabilities and each tree's (slots,
+    anchor, start) already on the device as `host` [n, 3], with no read back: what a fused step's draft graph lays
+    out (`fused_steps`)."""
     n, _, vocab = log_probs.shape
     top = torch.topk(log_probs, min(budget, vocab), dim=-1)
-    host = long_tensor([list(row) for row in zip(slots, anchors, starts)], log_probs.device)
     if kernel_runs(log_probs.device, budget) if kernel is None else kernel:
-        return DeviceTrees(*tree_rows(top.values, top.indices, host, budget)[:4])
+        ids, positions, own, shape, _ = tree_rows(top.values, top.indices, host, budget)
+        return ids, positions, own, shape
     inputs = [top.values, top.indices, host]
     if log_probs.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
-        return DeviceTrees(*(x[:n] for x in _graphed(lambda *x: _tree_rows(*x, budget), inputs, n, ("rows", budget))))
-    return DeviceTrees(*_tree_rows(*inputs, budget))
+        ids, positions, own, shape = _graphed(lambda *x: _tree_rows(*x, budget), inputs, n, ("rows", budget))
+        return ids[:n], positions[:n], own[:n], shape[:n]
+    return _tree_rows(*inputs, budget)
 
 
 def _tree_rows(values: torch.Tensor, indices: torch.Tensor, host: torch.Tensor, budget: int

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from blockdraft.decoding.ddtree import DDTreeProposer, _tree_rows
+from blockdraft.decoding.ddtree import DDTreeProposer, slot_log_probs, tree_layout
 from blockdraft.decoding.draft import DFlashProposer
-from blockdraft.decoding.tree_kernel import kernel_runs, tree_rows
+from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.models.fast_drafter import FastDrafter
 from blockdraft.models.fast_target import FastTarget
 from blockdraft.models.graphs import capture, graph_pool
@@ -112,12 +112,18 @@ class FusedSteps:
         else:
             self.draft(cache)
 
+    def _draft_slots(self, length: int) -> int:
+        """Drafter slots a draft launched after a context of `length` positions may touch: a whole commit, then the
+        block (the host does not know the step in flight's commit yet)."""
+        assert self.drafter is not None
+        return length + self.commit_rows + self.drafter.block_size
+
     @torch.inference_mode()
     def verify(self, cache: StaticTargetCache) -> None:
         """Launch the verify of the rows laid out (`begin`, or the last step's draft)."""
         cache.reserve(self.rows)
         if self.drafter is not None:  # the draft's room now: a buffer grown with a graph in flight drops it
-            self.drafter.room(len(cache) + self.commit_rows + self.drafter.block_size)
+            self.drafter.room(self._draft_slots(len(cache)))
         self._replay(self._verify_graphs, round_up(len(cache) + self.rows), self._verify_run)
 
     @torch.inference_mode()
@@ -126,9 +132,9 @@ class FusedSteps:
         capacity covers a whole commit."""
         if self.drafter is None:
             return
-        self.drafter.room(len(cache) + self.commit_rows + self.drafter.block_size)
-        self._replay(self._draft_graphs, round_up(len(cache) + self.commit_rows + self.drafter.block_size),
-                     self._draft_run)
+        slots = self._draft_slots(len(cache))
+        self.drafter.room(slots)
+        self._replay(self._draft_graphs, round_up(slots), self._draft_run)
 
     def read(self, cache: StaticTargetCache) -> tuple[int, list[int]]:
         """The step's one wait for the device: (nodes drafted, tokens committed); the host's lengths follow."""
@@ -151,9 +157,8 @@ class FusedSteps:
             if cap >= self.rows:
                 self._graph(self._verify_graphs, cap, self._verify_run)
         if self.drafter is not None:
-            extra = self.commit_rows + self.drafter.block_size
-            self.drafter.room(positions + extra)
-            for cap in range(SLOT_STEP, round_up(positions + extra) + 1, SLOT_STEP):
+            self.drafter.room(self._draft_slots(positions))
+            for cap in range(SLOT_STEP, round_up(self._draft_slots(positions)) + 1, SLOT_STEP):
                 self._graph(self._draft_graphs, cap, self._draft_run)
 
     def _replay(self, graphs: dict[int, Any], cap: int, run: Any) -> None:
@@ -221,12 +226,9 @@ class FusedSteps:
             self.ids[0, :1].copy_(self.anchor.view(1))
             self.positions.copy_(start + self.row_ids)
             return
-        log_probs = torch.log_softmax(logits.float(), dim=-1).unsqueeze(0)
-        top = torch.topk(log_probs, min(self.budget, log_probs.shape[-1]), dim=-1)
         self.host[0, 1:].copy_(torch.stack([self.anchor, start]))
-        rows = (tree_rows(top.values, top.indices, self.host, self.budget)[:4] if kernel_runs(self.device, self.budget)
-                else _tree_rows(top.values, top.indices, self.host, self.budget))
-        ids, positions, own, shape = rows
+        ids, positions, own, shape = tree_layout(slot_log_probs(logits, SamplingParams()).unsqueeze(0), self.host,
+                                                 self.budget)
         self.ids.copy_(ids)
         self.positions.copy_(positions[0])
         self.own.copy_(own[0])

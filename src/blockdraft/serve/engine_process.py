@@ -145,8 +145,9 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
     worker = Worker(engine, lambda job: outbox.send(Started(job.spec.job_id)), EngineClock(outbox.send, say))
     began = time.perf_counter()
     worker.start(warmup_ids=check_prompts(loaded.tokenizer, target.vocab_size)[0])
-    say(f"warmed up in {time.perf_counter() - began:.1f} s (kernels compiled and CUDA graphs captured now, so no "
-        "request waits for them)" if fast_gpu else f"warmed up in {time.perf_counter() - began:.1f} s")
+    warmed = f"warmed up in {time.perf_counter() - began:.1f} s"
+    say(warmed + " (kernels compiled and CUDA graphs captured now, so no request waits for them)" if fast_gpu
+        else warmed)
     return worker, info
 
 
