@@ -4,7 +4,8 @@ Part 1 (always): a Qwen3-8B-shaped target and a published-shape DFlash drafter (
 weights, batch 1, a 1K context. Per engine (hf = HF forward, fast = FastTarget with compiled ops + CUDA graphs,
 fast-graphs = FastTarget without torch.compile, fast-eager = no graphs either, fast-kernels = fast with the
 weight products from `models/skinny_gemm.py`'s Triton kernel, fast-stepwise = fast with greedy steps launched op by
-op instead of `decoding/fused_steps.py`'s two graphs and one read): AR step, DFlash verify (16 rows),
+op instead of `decoding/fused_steps.py`'s two graphs and one read; end to end also fast-batched and
+fast-batched-stepwise = each prompt alone through the batch decoder, a server's lone request): AR step, DFlash verify (16 rows),
 drafter pass and context extension (the eager drafter under hf, the static FastDrafter under the fast engines,
 graphed where the engine graphs), DDTree verify per budget, the step ratios against issue 7's goals, and the 8B tokens/s projected at
 the papers' tau. Part 2 (with --target/--drafter): end-to-end tokens/s, tau and same-ids checks on a real pair.
@@ -21,6 +22,7 @@ they come; the tables follow at the end; --json OUT is rewritten after every mea
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import statistics
@@ -177,11 +179,20 @@ def make_engine(name: str, model: Any) -> Any:
     if name == "hf":
         return Target(model)
     options = {"fast": {}, "fast-graphs": {"compiled": False}, "fast-eager": {"compiled": False, "graphs": False},
-               "fast-kernels": {"kernels": True}, "fast-stepwise": {"fused": False}}
+               "fast-kernels": {"kernels": True}, "fast-stepwise": {"fused": False}, "fast-batched": {},
+               "fast-batched-stepwise": {"fused": False}}
     if name not in options:
-        raise ValueError(f"unknown engine {name!r}; use hf, fast, fast-graphs, fast-eager, fast-kernels or "
-                         "fast-stepwise")
+        raise ValueError(f"unknown engine {name!r}; use hf, {', '.join(options)}")
     return FastTarget(model, **options[name])
+
+
+def lone_batched(decoder: Any, prompt: list[int], new: int) -> tuple[list[int], list[int], None]:
+    """One prompt decoded alone through the batch decoder, as a server's lone request is (its steps pipelined one
+    deep, a fused step where one runs): its ids and acceptance lengths (no stage split)."""
+    seq = decoder.join(prompt, new)
+    while decoder.running:
+        decoder.step()
+    return seq.tokens, seq.acceptance_lengths, None
 
 
 def free(device: torch.device) -> None:
@@ -357,6 +368,7 @@ def e2e(args: argparse.Namespace, rec: Recorder) -> None:
     from blockdraft.decoding.generate import generate
     from blockdraft.decoding.methods import build_proposer
     from blockdraft.decoding.warm import warm_decode
+    from blockdraft.engine.batch import BatchDecoder
     from blockdraft.models.graphs import graphs_captured
     from blockdraft.models.loading import load_drafter, load_target
 
@@ -441,6 +453,17 @@ def e2e(args: argparse.Namespace, rec: Recorder) -> None:
 
             def warm(proposer: Any = proposer, target: Any = target) -> int:
                 return warm_decode(target, proposer, max(map(len, prompts)) + n)
+
+            if engine.startswith("fast-batched"):  # its own lone drafter and graphs: warmed by a decode of each prompt
+                decoder = BatchDecoder(target, lambda method=method, budget=budget, target=target: build_proposer(
+                    method, target, drafter, budget), 2)
+                run = functools.partial(lone_batched, decoder)  # type: ignore[assignment]
+
+                def warm(run: Any = run) -> int:  # type: ignore[misc]
+                    before = graphs_captured()
+                    for prompt in prompts:
+                        run(prompt, n)
+                    return graphs_captured() - before
 
             label = f"ours {engine} {method}" + (f"@{budget}" if budget else "")
             ids = row(label, run, ours.get(f"{engine} ar") or (reference or None if method == "ar" else None), warm)

@@ -27,7 +27,8 @@ def test_cpu_smoke_run(tiny_dirs: tuple[Path, Path], tmp_path: Path) -> None:
     res = subprocess.run(
         [sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--shape", "tiny", "--context", "40",
          "--budgets", "4,8", "--iters", "2", "--warmup", "1", "--target", str(target), "--drafter", str(drafter),
-         "--prompts", str(prompts), "--budget", "6,3", "--max-new-tokens", "16", "--json", str(out)],
+         "--prompts", str(prompts), "--budget", "6,3", "--max-new-tokens", "16", "--e2e-engines", "hf,fast,fast-batched",
+         "--json", str(out)],
         capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -37,7 +38,8 @@ def test_cpu_smoke_run(tiny_dirs: tuple[Path, Path], tmp_path: Path) -> None:
     assert set(data["rows"]["DDTree verify @8 (ms)"]) == {"hf", "fast"}
     assert data["rows"][AGREEMENT_ROW]["fast"].startswith("1.00")
     methods = {e["method"]: e for e in data["e2e"]}
-    assert {"ours fast dflash", "ours hf ddtree@6", "ours fast ddtree@3", "HF generate (greedy)"} <= set(methods)
+    assert {"ours fast dflash", "ours hf ddtree@6", "ours fast ddtree@3", "HF generate (greedy)",
+            "ours fast-batched ddtree@6"} <= set(methods)  # fast-batched: each prompt alone in the batch decoder
     assert "best ddtree" in res.stdout
     assert all(e["same_ids"] in (None, "2/2") for e in data["e2e"])
     split = methods["ours fast dflash"]["step_ms_draft_verify_rest"]  # the loop's per-step cost, by stage

@@ -39,6 +39,11 @@ def test_busy_time_counts_overlapping_kernels_once_and_only_inside_the_decode_ra
     assert row.device_idle_ms == pytest.approx(row.wall_ms - row.device_busy_ms)
     assert (row.kernels, row.graph_launches, row.eager_launches) == (1.0, 0.25, 0.5)
     assert row.host_waits_ms == pytest.approx(0.1)
+    assert row.kernel_us == pytest.approx({"a": 50.0, "b": 50.0, "c": 125.0})  # the prefill's kernel is not counted
+    assert row.kernel_counts == pytest.approx({"a": 0.25, "b": 0.25, "c": 0.25})
+    table = profile_decode.kernel_table([row], top=2)
+    assert "| c | 125.0 us (0.2) |\n| a |" in table and "| b |" not in table  # the top kernels by time (ties by name)
+    assert "| other | 0.225 |" in table  # every kernel's time in its part
     with pytest.raises(ValueError, match="no decode steps"):
         profile_decode.summarize(trace[2:], "ar", steps=4, tau=1.0)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
@@ -24,11 +25,13 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from blockdraft.bench.prompts import load_prompt_set
 from blockdraft.decoding.generate import generate
 from blockdraft.decoding.methods import build_proposer
 from blockdraft.numbers import int_list
 from blockdraft.pair import Loaded, default_drafter, encode_item
+from profile_step import by_category  # noqa: E402  (the same kernel parts as the synthetic profile)
 
 DECODE = "blockdraft decode"  # the profiler range around each prompt's decode steps
 DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # trace categories of work on the device
@@ -52,6 +55,8 @@ class StepProfile:
     graph_launches: float
     eager_launches: float
     host_waits_ms: float
+    kernel_us: dict[str, float]  # microseconds a step per kernel name (inside graphs too)
+    kernel_counts: dict[str, float]  # launches a step per kernel name
 
 
 def union_ms(intervals: Iterable[tuple[float, float]], start: float, end: float) -> float:
@@ -85,8 +90,15 @@ def summarize(events: list[dict[str, Any]], method: str, steps: int, tau: float)
         return sum(1 for e in runtime if e["name"] in names)
 
     waits = sum(e["dur"] for e in runtime if e["name"] in WAITS) / 1000.0
+    kernel_us: dict[str, float] = {}
+    kernel_counts: dict[str, float] = {}
+    for e in events:
+        if e.get("cat") == "kernel" and inside(e):
+            kernel_us[e["name"]] = kernel_us.get(e["name"], 0.0) + e["dur"] / steps
+            kernel_counts[e["name"]] = kernel_counts.get(e["name"], 0.0) + 1 / steps
     return StepProfile(method, steps, tau, wall / steps, busy / steps, (wall - busy) / steps, len(work) / steps,
-                       count(LAUNCHES["graph"]) / steps, count(LAUNCHES["eager"]) / steps, waits / steps)
+                       count(LAUNCHES["graph"]) / steps, count(LAUNCHES["eager"]) / steps, waits / steps,
+                       kernel_us, kernel_counts)
 
 
 def profile_method(loaded: Loaded, method: str, budget: int, prompts: list[list[int]], max_new_tokens: int,
@@ -132,6 +144,19 @@ def markdown(rows: list[StepProfile]) -> str:
     return "\n".join(lines)
 
 
+def kernel_table(rows: list[StepProfile], top: int) -> str:
+    """The kernels that take the most device time a step in any method, side by side (us a step, launches a step),
+    and each method's time by part: what grows from AR's one row to a tree's rows."""
+    names = sorted({n for r in rows for n in r.kernel_us}, key=lambda n: (-max(r.kernel_us.get(n, 0.0) for r in rows), n))
+    lines = ["| kernel | " + " | ".join(r.method for r in rows) + " |", "|---" * (len(rows) + 1) + "|"]
+    lines += [f"| {name[:90]} | " + " | ".join(f"{r.kernel_us.get(name, 0.0):.1f} us ({r.kernel_counts.get(name, 0):.1f})"
+                                              for r in rows) + " |" for name in names[:top]]
+    lines += ["", "| part (ms a step) | " + " | ".join(r.method for r in rows) + " |", "|---" * (len(rows) + 1) + "|"]
+    parts = [by_category(list(r.kernel_us.items()), 1) for r in rows]
+    lines += [f"| {part} | " + " | ".join(f"{p[part]:.3f}" for p in parts) + " |" for part in parts[0]]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="smollm2-135m-instruct")
@@ -145,6 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--limit", type=int, default=3, help="prompts profiled after the warm-up prompt")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--top", type=int, default=15, help="host operations listed per method")
+    parser.add_argument("--top-kernels", type=int, default=40, help="kernels listed side by side")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     loaded = Loaded(args.target, default_drafter(args.target, args.drafter), args.device, args.dtype, args.engine)
@@ -156,9 +182,9 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(row)
             print(f"### {row.method}: host operations by self time ({row.steps} steps, prefills included)\n{table}",
                   flush=True)
-    print(markdown(rows))
-    if args.json:
-        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1) + "\n")
+            print(markdown(rows) + "\n\n" + kernel_table(rows, args.top_kernels) + "\n", flush=True)
+            if args.json:  # rewritten after each method: a run cut short keeps what it measured
+                args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1) + "\n")
 
 
 if __name__ == "__main__":

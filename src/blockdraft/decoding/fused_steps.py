@@ -20,6 +20,7 @@ other engines; both give the same ids. On a CPU the same functions run eagerly (
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -52,21 +53,44 @@ def device_walk(ids: torch.Tensor, picks: torch.Tensor, own: torch.Tensor, paren
     return depth.gather(0, deepest)[0] + 1, path
 
 
+@dataclass(frozen=True)
+class StepShape:
+    """What a method's fused step is made of: the drafted slots (0: AR), the mask rows the drafter sees, and the
+    tree's budget (None: a chain or AR). Steps of one shape share their graphs, whichever proposer asked."""
+
+    slots: int = 0
+    visible: int = 0
+    budget: int | None = None
+
+
+AR_SHAPE = StepShape()
+
+
+def step_shape(proposer: DFlashProposer | DDTreeProposer | None) -> StepShape:
+    """The shape of a whole-depth step of this proposer's method."""
+    if proposer is None:
+        return AR_SHAPE
+    chain = proposer.chain if isinstance(proposer, DDTreeProposer) else proposer
+    slots, visible = chain.block_rows(chain.block_size)
+    return StepShape(slots, visible, proposer.budget if isinstance(proposer, DDTreeProposer) else None)
+
+
 class FusedSteps:
-    """The fused steps of one decode method (AR, the DFlash chain or DDTree) on one FastTarget.
+    """The fused steps of one decode method (AR, the DFlash chain or DDTree: its `StepShape`) on one FastTarget,
+    drafting with `drafter` (a FastDrafter: `generate()`'s proposer's own, or the batch decoder's lone one).
 
     Rows R of a verify: 1 (AR), 1 + the chain's depth, or 1 + the tree's budget; a step commits at most K = 1 +
     depth rows (AR: 1; a tree smaller than its depth: R)."""
 
-    def __init__(self, target: FastTarget, proposer: DFlashProposer | DDTreeProposer | None) -> None:
+    def __init__(self, target: FastTarget, drafter: FastDrafter | None, tap_layers: tuple[int, ...] | None,
+                 shape: StepShape) -> None:
         self.target: FastTarget = weakref.proxy(target)  # the AR steps are cached on the target itself
         self.device = target.device
-        chain = proposer.chain if isinstance(proposer, DDTreeProposer) else proposer
-        self.drafter: FastDrafter | None = chain.fast if chain is not None else None
-        self.tap_layers = proposer.tap_layers if proposer is not None else None
-        self.budget = proposer.budget if isinstance(proposer, DDTreeProposer) else None
-        self.slots = chain.depth if chain is not None else 0
-        visible = chain.block_rows(chain.block_size)[1] if chain is not None else 0
+        self.drafter = drafter
+        self.tap_layers = tap_layers
+        self.budget = shape.budget
+        self.slots = shape.slots
+        visible = shape.visible
         self.rows = 1 + (self.budget if self.budget is not None else self.slots)
         self.commit_rows = min(1 + self.slots, self.rows)  # a path of the tree's nodes at most
         self.min_depth_left = max(self.commit_rows, visible)  # a step then commits whole and drafts a whole plan
@@ -251,7 +275,9 @@ def fused_steps(target: Any, proposer: Any) -> FusedSteps | None:
     owner = target if proposer is None else proposer
     steps = _STEPS.get(owner)
     if steps is None:
-        steps = _STEPS[owner] = FusedSteps(target, proposer)
+        drafter = None if proposer is None else chain.fast
+        tap_layers = None if proposer is None else proposer.tap_layers
+        steps = _STEPS[owner] = FusedSteps(target, drafter, tap_layers, step_shape(proposer))
     return steps
 
 

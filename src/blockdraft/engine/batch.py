@@ -28,6 +28,7 @@ import torch
 
 from blockdraft.decoding.ddtree import DDTreeProposer, DeviceTrees, build_trees, slot_log_probs, trees_on_device
 from blockdraft.decoding.draft import DFlashProposer, Draft, DrafterProposer, Proposer
+from blockdraft.decoding.fused_steps import AR_SHAPE, FusedSteps, StepShape, fused_steps, step_shape
 from blockdraft.decoding.generate import GenerationResult, OnCommit, check_context, check_prompt_ids
 from blockdraft.decoding.sampling import SamplingParams, pick
 from blockdraft.decoding.verify import Verdict, greedy_read, greedy_walks, verify
@@ -41,6 +42,7 @@ from blockdraft.models.fast_batch_drafter import BatchDrafter
 from blockdraft.models.fast_drafter import fast_drafter_problem
 from blockdraft.models.fast_target import PREFILL_ROWS, FastTarget
 from blockdraft.models.host_to_device import long_tensor
+from blockdraft.models.static_cache import StaticTargetCache
 from blockdraft.models.target import Target
 
 
@@ -112,6 +114,23 @@ class Sequence:
 
 
 @dataclass
+class _FusedRead:
+    """A lone sequence's fused step in flight (`BatchDecoder._launch_fused`): its steps and cache, and its read once
+    taken, at the land or before a join's forwards (which move the lone K/V and drafter context by their host
+    lengths, so those must follow the step's commit first)."""
+
+    steps: FusedSteps
+    cache: StaticTargetCache
+    read: tuple[int, list[int]] | None = None
+
+    def take(self) -> tuple[int, list[int]]:
+        """(nodes drafted, tokens committed): the step's one wait for the device."""
+        if self.read is None:
+            self.read = self.steps.read(self.cache)
+        return self.read
+
+
+@dataclass
 class _Flight:
     """A launched step not read back yet: the sequences it runs (slots 0.. at its launch), their starts and drafts
     (device trees: known at the read), the verify's output, the one tensor its read takes back, and what the
@@ -128,10 +147,14 @@ class _Flight:
     method: str
     began: float
     join_s: float = 0.0  # seconds of joins run while it flew (their prefill), not the step's own
+    fused: _FusedRead | None = None  # a lone sequence's fused step: nothing else of the flight is read
 
     def detach(self) -> None:
         """Before a join runs forwards: the verify's taps and the sampled sequences' logits copied out of the
-        buffers those forwards may overwrite (the read tensor is a fresh one already)."""
+        buffers those forwards may overwrite (the read tensor is a fresh one already); a fused step read now."""
+        if self.fused is not None:
+            self.fused.take()
+            return
         self.verified = self.verified.detached({b for b, seq in enumerate(self.seqs) if not seq.sampling.greedy})
 
 
@@ -157,6 +180,8 @@ class BatchDecoder:
         self.flight: _Flight | None = None  # the step launched and not read back yet
         self.deferred: list[torch.Tensor] = []  # each scheduled AR step's taps [B, 1, *], read by _catch_up
         self.deferred_rows = 0  # rows in `deferred`: a sequence's `pending` index them as if concatenated
+        self.fused: dict[StepShape, FusedSteps] = {}  # a lone sequence's fused steps, per method (`_lone_steps`)
+        self.fused_for: tuple[Sequence, FusedSteps] | None = None  # whose next rows the last fused step laid out
 
     def _batch_drafter(self, proposer: Proposer | None) -> BatchDrafter | None:
         """The batch's drafter, when the proposers draft with a drafter the batched pass can run."""
@@ -366,6 +391,10 @@ class BatchDecoder:
         deferring = candidate is not None and candidate.method == "ar"
         if candidate is not None and not deferring:
             self._catch_up()
+        steps = self._lone_steps()
+        if steps is not None:
+            return self._launch_fused(steps, candidate, method, began)
+        self.fused_for = None
         starts = [seq.prompt_len + len(seq.tokens) - 1 for seq in self.running]
         tap_layers = proposer.tap_layers if proposer else None
         trees = self._trees_on_device(starts)
@@ -381,6 +410,45 @@ class BatchDecoder:
         verified = self.verifier.forward([seq.tokens[-1] for seq in self.running], drafts, starts, tap_layers)
         return _Flight(list(self.running), starts, drafts, None, verified, self._greedy_read(drafts, verified),
                        candidate, deferring, method, began)
+
+    def _lone_steps(self) -> FusedSteps | None:
+        """The fused steps (`decoding.fused_steps`) of this step's method when one greedy sequence runs alone on the
+        fast engine with them on, with a whole step's depth left: two graph replays and one read a step, as
+        `generate()` runs it (DDTree@32 on the H200: +16% tokens/s over the step-by-step path, benchmarks/RESULTS.md
+        session 33). None otherwise: the step below, or a scheduled AR step (whose taps wait in `deferred`)."""
+        target = self.target
+        if (len(self.running) != 1 or not isinstance(target, FastTarget) or not target.fused
+                or not isinstance(self.verifier, SlotVerifier)):
+            return None
+        seq = self.running[0]
+        shape = _fused_shape(seq.proposer)
+        if not seq.sampling.greedy or seq.pending or shape is None:
+            return None
+        if shape == AR_SHAPE:
+            steps = fused_steps(target, None)
+        elif self.drafting is None:
+            return None
+        else:
+            if shape not in self.fused:
+                self.fused[shape] = FusedSteps(target, self.drafting.lone_drafter(), seq.proposer.tap_layers, shape)
+            steps = self.fused[shape]
+        return steps if steps is not None and seq.max_new_tokens - len(seq.tokens) >= steps.min_depth_left else None
+
+    def _launch_fused(self, steps: FusedSteps, candidate: Candidate | None, method: str, began: float) -> _Flight:
+        """The lone sequence's fused step: its K/V and drafter context on the batch-1 paths, its rows laid out (by
+        the last fused step's draft, or now), the verify and the next draft launched."""
+        seq = self.running[0]
+        cache = self.verifier.alone()  # type: ignore[union-attr]
+        if steps.drafter is not None:
+            assert self.drafting is not None
+            self.drafting.alone()
+        if self.fused_for is None or self.fused_for[0] is not seq or self.fused_for[1] is not steps:
+            steps.begin(seq.tokens[-1], cache)
+            self.fused_for = (seq, steps)
+        steps.verify(cache)
+        steps.draft(cache)
+        return _Flight([seq], [seq.prompt_len + len(seq.tokens) - 1], None, None, Verified([]), None, candidate, False,
+                       method, began, fused=_FusedRead(steps, cache))
 
     def _greedy_read(self, drafts: list[Draft], verified: Verified) -> torch.Tensor | None:
         """The greedy sequences' verdicts as one device tensor to read back (`verify.greedy_read`; one argmax for the
@@ -400,6 +468,8 @@ class BatchDecoder:
         its budget and stop ids), keep its cache rows, extend its drafter context, and let the finished leave;
         returns them and each committed chunk, for the hooks."""
         assert self.running[: len(flight.seqs)] == flight.seqs  # joins only append while a step is in flight
+        if flight.fused is not None:
+            return self._land_fused(flight, flight.fused)
         device = self.target.device
         read = None if flight.read is None else flight.read.tolist()
         if flight.trees is not None:
@@ -435,14 +505,28 @@ class BatchDecoder:
         chains = (whole is not None and not flight.deferring and extended == list(range(len(flight.seqs)))
                   and all(draft.is_chain for draft in drafts))
         self._extend(extended, kept_taps, whole if chains else None)
+        return self._landed(flight, reports), reports
+
+    def _land_fused(self, flight: _Flight, fused: _FusedRead) -> tuple[list[Sequence],
+                                                                      list[tuple[Sequence, list[int]]]]:
+        """A fused step's read: the cache and drafter context already hold its commit (its graphs wrote them)."""
+        seq = flight.seqs[0]
+        nodes, tokens = fused.take()
+        reports: list[tuple[Sequence, list[int]]] = []
+        if not seq.ended_early:
+            seq.draft_lengths.append(nodes)
+            reports.append((seq, seq.commit(tokens)))
+        return self._landed(flight, reports), reports
+
+    def _landed(self, flight: _Flight, reports: list[tuple[Sequence, list[int]]]) -> list[Sequence]:
+        """A read step's end: the finished leave, and the step's method, commit and time are recorded."""
         finished = self._leave()
         self.last_method = flight.method
         self.last_committed = sum(len(committed) for _, committed in reports)
         if isinstance(self.schedule, MeasuredSchedule) and flight.candidate is not None:
             seconds = time.perf_counter() - flight.began - flight.join_s
-            self.schedule.observe(len(flight.seqs), flight.candidate, seconds,
-                                  sum(len(committed) for _, committed in reports))
-        return finished, reports
+            self.schedule.observe(len(flight.seqs), flight.candidate, seconds, self.last_committed)
+        return finished
 
     def _extend(self, slots: list[int], taps: list[torch.Tensor], whole: torch.Tensor | None = None) -> None:
         """Write committed tokens' taps [1, t, k * hidden] into the drafter context of the sequences in `slots`
@@ -572,6 +656,21 @@ class BatchDecoder:
                 self.running[slot] = self.running[last]
             self.running.pop()
         return finished
+
+
+def _fused_shape(proposer: Proposer | None) -> StepShape | None:
+    """The fused step's shape of this proposer's method this step; None where fused steps do not run it (another
+    proposer, a scheduled AR step)."""
+    if isinstance(proposer, SwitchingProposer):
+        candidate, chain = proposer.candidate, proposer.tree.chain
+        if candidate.method == "ar":
+            return None
+        if candidate.method == "dflash":
+            return StepShape(*chain.block_rows(chain.block_size, candidate.draft_tokens))
+        return StepShape(*chain.block_rows(chain.block_size), candidate.budget)
+    if proposer is None or type(proposer) in (DFlashProposer, DDTreeProposer):
+        return step_shape(proposer)  # type: ignore[arg-type]
+    return None
 
 
 def _plain_chain(proposer: Proposer | None) -> bool:

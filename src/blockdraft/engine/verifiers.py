@@ -93,7 +93,7 @@ class SlotVerifier:
     def move(self, source: int, dest: int) -> None:
         self.store.move(source, dest)
 
-    def _alone(self) -> StaticTargetCache:
+    def alone(self) -> StaticTargetCache:
         """The lone sequence's cache on the batch-1 path (back there from slot 0 when it is alone again)."""
         if self.single is None:
             self.single = self.target.new_cache()
@@ -103,7 +103,7 @@ class SlotVerifier:
     def forward(self, anchors: list[int], drafts: list[Draft], starts: list[int],
                 tap_layers: tuple[int, ...] | None) -> Verified:
         if len(drafts) == 1:
-            return Verified([_forward_one(self.target, self._alone(), anchors[0], drafts[0], starts[0], tap_layers)])
+            return Verified([_forward_one(self.target, self.alone(), anchors[0], drafts[0], starts[0], tap_layers)])
         ids, positions, own = pack_rows(anchors, drafts, starts, self.target.device)
         logits, taps = self.batched(ids, positions, own, tap_layers)
         return Verified([(logits[b, : len(d) + 1], None if taps is None else taps[b : b + 1, : len(d) + 1])
@@ -114,7 +114,7 @@ class SlotVerifier:
         """The verify of rows laid out on the device already (ddtree.DeviceTrees): ids and positions [B, R], own
         [B, R, R]; every sequence's R rows, padding included, and `logits` [B, R, V]."""
         if ids.shape[0] == 1:
-            out = self.target.forward(ids, positions[0], self._alone(), tap_layers, attention_mask=own.unsqueeze(1))
+            out = self.target.forward(ids, positions[0], self.alone(), tap_layers, attention_mask=own.unsqueeze(1))
             return Verified([(out.logits[0], out.taps)], out.logits)
         logits, taps = self.batched(ids, positions, own, tap_layers)
         return Verified([(logits[b], None if taps is None else taps[b : b + 1]) for b in range(ids.shape[0])], logits,

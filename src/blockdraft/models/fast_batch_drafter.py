@@ -82,20 +82,20 @@ class BatchDrafter:
         self.extensions: dict[tuple[int, int], _ExtendGraph] = {}
         self.pool = graph_pool(self.use_graphs)
         self.version = self.store.version
-        self.lone: FastDrafter | None = None  # the batch-1 drafter (`_lone`)
+        self.lone: FastDrafter | None = None  # the batch-1 drafter (`lone_drafter`)
         self.single: FastDrafter | None = None  # set while one sequence runs: its context there, not in slot 0
 
-    def _alone(self) -> FastDrafter:
+    def alone(self) -> FastDrafter:
         """The lone sequence's drafter: `generate()`'s own batch-1 path (FastDrafter), as the batched verify runs
         the target's for a lone sequence. The batch's pass at batch 1 cost ~0.3 ms a step more (H200, session 20:
         one sequence of 256 tokens took 1.09-1.13x `generate()`'s time with DFlash and DDTree). Slot 0's context
         moves there when a step drafts for one sequence, and back (`_together`) before any other slot is touched."""
         if self.single is None:
-            self.single = self._lone()
+            self.single = self.lone_drafter()
             self.single.load_rows(self.store.kv[:, :, 0], self.store.lengths[0])
         return self.single
 
-    def _lone(self) -> FastDrafter:
+    def lone_drafter(self) -> FastDrafter:
         """The batch-1 drafter, made on first use and kept (its buffers and graphs serve every lone stretch)."""
         if self.lone is None:
             self.lone = FastDrafter(self.drafter, self.target)
@@ -121,7 +121,7 @@ class BatchDrafter:
         """Room for `positions` context positions and a block after them in every slot, and in the lone
         sequence's drafter (BatchDecoder.reserve)."""
         self._ensure(positions + self.block_size)
-        self._lone().reserve(positions)
+        self.lone_drafter().reserve(positions)
 
     def reset(self, slot: int) -> None:
         """Empty `slot`'s context (a new sequence takes it; in slot 0 the lone one has left)."""
@@ -238,7 +238,7 @@ class BatchDrafter:
         rows after it, the rows past `visibles[b]` hidden from the others (FastDrafter.slot_logits, per sequence)."""
         n, rows = len(anchors), self.block_size
         if n == 1:
-            return self._alone().slot_logits(anchors[0], starts[0], rows - 1, self.mask_token_id,
+            return self.alone().slot_logits(anchors[0], starts[0], rows - 1, self.mask_token_id,
                                              visibles[0]).unsqueeze(0)
         self._together()
         lengths = self.store.lengths[:n]
