@@ -165,3 +165,26 @@ def test_a_sampled_lone_sequence_keeps_the_step_by_step_path(reads: list[FusedSt
         decoder.step()
     assert not reads
     _same(seq, _reference(model, drafter, "dflash", None, prompts(1)[0], 20, sampling=sampled, seed=3), "sampled")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("method,budget", [("ar", None), ("dflash", None), ("ddtree", 12)])
+def test_on_a_gpu_lone_requests_replay_fused_graphs_and_decode_their_batch_1_ids(method: str, budget: int | None,
+                                                                                reads: list[FusedSteps]) -> None:
+    """Graphs, not eager calls: a lone request, then a second that joins while the first's fused step flies."""
+    model = make_target_model("qwen3").cuda()
+    drafter = make_drafter("all_full").cuda()
+    items = [[(3 * i + 1) % 60 + 1 for i in range(n)] for n in (5, 200)]
+    cold = FastTarget(model, fused=False)
+    expected = [generate(cold, p, build_proposer(method, cold, drafter, budget), 120).token_ids for p in items]
+    target = FastTarget(model)
+    decoder = BatchDecoder(target, lambda: build_proposer(method, target, drafter, budget), 2)
+    first = decoder.join(items[0], 120)
+    for _ in range(3):
+        decoder.step()
+    assert decoder.flight is not None and decoder.flight.fused is not None
+    second = decoder.join(items[1], 120)
+    while decoder.running:
+        decoder.step()
+    assert [first.tokens, second.tokens] == expected
+    assert reads and target.use_graphs

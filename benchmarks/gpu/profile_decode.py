@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from blockdraft.bench.prompts import load_prompt_set
 from blockdraft.decoding.generate import generate
 from blockdraft.decoding.methods import build_proposer
+from blockdraft.decoding.warm import warm_decode
 from blockdraft.numbers import int_list
 from blockdraft.pair import Loaded, default_drafter, encode_item
 from profile_step import by_category  # noqa: E402  (the same kernel parts as the synthetic profile)
@@ -103,9 +104,11 @@ def summarize(events: list[dict[str, Any]], method: str, steps: int, tau: float)
 
 def profile_method(loaded: Loaded, method: str, budget: int, prompts: list[list[int]], max_new_tokens: int,
                    top: int) -> tuple[StepProfile, str]:
-    """One method's decodes of `prompts` after the first (its warm-up: the graphs of each cache capacity and row
-    count it meets) under the profiler: its per-step numbers and the host operations' table (self time)."""
+    """One method's decodes of `prompts` after the first (its warm-up, after `warm_decode` captured every graph up
+    to the longest prompt's context: a graph captured inside the profile counted its capture's work) under the
+    profiler: its per-step numbers and the host operations' table (self time)."""
     proposer = build_proposer(method, loaded.target, loaded.drafter, budget if method == "ddtree" else None)
+    warm_decode(loaded.target, proposer, max(map(len, prompts)) + max_new_tokens)  # no capture inside the profile
     generate(loaded.target, prompts[0], proposer, max_new_tokens)
     cuda = loaded.target.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])

@@ -14,7 +14,8 @@ The host then reads the committed tokens once. The state between the graphs and 
 the anchor, the accepted rows' taps, the result) lives in fixed buffers that every graph reads and writes, so a
 graph is keyed by its key capacity alone and all of them share one memory pool. `generate` keeps its step-by-step
 path for sampling (T > 0), the last steps (where a step could commit past max_new_tokens), other proposers and
-other engines; both give the same ids. On a CPU the same functions run eagerly (what the tests compare).
+other engines; both give the same ids. The batch decoder runs them for a lone greedy sequence (engine/batch.py).
+On a CPU the same functions run eagerly (what the tests compare).
 """
 
 from __future__ import annotations

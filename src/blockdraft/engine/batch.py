@@ -10,7 +10,8 @@ included) each sequence's own forward in turn. On the fast engine the drafter ru
 batch too (models/fast_batch_drafter.py: every sequence's drafter context in a slot, one pass over all blocks, one
 context extension for all committed rows; a lone sequence on `generate()`'s batch-1 drafter, as it verifies on
 the target's batch-1 path); each sequence's proposer only turns its slot logits into its chain or tree. Elsewhere
-each proposer drafts its own sequence.
+each proposer drafts its own sequence. A lone greedy sequence on the fast engine runs `generate()`'s fused steps
+(decoding/fused_steps.py: the draft, verify, walk and commit as two graph replays and one read a step).
 
 Steps are pipelined one deep: `step()` reads the step in flight, commits it, launches the next, and only then hands
 the commits to the sequences' hooks (the server's text work), which so run while the device works. Sequences join
@@ -414,8 +415,9 @@ class BatchDecoder:
     def _lone_steps(self) -> FusedSteps | None:
         """The fused steps (`decoding.fused_steps`) of this step's method when one greedy sequence runs alone on the
         fast engine with them on, with a whole step's depth left: two graph replays and one read a step, as
-        `generate()` runs it (DDTree@32 on the H200: +16% tokens/s over the step-by-step path, benchmarks/RESULTS.md
-        session 33). None otherwise: the step below, or a scheduled AR step (whose taps wait in `deferred`)."""
+        `generate()` runs it (a lone request on the H200: AR 1.16x, DFlash 1.20x, DDTree@32 1.43x the tokens/s of
+        the step below, benchmarks/RESULTS.md session 34). None otherwise: the step below, or a scheduled AR step
+        (whose taps wait in `deferred`)."""
         target = self.target
         if (len(self.running) != 1 or not isinstance(target, FastTarget) or not target.fused
                 or not isinstance(self.verifier, SlotVerifier)):
