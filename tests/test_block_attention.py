@@ -106,3 +106,25 @@ def test_it_runs_only_where_it_can() -> None:
         assert not block_attention_runs(q.to(torch.int32), q.to(torch.int32))
         assert not block_attention_runs(q, q.to(torch.float16))
     assert not block_attention_runs(q, q)  # autograd on: the reference
+
+
+@pytest.mark.parametrize("merge", [False, True])
+@pytest.mark.parametrize("t, groups", [(1, 4), (16, 2), (33, 1), (5, 3)])
+def test_merged_heads_are_the_output_transposed_as_o_proj_reads_it(t: int, groups: int, merge: bool) -> None:
+    """With `merged_heads` the kernel (either way of merging its splits) stores [B, t, heads * d]: exactly
+    `merge_heads` of its own [B, G, groups * t, d] output, with no transpose kernel after it."""
+    from blockdraft.models.fast_ops import merge_heads
+
+    generator = torch.Generator().manual_seed(t + groups)
+    lengths, kv_heads, d = [0, 40, 130], 2, 16
+    cache = torch.randn(2, 3, kv_heads, 256, d, generator=generator).to(DEVICE)
+    q = torch.randn(3, kv_heads, groups * t, d, generator=generator).to(DEVICE)
+    own = torch.ones(3, t, t, dtype=torch.bool).tril().to(DEVICE)
+    positions = (torch.tensor(lengths).unsqueeze(1) + torch.arange(t)).to(DEVICE)
+    args = (q, cache[0], cache[1], torch.arange(3, device=DEVICE), torch.tensor(lengths, device=DEVICE), own,
+            positions, None, 0.25, 64, merge)
+    with torch.inference_mode():
+        got = block_attention(*args, merged_heads=True)
+        want = merge_heads(block_attention(*args), kv_heads * groups, t)
+    assert got.shape == (3, t, kv_heads * groups * d) and got.is_contiguous()
+    assert torch.equal(got, want)

@@ -18,20 +18,21 @@ from __future__ import annotations
 
 import torch
 
-from blockdraft.models.flash_decode import BLOCK_KEYS, BLOCK_ROWS, TARGET_PROGRAMS, split_and_merge, split_shape
+from blockdraft.models.flash_decode import (BLOCK_KEYS, BLOCK_ROWS, TARGET_PROGRAMS, Layout, split_and_merge,
+                                            split_shape)
 from blockdraft.models.skinny_gemm import kernel_available, triton, zeroed_counters
 
 if triton is not None:
     import triton.language as tl
 
     from blockdraft.models.flash_decode import (block_scores, empty_state, keys_per_split, load_block,
-                                                merge_splits, online_softmax_step)
+                                                merge_splits, online_softmax_step, output_rows)
     from blockdraft.models.skinny_gemm import last_to_finish
 
     @triton.jit
     def _block_split_kernel(q_ptr, k_ptr, v_ptr, seq_ptr, length_ptr, own_ptr, pos_ptr, acc_ptr, m_ptr, l_ptr,
                             count_ptr, out_ptr, R, T, D, heads, splits, window, scale,
-                            sq_b, sq_h, sq_r, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_r,
+                            sq_b, sq_h, sq_r, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_g, so_r, group_rows,
                             WINDOW: tl.constexpr, F32_DOT: tl.constexpr, MIN_KEYS: tl.constexpr, MERGE: tl.constexpr,
                             BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
         bh, rblock, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -77,8 +78,9 @@ if triton is not None:
                 active = tl.cdiv(total, per)
                 if last_to_finish(count_ptr + bh * tl.num_programs(1) + rblock, active):
                     out = merge_splits(acc_ptr, m_ptr, l_ptr, bh, rows, R, splits, active, BLOCK_R, BLOCK_D, ".cg")
-                    tl.store(out_ptr + b * so_b + h * so_h + rows[:, None] * so_r + dims[None, :],
-                             out.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < R) & (dims[None, :] < D))
+                    tl.store(output_rows(out_ptr, b, h, rows, so_b, so_h, so_g, so_r, group_rows)[:, None]
+                             + dims[None, :], out.to(out_ptr.dtype.element_ty),
+                             mask=(rows[:, None] < R) & (dims[None, :] < D))
 
 
 def block_attention_runs(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -90,8 +92,8 @@ def block_attention_runs(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: torch.Tensor, lengths: torch.Tensor,
                     own: torch.Tensor, positions: torch.Tensor, window: int | None, scale: float,
-                    min_split_keys: int = BLOCK_KEYS, merge: bool = False, programs: int = TARGET_PROGRAMS
-                    ) -> torch.Tensor:
+                    min_split_keys: int = BLOCK_KEYS, merge: bool = False, programs: int = TARGET_PROGRAMS,
+                    merged_heads: bool = False) -> torch.Tensor:
     """q [B, G, R, d] (the query heads sharing a KV head folded into rows, group-major: R = groups x t) against the
     cache k, v [slots, G, S, d], sequence b reading slot seq[b] ([B] long): its lengths[b] committed keys, then its
     t new rows' own K/V at lengths[b] + j, seen as own [B, t, t] (bool or uint8) says; positions [B, t] are the new
@@ -99,7 +101,9 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: torc
     Each split takes at least `min_split_keys` keys (a multiple of BLOCK_KEYS): fewer, longer splits leave the
     combine fewer partial results to merge. With `merge` the last split of each row block to finish merges them
     (an atomic count a row block, `zeroed_counters`) instead of a second launch. `programs` bounds the programs a
-    launch has (the key splits a sequence gets: more splits, more partial results to merge)."""
+    launch has (the key splits a sequence gets: more splits, more partial results to merge). With `merged_heads`
+    the output is [B, t, heads * d], the heads merged as o_proj reads them (`flash_decode.output_layout`); else q's
+    shape."""
     t = own.shape[-1]
     block_d, row_blocks, splits = split_shape(q, k.shape[2], programs)
     f32 = q.dtype == torch.float32 or not q.is_cuda  # the interpreter's half-precision dot is wrong
@@ -108,13 +112,15 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: torc
 
     counts = zeroed_counters(q.device, q.shape[0] * q.shape[1] * row_blocks) if merge else lengths
 
-    def run_splits(partial: torch.Tensor, m: torch.Tensor, l: torch.Tensor, out: torch.Tensor | None) -> None:
-        target, strides = (partial, (0, 0, 0)) if out is None else (out, out.stride()[:3])
+    def run_splits(partial: torch.Tensor, m: torch.Tensor, l: torch.Tensor,
+                   out: tuple[torch.Tensor, Layout] | None) -> None:
+        target, layout = (partial, (0, 0, 0, 0, 1)) if out is None else out
         _block_split_kernel[(q.shape[0] * q.shape[1], row_blocks, splits)](
             q, k, v, seq, lengths, own, positions.contiguous(), partial, m, l, counts, target,
             q.shape[2], t, q.shape[3], q.shape[1], splits, window or 0, scale,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
-            v.stride(2), *strides, WINDOW=window is not None, F32_DOT=f32, MIN_KEYS=min_split_keys,
+            v.stride(2), *layout, WINDOW=window is not None, F32_DOT=f32, MIN_KEYS=min_split_keys,
             MERGE=out is not None, BLOCK_R=BLOCK_ROWS, BLOCK_S=BLOCK_KEYS, BLOCK_D=block_d)
 
-    return split_and_merge(q, splits, block_d, run_splits, lengths, t, min_split_keys, merged=merge)
+    return split_and_merge(q, splits, block_d, run_splits, lengths, t, min_split_keys, merged=merge,
+                           merged_heads=merged_heads)

@@ -153,8 +153,8 @@ def run_batch(target: FastTarget, kv: torch.Tensor, lengths: torch.Tensor, ids: 
         q = ops.batched_qkv_heads(qkv, layer.q_norm, layer.k_norm, cos, sin, target.heads, target.kv_heads,
                                   target.eps, kv[i, 0], kv[i, 1], seq, cols)
         keys, values = kv[i, 0, :batch, :, :cap], kv[i, 1, :batch, :, :cap]
-        out = attend(ops, layer, q, keys, values, biases[layer.window], t, mask)
-        return layer_mlp(ops, layer, x, ops.merge_heads(out, target.heads, t), target.eps, target.act)
+        out = attend(ops, layer, q, keys, values, biases[layer.window], t, target.heads, mask)
+        return layer_mlp(ops, layer, x, out, target.eps, target.act)
 
     return target.run_layers(F.embedding(ids, target.embedding_weight), step, tap_layers)
 

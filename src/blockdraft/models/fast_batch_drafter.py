@@ -289,8 +289,9 @@ class BatchDrafter:
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
             q = ops.batched_qkv_heads(qkv, layer.q_norm, layer.k_norm, cos, sin, self.heads, self.kv_heads, self.eps,
                                       kv[i, 0], kv[i, 1], seq, cols)
-            out = attend(ops, layer, q, kv[i, 0, :n, :, :cap], kv[i, 1, :n, :, :cap], biases[self.rules[i]], t)
-            return layer_mlp(ops, layer, x, ops.merge_heads(out, self.heads, t), self.eps, self.act)
+            out = attend(ops, layer, q, kv[i, 0, :n, :, :cap], kv[i, 1, :n, :, :cap], biases[self.rules[i]], t,
+                         self.heads)
+            return layer_mlp(ops, layer, x, out, self.eps, self.act)
 
         h, _ = run_stack(ops, self.layers, x, step, self.final_norm, self.eps)
         self.hidden_out[:n].copy_(h[:, 1:])

@@ -278,23 +278,27 @@ class CompactMask:
 
 
 def kernel_block_attention(
-    reference: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
-    scale: float, mask: CompactMask, window: int | None,
+    reference: Callable[..., torch.Tensor], merge: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+    v: torch.Tensor, bias: torch.Tensor, scale: float, mask: CompactMask, window: int | None,
 ) -> torch.Tensor:
-    """`decode_attention` from the compact-mask kernel (`block_attention`: the mask's pieces instead of the dense
-    `bias`, keys read only up to each sequence's own length) where it runs and was timed faster at this shape than
-    `reference` (the engine's own attention for these rows: two matmuls for a few, SDPA for many; `kernel_choice`:
-    key lengths by power of two; splits of 64 keys or of LONG_SPLIT_KEYS, merged by a second launch or by each row
-    block's last split, or twice the programs, whichever was faster), else `reference`."""
+    """`merge(decode_attention(...))`, the heads merged [B, t, heads * d], from the compact-mask kernel
+    (`block_attention`: the mask's pieces instead of the dense `bias`, keys read only up to each sequence's own
+    length, the heads stored merged) where it runs and was timed faster at this shape than `reference` and `merge`
+    (the engine's own attention for these rows: two matmuls for a few, SDPA for many, then the heads' transpose;
+    `kernel_choice`: key lengths by power of two; splits of 64 keys or of LONG_SPLIT_KEYS, merged by a second launch
+    or by each row block's last split, or twice the programs, whichever was faster), else those."""
+    t = mask.own.shape[-1]
+    heads = q.shape[1] * q.shape[2] // t
+
     def library() -> torch.Tensor:
-        return reference(q, k, v, bias, scale)
+        return merge(reference(q, k, v, bias, scale), heads, t)
 
     if not block_attention_runs(q, k):
         return library()
 
     def splits_of(keys: int, merge: bool = False, programs: int = TARGET_PROGRAMS) -> Callable[[], torch.Tensor]:
         return lambda: block_attention(q, k, v, mask.slots, mask.lengths, mask.own, mask.positions, window, scale,
-                                       keys, merge, programs)
+                                       keys, merge, programs, merged_heads=True)
 
     options = {"kernel": splits_of(BLOCK_KEYS), f"kernel, {LONG_SPLIT_KEYS}-key splits": splits_of(LONG_SPLIT_KEYS),
                "kernel, merging": splits_of(BLOCK_KEYS, True),
@@ -360,8 +364,8 @@ class LayerOps:
         self.attention_bias = wrap(attention_bias)
         attention = wrap(decode_attention)
         self.decode_attention = partial(kernel_attention, attention) if kernels else attention
-        self.block_attention = partial(kernel_block_attention, attention)
-        self.many_row_block_attention = partial(kernel_block_attention, sdpa_attention)
+        self.block_attention = partial(kernel_block_attention, attention, self.merge_heads)
+        self.many_row_block_attention = partial(kernel_block_attention, sdpa_attention, self.merge_heads)
         composed = partial(add_norm_linear, self.add_rms_norm, self.linear)
         self.add_norm_linear = partial(skinny_add_norm_linear, composed) if kernels else composed
         self.fused_glu = few_rows or kernels

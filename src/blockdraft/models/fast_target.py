@@ -146,8 +146,8 @@ def layer_step(
     layer's output as a pending sum (`layer_mlp`)."""
     t = qkv.shape[1]
     q = ops.qkv_heads(qkv, layer.q_norm, layer.k_norm, cos, sin, heads, kv_heads, eps, kv[0], kv[1], slots)
-    out = attend(ops, layer, q, kv[0, :, :cap].unsqueeze(0), kv[1, :, :cap].unsqueeze(0), bias, t, mask)
-    return layer_mlp(ops, layer, x, ops.merge_heads(out, heads, t), eps, act)
+    out = attend(ops, layer, q, kv[0, :, :cap].unsqueeze(0), kv[1, :, :cap].unsqueeze(0), bias, t, heads, mask)
+    return layer_mlp(ops, layer, x, out, eps, act)
 
 
 def compact_mask(ops: LayerOps, slots: torch.Tensor, lengths: torch.Tensor, own: torch.Tensor,
@@ -160,16 +160,18 @@ def compact_mask(ops: LayerOps, slots: torch.Tensor, lengths: torch.Tensor, own:
 
 
 def attend(ops: LayerOps, layer: LayerWeights, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-           bias: torch.Tensor, t: int, mask: CompactMask | None = None) -> torch.Tensor:
-    """Attention of `t` new rows per sequence: two matmuls for a few rows, the fused SDPA kernels for many; with the
-    mask given in compact form (`compact_mask`), `block_attention` where it was timed faster than either."""
+           bias: torch.Tensor, t: int, heads: int, mask: CompactMask | None = None) -> torch.Tensor:
+    """Attention of `t` new rows per sequence, the `heads` query heads merged ([B, t, heads * d], as o_proj reads
+    them): two matmuls for a few rows, the fused SDPA kernels for many; with the mask given in compact form
+    (`compact_mask`), `block_attention` where it was timed faster than either (it stores the heads merged: no
+    transpose kernel after it)."""
     few = t <= DECODE_ATTENTION_MAX_TOKENS
     if mask is not None:
         kernel = ops.block_attention if few else ops.many_row_block_attention
         return kernel(q, keys, values, bias, layer.scaling, mask, layer.window)
-    if few:
-        return ops.decode_attention(q, keys, values, bias, layer.scaling)
-    return sdpa_attention(q, keys, values, bias, layer.scaling)
+    out = (ops.decode_attention(q, keys, values, bias, layer.scaling) if few
+           else sdpa_attention(q, keys, values, bias, layer.scaling))
+    return ops.merge_heads(out, heads, t)
 
 
 def layer_mlp(ops: LayerOps, layer: LayerWeights, x: torch.Tensor, attended: torch.Tensor, eps: float,

@@ -122,8 +122,14 @@ if triton is not None:
         return acc / tl.where(total == 0.0, 1.0, total)[:, None]
 
     @triton.jit
-    def _combine_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, length_ptr, R, T, D, heads, splits, so_b, so_h, so_r,
-                        LENGTHS: tl.constexpr, MIN_KEYS: tl.constexpr, BLOCK_R: tl.constexpr,
+    def output_rows(out_ptr, b, h, rows, so_b, so_h, so_g, so_r, group_rows):
+        """Where query rows `rows` of (sequence b, KV head h) go in the output (`output_layout`): row r at
+        (r // group_rows) * so_g + (r % group_rows) * so_r."""
+        return out_ptr + b * so_b + h * so_h + (rows // group_rows) * so_g + (rows % group_rows) * so_r
+
+    @triton.jit
+    def _combine_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, length_ptr, R, T, D, heads, splits, so_b, so_h, so_g, so_r,
+                        group_rows, LENGTHS: tl.constexpr, MIN_KEYS: tl.constexpr, BLOCK_R: tl.constexpr,
                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
         bh, rblock = tl.program_id(0), tl.program_id(1)
         b, h = bh // heads, bh % heads
@@ -135,7 +141,7 @@ if triton is not None:
         else:
             active = splits
         out = merge_splits(acc_ptr, m_ptr, l_ptr, bh, rows, R, splits, active, BLOCK_R, BLOCK_D, "")
-        tl.store(out_ptr + b * so_b + h * so_h + rows[:, None] * so_r + dims[None, :],
+        tl.store(output_rows(out_ptr, b, h, rows, so_b, so_h, so_g, so_r, group_rows)[:, None] + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < R) & (dims[None, :] < D))
 
 
@@ -160,7 +166,8 @@ def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.
     splits = triton.cdiv(keys, keys_per_split)
     f32 = q.dtype == torch.float32 or not q.is_cuda  # the interpreter's half-precision dot is wrong
 
-    def run_splits(partial: torch.Tensor, m: torch.Tensor, l: torch.Tensor, out: torch.Tensor | None) -> None:
+    def run_splits(partial: torch.Tensor, m: torch.Tensor, l: torch.Tensor,
+                   out: tuple[torch.Tensor, Layout] | None) -> None:
         _split_kernel[(q.shape[0] * q.shape[1], row_blocks, splits)](
             q, k, v, bias, partial, m, l, q.shape[2], keys, q.shape[3], q.shape[1], keys_per_split, scale,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
@@ -179,25 +186,45 @@ def split_shape(q: torch.Tensor, keys: int, programs: int = TARGET_PROGRAMS) -> 
     return max(16, power_of_two_at_least(dim)), row_blocks, splits
 
 
+Layout = tuple[int, int, int, int, int]  # the output's so_b, so_h, so_g, so_r and group_rows (`output_layout`)
+
+
+def output_layout(q: torch.Tensor, merged_heads_of: int | None = None) -> tuple[torch.Tensor, Layout]:
+    """The attention output for q [B, G, R, d] and how the kernels address it: query row r of (sequence b, KV head
+    h) at b * so_b + h * so_h + (r // group_rows) * so_g + (r % group_rows) * so_r. q's own layout; or, with
+    `merged_heads_of` = t (R = groups x t, group-major), the heads merged as the layer's o_proj reads them, [B, t,
+    heads * d] with query head h * groups + g: no transpose kernel after the attention (one a layer of a
+    multi-row verify, 1.7 us each on the embedded pair's 33-row verify, benchmarks/RESULTS.md session 34)."""
+    batch, kv_heads, rows, dim = q.shape
+    if merged_heads_of is None:
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        return out, (out.stride(0), out.stride(1), rows * out.stride(2), out.stride(2), rows)
+    t = merged_heads_of
+    width = kv_heads * rows * dim // t
+    out = torch.empty(batch, t, width, dtype=q.dtype, device=q.device)
+    return out, (t * width, rows // t * dim, dim, width, t)
+
+
 def split_and_merge(q: torch.Tensor, splits: int, block_d: int,
-                    run_splits: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], None],
+                    run_splits: Callable[[torch.Tensor, torch.Tensor, torch.Tensor,
+                                          tuple[torch.Tensor, Layout] | None], None],
                     lengths: torch.Tensor | None = None, t: int = 0, min_keys: int = BLOCK_KEYS,
-                    merged: bool = False) -> torch.Tensor:
+                    merged: bool = False, merged_heads: bool = False) -> torch.Tensor:
     """The buffers every split's partial result goes to (running max, sum, weighted values per query row),
-    `run_splits(partial, m, l, out)` to fill them (the caller's split kernel; `out` only when `merged`: the kernel
-    merges the splits into it itself), then `_combine_kernel`: the attention output, q's shape and dtype. With
-    `lengths` ([B] committed keys, `t` new rows each) the splits cover each sequence's lengths[b] + t keys as
-    `keys_per_split` divides them (at least `min_keys` each), and the combine reads only those that did."""
+    `run_splits(partial, m, l, out)` to fill them (the caller's split kernel; `out` = (output, its layout) only when
+    `merged`: the kernel merges the splits into it itself), then `_combine_kernel`: the attention output, q's shape
+    (with `merged_heads`, the heads merged: [B, t, heads * d], `output_layout`) and dtype. With `lengths` ([B]
+    committed keys, `t` new rows each) the splits cover each sequence's lengths[b] + t keys as `keys_per_split`
+    divides them (at least `min_keys` each), and the combine reads only those that did."""
     batch, heads, rows, dim = q.shape
     partial = torch.empty(batch * heads * splits * rows, block_d, dtype=torch.float32, device=q.device)
     m = torch.empty(batch * heads * splits * rows, dtype=torch.float32, device=q.device)
     l = torch.empty_like(m)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    run_splits(partial, m, l, out if merged else None)
+    out, layout = output_layout(q, t if merged_heads else None)
+    run_splits(partial, m, l, (out, layout) if merged else None)
     if merged:
         return out
     _combine_kernel[(batch * heads, triton.cdiv(rows, BLOCK_ROWS))](
-        partial, m, l, out, m if lengths is None else lengths, rows, t, dim, heads, splits, out.stride(0),
-        out.stride(1), out.stride(2), LENGTHS=lengths is not None, MIN_KEYS=min_keys, BLOCK_R=BLOCK_ROWS,
-        BLOCK_S=BLOCK_KEYS, BLOCK_D=block_d)
+        partial, m, l, out, m if lengths is None else lengths, rows, t, dim, heads, splits, *layout,
+        LENGTHS=lengths is not None, MIN_KEYS=min_keys, BLOCK_R=BLOCK_ROWS, BLOCK_S=BLOCK_KEYS, BLOCK_D=block_d)
     return out
