@@ -278,12 +278,12 @@ class CompactMask:
 
 
 def kernel_block_attention(
-    reference: Callable[..., torch.Tensor], merge: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor,
+    reference: Callable[..., torch.Tensor], merge_out: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor,
     v: torch.Tensor, bias: torch.Tensor, scale: float, mask: CompactMask, window: int | None,
 ) -> torch.Tensor:
-    """`merge(decode_attention(...))`, the heads merged [B, t, heads * d], from the compact-mask kernel
+    """`merge_out(decode_attention(...))`, the heads merged [B, t, heads * d], from the compact-mask kernel
     (`block_attention`: the mask's pieces instead of the dense `bias`, keys read only up to each sequence's own
-    length, the heads stored merged) where it runs and was timed faster at this shape than `reference` and `merge`
+    length, the heads stored merged) where it runs and was timed faster at this shape than `reference` and `merge_out`
     (the engine's own attention for these rows: two matmuls for a few, SDPA for many, then the heads' transpose;
     `kernel_choice`: key lengths by power of two; splits of 64 keys or of LONG_SPLIT_KEYS, merged by a second launch
     or by each row block's last split, or twice the programs, whichever was faster), else those."""
@@ -291,7 +291,7 @@ def kernel_block_attention(
     heads = q.shape[1] * q.shape[2] // t
 
     def library() -> torch.Tensor:
-        return merge(reference(q, k, v, bias, scale), heads, t)
+        return merge_out(reference(q, k, v, bias, scale), heads, t)
 
     if not block_attention_runs(q, k):
         return library()
