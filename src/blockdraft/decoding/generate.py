@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,7 +119,7 @@ def check_context(target: Target, prompt_len: int, max_new_tokens: int) -> None:
         )
 
 
-def _until_stop(committed: list[int], depth_left: int, stops: set[int]) -> tuple[list[int], int | None]:
+def until_stop(committed: list[int], depth_left: int, stops: AbstractSet[int]) -> tuple[list[int], int | None]:
     """A step's tokens cut to the `depth_left` still wanted and after the first stop token, and that stop token."""
     committed = committed[:depth_left]
     for i, token in enumerate(committed):
@@ -193,7 +194,7 @@ def generate(
             nodes, committed = fused.read(cache)
             stats.drafted_tokens += nodes
             draft_lengths.append(nodes)
-            committed, stopped_on = _until_stop(committed, depth_left, stops)
+            committed, stopped_on = until_stop(committed, depth_left, stops)
             tokens.extend(committed)
             stats.acceptance_lengths.append(len(committed))
             ended_early = bool(on_commit and on_commit(committed))
@@ -218,7 +219,7 @@ def generate(
         stats.drafted_tokens += len(draft)
         draft_lengths.append(len(draft))
 
-        committed, stopped_on = _until_stop(verdict.tokens + [verdict.bonus], depth_left, stops)
+        committed, stopped_on = until_stop(verdict.tokens + [verdict.bonus], depth_left, stops)
         produced = len(committed)
         rows: slice | torch.Tensor
         if draft.is_chain:  # the committed rows are the first `produced`

@@ -30,7 +30,7 @@ import torch
 from blockdraft.decoding.ddtree import DDTreeProposer, DeviceTrees, build_trees, slot_log_probs, trees_on_device
 from blockdraft.decoding.draft import DFlashProposer, Draft, DrafterProposer, Proposer
 from blockdraft.decoding.fused_steps import AR_SHAPE, FusedSteps, StepShape, fused_steps, step_shape
-from blockdraft.decoding.generate import GenerationResult, OnCommit, check_context, check_prompt_ids
+from blockdraft.decoding.generate import GenerationResult, OnCommit, check_context, check_prompt_ids, until_stop
 from blockdraft.decoding.sampling import SamplingParams, pick
 from blockdraft.decoding.verify import Verdict, greedy_read, greedy_walks, verify
 from blockdraft.engine.measured import MeasuredSchedule
@@ -91,12 +91,9 @@ class Sequence:
     def commit(self, committed: list[int]) -> list[int]:
         """Cut `committed` at the token budget and the first stop; record it; returns what was kept (for `on_commit`,
         which the decoder calls later, while the next step runs)."""
-        committed = committed[: self.max_new_tokens - len(self.tokens)]
-        for i, token in enumerate(committed):
-            if token in self.stops:
-                committed = committed[: i + 1]
-                self.stopped_on = token
-                break
+        committed, stopped_on = until_stop(committed, self.max_new_tokens - len(self.tokens), self.stops)
+        if stopped_on is not None:
+            self.stopped_on = stopped_on
         self.tokens.extend(committed)
         self.acceptance_lengths.append(len(committed))
         return committed
