@@ -29,12 +29,15 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from blockdraft.decoding.fused_steps import FusedSteps
 from blockdraft.models.kernel_choice import choices
 from blockdraft.numbers import int_list
 
@@ -130,6 +133,48 @@ def timer(device: torch.device, warmup: int, iters: int) -> Callable[[Callable[[
         return statistics.median(times)
 
     return measure
+
+
+FUSED_CALLS = ("verify", "draft", "read")  # a fused step's host calls: two graph launches, then the one read
+
+
+@contextmanager
+def fused_calls_in(scope: Callable[[str], AbstractContextManager[Any]]) -> Iterator[None]:
+    """While this lasts each fused step's host calls (`FusedSteps.verify`, `.draft`, `.read`) run inside
+    `scope(call)`: a profiler range (gpu/profile_decode.py) or a host clock (the end-to-end rows). Why: the same
+    embedded DDTree@31 row ran at 1,867 tok/s on one H200 and 991 on another (benchmarks/RESULTS.md, session 35), its
+    draft stage (CUDA events) 1.87 ms a step where the drafter graph's kernels take ~0.36: a launch the host was late
+    with, in a call these tell apart."""
+    originals = {call: getattr(FusedSteps, call) for call in FUSED_CALLS}
+
+    def scoped(call: str, method: Callable[..., Any]) -> Callable[..., Any]:
+        def run(self: FusedSteps, *args: Any) -> Any:
+            with scope(call):
+                return method(self, *args)
+        return run
+
+    for call, method in originals.items():
+        setattr(FusedSteps, call, scoped(call, method))
+    try:
+        yield
+    finally:
+        for call, method in originals.items():
+            setattr(FusedSteps, call, method)
+
+
+class HostClock:
+    """Seconds the host spent inside each named call (`fused_calls_in`'s scope)."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - start
 
 
 def bandwidth(device: torch.device, quick: bool) -> float:
@@ -398,8 +443,10 @@ def e2e(args: argparse.Namespace, rec: Recorder) -> None:
             # start-up, not its steps
             sync()
             captured, timed = graphs_captured(), len(choices())
+            clock = HostClock()
             t0 = time.perf_counter()
-            outs = [run(p, n) for p in prompts]
+            with fused_calls_in(clock):
+                outs = [run(p, n) for p in prompts]
             sync()
             seconds = time.perf_counter() - t0
             captured, timed = graphs_captured() - captured, len(choices()) - timed
@@ -417,17 +464,22 @@ def e2e(args: argparse.Namespace, rec: Recorder) -> None:
         if steps:  # mean ms per decode step: drafter (+ tree build), verify forward + read, the rest of the loop
             draft, verify = sum(s.draft_s for s in stats), sum(s.verify_s for s in stats)
             split = [1000 * x / steps for x in (draft, verify, sum(s.decode_s for s in stats) - draft - verify)]
+        fused_host = [1000 * clock.seconds[call] / steps for call in FUSED_CALLS] if steps else None
         entry = {
             "method": label, "tokens_per_s": sum(map(len, ids)) / seconds,
             "tau": sum(lengths) / len(lengths) if lengths else None,
             "same_ids": None if same_as is None else f"{sum(a == b for a, b in zip(ids, same_as))}/{len(ids)}",
             "step_ms_draft_verify_rest": split,
+            "fused_host_ms_verify_draft_read": fused_host,  # host ms a step in each fused call (0: not fused)
             "graphs_warmed": warmed, "graphs_captured_timed": captured, "kernel_shapes_timed": timed,
         }
         rec.data["e2e"].append(entry)
         rec.save()
+        per_step = "" if split is None else (
+            ", ms a step draft / verify / rest " + " / ".join(f"{x:.3f}" for x in split)
+            + ", host ms a step in fused verify / draft / read " + " / ".join(f"{x:.3f}" for x in fused_host or []))
         log(f"e2e {label}: {entry['tokens_per_s']:.1f} tok/s, tau {fmt(entry['tau'])}, same ids {entry['same_ids']}, "
-            f"graphs warmed {warmed}, captured / kernel shapes timed while timed {captured} / {timed}")
+            f"graphs warmed {warmed}, captured / kernel shapes timed while timed {captured} / {timed}{per_step}")
         return ids
 
     def hf_generate(prompt: list[int], new: int) -> tuple[list[int], list[int], Any]:

@@ -45,9 +45,27 @@ def test_cpu_smoke_run(tiny_dirs: tuple[Path, Path], tmp_path: Path) -> None:
     split = methods["ours fast dflash"]["step_ms_draft_verify_rest"]  # the loop's per-step cost, by stage
     assert len(split) == 3 and split[0] > 0 and split[1] > 0
     assert methods["HF generate (greedy)"]["step_ms_draft_verify_rest"] is None
+    assert methods["ours fast dflash"]["fused_host_ms_verify_draft_read"] == [0.0, 0.0, 0.0]  # a CPU's: not fused
     counts = [(e["graphs_warmed"], e["graphs_captured_timed"], e["kernel_shapes_timed"]) for e in data["e2e"]]
     assert counts == [(0, 0, 0)] * len(data["e2e"])  # a CPU captures no graph and times no kernel
     assert "| ms per step: draft / verify / rest |" in res.stdout
+
+
+def test_the_host_clock_times_each_fused_call_and_leaves_them_as_they_were(tiny_dirs: tuple[Path, Path]) -> None:
+    from blockdraft.decoding.fused_steps import FusedSteps
+    from blockdraft.decoding.generate import generate
+    from blockdraft.decoding.methods import build_proposer
+    from blockdraft.pair import Loaded
+
+    target, drafter = tiny_dirs
+    loaded = Loaded(str(target), str(drafter), "cpu", None, "fast")
+    loaded.target.fused = True  # a GPU's default; a CPU runs the fused steps' work eagerly
+    read = FusedSteps.read
+    clock = gpu_speed.HostClock()
+    with gpu_speed.fused_calls_in(clock):
+        result = generate(loaded.target, [4, 5, 6], build_proposer("ddtree", loaded.target, loaded.drafter, 4), 12)
+    assert set(clock.seconds) == set(gpu_speed.FUSED_CALLS) and min(clock.seconds.values()) > 0
+    assert FusedSteps.read is read and len(result.token_ids) == 12
 
 
 def test_help_runs() -> None:

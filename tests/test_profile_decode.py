@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from blockdraft.decoding.fused_steps import FusedSteps
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "profile_decode.py"
 SPEC = importlib.util.spec_from_file_location("profile_decode", SCRIPT)
 profile_decode = importlib.util.module_from_spec(SPEC)
@@ -32,12 +34,17 @@ def test_busy_time_counts_overlapping_kernels_once_and_only_inside_the_decode_ra
         event("cudaGraphLaunch", "cuda_runtime", 1050, 5), event("cudaLaunchKernel", "cuda_runtime", 1060, 5),
         event("cuLaunchKernel", "cuda_driver", 5010, 5), event("cudaStreamSynchronize", "cuda_runtime", 1500, 400),
         event("cudaLaunchKernel", "cuda_runtime", 3000, 5),  # between the ranges: not counted
+        event("cudaGraphLaunch", "cuda_runtime", 5100, 405),
+        event("fused draft", "user_annotation", 1040, 400), event("fused read", "user_annotation", 5600, 200),
+        event("fused draft", "user_annotation", 3000, 900),  # between the ranges: not counted
     ]
     row = profile_decode.summarize(trace, "ddtree@32", steps=4, tau=2.5)
     assert row.wall_ms == pytest.approx(0.5)  # 2 ms over 4 steps
     assert row.device_busy_ms == pytest.approx((0.3 + 0.1 + 0.5) / 4)
     assert row.device_idle_ms == pytest.approx(row.wall_ms - row.device_busy_ms)
-    assert (row.kernels, row.graph_launches, row.eager_launches) == (1.0, 0.25, 0.5)
+    assert (row.kernels, row.graph_launches, row.eager_launches) == (1.0, 0.5, 0.5)
+    assert row.fused_host_ms == pytest.approx({"verify": 0.0, "draft": 0.1, "read": 0.05})
+    assert row.graph_launch_us == (205.0, 405)  # the median of 5 and 405 us, the longest
     assert row.host_waits_ms == pytest.approx(0.1)
     assert row.kernel_us == pytest.approx({"a": 50.0, "b": 50.0, "c": 125.0})  # the prefill's kernel is not counted
     assert row.kernel_counts == pytest.approx({"a": 0.25, "b": 0.25, "c": 0.25})
@@ -63,3 +70,14 @@ def test_a_cpu_run_of_the_tiny_pair_profiles_each_method(tiny_dirs: tuple[Path, 
         assert row["wall_ms"] > 0 and row["device_busy_ms"] == 0 and row["kernels"] == 0  # no device work on a CPU
         assert row["device_idle_ms"] == pytest.approx(row["wall_ms"])
     assert "| ddtree@6 |" in capsys.readouterr().out
+    assert rows["ar"]["fused_host_ms"] == {"verify": 0, "draft": 0, "read": 0}  # a CPU's steps are not fused
+
+
+def test_a_fused_steps_host_calls_are_timed_each_in_its_own_range(tiny_dirs: tuple[Path, Path]) -> None:
+    target, drafter = tiny_dirs
+    loaded = profile_decode.Loaded(str(target), str(drafter), "cpu", None, "fast")
+    loaded.target.fused = True  # a GPU's default; a CPU runs the fused steps' work eagerly
+    verify = FusedSteps.verify
+    row, _ = profile_decode.profile_method(loaded, "ddtree", 4, [[4, 5, 6], [7, 8, 9, 10]], 12, top=3)
+    assert all(row.fused_host_ms[call] > 0 for call in profile_decode.FUSED_CALLS)
+    assert FusedSteps.verify is verify  # the ranges are gone after the profile

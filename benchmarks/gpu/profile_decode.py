@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 from collections.abc import Iterable
@@ -33,6 +34,9 @@ from blockdraft.decoding.warm import warm_decode
 from blockdraft.numbers import int_list
 from blockdraft.pair import Loaded, default_drafter, encode_item
 from profile_step import by_category  # noqa: E402  (the same kernel parts as the synthetic profile)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from gpu_speed import FUSED_CALLS, fused_calls_in  # noqa: E402  (the e2e rows time the same calls by host clock)
 
 DECODE = "blockdraft decode"  # the profiler range around each prompt's decode steps
 DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # trace categories of work on the device
@@ -58,6 +62,8 @@ class StepProfile:
     host_waits_ms: float
     kernel_us: dict[str, float]  # microseconds a step per kernel name (inside graphs too)
     kernel_counts: dict[str, float]  # launches a step per kernel name
+    fused_host_ms: dict[str, float]  # host ms a step inside each fused step's call (FUSED_CALLS): whose launch waits
+    graph_launch_us: tuple[float, float]  # the median and the longest cudaGraphLaunch on the host
 
 
 def union_ms(intervals: Iterable[tuple[float, float]], start: float, end: float) -> float:
@@ -91,6 +97,11 @@ def summarize(events: list[dict[str, Any]], method: str, steps: int, tau: float)
         return sum(1 for e in runtime if e["name"] in names)
 
     waits = sum(e["dur"] for e in runtime if e["name"] in WAITS) / 1000.0
+    fused_host_ms = {call: sum(e["dur"] for e in events if e.get("name") == f"fused {call}"
+                               and e.get("cat") == "user_annotation" and inside(e)) / 1000.0 / steps
+                     for call in FUSED_CALLS}
+    launches = [e["dur"] for e in runtime if e["name"] in LAUNCHES["graph"]]
+    graph_launch_us = (statistics.median(launches), max(launches)) if launches else (0.0, 0.0)
     kernel_us: dict[str, float] = {}
     kernel_counts: dict[str, float] = {}
     for e in events:
@@ -99,7 +110,7 @@ def summarize(events: list[dict[str, Any]], method: str, steps: int, tau: float)
             kernel_counts[e["name"]] = kernel_counts.get(e["name"], 0.0) + 1 / steps
     return StepProfile(method, steps, tau, wall / steps, busy / steps, (wall - busy) / steps, len(work) / steps,
                        count(LAUNCHES["graph"]) / steps, count(LAUNCHES["eager"]) / steps, waits / steps,
-                       kernel_us, kernel_counts)
+                       kernel_us, kernel_counts, fused_host_ms, graph_launch_us)
 
 
 def profile_method(loaded: Loaded, method: str, budget: int, prompts: list[list[int]], max_new_tokens: int,
@@ -113,7 +124,7 @@ def profile_method(loaded: Loaded, method: str, budget: int, prompts: list[list[
     cuda = loaded.target.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     lengths: list[int] = []
-    with profile(activities=activities) as prof:
+    with profile(activities=activities) as prof, fused_calls_in(lambda call: record_function(f"fused {call}")):
         for prompt in prompts[1:] or prompts:
             decode = record_function(DECODE)
 
@@ -140,10 +151,12 @@ def profile_method(loaded: Loaded, method: str, budget: int, prompts: list[list[
 
 def markdown(rows: list[StepProfile]) -> str:
     lines = ["| method | steps | tau | wall ms a step | device busy | device idle | kernels | graph replays | "
-             "eager launches | host waits ms |", "|---" * 10 + "|"]
+             "eager launches | host waits ms | host ms in fused verify / draft / read | graph launch us (median, max) |",
+             "|---" * 12 + "|"]
     lines += [f"| {r.method} | {r.steps} | {r.tau:.2f} | {r.wall_ms:.3f} | {r.device_busy_ms:.3f} | "
               f"{r.device_idle_ms:.3f} | {r.kernels:.1f} | {r.graph_launches:.1f} | {r.eager_launches:.1f} | "
-              f"{r.host_waits_ms:.3f} |" for r in rows]
+              f"{r.host_waits_ms:.3f} | " + " / ".join(f"{r.fused_host_ms[c]:.3f}" for c in FUSED_CALLS)
+              + f" | {r.graph_launch_us[0]:.1f}, {r.graph_launch_us[1]:.1f} |" for r in rows]
     return "\n".join(lines)
 
 
