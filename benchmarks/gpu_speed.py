@@ -48,6 +48,11 @@ SHAPES: dict[str, dict[str, Any]] = {
                     rope_theta=1000000.0),
         drafter_layers=5, taps=[1, 9, 17, 25, 33], mask_token_id=151669,
     ),
+    "embedded": dict(  # the shipped pair's dimensions (SmolLM2-135M-Instruct, its 3-layer drafter) on Qwen3's layout
+        target=dict(vocab_size=49152, hidden_size=576, num_hidden_layers=30, num_attention_heads=9,
+                    num_key_value_heads=3, head_dim=64, intermediate_size=1536, max_position_embeddings=8192),
+        drafter_layers=3, taps=[1, 14, 27], mask_token_id=16,
+    ),
     "tiny": dict(
         target=dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=16, intermediate_size=128, max_position_embeddings=4096),

@@ -1,0 +1,36 @@
+"""benchmarks/gpu/graph_launch.py: each fused call's host time a step, on the CPU's tiny pair (the GPU runs it on
+the embedded shape with graphs kept alive)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu" / "graph_launch.py"
+SPEC = importlib.util.spec_from_file_location("graph_launch", SCRIPT)
+graph_launch = importlib.util.module_from_spec(SPEC)
+sys.modules["graph_launch"] = graph_launch
+SPEC.loader.exec_module(graph_launch)
+
+
+def test_a_cpu_run_times_each_fused_call_of_a_ddtree_decode(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "launch.json"
+    graph_launch.main(["--device", "cpu", "--dtype", "float32", "--shape", "tiny", "--extra", "0", "--tokens", "48",
+                       "--repeats", "1", "--budget", "6", "--json", str(out)])
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["extra graphs"] == 0 and row["wall ms a step"] > 0 and row["tau"] >= 1
+    assert row["host ms in verify"] > 0 and row["host ms in draft"] > 0  # the fused steps ran (eagerly, on a CPU)
+    assert "| 0 x 400 kernels |" in capsys.readouterr().out
+
+
+def test_extra_graphs_need_a_gpu_and_counts_must_not_be_negative(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        graph_launch.main(["--device", "cpu", "--extra", "0,5"])
+    assert "--extra needs CUDA graphs" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        graph_launch.main(["--extra", "0,-1"])
+    assert "counts of 0 or more" in capsys.readouterr().err
