@@ -12,12 +12,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blockdraft.decoding.ddtree import _tree_rows, build_tree
-from blockdraft.decoding.fused_steps import FusedSteps, device_walk, fused_steps
+from blockdraft.decoding.fused_steps import AHEAD, FusedSteps, device_walk, fused_steps
 from blockdraft.decoding.generate import generate
 from blockdraft.decoding.methods import build_proposer
 from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.decoding.verify import walk
+from blockdraft.models.fast_drafter import FastDrafter
 from blockdraft.models.fast_target import FastTarget
+from blockdraft.models.static_cache import SLOT_STEP
 
 
 @settings(max_examples=60, deadline=None)
@@ -66,17 +68,18 @@ def _decode(model: torch.nn.Module, drafter: object, method: str, fused: bool, p
     budget = kwargs.pop("budget", None)
     proposer = None if method == "ar" else build_proposer(method, target, drafter, budget)  # type: ignore[arg-type]
     steps = fused_steps(target, proposer)
-    reads = [0]
+    reads = [0, 0]  # reads, and the most steps in flight at a read
     if steps is not None:
         read = steps.read
 
         def counted(cache: object) -> tuple[int, list[int]]:
             reads[0] += 1
+            reads[1] = max(reads[1], steps.pending)
             return read(cache)
 
         steps.read = counted  # type: ignore[method-assign]
     result = generate(target, prompt, proposer, n, **kwargs)  # type: ignore[arg-type]
-    return result.token_ids, result.acceptance_lengths, result.draft_lengths, reads[0]
+    return result.token_ids, result.acceptance_lengths, result.draft_lengths, reads[0], reads[1]
 
 
 @pytest.mark.parametrize("pair", ["full", "swa"])
@@ -89,6 +92,7 @@ def test_fused_steps_decode_as_the_step_by_step_path(pairs: dict, pair: str, met
         plain = _decode(model, drafter, method, False, prompt.ids, 53, budget=budget)
         fused = _decode(model, drafter, method, True, prompt.ids, 53, budget=budget)
         assert plain[3] == 0 and fused[3] > 0  # the fused steps ran, then the last steps took the other path
+        assert fused[4] == AHEAD  # the next step launched before this one's read
         assert fused[:3] == plain[:3]
         if method != "ar":
             assert max(fused[1]) > 2  # whole paths were committed, not only the anchor's bonus
@@ -108,6 +112,65 @@ def test_fused_steps_stop_on_a_stop_token_and_when_the_caller_ends(pairs: dict) 
         ended = _decode(model, drafter, "dflash", fused, prompt, 60,
                         on_commit=lambda c: seen.append(c) or len(seen) == 4)
         assert len(seen) == 4 and ended[0] == [t for chunk in seen for t in chunk]
+
+
+@pytest.mark.parametrize("method,budget", [("ar", None), ("dflash", None), ("ddtree", 12)])
+def test_a_step_left_in_flight_by_a_stop_is_dropped_and_the_next_decode_is_its_own(pairs: dict, method: str,
+                                                                                  budget: int | None) -> None:
+    """A stop read while the next step flies ends the decode with that step unread; the same target and proposer
+    then decode the next prompt exactly as a fresh step-by-step run does."""
+    from trained_pair import prompts
+
+    model, drafter = pairs["full"]
+    first, second = (p.ids for p in prompts(seed=7, count=2))
+    target = FastTarget(model, fused=True)
+    proposer = None if method == "ar" else build_proposer(method, target, drafter, budget)
+    whole = generate(target, first, proposer, 60).token_ids
+    stop = whole[12]
+    stopped = generate(target, first, proposer, 60, stop_token_ids=(stop,))
+    assert stopped.token_ids == whole[: whole.index(stop) + 1]
+    assert fused_steps(target, proposer).pending == 1  # the step launched ahead was never read
+    after = generate(target, second, proposer, 60)
+    fresh = _decode(model, drafter, method, False, second, 60, budget=budget)
+    assert (after.token_ids, after.acceptance_lengths, after.draft_lengths) == fresh[:3]
+
+
+@pytest.mark.parametrize("method,budget", [("ar", None), ("dflash", None), ("ddtree", 12)])
+def test_buffers_that_grow_while_a_step_flies_keep_what_it_committed(pairs: dict, method: str,
+                                                                     budget: int | None) -> None:
+    """The buffers' first room (SLOT_STEP positions), a prompt of 230 and 60 new tokens: the target's and the
+    drafter's buffers grow in the middle of the decode, with the next step launched before the last one's commit
+    was read."""
+    from trained_pair import prompts
+
+    model, drafter = pairs["full"]
+    prompt = (prompts(seed=9, count=1)[0].ids * 40)[:230]
+    target = FastTarget(model, cache_slots=1, fused=True)
+    proposer = None if method == "ar" else build_proposer(method, target, drafter, budget)
+    if proposer is not None:
+        chain = proposer.chain if method == "ddtree" else proposer
+        chain._fast = FastDrafter(drafter, target, cache_slots=1)
+    result = generate(target, prompt, proposer, 60)
+    assert target.storage.slots > SLOT_STEP  # grown after the prefill: the decode crossed the first room
+    fresh = _decode(model, drafter, method, False, prompt, 60, budget=budget)
+    assert (result.token_ids, result.acceptance_lengths, result.draft_lengths) == fresh[:3]
+
+
+@torch.inference_mode()
+def test_a_grown_buffer_keeps_the_rows_a_step_in_flight_committed_unread() -> None:
+    """The host's lengths trail the device's while a step flies: room asked for then keeps `unread` rows more."""
+    target = FastTarget(make_target_model("qwen3"), cache_slots=1)
+    drafter = FastDrafter(make_drafter("all_full"), target, cache_slots=1)
+    cache = target.new_cache()
+    cache.advanced(200)
+    drafter.advanced(200)
+    for storage in (target.storage, drafter.storage):
+        storage.kv[:, :, :, :210] = 1.0  # 200 read, 10 more committed by the step in flight
+    cache.reserve(100, unread=10)
+    drafter.room(310, unread=10)
+    for storage in (target.storage, drafter.storage):
+        assert storage.version == 1 and storage.slots >= 310
+        assert bool((storage.kv[:, :, :, :210] == 1).all()) and not bool(storage.kv[:, :, :, 210:].any())
 
 
 def test_fused_steps_apply_to_greedy_ar_chains_and_trees_on_the_fast_engine_only() -> None:

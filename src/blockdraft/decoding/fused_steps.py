@@ -12,9 +12,13 @@ RESULTS.md, session 29). Here a step is two graphs, replayed back to back:
 
 The host then reads the committed tokens once. The state between the graphs and between steps (the verify's rows,
 the anchor, the accepted rows' taps, the result) lives in fixed buffers that every graph reads and writes, so a
-graph is keyed by its key capacity alone and all of them share one memory pool. `generate` keeps its step-by-step
-path for sampling (T > 0), the last steps (where a step could commit past max_new_tokens), other proposers and
-other engines; both give the same ids. The batch decoder runs them for a lone greedy sequence (engine/batch.py).
+graph is keyed by its key capacity alone and all of them share one memory pool. Each verify's result is copied to
+a host buffer of its own as it lands, so `generate` launches the next step before it reads this one (AHEAD steps
+in flight): the device need not wait on the host's launches between steps (under the profiler the embedded pair's
+device idled 0.37 ms of every AR step and 0.8-1.3 ms of every DDTree step while cudaGraphLaunch averaged 0.19-0.4
+ms on the host, benchmarks/RESULTS.md, session 35). `generate` keeps its step-by-step path for sampling (T > 0),
+the last steps (where a step could commit past max_new_tokens), other proposers and other engines; both give the
+same ids. The batch decoder runs them for a lone greedy sequence (engine/batch.py).
 On a CPU the same functions run eagerly (what the tests compare).
 """
 
@@ -33,6 +37,8 @@ from blockdraft.models.fast_drafter import FastDrafter
 from blockdraft.models.fast_target import FastTarget
 from blockdraft.models.graphs import capture, graph_pool
 from blockdraft.models.static_cache import SLOT_STEP, StaticTargetCache, round_up
+
+AHEAD = 2  # fused steps in flight at most: the next launched before this one is read
 
 
 def device_walk(ids: torch.Tensor, picks: torch.Tensor, own: torch.Tensor, parent_rows: torch.Tensor,
@@ -81,7 +87,8 @@ class FusedSteps:
     drafting with `drafter` (a FastDrafter: `generate()`'s proposer's own, or the batch decoder's lone one).
 
     Rows R of a verify: 1 (AR), 1 + the chain's depth, or 1 + the tree's budget; a step commits at most K = 1 +
-    depth rows (AR: 1; a tree smaller than its depth: R)."""
+    depth rows (AR: 1; a tree smaller than its depth: R). Up to AHEAD steps may be in flight (`pending`): the
+    host's lengths then trail the device's by up to K a step not yet read, and every capacity is sized for that."""
 
     def __init__(self, target: FastTarget, drafter: FastDrafter | None, tap_layers: tuple[int, ...] | None,
                  shape: StepShape) -> None:
@@ -111,6 +118,10 @@ class FusedSteps:
                 self.block_ids = torch.full((1, d.block_size), d.drafter.cfg.mask_token_id, **long)
                 self.valid = torch.full((), visible + 1, **long)
                 self.host = torch.tensor([[self.slots, 0, 0]], **long)  # a tree's slots, anchor and start
+        pinned = self.device.type == "cuda"
+        self._landed = [(torch.zeros(self.result.shape, dtype=torch.long, pin_memory=pinned),
+                         torch.cuda.Event() if pinned else None) for _ in range(AHEAD)]  # each verify's result
+        self._launched = self._taken = 0  # verifies launched, results read
         self._verify_graphs: dict[int, Any] = {}
         self._draft_graphs: dict[int, Any] = {}
         self._pool: Any = None
@@ -127,9 +138,16 @@ class FusedSteps:
             state += [self.taps, self.block_ids, self.host, self.drafter.storage.length]
         return state
 
+    @property
+    def pending(self) -> int:
+        """Steps launched and not read yet."""
+        return self._launched - self._taken
+
     @torch.inference_mode()
     def begin(self, anchor: int, cache: StaticTargetCache) -> None:
-        """Lay out the first step's rows after the prefill: the anchor (the prefill's token), then its draft."""
+        """Lay out the first step's rows after the prefill: the anchor (the prefill's token), then its draft. A step
+        a stopped decode left in flight is dropped (its writes precede the prefill's on the stream)."""
+        self._launched = self._taken = 0
         self.anchor.fill_(anchor)
         self.result[0].fill_(0)  # the draft graph's context extension then adds nothing
         if self.drafter is None:
@@ -137,33 +155,47 @@ class FusedSteps:
         else:
             self.draft(cache)
 
-    def _draft_slots(self, length: int) -> int:
-        """Drafter slots a draft launched after a context of `length` positions may touch: a whole commit, then the
-        block (the host does not know the step in flight's commit yet)."""
+    def _draft_slots(self, length: int, unread: int) -> int:
+        """Drafter slots a draft may touch when the host's context holds `length` positions and `unread` launched
+        steps (its own verify among them) have not been read: a whole commit each, then the block."""
         assert self.drafter is not None
-        return length + self.commit_rows + self.drafter.block_size
+        return length + unread * self.commit_rows + self.drafter.block_size
 
     @torch.inference_mode()
     def verify(self, cache: StaticTargetCache) -> None:
-        """Launch the verify of the rows laid out (`begin`, or the last step's draft)."""
-        cache.reserve(self.rows)
+        """Launch the verify of the rows laid out (`begin`, or the last step's draft), and its result's copy to the
+        host as it lands."""
+        assert self.pending < AHEAD, f"at most {AHEAD} fused steps in flight"
+        unread = self.pending * self.commit_rows  # what the device's lengths may be ahead of the host's
+        cache.reserve(self.rows, unread)
         if self.drafter is not None:  # the draft's room now: a buffer grown with a graph in flight drops it
-            self.drafter.room(self._draft_slots(len(cache)))
-        self._replay(self._verify_graphs, round_up(len(cache) + self.rows), self._verify_run)
+            self.drafter.room(self._draft_slots(len(cache), self.pending + 1), unread)
+        self._replay(self._verify_graphs, round_up(len(cache) + unread + self.rows), self._verify_run)
+        landed, event = self._landed[self._launched % AHEAD]
+        landed.copy_(self.result, non_blocking=True)
+        if event is not None:
+            event.record()
+        self._launched += 1
 
     @torch.inference_mode()
     def draft(self, cache: StaticTargetCache) -> None:
-        """Launch the next draft (nothing for AR), from the contexts before the step in flight commits: its key
-        capacity covers a whole commit."""
+        """Launch the next draft (nothing for AR), from the contexts before the steps in flight commit: its key
+        capacity covers a whole commit of each."""
         if self.drafter is None:
             return
-        slots = self._draft_slots(len(cache))
-        self.drafter.room(slots)
+        slots = self._draft_slots(len(cache), self.pending)
+        self.drafter.room(slots, max(self.pending - 1, 0) * self.commit_rows)  # the steps before this drafted theirs
         self._replay(self._draft_graphs, round_up(slots), self._draft_run)
 
     def read(self, cache: StaticTargetCache) -> tuple[int, list[int]]:
-        """The step's one wait for the device: (nodes drafted, tokens committed); the host's lengths follow."""
-        read = self.result.tolist()
+        """The oldest step in flight's one wait for the device: (nodes drafted, tokens committed); the host's
+        lengths follow. A step launched after it runs on meanwhile."""
+        assert self.pending > 0, "no fused step in flight"
+        landed, event = self._landed[self._taken % AHEAD]
+        if event is not None:
+            event.synchronize()
+        read = landed.tolist()
+        self._taken += 1
         count = read[0]
         cache.advanced(count)
         if self.drafter is not None:
@@ -177,13 +209,14 @@ class FusedSteps:
         if not self.target.use_graphs:
             return
         cache = self.target.new_cache()
-        cache.reserve(positions + self.rows)
-        for cap in range(SLOT_STEP, round_up(positions + self.rows) + 1, SLOT_STEP):
+        ahead = (AHEAD - 1) * self.commit_rows  # the host's length may trail by the steps in flight
+        cache.reserve(positions + ahead + self.rows)
+        for cap in range(SLOT_STEP, round_up(positions + ahead + self.rows) + 1, SLOT_STEP):
             if cap >= self.rows:
                 self._graph(self._verify_graphs, cap, self._verify_run)
         if self.drafter is not None:
-            self.drafter.room(self._draft_slots(positions))
-            for cap in range(SLOT_STEP, round_up(self._draft_slots(positions)) + 1, SLOT_STEP):
+            self.drafter.room(self._draft_slots(positions, AHEAD))
+            for cap in range(SLOT_STEP, round_up(self._draft_slots(positions, AHEAD)) + 1, SLOT_STEP):
                 self._graph(self._draft_graphs, cap, self._draft_run)
 
     def _replay(self, graphs: dict[int, Any], cap: int, run: Any) -> None:

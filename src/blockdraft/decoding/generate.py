@@ -17,13 +17,14 @@ import torch
 
 from blockdraft.decoding.ddtree import DDTreeProposer
 from blockdraft.decoding.draft import Draft, Proposer
-from blockdraft.decoding.fused_steps import fused_steps
+from blockdraft.decoding.fused_steps import FusedSteps, fused_steps
 from blockdraft.decoding.sampling import SamplingParams, pick
 from blockdraft.decoding.verify import verify
 from blockdraft.errors import BlockdraftError
 from blockdraft.metrics import SpecStats
 from blockdraft.models.fast_target import FastTarget
 from blockdraft.models.host_to_device import long_tensor
+from blockdraft.models.static_cache import StaticTargetCache
 from blockdraft.models.target import Target
 
 
@@ -119,6 +120,16 @@ def check_context(target: Target, prompt_len: int, max_new_tokens: int) -> None:
         )
 
 
+def _launch_fused(fused: FusedSteps, cache: StaticTargetCache, stages: _StageTimer) -> None:
+    """A fused step's two graphs: its verify, then the draft of the step after it (its stages timed)."""
+    t_verify = stages.mark()
+    fused.verify(cache)
+    t_draft = stages.mark()
+    fused.draft(cache)
+    stages.add("verify", t_verify, t_draft)
+    stages.add("draft", t_draft, stages.mark())
+
+
 def until_stop(committed: list[int], depth_left: int, stops: AbstractSet[int]) -> tuple[list[int], int | None]:
     """A step's tokens cut to the `depth_left` still wanted and after the first stop token, and that stop token."""
     committed = committed[:depth_left]
@@ -181,16 +192,15 @@ def generate(
         anchor = tokens[-1]
         depth_left = max_new_tokens - len(tokens)
 
-        if fused is not None and depth_left >= fused.min_depth_left:  # until a step could commit past the end
+        # fused: until a step could commit past the end, and while one is in flight
+        if fused is not None and (fused.pending or depth_left >= fused.min_depth_left):
             if not begun:
                 fused.begin(anchor, cache)
                 begun = True
-            t_verify = stages.mark()
-            fused.verify(cache)
-            t_draft = stages.mark()
-            fused.draft(cache)  # the next step's, launched before this one's read
-            stages.add("verify", t_verify, t_draft)
-            stages.add("draft", t_draft, stages.mark())
+            if not fused.pending:
+                _launch_fused(fused, cache, stages)
+            if depth_left - fused.commit_rows >= fused.min_depth_left:  # the next step is whole too: launched
+                _launch_fused(fused, cache, stages)  # before this one's read, the device never waits on the host
             nodes, committed = fused.read(cache)
             stats.drafted_tokens += nodes
             draft_lengths.append(nodes)

@@ -12,7 +12,7 @@ warm-up up to a bound (`serve.sequential.WARM_POSITIONS`, from its measured star
 from __future__ import annotations
 
 from blockdraft.decoding.draft import Proposer
-from blockdraft.decoding.fused_steps import fused_steps
+from blockdraft.decoding.fused_steps import AHEAD, fused_steps
 from blockdraft.models.fast_target import FastTarget, graph_rows
 from blockdraft.models.graphs import graphs_captured
 from blockdraft.models.target import Target
@@ -32,10 +32,11 @@ def warm_decode(target: Target, proposer: Proposer | None, positions: int) -> in
     rows = proposer.verify_rows() if proposer is not None else (1,)
     taps = proposer.tap_layers if proposer is not None else None
     steps = fused_steps(target, proposer)
-    target.new_cache().reserve(max(positions + max(map(graph_rows, rows)), target.prefill_room))
+    ahead = AHEAD * steps.commit_rows if steps is not None else 0  # the fused steps in flight, unread: their room
+    target.new_cache().reserve(max(positions + ahead + max(map(graph_rows, rows)), target.prefill_room))
     target.warm_verify(rows, positions, taps)
     if proposer is not None:
-        proposer.warm(positions + (steps.commit_rows if steps is not None else 0))  # room for a fused step's draft
+        proposer.warm(positions + ahead)
     if steps is not None:
         steps.warm(positions)
     target.warm_prefill(taps)

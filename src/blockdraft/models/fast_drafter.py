@@ -228,9 +228,10 @@ class FastDrafter:
         length): the host's length follows, without a launch."""
         self.length += t
 
-    def room(self, slots: int) -> None:
-        """Buffers and RoPE tables for `slots` slots; graphs captured on replaced buffers are dropped."""
-        self.storage.ensure(slots, self.length)
+    def room(self, slots: int, unread: int = 0) -> None:
+        """Buffers and RoPE tables for `slots` slots, keeping the context and `unread` positions the device may hold
+        past it unread (fused steps in flight); graphs captured on replaced buffers are dropped."""
+        self.storage.ensure(slots, self.length + unread)
         if self._graphs_version != self.storage.version:
             self._draft_graphs.clear()
             self._extend_graphs.clear()

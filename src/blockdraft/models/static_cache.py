@@ -88,10 +88,11 @@ class StaticTargetCache:
     def settle(self) -> None:
         """Nothing to drop: sliding windows are applied by the attention mask, in absolute positions."""
 
-    def reserve(self, rows: int) -> None:
-        """Room for `rows` more slots after the current length (graph buckets may write padding rows)."""
+    def reserve(self, rows: int, unread: int = 0) -> None:
+        """Room for `rows` more slots after the current length (graph buckets may write padding rows) and `unread`
+        slots the device may have committed past it unread (fused steps in flight), kept if the buffer grows."""
         self._check_live()
-        self.storage.ensure(self.length + rows, self.length)
+        self.storage.ensure(self.length + unread + rows, self.length + unread)
 
     @contextmanager
     def running(self, input_ids: torch.Tensor, tree_mask: torch.Tensor | None) -> Iterator[None]:
