@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import make_drafter, make_target_model
 
-from blockdraft.decoding.fused_steps import FusedSteps
+from blockdraft.decoding.fused_steps import AHEAD, FusedSteps
 from blockdraft.decoding.generate import generate
 from blockdraft.decoding.methods import build_proposer
 from blockdraft.decoding.sampling import SamplingParams
@@ -22,14 +22,23 @@ from blockdraft.models.fast_target import FastTarget
 from test_batched_decode import prompts
 
 
+class Reads(list):
+    """Every fused step read, by the steps that ran it, and the steps in flight at each read (`in_flight`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_flight: list[int] = []
+
+
 @pytest.fixture
-def reads(monkeypatch: pytest.MonkeyPatch) -> list[FusedSteps]:
+def reads(monkeypatch: pytest.MonkeyPatch) -> Reads:
     """Every fused step read, by the steps that ran it."""
-    seen: list[FusedSteps] = []
+    seen = Reads()
     read = FusedSteps.read
 
     def counted(self: FusedSteps, cache: object) -> tuple[int, list[int]]:
         seen.append(self)
+        seen.in_flight.append(self.pending)
         return read(self, cache)  # type: ignore[arg-type]
 
     monkeypatch.setattr(FusedSteps, "read", counted)
@@ -53,7 +62,7 @@ def _same(seq: object, single: object, label: str) -> None:
 @pytest.mark.parametrize("pair,method,budget", [("full", "ar", None), ("full", "dflash", None),
                                                 ("full", "ddtree", 6), ("swa", "ddtree", 40), ("swa", "dflash", None)])
 def test_lone_stretches_run_fused_and_decode_their_batch_1_ids(trained_pairs: dict, pair: str, method: str,
-                                                               budget: int | None, reads: list[FusedSteps]) -> None:
+                                                               budget: int | None, reads: Reads) -> None:
     """A alone from its prefill (fused); B joins while A's fused step flies (both batched); B leaves (A fused
     again, from a fresh layout); C joins while A's fused step flies and is done at its first token (A goes on
     fused); D joins (batched); D leaves; A's last steps go step by step. Every sequence gives `generate()`'s ids
@@ -92,12 +101,40 @@ def test_lone_stretches_run_fused_and_decode_their_batch_1_ids(trained_pairs: di
         decoder.step()
     for seq, prompt, n, label in zip((a, b, c, d), items, limits, "abcd"):
         _same(seq, _reference(model, drafter, method, budget, prompt, n), label)
+    assert max(reads.in_flight) == AHEAD  # a lone stretch launched its next step before reading this one
     if method != "ar":
         assert max(a.acceptance_lengths) > 2  # whole paths were committed, not only the anchor's bonus
         assert all(steps.drafter is decoder.drafting.lone_drafter() for steps in reads)
 
 
-def test_a_hook_that_ends_a_lone_sequence_drops_its_fused_step_in_flight(reads: list[FusedSteps]) -> None:
+@pytest.mark.parametrize("method,budget", [("dflash", None), ("ddtree", 6)])
+def test_a_lone_sequence_that_stops_drops_the_step_launched_after_it(trained_pairs: dict, method: str,
+                                                                     budget: int | None, reads: Reads) -> None:
+    """A stop token read while A's next fused step flies: A finishes, that step is read and dropped, and B, alone
+    after it, decodes its batch-1 ids."""
+    from blockdraft.models.loading import load_drafter, load_target
+    from trained_pair import prompts as trained_prompts
+
+    target_dir, drafter_dir = trained_pairs["full"]
+    loaded, _ = load_target(str(target_dir), torch.device("cpu"), torch.float32)
+    model, drafter = loaded.model, load_drafter(drafter_dir, loaded)
+    target = FastTarget(model, fused=True)
+    decoder = BatchDecoder(target, lambda: build_proposer(method, target, drafter, budget), max_seqs=2)
+    first, second = (p.ids for p in trained_prompts(seed=11, count=2))
+    whole = _reference(model, drafter, method, budget, first, 80).token_ids
+    stop = whole[12]
+    a = decoder.join(first, 80, stop_token_ids=(stop,))
+    while not a.done:
+        decoder.step()
+    assert a.tokens == whole[: whole.index(stop) + 1] and decoder.flight is None
+    assert max(reads.in_flight) == AHEAD and reads[-1].pending == 0  # the step after A's stop was read, dropped
+    b = decoder.join(second, 80)
+    while decoder.running:
+        decoder.step()
+    _same(b, _reference(model, drafter, method, budget, second, 80), "b")
+
+
+def test_a_hook_that_ends_a_lone_sequence_drops_its_fused_step_in_flight(reads: Reads) -> None:
     model, drafter = make_target_model("qwen3"), make_drafter("all_full")
     target = FastTarget(model, fused=True)
     decoder = BatchDecoder(target, lambda: build_proposer("ddtree", target, drafter, 8), 2)
@@ -122,7 +159,7 @@ def test_a_hook_that_ends_a_lone_sequence_drops_its_fused_step_in_flight(reads: 
     _same(after, _reference(model, drafter, "ddtree", 8, prompts(2)[1], 12), "after")
 
 
-def test_a_schedule_switching_methods_alone_runs_each_fused_and_stays_lossless(reads: list[FusedSteps]) -> None:
+def test_a_schedule_switching_methods_alone_runs_each_fused_and_stays_lossless(reads: Reads) -> None:
     """A lone sequence whose schedule switches every step among a chain, two trees and AR (an AR step defers its
     taps, so it keeps the step-by-step path) decodes what the same schedule decodes with fused steps off."""
     model, drafter = make_target_model("qwen3"), make_drafter("all_full")
@@ -155,7 +192,7 @@ def test_a_schedule_switching_methods_alone_runs_each_fused_and_stays_lossless(r
     assert plain.tokens == generate(FastTarget(model), prompts(3)[2], None, 40).token_ids  # type: ignore
 
 
-def test_a_sampled_lone_sequence_keeps_the_step_by_step_path(reads: list[FusedSteps]) -> None:
+def test_a_sampled_lone_sequence_keeps_the_step_by_step_path(reads: Reads) -> None:
     model, drafter = make_target_model("qwen3"), make_drafter("all_full")
     target = FastTarget(model, fused=True)
     decoder = BatchDecoder(target, lambda: build_proposer("dflash", target, drafter), 2)
@@ -170,7 +207,7 @@ def test_a_sampled_lone_sequence_keeps_the_step_by_step_path(reads: list[FusedSt
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("method,budget", [("ar", None), ("dflash", None), ("ddtree", 12)])
 def test_on_a_gpu_lone_requests_replay_fused_graphs_and_decode_their_batch_1_ids(method: str, budget: int | None,
-                                                                                reads: list[FusedSteps]) -> None:
+                                                                                reads: Reads) -> None:
     """Graphs, not eager calls: a lone request, then a second that joins while the first's fused step flies."""
     model = make_target_model("qwen3").cuda()
     drafter = make_drafter("all_full").cuda()

@@ -16,7 +16,8 @@ each proposer drafts its own sequence. A lone greedy sequence on the fast engine
 Steps are pipelined one deep: `step()` reads the step in flight, commits it, launches the next, and only then hands
 the commits to the sequences' hooks (the server's text work), which so run while the device works. Sequences join
 while a step flies (its results are first copied out of the buffers the join's forwards write); one that its hook
-ends leaves at the next read, the flying step's rows for it dropped.
+ends leaves at the next read, the flying step's rows for it dropped. A lone sequence's fused steps run two deep: the
+next is launched before the one in flight is read, so the host's graph launches overlap the device's work.
 """
 
 from __future__ import annotations
@@ -361,14 +362,20 @@ class BatchDecoder:
         Why the overlap: on the H200 a served step's device was busy a fifth to two fifths of it, the rest host work
         (benchmarks/RESULTS.md, session 19). A hook's work (the server's text, stop strings, the outbox) now runs
         while the device works, as vLLM's async scheduling does; a hook that ends its sequence (a stop string, a
-        client gone) ends it at the next read, and what the step in flight computed for it is dropped."""
+        client gone) ends it at the next read, and what the step in flight computed for it is dropped. A lone
+        sequence's fused steps go one further (`_launch_ahead`): its next step is launched before this one is read."""
         if self.flight is None:
             if not self.running:
                 return []
             self.flight = self._launch()
         flight, self.flight = self.flight, None
+        ahead = self._launch_ahead(flight)
         finished, reports = self._land(flight)
-        if self.running:
+        if ahead is not None and any(seq is ahead.seqs[0] for seq in finished):  # it ended: the step after, dropped
+            ahead.detach()
+            ahead = None
+        self.flight = ahead
+        if self.flight is None and self.running:
             self.flight = self._launch()
         for seq, committed in reports:
             if seq.on_commit is not None and seq.on_commit(committed):
@@ -408,6 +415,20 @@ class BatchDecoder:
         verified = self.verifier.forward([seq.tokens[-1] for seq in self.running], drafts, starts, tap_layers)
         return _Flight(list(self.running), starts, drafts, None, verified, self._greedy_read(drafts, verified),
                        candidate, deferring, method, began)
+
+    def _launch_ahead(self, flight: _Flight) -> _Flight | None:
+        """A lone sequence's next fused step, launched before `flight` (its fused step) is read when the sequence
+        runs on alone with the same steps and a whole step's depth is left after this one's commit: the host's
+        launches then overlap the device's work on `flight` instead of following its read (`generate()` runs its
+        fused steps so, decoding/fused_steps.py). Not under a schedule, whose pick waits for this step's time."""
+        if flight.fused is None or self.schedule is not None or len(self.running) != 1:
+            return None
+        seq, steps = self.running[0], flight.fused.steps
+        laid_out = self.fused_for is not None and self.fused_for[0] is seq and self.fused_for[1] is steps
+        if (seq.done or not laid_out or self._lone_steps() is not steps
+                or seq.max_new_tokens - len(seq.tokens) - steps.commit_rows < steps.min_depth_left):
+            return None
+        return self._launch_fused(steps, None, flight.method, time.perf_counter())
 
     def _lone_steps(self) -> FusedSteps | None:
         """The fused steps (`decoding.fused_steps`) of this step's method when one greedy sequence runs alone on the
