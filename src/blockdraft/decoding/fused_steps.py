@@ -143,6 +143,11 @@ class FusedSteps:
         """Steps launched and not read yet."""
         return self._launched - self._taken
 
+    def whole_step(self, depth_left: int, unread: int = 0) -> bool:
+        """Whether a step launched behind `unread` steps not read yet (`depth_left` tokens wanted before their
+        commits) commits whole and drafts a whole plan, whatever those commit: it cannot pass the end."""
+        return depth_left - unread * self.commit_rows >= self.min_depth_left
+
     @torch.inference_mode()
     def begin(self, anchor: int, cache: StaticTargetCache) -> None:
         """Lay out the first step's rows after the prefill: the anchor (the prefill's token), then its draft. A step

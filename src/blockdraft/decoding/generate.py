@@ -193,13 +193,13 @@ def generate(
         depth_left = max_new_tokens - len(tokens)
 
         # fused: until a step could commit past the end, and while one is in flight
-        if fused is not None and (fused.pending or depth_left >= fused.min_depth_left):
+        if fused is not None and (fused.pending or fused.whole_step(depth_left)):
             if not begun:
                 fused.begin(anchor, cache)
                 begun = True
             if not fused.pending:
                 _launch_fused(fused, cache, stages)
-            if depth_left - fused.commit_rows >= fused.min_depth_left:  # the next step is whole too: launched
+            if fused.whole_step(depth_left, unread=1):  # the next step is whole too: launched
                 _launch_fused(fused, cache, stages)  # before this one's read, the device never waits on the host
             nodes, committed = fused.read(cache)
             stats.drafted_tokens += nodes

@@ -423,10 +423,9 @@ class BatchDecoder:
         fused steps so, decoding/fused_steps.py). Not under a schedule, whose pick waits for this step's time."""
         if flight.fused is None or self.schedule is not None or len(self.running) != 1:
             return None
-        seq, steps = self.running[0], flight.fused.steps
-        laid_out = self.fused_for is not None and self.fused_for[0] is seq and self.fused_for[1] is steps
-        if (seq.done or not laid_out or self._lone_steps() is not steps
-                or seq.max_new_tokens - len(seq.tokens) - steps.commit_rows < steps.min_depth_left):
+        seq, steps = self.running[0], flight.fused.steps  # the flight's own sequence: joins only append
+        depth_left = seq.max_new_tokens - len(seq.tokens)  # before the flight's commit
+        if seq.done or self._lone_steps() is not steps or not steps.whole_step(depth_left, unread=1):
             return None
         return self._launch_fused(steps, None, flight.method, time.perf_counter())
 
@@ -452,7 +451,7 @@ class BatchDecoder:
             if shape not in self.fused:
                 self.fused[shape] = FusedSteps(target, self.drafting.lone_drafter(), seq.proposer.tap_layers, shape)
             steps = self.fused[shape]
-        return steps if steps is not None and seq.max_new_tokens - len(seq.tokens) >= steps.min_depth_left else None
+        return steps if steps is not None and steps.whole_step(seq.max_new_tokens - len(seq.tokens)) else None
 
     def _launch_fused(self, steps: FusedSteps, candidate: Candidate | None, method: str, began: float) -> _Flight:
         """The lone sequence's fused step: its K/V and drafter context on the batch-1 paths, its rows laid out (by
