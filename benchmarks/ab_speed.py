@@ -34,15 +34,27 @@ def side_command(side: str, old: Path, json_out: Path, speed_args: list[str]) ->
     return [sys.executable, str(root / "benchmarks" / "gpu_speed.py"), *speed_args, "--json", str(json_out)], env
 
 
+def numbered_rows(data: dict) -> dict[str, dict[str, object]]:
+    """A gpu_speed JSON's rows ({row: {engine: value}}), its end-to-end entries among them: each method's tokens/s
+    and steps/s (tokens/s over its tau, which a change of the drafted tokens' numerics alone does not move)."""
+    rows = {row: dict(engines) for row, engines in data.get("rows", {}).items()}
+    for entry in data.get("e2e", []):
+        speed, tau = entry.get("tokens_per_s"), entry.get("tau")
+        rows.setdefault("e2e tokens/s", {})[entry["method"]] = speed
+        if isinstance(speed, (int, float)) and isinstance(tau, (int, float)) and tau:
+            rows.setdefault("e2e steps/s", {})[entry["method"]] = speed / tau
+    return rows
+
+
 def ab_table(runs: list[tuple[str, dict]]) -> str:
     """A markdown table of every row with a number in each run, per engine: the runs' values and new / old of the
     sides' means (`runs`: (side, gpu_speed JSON) in run order)."""
     labels = [f"{side} {sum(1 for s, _ in runs[: i + 1] if s == side)}" for i, (side, _) in enumerate(runs)]
     lines = [f"| row | engine | {' | '.join(labels)} | new / old (means) |", "|---" * (len(runs) + 3) + "|"]
-    first = runs[0][1]["rows"]
-    for row, engines in first.items():
+    tables = [numbered_rows(data) for _, data in runs]
+    for row, engines in tables[0].items():
         for engine in engines:
-            values = [data["rows"].get(row, {}).get(engine) for _, data in runs]
+            values = [table.get(row, {}).get(engine) for table in tables]
             if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
                 continue
             means = {side: statistics.fmean(v for (s, _), v in zip(runs, values) if s == side)

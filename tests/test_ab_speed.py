@@ -39,6 +39,23 @@ def test_a_row_missing_from_one_run_is_left_out() -> None:
     assert "DDTree verify" not in table and "| AR step (ms) | fast |" in table
 
 
+def test_end_to_end_runs_give_each_methods_tokens_and_steps_a_second() -> None:
+    """gpu_speed's e2e entries (a list, no per-step rows): tokens/s per method, and steps/s (tokens/s over tau) where
+    the method has a tau; an entry without a number is left out."""
+    def e2e(ar: float, tree: float, tau: float) -> dict:
+        return {"rows": {}, "e2e": [{"method": "ours fast ar", "tokens_per_s": ar, "tau": 1.0},
+                                    {"method": "ours fast ddtree@31", "tokens_per_s": tree, "tau": tau},
+                                    {"method": "reference", "tokens_per_s": None, "tau": None}]}
+    runs = [("old", e2e(1200, 1800, 3.0)), ("new", e2e(1300, 2000, 2.5)), ("new", e2e(1300, 2000, 2.5)),
+            ("old", e2e(1200, 1800, 3.0))]
+    rows = {tuple(cell.strip() for cell in line.split("|")[1:3]): line
+            for line in ab_speed.ab_table(runs).splitlines()[2:]}
+    assert rows[("e2e tokens/s", "ours fast ddtree@31")].endswith("| 1.111 |")
+    assert rows[("e2e steps/s", "ours fast ddtree@31")].endswith("| 600.000 | 800.000 | 800.000 | 600.000 | 1.333 |")
+    assert rows[("e2e steps/s", "ours fast ar")].endswith("| 1.083 |")
+    assert ("e2e tokens/s", "reference") not in rows
+
+
 def test_each_side_runs_its_own_code(tmp_path: Path) -> None:
     argv, env = ab_speed.side_command("old", tmp_path, tmp_path / "o.json", ["--engines", "fast"])
     assert argv[1] == str(tmp_path / "benchmarks" / "gpu_speed.py")
