@@ -61,7 +61,7 @@ def main() -> None:
             anchors, starts = [0] * n, [100] * n
 
             def rows(kernel: bool) -> float:
-                return seconds(lambda: trees_on_device(log_probs, slots, budget, anchors, starts, kernel=kernel)
+                return seconds(lambda: trees_on_device(logits, slots, budget, anchors, starts, kernel=kernel)
                                .shape.tolist(), device, args.repeats)
 
             tensor_rows = rows(False)
@@ -70,7 +70,7 @@ def main() -> None:
             same = all(torch.equal(a.tokens, b.tokens) and a.parents == b.parents
                        for a, b in zip(heap_trees, build_trees(log_probs, slots, budget, on_device=True)))
             if kernel_runs(device, budget):
-                drafts, _ = trees_on_device(log_probs, slots, budget, anchors, starts, kernel=True).verdicts(
+                drafts, _ = trees_on_device(logits, slots, budget, anchors, starts, kernel=True).verdicts(
                     torch.zeros(n, budget + 1, 1, device=device))
                 same = same and all(torch.equal(a.tokens, b.tokens) and a.parents == b.parents
                                     for a, b in zip(heap_trees, drafts))

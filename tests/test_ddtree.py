@@ -365,10 +365,11 @@ def test_trees_laid_out_on_the_device_are_the_host_heaps_trees_as_verify_rows() 
     from blockdraft.decoding.ddtree import build_trees, trees_on_device
     from blockdraft.engine.verifiers import pack_rows
 
-    log_probs = (3 * torch.randn(5, 7, 60, generator=torch.Generator().manual_seed(6))).log_softmax(-1)
+    slot_logits = 3 * torch.randn(5, 7, 60, generator=torch.Generator().manual_seed(6))
+    log_probs = slot_logits.log_softmax(-1)
     slots, anchors, starts = [7, 3, 0, 1, 6], [11, 12, 13, 14, 15], [40, 3, 9, 0, 17]
     for budget in (1, 9, 33, 300):
-        trees = trees_on_device(log_probs, slots, budget, anchors, starts)
+        trees = trees_on_device(slot_logits, slots, budget, anchors, starts)
         on_host = build_trees(log_probs, slots, budget, on_device=False)
         rows = 1 + budget
         ids, positions, own = pack_rows(anchors, on_host, starts, torch.device("cpu"))

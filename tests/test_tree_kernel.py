@@ -60,10 +60,10 @@ def test_the_kernel_lays_out_the_tensor_searchs_rows(budget: int) -> None:
     """Without ties, `trees_on_device` with the kernel and with the tensor search give the same verify rows: ids
     (padding: the anchor), positions, the ancestor mask and the shape, padding included."""
     generator = torch.Generator().manual_seed(budget)
-    log_probs = (3 * torch.randn(5, 7, 60, generator=generator)).log_softmax(-1).to(DEVICE)
+    logits = (3 * torch.randn(5, 7, 60, generator=generator)).to(DEVICE)
     slots, anchors, starts = [7, 3, 0, 1, 6], [11, 12, 13, 14, 15], [40, 3, 9, 0, 17]
-    kernel = trees_on_device(log_probs, slots, budget, anchors, starts, kernel=True)
-    tensors = trees_on_device(log_probs, slots, budget, anchors, starts, kernel=False)
+    kernel = trees_on_device(logits, slots, budget, anchors, starts, kernel=True)
+    tensors = trees_on_device(logits, slots, budget, anchors, starts, kernel=False)
     assert torch.equal(kernel.shape, tensors.shape)
     assert torch.equal(kernel.positions, tensors.positions)
     assert kernel.own.dtype == torch.bool and torch.equal(kernel.own, tensors.own)

@@ -30,6 +30,7 @@ import torch
 
 from blockdraft.decoding.draft import Draft, OverChain
 from blockdraft.decoding.sampling import SamplingParams, probabilities
+from blockdraft.decoding.top_k_kernel import log_softmax_top_k
 from blockdraft.decoding.tree_kernel import kernel_runs, tree_rows
 from blockdraft.decoding.verify import Verdict, walk
 from blockdraft.errors import BlockdraftError
@@ -261,29 +262,30 @@ class DeviceTrees:
         return drafts, verdicts
 
 
-def trees_on_device(log_probs: torch.Tensor, slots: list[int], budget: int, anchors: list[int],
+def trees_on_device(logits: torch.Tensor, slots: list[int], budget: int, anchors: list[int],
                     starts: list[int], kernel: bool | None = None) -> DeviceTrees:
-    """`build_trees`'s trees for a batch's [n, L, V] log-probabilities (sequence b over its first `slots[b]` slots,
-    its anchor `anchors[b]` at position `starts[b]`), searched and laid out as verify rows on the device with no
-    read back (`DeviceTrees`): one top-k, then the tree kernel (`tree_kernel`, where it runs; `kernel` forces
+    """`build_trees`'s greedy trees for a batch's [n, L, V] drafter slot logits, scored by their log-softmax
+    (`slot_log_probs` at T=0; sequence b over its first `slots[b]` slots, its anchor `anchors[b]` at position
+    `starts[b]`), searched and laid out as verify rows on the device with no read back (`DeviceTrees`): one top-k
+    of the log-probabilities (`top_k_kernel`), then the tree kernel (`tree_kernel`, where it runs; `kernel` forces
     either path in tests and benchmarks), else the tensor search, on a GPU as one graph replay."""
     check_budget(budget)
-    host = long_tensor([list(row) for row in zip(slots, anchors, starts)], log_probs.device)
-    return DeviceTrees(*tree_layout(log_probs, host, budget, kernel))
+    host = long_tensor([list(row) for row in zip(slots, anchors, starts)], logits.device)
+    return DeviceTrees(*tree_layout(logits, host, budget, kernel))
 
 
-def tree_layout(log_probs: torch.Tensor, host: torch.Tensor, budget: int, kernel: bool | None = None
+def tree_layout(logits: torch.Tensor, host: torch.Tensor, budget: int, kernel: bool | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`trees_on_device`'s rows (DeviceTrees' fields) from the [n, L, V] log-probabilities and each tree's (slots,
+    """`trees_on_device`'s rows (DeviceTrees' fields) from the [n, L, V] slot logits and each tree's (slots,
     anchor, start) already on the device as `host` [n, 3], with no read back: what a fused step's draft graph lays
     out (`fused_steps`)."""
-    n, _, vocab = log_probs.shape
-    top = torch.topk(log_probs, min(budget, vocab), dim=-1)
-    if kernel_runs(log_probs.device, budget) if kernel is None else kernel:
-        ids, positions, own, shape, _ = tree_rows(top.values, top.indices, host, budget)
+    n, _, vocab = logits.shape
+    values, indices = log_softmax_top_k(logits, min(budget, vocab))
+    if kernel_runs(logits.device, budget) if kernel is None else kernel:
+        ids, positions, own, shape, _ = tree_rows(values, indices, host, budget)
         return ids, positions, own, shape
-    inputs = [top.values, top.indices, host]
-    if log_probs.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+    inputs = [values, indices, host]
+    if logits.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
         ids, positions, own, shape = _graphed(lambda *x: _tree_rows(*x, budget), inputs, n, ("rows", budget))
         return ids[:n], positions[:n], own[:n], shape[:n]
     return _tree_rows(*inputs, budget)
@@ -362,8 +364,7 @@ class DDTreeProposer(OverChain):
         if planned is None:
             return None
         logits = self.chain.slot_logits(anchor, start, *planned)
-        return trees_on_device(slot_log_probs(logits, SamplingParams()).unsqueeze(0), [planned[0]], self.budget,
-                               [anchor], [start])
+        return trees_on_device(logits.unsqueeze(0), [planned[0]], self.budget, [anchor], [start])
 
     @torch.inference_mode()
     def propose(

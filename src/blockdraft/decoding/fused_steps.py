@@ -30,9 +30,8 @@ from typing import Any
 
 import torch
 
-from blockdraft.decoding.ddtree import DDTreeProposer, slot_log_probs, tree_layout
+from blockdraft.decoding.ddtree import DDTreeProposer, tree_layout
 from blockdraft.decoding.draft import DFlashProposer
-from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.models.fast_drafter import FastDrafter
 from blockdraft.models.fast_target import FastTarget
 from blockdraft.models.graphs import capture, graph_pool
@@ -290,8 +289,7 @@ class FusedSteps:
             self.positions.copy_(start + self.row_ids)
             return
         self.host[0, 1:].copy_(torch.stack([self.anchor, start]))
-        ids, positions, own, shape = tree_layout(slot_log_probs(logits, SamplingParams()).unsqueeze(0), self.host,
-                                                 self.budget)
+        ids, positions, own, shape = tree_layout(logits.unsqueeze(0), self.host, self.budget)
         self.ids.copy_(ids)
         self.positions.copy_(positions[0])
         self.own.copy_(own[0])

@@ -616,8 +616,7 @@ class BatchDecoder:
         if budget is None or all(plan is None for plan in plans):
             return None
         logits = self._slot_logits(starts, plans)
-        return trees_on_device(slot_log_probs(logits, SamplingParams()), [0 if plan is None else plan[0]
-                                                                          for plan in plans], budget,
+        return trees_on_device(logits, [0 if plan is None else plan[0] for plan in plans], budget,
                                [seq.tokens[-1] for seq in self.running], starts)
 
     def _slot_logits(self, starts: list[int], plans: list[tuple[int, int] | None]) -> torch.Tensor:
