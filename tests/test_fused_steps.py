@@ -12,14 +12,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blockdraft.decoding.ddtree import _tree_rows, build_tree
+from blockdraft.decoding import fused_steps as fused_steps_module
+from blockdraft.decoding import walk_kernel
 from blockdraft.decoding.fused_steps import AHEAD, FusedSteps, device_walk, fused_steps
 from blockdraft.decoding.generate import generate
 from blockdraft.decoding.methods import build_proposer
 from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.decoding.verify import walk
+from blockdraft.decoding.walk_kernel import walk_rows
 from blockdraft.models.fast_drafter import FastDrafter
 from blockdraft.models.fast_target import FastTarget
+from blockdraft.models.skinny_gemm import kernel_available
 from blockdraft.models.static_cache import SLOT_STEP
+
+KERNEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where the walk kernel's checks run
 
 
 @settings(max_examples=60, deadline=None)
@@ -48,6 +54,15 @@ def test_the_device_walk_commits_what_the_host_walk_commits(seed: int, budget: i
     committed, path = device_walk(ids[0], picks, own[0], parent_rows, positions[0], shape[0, 0], slots + 1)
     assert int(committed) == len(verdict.accepted) + 1
     assert path[: int(committed)].tolist() == [0] + [node + 1 for node in verdict.accepted]
+    if kernel_available(KERNEL_DEVICE):  # the walk kernel writes what the fused step keeps of device_walk's
+        result, anchor = torch.zeros(2 + len(path), dtype=torch.long), torch.zeros((), dtype=torch.long)
+        kernel_path = torch.zeros(len(path), dtype=torch.long)
+        on = [x.to(KERNEL_DEVICE) for x in (ids[0], picks, own[0], parent_rows, positions[0], shape[0, 0], result,
+                                            anchor, kernel_path)]
+        walk_rows(*on)
+        assert torch.equal(on[-1].cpu(), path)
+        assert on[-3].tolist() == [int(committed), count, *picks[path].tolist()]
+        assert int(on[-2]) == int(picks[path[int(committed) - 1]])
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +111,51 @@ def test_fused_steps_decode_as_the_step_by_step_path(pairs: dict, pair: str, met
         assert fused[:3] == plain[:3]
         if method != "ar":
             assert max(fused[1]) > 2  # whole paths were committed, not only the anchor's bonus
+
+
+@pytest.mark.parametrize("method,budget", [("ar", None), ("dflash", None), ("ddtree", 12)])
+def test_fused_steps_walking_with_the_kernel_decode_as_the_step_by_step_path(
+        pairs: dict, method: str, budget: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The walk kernel in the fused verify (forced on a CPU: Triton's interpreter), its path feeding the cache
+    compaction, the taps and the next anchor: the step-by-step ids, acceptance and draft lengths."""
+    from trained_pair import prompts
+
+    if not kernel_available(torch.device("cpu")):
+        pytest.skip("the walk kernel needs Triton's interpreter here")
+    monkeypatch.setattr(fused_steps_module, "walk_kernel_runs", lambda device, rows: True)
+    walks: list[int] = []
+    monkeypatch.setattr(fused_steps_module, "walk_rows", lambda *args: walks.append(1) or walk_rows(*args))
+    model, drafter = pairs["full"]
+    for prompt in prompts(seed=4, count=2):
+        plain = _decode(model, drafter, method, False, prompt.ids, 40, budget=budget)
+        fused = _decode(model, drafter, method, True, prompt.ids, 40, budget=budget)
+        assert fused[3] > 0 and fused[:3] == plain[:3]
+    assert walks
+
+
+def test_the_walk_kernel_lays_out_long_paths_over_tiles_of_the_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 40-row chain read four mask rows a tile: the kernel's count, path, picks and anchor are device_walk's,
+    for paths that stop in the first tile, in a middle one and at the last row."""
+    if not kernel_available(KERNEL_DEVICE):
+        pytest.skip("the walk kernel needs a GPU or Triton's interpreter")
+    monkeypatch.setattr(walk_kernel, "MASK_TILE_ELEMENTS", 256)
+    rows = 40
+    on = {"device": KERNEL_DEVICE}
+    own = torch.ones(rows, rows, dtype=torch.bool, **on).tril()
+    parent_rows = (torch.arange(rows, **on) - 1).clamp_min(0)
+    positions = 7 + torch.arange(rows, **on)
+    nodes = torch.tensor(rows - 1, **on)
+    ids = torch.randint(0, 50, (rows,), generator=torch.Generator().manual_seed(1)).to(KERNEL_DEVICE)
+    for follow in (2, 23, rows - 1):
+        picks = torch.full((rows,), 99, **on)
+        picks[:follow] = ids[1 : follow + 1]  # rows 1..follow are accepted
+        count, path = device_walk(ids, picks, own, parent_rows, positions, nodes, rows)
+        result, anchor = torch.zeros(2 + rows, dtype=torch.long, **on), torch.zeros((), dtype=torch.long, **on)
+        kernel_path = torch.zeros(rows, dtype=torch.long, **on)
+        walk_kernel.walk_rows(ids, picks, own, parent_rows, positions, nodes, result, anchor, kernel_path)
+        assert int(count) == follow + 1 and int(result[0]) == follow + 1
+        assert torch.equal(kernel_path, path) and torch.equal(result[2:], picks[path])
+        assert int(anchor) == int(picks[follow])
 
 
 def test_fused_steps_stop_on_a_stop_token_and_when_the_caller_ends(pairs: dict) -> None:

@@ -5,8 +5,8 @@ while the host read the verify, walked the tree, compacted the cache, extended t
 the next draft and tree one op at a time (3 graph replays, ~35 eager launches and ~11 copies a step: benchmarks/
 RESULTS.md, session 29). Here a step is two graphs, replayed back to back:
 
-- the verify: the target's forward over the drafted rows, the greedy walk of the draft (`device_walk`), the
-  accepted rows' K/V moved into place, the length moved, the next anchor picked;
+- the verify: the target's forward over the drafted rows, the greedy walk of the draft (`device_walk`, or one
+  program of `walk_kernel`), the accepted rows' K/V moved into place, the length moved, the next anchor picked;
 - the draft: the drafter's context extended by the accepted rows, its block pass from the new anchor, and the
   next chain or DDTree laid out as the next verify's rows (the tree kernel, or the tensor search).
 
@@ -32,9 +32,12 @@ import torch
 
 from blockdraft.decoding.ddtree import DDTreeProposer, tree_layout
 from blockdraft.decoding.draft import DFlashProposer
+from blockdraft.decoding.walk_kernel import kernel_runs as walk_kernel_runs
+from blockdraft.decoding.walk_kernel import walk_rows
 from blockdraft.models.fast_drafter import FastDrafter
 from blockdraft.models.fast_target import FastTarget
 from blockdraft.models.graphs import capture, graph_pool
+from blockdraft.models.kernel_choice import kernel_wins
 from blockdraft.models.static_cache import SLOT_STEP, StaticTargetCache, round_up
 
 AHEAD = 2  # fused steps in flight at most: the next launched before this one is read
@@ -110,6 +113,7 @@ class FusedSteps:
             self.nodes = torch.full((), self.rows - 1, **long)
             self.anchor = torch.zeros((), **long)
             self.result = torch.zeros(2 + self.commit_rows, **long)  # committed count, drafted nodes, tokens
+            self.path = torch.zeros(self.commit_rows, **long)  # the accepted path's rows, padded
             self.row_ids = torch.arange(self.rows, **long)
             if self.drafter is not None:
                 d = self.drafter
@@ -132,7 +136,7 @@ class FusedSteps:
     def _state(self) -> list[torch.Tensor]:
         """Every buffer a step's graphs write, the device lengths included (a capture's warm-up runs write them)."""
         state = [self.ids, self.positions, self.own, self.parent_rows, self.nodes, self.anchor, self.result,
-                 self.target.storage.length]
+                 self.path, self.target.storage.length]
         if self.drafter is not None:
             state += [self.taps, self.block_ids, self.host, self.drafter.storage.length]
         return state
@@ -251,21 +255,37 @@ class FusedSteps:
         """The verify graph's work: forward, walk, result, cache compaction, length, next anchor."""
         target = self.target
         hidden, taps = target.verify_pass(self.ids, self.positions, self.own, cap, self.tap_layers)
-        picks = target.head(hidden)[0].argmax(dim=-1)
-        count, path = device_walk(self.ids[0], picks, self.own, self.parent_rows, self.positions, self.nodes,
-                                  self.commit_rows)
-        tokens = picks[path]
-        self.result.copy_(torch.cat([count.view(1), self.nodes.view(1), tokens]))
+        self._walk(target.head(hidden)[0].argmax(dim=-1))
         length = target.storage.length
         if self.budget is not None:  # a tree's accepted rows move to the slots after the context
             kv = target.storage.kv
-            kv.index_copy_(3, length + self.row_ids[: self.commit_rows], kv.index_select(3, length + path))
-        self.anchor.copy_(tokens.gather(0, (count - 1).view(1)).view(()))
+            kv.index_copy_(3, length + self.row_ids[: self.commit_rows], kv.index_select(3, length + self.path))
         if taps is not None:
-            self.taps.copy_(taps[:, path])
-        length.add_(count)
+            self.taps.copy_(taps[:, self.path])
+        length.add_(self.result[0])
         if self.drafter is None:
             self._next_anchor_row()
+
+    def _walk(self, picks: torch.Tensor) -> None:
+        """The greedy walk of this step's rows given the target's picks [R]: the result, the next anchor and the
+        path's rows (`self.path`), from the walk kernel where it runs and was timed faster, else `device_walk`."""
+        def library() -> None:
+            count, path = device_walk(self.ids[0], picks, self.own, self.parent_rows, self.positions, self.nodes,
+                                      self.commit_rows)
+            tokens = picks[path]
+            self.result.copy_(torch.cat([count.view(1), self.nodes.view(1), tokens]))
+            self.anchor.copy_(tokens.gather(0, (count - 1).view(1)).view(()))
+            self.path.copy_(path)
+
+        def kernel() -> None:
+            walk_rows(self.ids[0], picks, self.own, self.parent_rows, self.positions, self.nodes, self.result,
+                      self.anchor, self.path)
+
+        if walk_kernel_runs(self.device, self.rows) and kernel_wins(
+                "greedy walk", (self.rows, self.commit_rows), self.device, kernel, library):
+            kernel()
+        else:
+            library()
 
     def _next_anchor_row(self) -> None:
         """AR's next verify row: the anchor at the cache's length."""
