@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blockdraft.decoding.ddtree import _tree_rows, build_tree
+from blockdraft.decoding import argmax_kernel
 from blockdraft.decoding import fused_steps as fused_steps_module
 from blockdraft.decoding import walk_kernel
 from blockdraft.decoding.fused_steps import AHEAD, FusedSteps, device_walk, fused_steps
@@ -114,23 +115,28 @@ def test_fused_steps_decode_as_the_step_by_step_path(pairs: dict, pair: str, met
 
 
 @pytest.mark.parametrize("method,budget", [("ar", None), ("dflash", None), ("ddtree", 12)])
-def test_fused_steps_walking_with_the_kernel_decode_as_the_step_by_step_path(
+def test_fused_steps_walking_and_picking_with_the_kernels_decode_as_the_step_by_step_path(
         pairs: dict, method: str, budget: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The walk kernel in the fused verify (forced on a CPU: Triton's interpreter), its path feeding the cache
-    compaction, the taps and the next anchor: the step-by-step ids, acceptance and draft lengths."""
+    """The walk kernel and the argmax kernels in the fused steps (forced on a CPU: Triton's interpreter): the
+    target's picks, the walk's path feeding the cache compaction, the taps and the next anchor, and a chain's
+    drafted tokens give the step-by-step ids, acceptance and draft lengths."""
     from trained_pair import prompts
 
     if not kernel_available(torch.device("cpu")):
-        pytest.skip("the walk kernel needs Triton's interpreter here")
+        pytest.skip("the kernels need Triton's interpreter here")
     monkeypatch.setattr(fused_steps_module, "walk_kernel_runs", lambda device, rows: True)
-    walks: list[int] = []
-    monkeypatch.setattr(fused_steps_module, "walk_rows", lambda *args: walks.append(1) or walk_rows(*args))
+    monkeypatch.setattr(argmax_kernel, "kernel_runs", lambda device: True)
+    monkeypatch.setattr(argmax_kernel, "CHUNK_RANGE", (16, 64))  # several programs a row of the small vocabulary
+    calls: list[str] = []
+    monkeypatch.setattr(fused_steps_module, "walk_rows", lambda *args: calls.append("walk") or walk_rows(*args))
+    real_argmax = argmax_kernel.kernel_argmax
+    monkeypatch.setattr(argmax_kernel, "kernel_argmax", lambda x: calls.append("argmax") or real_argmax(x))
     model, drafter = pairs["full"]
     for prompt in prompts(seed=4, count=2):
         plain = _decode(model, drafter, method, False, prompt.ids, 40, budget=budget)
         fused = _decode(model, drafter, method, True, prompt.ids, 40, budget=budget)
         assert fused[3] > 0 and fused[:3] == plain[:3]
-    assert walks
+    assert {"walk", "argmax"} <= set(calls)
 
 
 def test_the_walk_kernel_lays_out_long_paths_over_tiles_of_the_mask(monkeypatch: pytest.MonkeyPatch) -> None:

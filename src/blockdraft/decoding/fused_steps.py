@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from blockdraft.decoding.argmax_kernel import greedy_picks
 from blockdraft.decoding.ddtree import DDTreeProposer, tree_layout
 from blockdraft.decoding.draft import DFlashProposer
 from blockdraft.decoding.walk_kernel import kernel_runs as walk_kernel_runs
@@ -255,7 +256,7 @@ class FusedSteps:
         """The verify graph's work: forward, walk, result, cache compaction, length, next anchor."""
         target = self.target
         hidden, taps = target.verify_pass(self.ids, self.positions, self.own, cap, self.tap_layers)
-        self._walk(target.head(hidden)[0].argmax(dim=-1))
+        self._walk(greedy_picks(target.head(hidden)[0]))
         length = target.storage.length
         if self.budget is not None:  # a tree's accepted rows move to the slots after the context
             kv = target.storage.kv
@@ -304,7 +305,7 @@ class FusedSteps:
         logits = drafter.block_pass(self.block_ids, start + drafter.slot_ids[: drafter.block_size], self.valid,
                                     cap)[: self.slots]
         if self.budget is None:
-            self.ids[0, 1:].copy_(logits.argmax(dim=-1))
+            self.ids[0, 1:].copy_(greedy_picks(logits))
             self.ids[0, :1].copy_(self.anchor.view(1))
             self.positions.copy_(start + self.row_ids)
             return

@@ -12,7 +12,7 @@ kernel does not run or was timed slower (`kernel_choice.fastest`).
 
 Each program keeps its best KP with Triton's bitonic top-k (`tl.topk`: runs of KP sorted, then halved by pairwise
 maxima), not a sort of the whole chunk: with whole-chunk sorts the kernels took 66.5 us against the library's 71.0
-at 15 x 49,152 and k = 31 on the H200, and 415 against 119 at a 151,936 vocabulary (session 36, `top_k_speed.py`).
+at 15 x 49,152 and k = 31 on the H200, and 415 against 119 at a 151,936 vocabulary (session 36, `pick_speed.py`).
 """
 
 from __future__ import annotations

@@ -1,11 +1,15 @@
-"""The log-softmax top-k kernels (decoding/top_k_kernel.py) against torch's log_softmax + topk, per shape.
+"""The decoding tail's pick kernels against the torch calls they replace, per shape: the log-softmax top-k
+(decoding/top_k_kernel.py: DDTree's per-slot scores) and the split argmax (decoding/argmax_kernel.py: the fused
+steps' greedy picks).
 
-Each shape is what a greedy DDTree step scores: the drafter's [slots, V] logits in the model's dtype, top min(budget,
-V). `log_softmax_top_k` times both as the engine does (`kernel_choice.fastest`: ten calls captured in a CUDA graph)
-and this prints those times, the choice, and how far the kernel's output is from the library's on float32 logits
-(no ties there: the tokens must be the same; the values differ by float rounding).
+Each top-k shape is what a greedy DDTree step scores: the drafter's [slots, V] logits in the model's dtype, top
+min(budget, V); each argmax shape a verify's [rows, V] logits (1: AR, 16: a DFlash chain, 32 / 65: DDTree@31 / @64).
+Both are timed as the engine times them (`kernel_choice`: ten calls captured in a CUDA graph), and this prints those
+times, the choice, and how far the kernels' outputs are from the library's on float32 logits (no ties there: the
+tokens must be the same; the top-k's values differ by float rounding).
 
-    python3 benchmarks/gpu/top_k_speed.py --shapes 15x49152,15x151936 --ks 31,32,64 --json $OUT/top_k.json
+    python3 benchmarks/gpu/pick_speed.py --shapes 15x49152,15x151936 --ks 31,32,64 --argmax-rows 1,16,32,65 \
+        --json $OUT/picks.json
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from blockdraft.decoding.argmax_kernel import greedy_picks, kernel_argmax
 from blockdraft.decoding.top_k_kernel import kernel_top_k, library_top_k, log_softmax_top_k
 from blockdraft.models.kernel_choice import choices
 
@@ -33,6 +38,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", type=shapes, default="15x49152,15x151936")
     parser.add_argument("--ks", default="31,32,64", help="top-k sizes (a DDTree budget's min(budget, V))")
+    parser.add_argument("--argmax-rows", default="1,16,32,65", help="verify rows for the argmax (at each vocabulary)")
     parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
@@ -47,8 +53,16 @@ def main(argv: list[str] | None = None) -> None:
             values, indices = kernel_top_k(logits, k)
             expected_values, expected_indices = library_top_k(logits, k)
             log_softmax_top_k(logits.to(getattr(torch, args.dtype)), k)
-            rows.append({"rows": count, "vocab": vocab, "k": k, "same tokens": bool(torch.equal(indices, expected_indices)),
+            rows.append({"rows": count, "vocab": vocab, "k": k,
+                         "same tokens": bool(torch.equal(indices, expected_indices)),
                          "max value difference": float((values - expected_values).abs().max())})
+    picks = []
+    for _, vocab in args.shapes:
+        for count in (int(v) for v in args.argmax_rows.split(",")):
+            logits = 4 * torch.randn(count, vocab, device=device, generator=generator)
+            greedy_picks(logits.to(getattr(torch, args.dtype)))
+            picks.append({"rows": count, "vocab": vocab,
+                          "same tokens": bool(torch.equal(kernel_argmax(logits), logits.argmax(dim=-1)))})
     timed = choices()
     print("| rows x vocab | k | same tokens (float32) | max value difference | timed (us a call in a graph) |")
     print("|---|---|---|---|---|")
@@ -56,8 +70,13 @@ def main(argv: list[str] | None = None) -> None:
         row["choice"] = choice
         print(f"| {row['rows']} x {row['vocab']} | {row['k']} | {row['same tokens']} | "
               f"{row['max value difference']:.2e} | {choice} |")
+    print("\n| argmax rows x vocab | same tokens (float32) | timed (us a call in a graph) |\n|---|---|---|")
+    for row, (key, choice) in zip(picks, ((k, v) for k, v in timed.items() if k.startswith("argmax"))):
+        row["choice"] = choice
+        print(f"| {row['rows']} x {row['vocab']} | {row['same tokens']} | {choice} |")
     if args.json:
-        args.json.write_text(json.dumps({"argv": sys.argv, "dtype": args.dtype, "rows": rows}, indent=1) + "\n")
+        args.json.write_text(json.dumps({"argv": sys.argv, "dtype": args.dtype, "top-k": rows, "argmax": picks},
+                                        indent=1) + "\n")
 
 
 if __name__ == "__main__":
