@@ -68,7 +68,7 @@ if triton is not None:
         best = tl.topk(tl.where(at < CHUNKS * KP, keys, lowest), KP)
         ordered = (best >> 32).to(tl.int32)
         x = (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
-        token = V - 1 - (best & 0xFFFFFFFF)
+        token = V - 1 - (best - ((best >> 32) << 32))  # the low half: V - 1 - token, below 2**31
         kept = tl.arange(0, KP)
         tl.store(values_ptr + row * K + kept, (x - shift) - log_total, mask=kept < K)
         tl.store(indices_ptr + row * K + kept, token, mask=kept < K)
