@@ -56,10 +56,10 @@ def kernel_runs(device: torch.device) -> bool:
 
 def chunk_size(vocab: int) -> int:
     """A program's columns: about PROGRAMS_A_ROW programs a row, within CHUNK_RANGE, no wider than the
-    vocabulary's power of two."""
+    vocabulary's power of two (and at least 2)."""
     low, high = CHUNK_RANGE
     wanted = power_of_two_at_least(-(-vocab // PROGRAMS_A_ROW))
-    return min(power_of_two_at_least(vocab), max(low, min(high, wanted)))
+    return max(2, min(power_of_two_at_least(vocab), max(low, min(high, wanted))))  # no one-element blocks
 
 
 def kernel_argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -74,7 +74,7 @@ def kernel_argmax(logits: torch.Tensor) -> torch.Tensor:
     _chunk_argmax_kernel[(rows, chunks)](logits, best, column, vocab, logits.stride(0), chunks, CHUNK=chunk,
                                          num_warps=4 if chunk <= 2048 else 8)
     _merge_argmax_kernel[(-(-rows // MERGE_ROWS),)](best, column, out, rows, vocab, chunks,
-                                                    CHUNKS_P2=power_of_two_at_least(chunks), ROWS=MERGE_ROWS,
+                                                    CHUNKS_P2=max(2, power_of_two_at_least(chunks)), ROWS=MERGE_ROWS,
                                                     num_warps=4)
     return out
 

@@ -91,7 +91,7 @@ def kernel_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
     """The kernels' (values, indices) [rows, k] for logits [rows, V] with unit column stride: the log-softmax's k
     largest values in float32, largest first, and their tokens (int64)."""
     rows, vocab = logits.shape
-    kp = power_of_two_at_least(k)
+    kp = max(2, power_of_two_at_least(k))  # no one-element blocks (k = 1): the extra kept key is not stored
     chunk = chunk_size(vocab, kp)
     chunks = -(-vocab // chunk)
     keys = torch.empty(rows, chunks * kp, dtype=torch.int64, device=logits.device)
@@ -102,7 +102,8 @@ def kernel_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tens
                                       num_warps=4 if chunk <= 2048 else 8)
     candidates = power_of_two_at_least(chunks * kp)
     _merge_top_kernel[(rows,)](keys, stats, values, indices, vocab, k, chunks, KP=kp, CANDIDATES=candidates,
-                               CHUNKS_P2=power_of_two_at_least(chunks), num_warps=4 if candidates <= 1024 else 8)
+                               CHUNKS_P2=max(2, power_of_two_at_least(chunks)),
+                               num_warps=4 if candidates <= 1024 else 8)
     return values, indices
 
 

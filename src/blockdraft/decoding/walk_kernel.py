@@ -74,7 +74,7 @@ def walk_rows(ids: torch.Tensor, picks: torch.Tensor, own: torch.Tensor, parent_
     as a fused step keeps it: `result` [2 + K] = (count, nodes, the path's picks), `anchor` (0-d) = the deepest
     accepted row's pick, `path` [K] = the path's rows, padded with the other rows in order."""
     rows = ids.shape[0]
-    width = power_of_two_at_least(rows)
+    width = max(2, power_of_two_at_least(rows))  # no one-element blocks (AR's one row): padded, masked
     _walk_kernel[(1,)](ids, picks, own.view(torch.uint8) if own.dtype == torch.bool else own, parent_rows, positions,
                        nodes, result, anchor, path, rows, path.shape[0], RP=width,
                        TILE=max(1, min(width, MASK_TILE_ELEMENTS // width)), num_warps=1 if width <= 64 else 4)
