@@ -34,3 +34,24 @@ def test_extra_graphs_need_a_gpu_and_counts_must_not_be_negative(capsys: pytest.
     with pytest.raises(SystemExit):
         graph_launch.main(["--extra", "0,-1"])
     assert "counts of 0 or more" in capsys.readouterr().err
+
+
+def test_preferring_fused_units_picks_their_fastest_kernel_where_the_library_was_timed_faster(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fused unit whose library was timed fastest takes its fastest kernel; a plain product and a unit whose kernel
+    won keep the chooser's pick (timings seeded, so no GPU is needed)."""
+    import torch
+
+    from blockdraft.models import kernel_choice, skinny_gemm
+
+    monkeypatch.setattr(skinny_gemm, "fastest", skinny_gemm.fastest)
+    monkeypatch.setattr(kernel_choice, "_TIMES", {
+        ("few-row norm linear", 1): {"gemv": 3.0, "weights-first": 2.0, "library": 1.0},
+        ("few-row glu linear", 1): {"weights-first": 0.5, "library": 1.0},
+        ("few-row linear", 1): {"weights-first": 2.0, "library": 1.0}})
+    graph_launch.prefer_fused_units()
+    options = {"gemv": None, "weights-first": None, "library": None}
+    gpu = torch.device("cuda")
+    assert skinny_gemm.fastest("few-row norm linear", 1, gpu, options) == "weights-first"
+    assert skinny_gemm.fastest("few-row glu linear", 1, gpu, {"weights-first": None, "library": None}) == "weights-first"
+    assert skinny_gemm.fastest("few-row linear", 1, gpu, {"weights-first": None, "library": None}) == "library"

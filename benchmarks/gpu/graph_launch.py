@@ -8,9 +8,17 @@ nodes each). This builds a random-weight pair of the embedded shape (`gpu_speed.
 carry), warms a method's graphs (`warm_decode`) and decodes greedily on the fast engine's fused steps, timing each
 fused call on the host (`gpu_speed.fused_calls_in`); then it keeps `--extra` more graphs of `--nodes` kernels alive
 and decodes again. Launches that slow with the graphs alive point at fewer graphs (coarser key capacities); launches
-that do not, at something else in the step.
+that do not, at something else in the step. (Session 36: they do not; the steps are device-bound, and each kernel
+costs ~0.7 us of gap in the step's graph besides its work.)
+
+With `--prefer-fused-units` the few-row layer units (a product with its norm, gating or residual add folded in) take
+their fastest kernel even where the chooser timed the library's product plus a separate kernel faster: at a
+32-row verify the chooser keeps cuBLAS in 2 of the 4 units, which adds ~100 launches a step. Run once with and once
+without (separate processes: the choices are kept per process) to see whether the unit-by-unit timing misses what
+those launches cost the step.
 
     python3 benchmarks/gpu/graph_launch.py --budget 31 --extra 0,100,400 --json $OUT/graph_launch.json
+    python3 benchmarks/gpu/graph_launch.py --budget 31 --extra 0 --prefer-fused-units
 """
 
 from __future__ import annotations
@@ -31,7 +39,10 @@ from gpu_speed import FUSED_CALLS, SHAPES, HostClock, build_synthetic, fused_cal
 from blockdraft.decoding.generate import generate  # noqa: E402
 from blockdraft.decoding.methods import build_proposer  # noqa: E402
 from blockdraft.decoding.warm import warm_decode  # noqa: E402
+from blockdraft.models import kernel_choice, skinny_gemm  # noqa: E402
 from blockdraft.models.fast_target import FastTarget  # noqa: E402
+
+FUSED_UNITS = ("few-row norm linear", "few-row residual linear", "few-row glu linear")  # kinds with a folded epilogue
 
 
 def counts(text: str) -> list[int]:
@@ -59,6 +70,22 @@ def decode_once(target: FastTarget, proposer: Any, prompt: list[int], tokens: in
     return {"wall ms a step": 1000 * (time.perf_counter() - start) / steps,
             **{f"host ms in {call}": 1000 * clock.seconds[call] / steps for call in FUSED_CALLS},
             "tau": len(result.token_ids) / steps}
+
+
+def prefer_fused_units() -> None:
+    """Make the product kernels' chooser (`skinny_gemm.fastest`) pick, for FUSED_UNITS, the fastest kernel option
+    where the library (the last option) was timed fastest: the units then run as one launch each."""
+    chosen = skinny_gemm.fastest
+
+    def fastest(kind: str, key: Any, device: torch.device, options: dict[str, Any]) -> str:
+        name = chosen(kind, key, device, options)
+        times = kernel_choice._TIMES.get((kind, key), {})
+        kernels = {option: ms for option, ms in times.items() if option != list(options)[-1]}
+        if kind in FUSED_UNITS and name == list(options)[-1] and kernels:
+            return min(kernels, key=lambda option: kernels[option])
+        return name
+
+    skinny_gemm.fastest = fastest
 
 
 def idle_graphs(count: int, nodes: int, device: torch.device) -> list[torch.cuda.CUDAGraph]:
@@ -89,8 +116,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="decodes per setting (the medians are printed)")
     parser.add_argument("--extra", type=counts, default="0,100,400", help="graphs kept alive besides the step's")
     parser.add_argument("--nodes", type=int, default=400, help="kernels in each extra graph")
+    parser.add_argument("--prefer-fused-units", action="store_true",
+                        help="few-row units take their fastest kernel even where the library was timed faster")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.prefer_fused_units:
+        prefer_fused_units()
     device = torch.device(args.device)
     if device.type != "cuda" and any(args.extra):
         parser.error("--extra needs CUDA graphs: use --extra 0 off a GPU")
@@ -104,8 +135,9 @@ def main(argv: list[str] | None = None) -> None:
     alive: list[torch.cuda.CUDAGraph] = []
     rows = []
     label = f"{args.method}@{args.budget}" if args.method == "ddtree" else args.method
-    print(f"{label}, {args.shape} shape, {args.dtype}, {warmed} graphs warmed; medians of {args.repeats} decodes of "
-          f"{args.tokens} tokens\n")
+    units = ", few-row units fused wherever a kernel ran" if args.prefer_fused_units else ""
+    print(f"{label}, {args.shape} shape, {args.dtype}, {warmed} graphs warmed{units}; medians of {args.repeats} "
+          f"decodes of {args.tokens} tokens\n")
     print("| graphs alive besides the step's | wall ms a step | " + " | ".join(f"host ms in {c}" for c in FUSED_CALLS)
           + " | tau |")
     print("|---" * (3 + len(FUSED_CALLS)) + "|")
@@ -119,7 +151,8 @@ def main(argv: list[str] | None = None) -> None:
               + " | ".join(f"{row[f'host ms in {c}']:.3f}" for c in FUSED_CALLS) + f" | {row['tau']:.2f} |",
               flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"argv": sys.argv, "warmed": warmed, "rows": rows}, indent=1) + "\n")
+        args.json.write_text(json.dumps({"argv": sys.argv, "warmed": warmed, "prefer fused units": args.prefer_fused_units,
+                                          "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
