@@ -23,9 +23,9 @@ from blockdraft.models.graphs import power_of_two_at_least
 from blockdraft.models.kernel_choice import fastest
 from blockdraft.models.skinny_gemm import kernel_available, triton
 
-KERNEL_MAX_K = 128  # each chunk sorts and keeps KP >= k keys: beyond this the library's radix select is the better tool
-MERGED_CANDIDATES = 1024  # a row's merge sorts about this many candidates: chunks are sized for it ...
-CHUNK_RANGE = (1024, 8192)  # ... within these sizes (one program sorts a chunk in registers)
+KERNEL_MAX_K = 128  # each chunk keeps KP >= k keys: beyond this the library's radix select is the better tool
+MERGED_CANDIDATES = 1024  # a row's merge selects from about this many candidates: chunks are sized for it ...
+CHUNK_RANGE = (1024, 8192)  # ... within these sizes (one program holds a chunk in registers)
 
 if triton is not None:
     import triton.language as tl
