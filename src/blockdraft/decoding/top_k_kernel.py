@@ -8,7 +8,7 @@ takes its chunk's best KP (the power of two at or above k) as packed keys (the l
 then the token id: lower ids first among equal logits) with the chunk's softmax partials (max and sum of exp); one
 program per row merges its chunks' candidates and partials and writes the k best log-probabilities, largest first,
 and their tokens. `torch.topk(torch.log_softmax(logits.float(), -1), k)` stays the reference and the path where the
-kernel does not run or was timed slower (`kernel_choice.fastest`).
+kernel does not run or was timed slower (`kernel_choice.kernel_wins`).
 
 Each program keeps its best KP with Triton's bitonic top-k (`tl.topk`: runs of KP sorted, then halved by pairwise
 maxima), not a sort of the whole chunk: with whole-chunk sorts the kernels took 66.5 us against the library's 71.0
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from blockdraft.models.graphs import power_of_two_at_least
-from blockdraft.models.kernel_choice import fastest
+from blockdraft.models.kernel_choice import kernel_wins
 from blockdraft.models.skinny_gemm import kernel_available, triton
 
 KERNEL_MAX_K = 128  # each chunk keeps KP >= k keys: beyond this the library's radix select is the better tool
@@ -80,7 +80,7 @@ def kernel_runs(device: torch.device, k: int) -> bool:
 
 
 def chunk_size(vocab: int, kp: int) -> int:
-    """A chunk's columns: so that a row's merge sorts about MERGED_CANDIDATES keys, within CHUNK_RANGE, at least
+    """A chunk's columns: so that a row's merge selects from about MERGED_CANDIDATES keys, within CHUNK_RANGE, at least
     the KP kept, and no wider than the vocabulary's power of two."""
     low, high = CHUNK_RANGE
     wanted = power_of_two_at_least(-(-vocab * kp // MERGED_CANDIDATES))
@@ -121,9 +121,9 @@ def log_softmax_top_k(logits: torch.Tensor, k: int, kernel: bool | None = None) 
     flat = logits.reshape(-1, vocab)
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
-    use = kernel_runs(logits.device, k) if kernel is None else kernel
-    if use and kernel is None:
-        options = {"kernel": lambda: kernel_top_k(flat, k), "library": lambda: library_top_k(flat, k)}
-        use = fastest("log-softmax top-k", (*flat.shape, k, flat.dtype), flat.device, options) == "kernel"
-    values, indices = kernel_top_k(flat, k) if use else library_top_k(flat, k)
+    if kernel is None:
+        kernel = kernel_runs(logits.device, k) and kernel_wins(
+            "log-softmax top-k", (*flat.shape, k, flat.dtype), flat.device, lambda: kernel_top_k(flat, k),
+            lambda: library_top_k(flat, k))
+    values, indices = kernel_top_k(flat, k) if kernel else library_top_k(flat, k)
     return values.view(*lead, k), indices.view(*lead, k)
