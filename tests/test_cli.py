@@ -62,6 +62,25 @@ def test_bench_writes_json_and_plot(tiny_dirs: tuple[Path, Path], tmp_path: Path
     assert (tmp_path / "p.png").stat().st_size > 1000
 
 
+def test_bench_sweeps_lookup_chains(tiny_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    """`--lookup 0,3` runs each DDTree budget with and without the chain, each labelled, each AR's ids."""
+    target, drafter = tiny_dirs
+    file = tmp_path / "p.jsonl"
+    file.write_text('{"prompt_ids": [4, 5, 4, 5, 4]}\n{"prompt_ids": [7, 8, 9]}\n')
+    res = runner.invoke(
+        app,
+        ["bench", "--target", str(target), "--drafter", str(drafter), "--prompts", str(file), "--max-new-tokens", "10",
+         "--methods", "ar,ddtree", "--budget", "4", "--lookup", "0,3", "--json-out", str(tmp_path / "r.json")],
+    )
+    assert res.exit_code == 0, res.output
+    methods = json.loads((tmp_path / "r.json").read_text())["methods"]
+    assert set(methods) == {"ar", "ddtree@4", "ddtree@4+lookup3"}
+    assert methods["ddtree@4+lookup3"]["identical_to_ar"] == 2
+    refused = run_cli("bench", "--target", str(target), "--drafter", str(drafter), "--prompts", str(file),
+                      "--methods", "ar,dflash", "--lookup", "3")
+    assert refused.returncode == 2 and "add ddtree to --methods" in refused.stderr
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -73,6 +92,9 @@ def test_bench_writes_json_and_plot(tiny_dirs: tuple[Path, Path], tmp_path: Path
         (["--prompt-ids", "1", "--temperature", "-1"], "--temperature"),
         (["--prompt-ids", "1", "--method", "beam"], "--method"),
         (["--prompt-ids", "1", "--prompt", "x"], "exactly one"),
+        (["--prompt-ids", "1", "--method", "dflash", "--lookup", "4"], "--method ddtree"),
+        (["--prompt-ids", "1", "--method", "ddtree", "--budget", "8", "--lookup", "4", "--batch-size", "2"],
+         "--batch-size 1"),
     ],
 )
 def test_errors_are_one_line_exit_2(tiny_dirs: tuple[Path, Path], args: list[str], message: str) -> None:

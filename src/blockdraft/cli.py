@@ -69,6 +69,8 @@ DraftTokensOpt = typer.Option(
     help="Tokens drafted per step, 1..B-1 (vLLM's num_speculative_tokens; default B-1, the whole block). Fewer pay "
     "where verifying is compute-bound (a CPU).",
 )
+LOOKUP_HELP = ("DDTree only: merge a prompt-lookup chain of up to N tokens (what followed the context's last tokens "
+               "where they occurred before) into each tree, in at most half its nodes; 0: off.")
 EngineOpt = typer.Option(
     "auto", "--engine",
     help="hf (HF forward, any model), fast (static cache + CUDA graphs; Qwen3/Qwen2/Llama/Mistral) or auto "
@@ -83,6 +85,7 @@ def generate(
     method: str = typer.Option("dflash", "--method", help="ar, dflash or ddtree."),
     budget: Optional[int] = typer.Option(None, "--budget", help="DDTree node budget."),
     draft_tokens: Optional[int] = DraftTokensOpt,
+    lookup: int = typer.Option(0, "--lookup", help=LOOKUP_HELP),
     temperature: float = typer.Option(0.0, "--temperature"),
     top_p: float = typer.Option(1.0, "--top-p"),
     top_k: int = typer.Option(0, "--top-k"),
@@ -108,16 +111,18 @@ def generate(
 ) -> None:
     """Generate with AR, DFlash or DDTree; identical to the target's own greedy output at T=0."""
     from blockdraft.decoding.generate import generate as run
+    from blockdraft.decoding.lookup import check_lone
     from blockdraft.decoding.methods import build_proposer
     from blockdraft.decoding.sampling import SamplingParams
     from blockdraft.engine.batch import generate_batch
 
     if batch_size < 1:
         raise BlockdraftError(f"--batch-size {batch_size} must be >= 1 (1: one prompt at a time)")
+    check_lone(lookup, batch_size)
     sampling = SamplingParams(temperature, top_p, top_k)
     items = _prompt_items(prompt, messages, prompt_ids, prompts, chat)
     loaded = Loaded(target, drafter if method == "ar" else default_drafter(target, drafter), device, dtype, engine)
-    proposer = build_proposer(method, loaded.target, loaded.drafter, budget, draft_tokens)
+    proposer = build_proposer(method, loaded.target, loaded.drafter, budget, draft_tokens, lookup)
     stops = loaded.stops(_stop_ids(stop_token_ids), ignore_eos)
     encoded = [encode_item(item, loaded.tokenizer, thinking) for item in items]
     json_lines = as_json or prompts is not None
@@ -164,17 +169,21 @@ def in_order(finished: Iterator[tuple[int, Any]]) -> Iterator[Any]:
             turn += 1
 
 
-def _parse_methods(methods: str, budgets: Optional[str], draft_tokens: Optional[str] = None) -> list[Any]:
+def _parse_methods(methods: str, budgets: Optional[str], draft_tokens: Optional[str] = None,
+                   lookups: str = "0") -> list[Any]:
     from blockdraft.bench.runner import MethodSpec
     from blockdraft.prompting import parse_ids
 
     depths: list[Optional[int]] = list(parse_ids(draft_tokens, "--draft-tokens")) if draft_tokens else [None]
     names = [m.strip() for m in methods.split(",") if m.strip()]
     tree_budgets = parse_ids(budgets, "--budget") if budgets and "ddtree" in names else [64]
+    chains = parse_ids(lookups, "--lookup")
+    if any(chains) and "ddtree" not in names:
+        raise BlockdraftError(f"--lookup {lookups} adds prompt-lookup chains to DDTree's trees: add ddtree to --methods")
     specs = []
     for name in names:
         if name == "ddtree":
-            specs += [MethodSpec("ddtree", b, d) for d in depths for b in tree_budgets]
+            specs += [MethodSpec("ddtree", b, d, n) for d in depths for b in tree_budgets for n in chains]
         elif name == "ar":
             specs.append(MethodSpec(name))
         else:
@@ -255,6 +264,7 @@ def bench(
     draft_tokens: Optional[str] = typer.Option(
         None, "--draft-tokens", help="Tokens drafted per step to sweep, e.g. 3,7,15 (default: the drafter's whole block)."
     ),
+    lookup: str = typer.Option("0", "--lookup", help=f"Lookup chains to sweep, e.g. 0,15. {LOOKUP_HELP}"),
     prompts: str = typer.Option("demo", "--prompts", help="JSONL file or built-in set (demo, spec-bench, humaneval, sharegpt, sharegpt-turns)."),
     limit: Optional[int] = typer.Option(None, "--limit", help="At most this many prompts."),
     per_category: Optional[int] = typer.Option(None, "--per-category", help="At most this many prompts per category."),
@@ -289,7 +299,7 @@ def bench(
     if batch_size < 1:
         raise BlockdraftError(f"--batch-size {batch_size} must be >= 1 (1: one prompt at a time)")
     sampling = SamplingParams(temperature, top_p, top_k)
-    specs = _parse_methods(methods, budget, draft_tokens)
+    specs = _parse_methods(methods, budget, draft_tokens, lookup)
     items = load_prompt_set(prompts, limit=limit, per_category=per_category)
     needs_drafter = any(spec.method != "ar" for spec in specs)
     loaded = Loaded(target, default_drafter(target, drafter) if needs_drafter else drafter, device, dtype, engine)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from blockdraft.decoding.draft import Proposer
 from blockdraft.decoding.generate import GenerationResult, generate
+from blockdraft.decoding.lookup import check_lone
 from blockdraft.decoding.methods import build_proposer
 from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.engine.batch import generate_batch
@@ -18,17 +19,25 @@ from blockdraft.models.target import Target
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """A method, its tree budget (DDTree only) and its tokens drafted per step (None: the drafter's whole block)."""
+    """A method, its tree budget (DDTree only), its tokens drafted per step (None: the drafter's whole block) and
+    its trees' prompt-lookup chain (DDTree only; 0: none)."""
 
     method: str
     budget: int | None = None
     draft_tokens: int | None = None
+    lookup: int = 0
 
     @property
     def label(self) -> str:
-        """`dflash`, `ddtree@32`; `/N` when the draft is capped at N tokens (`dflash/4`, `ddtree@32/4`)."""
+        """`dflash`, `ddtree@32`; `/N` when the draft is capped at N tokens (`dflash/4`, `ddtree@32/4`); `+lookupN`
+        with a lookup chain of up to N tokens (`ddtree@32+lookup15`)."""
         name = f"{self.method}@{self.budget}" if self.budget is not None else self.method
-        return f"{name}/{self.draft_tokens}" if self.draft_tokens is not None else name
+        name = f"{name}/{self.draft_tokens}" if self.draft_tokens is not None else name
+        return f"{name}+lookup{self.lookup}" if self.lookup else name
+
+    def proposer(self, target: Target, drafter: DFlashDrafter | None) -> Proposer | None:
+        """This method's proposer over the pair (`build_proposer`)."""
+        return build_proposer(self.method, target, drafter, self.budget, self.draft_tokens, self.lookup)
 
 
 @dataclass
@@ -80,7 +89,7 @@ def warmed_proposers(
     max_new_tokens: int,
 ) -> dict[MethodSpec, Proposer | None]:
     """One proposer per method, each run once on a short generation so no method pays the first-call costs."""
-    proposers = {spec: build_proposer(spec.method, target, drafter, spec.budget, spec.draft_tokens) for spec in methods}
+    proposers = {spec: spec.proposer(target, drafter) for spec in methods}
     if prompts:
         for proposer in proposers.values():
             generate(target, prompts[0].ids, proposer, max_new_tokens=min(8, max_new_tokens), sampling=sampling)
@@ -101,6 +110,8 @@ def run_bench(
 ) -> list[MethodRun]:
     """Run every method on every prompt, side by side in this process; with `batch_size` > 1 each method decodes
     up to that many prompts together (continuous batching, engine/batch.py)."""
+    for spec in methods:
+        check_lone(spec.lookup, batch_size)
     proposers = warmed_proposers(target, drafter, methods, prompts, sampling, max_new_tokens)
     runs = []
     for spec in methods:
@@ -109,7 +120,7 @@ def run_bench(
             start = time.perf_counter()
             results = dict(generate_batch(
                 target, [p.ids for p in prompts],
-                lambda spec=spec: build_proposer(spec.method, target, drafter, spec.budget, spec.draft_tokens),
+                lambda spec=spec: spec.proposer(target, drafter),
                 batch_size, max_new_tokens, sampling, stop_token_ids, seed))
             run.wall_s = time.perf_counter() - start
             run.runs = [PromptRun(p.prompt_id, p.category, results[i]) for i, p in enumerate(prompts)]

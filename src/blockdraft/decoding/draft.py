@@ -89,6 +89,10 @@ class Proposer(Protocol):
 
     def add_context(self, taps: torch.Tensor) -> None: ...
 
+    def observe(self, tokens: list[int]) -> None:
+        """The sequence's tokens as they are committed (the prompt and first token, then each step's): what a
+        prompt-lookup tree (`lookup.LookupTreeProposer`) copies from; the drafter's methods ignore them."""
+
     def propose(
         self, anchor: int, start: int, max_depth: int, sampling: SamplingParams, generator: torch.Generator | None
     ) -> Draft: ...
@@ -162,6 +166,9 @@ class DFlashProposer:
             self.fast.extend(taps.to(self.target.dtype))
         else:
             self.drafter.extend_context(self.cache, taps.to(self.target.dtype))
+
+    def observe(self, tokens: list[int]) -> None:
+        """The chain drafts from the target's states alone (`Proposer.observe`)."""
 
     @torch.inference_mode()
     def slot_logits(self, anchor: int, start: int, slots: int, visible: int | None = None) -> torch.Tensor:
@@ -244,6 +251,9 @@ class OverChain:
 
     def add_context(self, taps: torch.Tensor) -> None:
         self.chain.add_context(taps)
+
+    def observe(self, tokens: list[int]) -> None:
+        """These draft from the chain's pass alone (`Proposer.observe`)."""
 
     def verify_rows(self) -> tuple[int, ...]:
         return self.chain.verify_rows()

@@ -176,6 +176,7 @@ def generate(
     first = int(pick(out.logits[0, -1], sampling, generator).item())
     if proposer:
         proposer.add_context(out.taps)
+        proposer.observe([*prompt_ids, first])
     tokens = [first]
     stats.ttft_s = clock.now() - t0
     ended_early = bool(on_commit and on_commit([first]))
@@ -205,6 +206,8 @@ def generate(
             stats.drafted_tokens += nodes
             draft_lengths.append(nodes)
             committed, stopped_on = until_stop(committed, depth_left, stops)
+            if proposer:
+                proposer.observe(committed)
             tokens.extend(committed)
             stats.acceptance_lengths.append(len(committed))
             ended_early = bool(on_commit and on_commit(committed))
@@ -240,6 +243,7 @@ def generate(
             cache.compact(start, rows)
         if proposer:
             proposer.add_context(out.taps[:, rows])
+            proposer.observe(committed)
         tokens.extend(committed)
         stats.acceptance_lengths.append(produced)
         ended_early = bool(on_commit and on_commit(committed))

@@ -6,6 +6,7 @@ from blockdraft.decoding.ddtree import DDTreeProposer
 from blockdraft.decoding.dflash2 import DFlash2Proposer, SelectorTreeProposer
 from blockdraft.decoding.dspark import DSparkProposer
 from blockdraft.decoding.draft import DFlashProposer, Proposer
+from blockdraft.decoding.lookup import LookupTreeProposer, check_lookup
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.drafter import DFlashDrafter
 from blockdraft.models.target import Target
@@ -32,16 +33,23 @@ def device_settings(device: str, block_size: int, budget: int | None, draft_toke
 
 
 def build_proposer(method: str, target: Target, drafter: DFlashDrafter | None, budget: int | None = None,
-                   draft_tokens: int | None = None) -> Proposer | None:
+                   draft_tokens: int | None = None, lookup: int = 0) -> Proposer | None:
     """None for AR; a drafter is required for every other method; `draft_tokens` None drafts the whole block.
     `dflash` over a DFlash-2 drafter is its selector walk (what vLLM runs for it under method dflash); `ddtree`
-    over one builds its trees from the selector's edge scores. Over a DSpark drafter `dflash` is its Markov chain."""
+    over one builds its trees from the selector's edge scores. Over a DSpark drafter `dflash` is its Markov chain.
+    `lookup` > 0 merges a prompt-lookup chain of up to that many tokens into each DDTree tree (`lookup`)."""
+    if check_lookup(lookup) and method != "ddtree":
+        raise BlockdraftError(f"--lookup {lookup} adds a prompt-lookup chain to DDTree's trees: use it with --method "
+                              f"ddtree, not {method}")
     if method == "ar":
         return None
     if method not in METHODS:
         raise BlockdraftError(f"--method {method!r} is not one of {', '.join(METHODS)}")
     if drafter is None:
         raise BlockdraftError(f"--method {method} needs --drafter PATH")
+    if lookup and (drafter.markov_head is not None or drafter.candidate_selector is not None):
+        raise BlockdraftError(f"--lookup {lookup} is built for a DFlash drafter's trees; this drafter is a "
+                              f"{'DSpark' if drafter.markov_head is not None else 'DFlash-2'} one: leave --lookup out")
     if drafter.markov_head is not None:
         if method == "ddtree":
             raise BlockdraftError("--method ddtree over a DSpark drafter is not built: its Markov head makes each "
@@ -50,6 +58,8 @@ def build_proposer(method: str, target: Target, drafter: DFlashDrafter | None, b
     if method == "ddtree":
         if drafter.candidate_selector is not None:
             return SelectorTreeProposer(drafter, target, budget, draft_tokens)
+        if lookup:
+            return LookupTreeProposer(drafter, target, budget, lookup, draft_tokens)
         return DDTreeProposer(drafter, target, budget, draft_tokens)
     if drafter.candidate_selector is not None:
         return DFlash2Proposer(drafter, target, draft_tokens)

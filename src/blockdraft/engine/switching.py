@@ -41,6 +41,9 @@ class SwitchingProposer:
     def add_context(self, taps: torch.Tensor) -> None:
         self.tree.add_context(taps)
 
+    def observe(self, tokens: list[int]) -> None:
+        self.tree.observe(tokens)
+
     def verify_rows(self) -> tuple[int, ...]:
         """An AR step's row, a chain's and the largest tree's."""
         return self.tree.chain.verify_rows() + self.tree.verify_rows()

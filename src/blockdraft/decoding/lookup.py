@@ -1,0 +1,142 @@
+"""Prompt lookup in DDTree's trees: a chain copied from where the context's last tokens occurred before, merged
+into the tree in place of its lowest-scoring nodes.
+
+The drafter's trees miss what a reply copies from its prompt or repeats from itself (an extraction's fields, a
+translation's names and numbers, a RAG answer's quotes), and a prompt-lookup chain (vLLM's `ngram` method) finds
+exactly those. On Spec-Bench (embedded pair, float32, T=0, 4 prompts a category x 256 tokens) a 31-node tree took
+tau from 3.14 to 3.96 with a chain of up to 15 of its nodes, extraction 3.25 -> 4.96 and translation 2.47 -> 5.42;
+on the demo's chat, code and math prompts, which copy little, 3.19 -> 3.29 (benchmarks/RESULTS.md, session 37).
+Any tree is verified like any other, so the output stays the target's own at every temperature.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from blockdraft.decoding.ddtree import DDTreeProposer
+from blockdraft.decoding.draft import Draft
+from blockdraft.decoding.sampling import SamplingParams
+from blockdraft.errors import BlockdraftError
+from blockdraft.models.drafter import DFlashDrafter
+from blockdraft.models.host_to_device import long_tensor
+from blockdraft.models.target import Target
+
+MAX_NGRAM, MIN_NGRAM = 3, 1  # the context's suffix matched, longest first (3 and 1 measured best of 2-5 and 1-2)
+
+
+def check_lookup(lookup: int) -> int:
+    """A chain of 0 (off) or more tokens; refuse anything else before any compute."""
+    if isinstance(lookup, bool) or not isinstance(lookup, int) or lookup < 0:
+        raise BlockdraftError(f"--lookup {lookup} must be an integer >= 0 (the most tokens of a prompt-lookup chain "
+                              "in each DDTree tree, e.g. 15; 0: off)")
+    return lookup
+
+
+def check_lone(lookup: int, batch_size: int) -> None:
+    """Refuse a lookup chain where prompts decode together: the batch decoder builds its sequences' trees together
+    (on the device for greedy ones), without any sequence's tokens."""
+    if lookup and batch_size > 1:
+        raise BlockdraftError(f"--lookup {lookup} decodes one prompt at a time; with --batch-size {batch_size} the "
+                              "trees are built together without it: use --batch-size 1 or leave --lookup out")
+
+
+def chain_room(lookup: int, budget: int, slots: int) -> int:
+    """The most tokens a tree's lookup chain gets: `lookup`, at most half the `budget` and the `slots` drafted (the
+    measured split, RESULTS session 37: a 15-node tree giving 7 to the chain, tau 2.92 -> 3.46 on Spec-Bench; all
+    15, 2.93)."""
+    return min(lookup, budget // 2, slots)
+
+
+class NgramIndex:
+    """A sequence's tokens and where each of its n-grams (MIN_NGRAM..MAX_NGRAM tokens) last ended before the
+    sequence's end, kept as tokens arrive: a lookup costs a dict read per n, not a scan of the context."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self._ends: dict[tuple[int, ...], int] = {}
+
+    def extend(self, tokens: list[int]) -> None:
+        """Append tokens; the n-grams ending at the old last token become findable (the last token's own wait
+        until the next, so a lookup never finds the suffix it looks for)."""
+        for token in tokens:
+            end = len(self.tokens) - 1
+            for n in range(MIN_NGRAM, min(MAX_NGRAM, end + 1) + 1):
+                self._ends[tuple(self.tokens[end - n + 1 : end + 1])] = end
+            self.tokens.append(token)
+
+    def chain(self, length: int) -> list[int]:
+        """Up to `length` tokens that followed the latest earlier occurrence of the sequence's longest matching
+        suffix (MAX_NGRAM tokens down to MIN_NGRAM); none when no suffix occurred before."""
+        for n in range(min(MAX_NGRAM, len(self.tokens)), MIN_NGRAM - 1, -1):
+            end = self._ends.get(tuple(self.tokens[len(self.tokens) - n :]))
+            if end is not None:
+                return self.tokens[end + 1 : end + 1 + length]
+        return []
+
+
+def merge_chain(draft: Draft, tree_tokens: list[int], chain: list[int], budget: int) -> Draft:
+    """The tree `draft` (its tokens `tree_tokens` on the host, nodes in pop order: each after its parent) with the
+    path `chain` below the anchor, in at most `budget` nodes: the chain's prefix already in the tree is kept, its
+    other tokens are added, and the tree's last-popped (lowest-scoring) other nodes give up their places."""
+    children = {(parent, token): node for node, (parent, token) in enumerate(zip(draft.parents, tree_tokens))}
+    matched: list[int] = []
+    for token in chain:
+        node = children.get((matched[-1] if matched else -1, token))
+        if node is None:
+            break
+        matched.append(node)
+    extra = chain[len(matched):]
+    if not extra:
+        return draft
+    room = budget - len(extra)
+    on_chain = set(matched)
+    kept: list[int] = []
+    others = room - len(matched)  # a pop-order prefix keeps every kept node's parent
+    for node in range(len(draft)):
+        if node in on_chain or others > 0:
+            others -= node not in on_chain
+            kept.append(node)
+    place = {node: i for i, node in enumerate(kept)}
+    parents = [place[draft.parents[node]] if draft.parents[node] >= 0 else -1 for node in kept]
+    depths = [draft.depths[node] for node in kept]
+    attach = place[matched[-1]] if matched else -1
+    for i in range(len(extra)):
+        parents.append(attach if i == 0 else len(parents) - 1)
+        depths.append(len(matched) + 1 + i)
+    device = draft.tokens.device
+    tokens = torch.cat([draft.tokens[long_tensor(kept, device)], long_tensor(extra, device)])
+    return Draft(tokens=tokens, parents=parents, depths=depths)
+
+
+class LookupTreeProposer(DDTreeProposer):
+    """DDTree whose every tree also holds the context's prompt-lookup chain (`NgramIndex`; `chain_room` tokens).
+    Trees are built on the host, where the context's tokens are."""
+
+    name = "ddtree+lookup"
+
+    def __init__(self, drafter: DFlashDrafter, target: Target, budget: int, lookup: int,
+                 draft_tokens: int | None = None) -> None:
+        super().__init__(drafter, target, budget, draft_tokens)
+        self.lookup = check_lookup(lookup)
+        self.index = NgramIndex()
+
+    def reset(self) -> None:
+        super().reset()
+        self.index = NgramIndex()
+
+    def observe(self, tokens: list[int]) -> None:
+        self.index.extend(tokens)
+
+    def finish(self, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None,
+               budget: int | None = None) -> Draft:
+        """DDTree's tree of the slot logits [slots, V], then the lookup chain merged into it."""
+        budget = self.budget if budget is None else budget
+        draft = super().finish(logits, sampling, generator, budget)
+        t0 = time.perf_counter()
+        chain = self.index.chain(chain_room(self.lookup, budget, logits.shape[0]))
+        if chain:
+            draft = merge_chain(draft, draft.tokens.tolist(), chain, budget)
+        self.build_s += time.perf_counter() - t0
+        return draft
