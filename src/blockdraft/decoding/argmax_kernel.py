@@ -16,7 +16,7 @@ import torch
 
 from blockdraft.models.graphs import power_of_two_at_least
 from blockdraft.models.kernel_choice import kernel_wins
-from blockdraft.models.skinny_gemm import kernel_available, triton
+from blockdraft.models.skinny_gemm import gpu_kernels, triton
 
 CHUNK_RANGE = (256, 4096)  # columns a program reduces ...
 PROGRAMS_A_ROW = 128  # ... sized for about this many programs a row (a lone AR row still spreads over the SMs)
@@ -51,7 +51,7 @@ if triton is not None:
 
 def kernel_runs(device: torch.device) -> bool:
     """Whether `greedy_picks` may take the kernels on `device`: a GPU with Triton (a CPU only when forced)."""
-    return device.type == "cuda" and kernel_available(device)
+    return gpu_kernels(device)
 
 
 def chunk_size(vocab: int) -> int:

@@ -21,7 +21,7 @@ import torch
 
 from blockdraft.models.graphs import power_of_two_at_least
 from blockdraft.models.kernel_choice import kernel_wins
-from blockdraft.models.skinny_gemm import kernel_available, triton
+from blockdraft.models.skinny_gemm import gpu_kernels, triton
 
 KERNEL_MAX_K = 128  # each chunk keeps KP >= k keys: beyond this the library's radix select is the better tool
 MERGED_CANDIDATES = 1024  # a row's merge selects from about this many candidates: chunks are sized for it ...
@@ -76,7 +76,7 @@ if triton is not None:
 
 def kernel_runs(device: torch.device, k: int) -> bool:
     """Whether `log_softmax_top_k` may take the kernel on `device` (a GPU with Triton; a CPU only when forced)."""
-    return device.type == "cuda" and kernel_available(device) and k <= KERNEL_MAX_K
+    return gpu_kernels(device) and k <= KERNEL_MAX_K
 
 
 def chunk_size(vocab: int, kp: int) -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from blockdraft.models.graphs import power_of_two_at_least
-from blockdraft.models.skinny_gemm import kernel_available, triton
+from blockdraft.models.skinny_gemm import gpu_kernels, triton
 
 KERNEL_MAX_BUDGET = 512  # larger trees keep the tensor search: a pop's reductions grow with the frontier
 
@@ -110,7 +110,7 @@ if triton is not None:
 def kernel_runs(device: torch.device, budget: int) -> bool:
     """Whether the DDTree steps on `device` search with the kernel: a GPU with Triton. (`tree_rows` also runs on a
     CPU under Triton's interpreter, for the tests; the engine there keeps the tensor search.)"""
-    return device.type == "cuda" and kernel_available(device) and budget <= KERNEL_MAX_BUDGET
+    return gpu_kernels(device) and budget <= KERNEL_MAX_BUDGET
 
 
 def tree_rows(values: torch.Tensor, indices: torch.Tensor, host: torch.Tensor, budget: int

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from blockdraft.models.graphs import power_of_two_at_least
-from blockdraft.models.skinny_gemm import kernel_available, triton
+from blockdraft.models.skinny_gemm import gpu_kernels, triton
 
 KERNEL_MAX_ROWS = 1024  # a program holds a row of the ancestor mask per tile row: rows beyond keep the tensor walk
 MASK_TILE_ELEMENTS = 4096  # ancestor-mask elements a tile of rows loads at once
@@ -64,7 +64,7 @@ if triton is not None:
 
 def kernel_runs(device: torch.device, rows: int) -> bool:
     """Whether the fused steps on `device` may walk with the kernel: a GPU with Triton (a CPU only when forced)."""
-    return device.type == "cuda" and kernel_available(device) and rows <= KERNEL_MAX_ROWS
+    return gpu_kernels(device) and rows <= KERNEL_MAX_ROWS
 
 
 def walk_rows(ids: torch.Tensor, picks: torch.Tensor, own: torch.Tensor, parent_rows: torch.Tensor,

@@ -54,6 +54,13 @@ def kernel_available(device: torch.device) -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def gpu_kernels(device: torch.device) -> bool:
+    """Whether a step's small Triton kernels (the tree search, top-k, walk and argmax) run on `device` unforced: a
+    GPU they can target. On a CPU the interpreter runs them only where a test forces them: there the torch code is
+    faster."""
+    return device.type == "cuda" and kernel_available(device)
+
+
 @functools.cache
 def _capable(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= KERNEL_MIN_CAPABILITY
