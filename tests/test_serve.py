@@ -328,6 +328,26 @@ def test_a_busy_port_or_a_missing_drafter_is_one_sentence_before_loading(text_pa
         BlockdraftServer(settings(text_pair[0], None), print)
 
 
+def test_lookup_trees_serve_generates_answer_and_are_refused_where_they_cannot_run(text_pair) -> None:
+    """--lookup N one request at a time: the answer and its acceptance lengths are `generate --lookup N`'s; with
+    another method or requests decoded together it is one sentence before loading."""
+    from blockdraft.errors import BlockdraftError
+    from blockdraft.serve.server import BlockdraftServer
+
+    messages = [{"role": "user", "content": "abcabcabcabcabc"}]
+    reference = cli_generate(text_pair, "--messages", json.dumps(messages), "--max-new-tokens", "40", "--lookup", "2")
+    with running(settings(*text_pair, served_model_name=MODEL, max_num_seqs=1, lookup=2)) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
+                                                  extra_body={"return_token_ids": True})
+    assert response.choices[0].token_ids == reference["token_ids"]
+    assert response.metrics["speculative_decoding"]["acceptance_lengths"] == reference["acceptance_lengths"]
+    with pytest.raises(BlockdraftError, match="--lookup 2 adds .* serve --method ddtree, not dflash"):
+        BlockdraftServer(settings(*text_pair, method="dflash", lookup=2), print)
+    with pytest.raises(BlockdraftError, match="with --max-num-seqs 4 .* use --max-num-seqs 1"):
+        BlockdraftServer(settings(*text_pair, max_num_seqs=4, lookup=2), print)
+
+
 def test_an_engine_that_dies_answers_every_request_and_turns_health_503(text_pair) -> None:
     import os
     import signal

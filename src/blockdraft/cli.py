@@ -432,6 +432,7 @@ def serve(
         20.0, "--stream-interval-ms",
         help="Streamed text is sent at most this often (the commits in between form one chunk); 0: every commit.",
     ),
+    lookup: int = typer.Option(0, "--lookup", help=f"{LOOKUP_HELP} Needs --max-num-seqs 1."),
 ) -> None:
     """An OpenAI-compatible server (chat, completions, models, /health, /metrics in vLLM's names) for AR, DFlash, DDTree."""
     from blockdraft.serve.server import BlockdraftServer
@@ -442,7 +443,7 @@ def serve(
     settings = ServeSettings(
         target, drafter, method, budget, draft_tokens, host, port, api_key, served_model_name, max_model_len,
         max_queue, max_num_seqs, schedule, device, dtype, engine, self_check, expect, drain_timeout,
-        stream_interval_ms, schedule_adapt,
+        stream_interval_ms, schedule_adapt, lookup,
     )
     BlockdraftServer(settings, lambda line: err.print(line, markup=False, highlight=False, soft_wrap=True)).run()
 

@@ -34,12 +34,12 @@ def check_lookup(lookup: int) -> int:
     return lookup
 
 
-def check_lone(lookup: int, batch_size: int) -> None:
-    """Refuse a lookup chain where prompts decode together: the batch decoder builds its sequences' trees together
-    (on the device for greedy ones), without any sequence's tokens."""
-    if lookup and batch_size > 1:
-        raise BlockdraftError(f"--lookup {lookup} decodes one prompt at a time; with --batch-size {batch_size} the "
-                              "trees are built together without it: use --batch-size 1 or leave --lookup out")
+def check_lone(lookup: int, together: int, option: str = "--batch-size") -> None:
+    """Refuse a lookup chain where sequences decode `together` (set by `option`): the batch decoder builds its
+    sequences' trees together (on the device for greedy ones), without any sequence's tokens."""
+    if lookup and together > 1:
+        raise BlockdraftError(f"--lookup {lookup} decodes one sequence at a time; with {option} {together} the "
+                              f"trees are built together without it: use {option} 1 or leave --lookup out")
 
 
 def chain_room(lookup: int, budget: int, slots: int) -> int:

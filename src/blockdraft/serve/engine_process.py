@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from blockdraft.decoding.draft import Proposer, check_draft_tokens
+from blockdraft.decoding.lookup import check_lone
 from blockdraft.decoding.methods import GPU_BUDGET, build_proposer, device_settings
 from blockdraft.engine.batch import check_kv_room, default_max_num_seqs
 from blockdraft.engine.measured import MeasuredSchedule
@@ -87,11 +88,12 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
     served_depth = depth
 
     def new_proposer() -> Proposer | None:
-        return build_proposer(method, target, loaded.drafter, budget, served_depth)
+        return build_proposer(method, target, loaded.drafter, budget, served_depth, settings.lookup)
 
     stops = loaded.stops([], False)
     model_len = max_model_len(settings.max_model_len, target.max_positions)
     seqs = settings.max_num_seqs or default_max_num_seqs(target, model_len)
+    check_lone(settings.lookup, seqs, "--max-num-seqs")
     schedule = None
     fast_gpu = isinstance(target, FastTarget) and target.device.type == "cuda"
     plain = loaded.drafter is not None and loaded.drafter.plain
