@@ -45,17 +45,20 @@ def test_generate_prompts_file_one_line_each(tiny_dirs: tuple[Path, Path], tmp_p
     assert len(lines) == 2 and all(len(x["token_ids"]) == 8 for x in lines)
 
 
-def test_bench_writes_json_and_plot(tiny_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+def bench_results(tiny_dirs: tuple[Path, Path], tmp_path: Path, prompts: str, *args: str) -> dict:
+    """`blockdraft bench` on the tiny pair over `prompts` (JSONL lines), 10 new tokens each: its JSON results."""
     target, drafter = tiny_dirs
     file = tmp_path / "p.jsonl"
-    file.write_text('{"prompt_ids": [4, 5], "category": "a"}\n{"prompt_ids": [7, 8, 9], "category": "b"}\n')
-    res = runner.invoke(
-        app,
-        ["bench", "--target", str(target), "--drafter", str(drafter), "--prompts", str(file), "--max-new-tokens", "10",
-         "--json-out", str(tmp_path / "r.json"), "--plot", str(tmp_path / "p.png")],
-    )
+    file.write_text(prompts)
+    res = runner.invoke(app, ["bench", "--target", str(target), "--drafter", str(drafter), "--prompts", str(file),
+                              "--max-new-tokens", "10", "--json-out", str(tmp_path / "r.json"), *args])
     assert res.exit_code == 0, res.output
-    data = json.loads((tmp_path / "r.json").read_text())
+    return json.loads((tmp_path / "r.json").read_text())
+
+
+def test_bench_writes_json_and_plot(tiny_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    data = bench_results(tiny_dirs, tmp_path, '{"prompt_ids": [4, 5], "category": "a"}\n'
+                         '{"prompt_ids": [7, 8, 9], "category": "b"}\n', "--plot", str(tmp_path / "p.png"))
     assert set(data["methods"]) == {"ar", "dflash"}
     assert data["methods"]["dflash"]["identical_to_ar"] == 2
     assert set(data["methods"]["dflash"]["by_category"]) == {"a", "b"}
@@ -64,20 +67,13 @@ def test_bench_writes_json_and_plot(tiny_dirs: tuple[Path, Path], tmp_path: Path
 
 def test_bench_sweeps_lookup_chains(tiny_dirs: tuple[Path, Path], tmp_path: Path) -> None:
     """`--lookup 0,3` runs each DDTree budget with and without the chain, each labelled, each AR's ids."""
-    target, drafter = tiny_dirs
-    file = tmp_path / "p.jsonl"
-    file.write_text('{"prompt_ids": [4, 5, 4, 5, 4]}\n{"prompt_ids": [7, 8, 9]}\n')
-    res = runner.invoke(
-        app,
-        ["bench", "--target", str(target), "--drafter", str(drafter), "--prompts", str(file), "--max-new-tokens", "10",
-         "--methods", "ar,ddtree", "--budget", "4", "--lookup", "0,3", "--json-out", str(tmp_path / "r.json")],
-    )
-    assert res.exit_code == 0, res.output
-    methods = json.loads((tmp_path / "r.json").read_text())["methods"]
+    methods = bench_results(tiny_dirs, tmp_path, '{"prompt_ids": [4, 5, 4, 5, 4]}\n{"prompt_ids": [7, 8, 9]}\n',
+                            "--methods", "ar,ddtree", "--budget", "4", "--lookup", "0,3")["methods"]
     assert set(methods) == {"ar", "ddtree@4", "ddtree@4+lookup3"}
     assert methods["ddtree@4+lookup3"]["identical_to_ar"] == 2
-    refused = run_cli("bench", "--target", str(target), "--drafter", str(drafter), "--prompts", str(file),
-                      "--methods", "ar,dflash", "--lookup", "3")
+    target, drafter = tiny_dirs
+    refused = run_cli("bench", "--target", str(target), "--drafter", str(drafter), "--prompts",
+                      str(tmp_path / "p.jsonl"), "--methods", "ar,dflash", "--lookup", "3")
     assert refused.returncode == 2 and "add ddtree to --methods" in refused.stderr
 
 

@@ -15,6 +15,8 @@ from blockdraft.bench.runner import MethodRun, MethodSpec
 from blockdraft.cli import app
 from blockdraft.errors import BlockdraftError
 
+from test_cli import bench_results
+
 runner = CliRunner()
 
 
@@ -41,17 +43,8 @@ def test_bad_budget_is_one_line_exit_2(tiny_dirs: tuple[Path, Path]) -> None:
 
 
 def test_bench_budget_sweep_writes_both_plots(tiny_dirs: tuple[Path, Path], tmp_path: Path) -> None:
-    target, drafter = tiny_dirs
-    file = tmp_path / "p.jsonl"
-    file.write_text('{"prompt_ids": [4, 5]}\n{"prompt_ids": [7, 8, 9]}\n')
-    res = runner.invoke(
-        app,
-        ["bench", "--target", str(target), "--drafter", str(drafter), "--prompts", str(file), "--max-new-tokens", "10",
-         "--methods", "ar,dflash,ddtree", "--budget", "4,16", "--json-out", str(tmp_path / "r.json"),
-         "--plot", str(tmp_path / "p.png")],
-    )
-    assert res.exit_code == 0, res.output
-    methods = json.loads((tmp_path / "r.json").read_text())["methods"]
+    methods = bench_results(tiny_dirs, tmp_path, '{"prompt_ids": [4, 5]}\n{"prompt_ids": [7, 8, 9]}\n', "--methods",
+                            "ar,dflash,ddtree", "--budget", "4,16", "--plot", str(tmp_path / "p.png"))["methods"]
     assert set(methods) == {"ar", "dflash", "ddtree@4", "ddtree@16"}
     assert methods["ddtree@4"]["identical_to_ar"] == methods["ddtree@16"]["identical_to_ar"] == 2
     assert (tmp_path / "p.png").stat().st_size > 1000
