@@ -46,7 +46,7 @@ def test_the_replay_gives_the_decoders_acceptance_lengths(recorded, budget: int,
 def test_the_off_spine_rule_unscaled_is_ddtree(recorded) -> None:
     """Scale 1 and shift 0 rescore nothing: the same trees; a shift below the spine drops deep off-spine nodes."""
     _, recordings = recorded
-    values = next(iter(recordings[0].rows.values()))[0]
+    values = recordings[0].row(0)[0]
     same = tree_rules.off_spine_rule(1.0, 0.0)(values, 12)
     tree = tree_rules.ddtree_rule(values, 12)
     assert same.tokens.tolist() == tree.tokens.tolist() and same.parents == tree.parents

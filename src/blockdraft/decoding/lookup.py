@@ -23,7 +23,7 @@ from blockdraft.models.drafter import DFlashDrafter
 from blockdraft.models.host_to_device import long_tensor
 from blockdraft.models.target import Target
 
-MAX_NGRAM, MIN_NGRAM = 3, 1  # the context's suffix matched, longest first (3 and 1 measured best of 2-5 and 1-2)
+MAX_NGRAM, MIN_NGRAM = 3, 1  # the context's suffix matched, longest first (2 or 5 moved tau by under 1%, RESULTS)
 
 
 def check_lookup(lookup: int) -> int:
