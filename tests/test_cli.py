@@ -71,6 +71,7 @@ def test_bench_sweeps_lookup_chains(tiny_dirs: tuple[Path, Path], tmp_path: Path
                             "--methods", "ar,ddtree", "--budget", "4", "--lookup", "0,3")["methods"]
     assert set(methods) == {"ar", "ddtree@4", "ddtree@4+lookup3"}
     assert methods["ddtree@4+lookup3"]["identical_to_ar"] == 2
+    assert (methods["ddtree@4"]["lookup"], methods["ddtree@4+lookup3"]["lookup"]) == (0, 3)
     target, drafter = tiny_dirs
     refused = run_cli("bench", "--target", str(target), "--drafter", str(drafter), "--prompts",
                       str(tmp_path / "p.jsonl"), "--methods", "ar,dflash", "--lookup", "3")

@@ -135,6 +135,7 @@ def to_json(runs: list[MethodRun], settings: dict) -> dict:
             "method": run.spec.method,
             "budget": run.spec.budget,
             "draft_tokens": run.spec.draft_tokens,
+            "lookup": run.spec.lookup,
             "stats": s.to_dict(),
             "batched_wall_s": run.wall_s,
             "by_category": {c: v.to_dict() for c, v in run.by_category().items()},
