@@ -3,9 +3,10 @@ into the tree in place of its lowest-scoring nodes.
 
 The drafter's trees miss what a reply copies from its prompt or repeats from itself (an extraction's fields, a
 translation's names and numbers, a RAG answer's quotes), and a prompt-lookup chain (vLLM's `ngram` method) finds
-exactly those. On Spec-Bench (embedded pair, float32, T=0, 4 prompts a category x 256 tokens) a 31-node tree took
-tau from 3.14 to 3.96 with a chain of up to 15 of its nodes, extraction 3.25 -> 4.96 and translation 2.47 -> 5.42;
-on the demo's chat, code and math prompts, which copy little, 3.19 -> 3.29 (benchmarks/RESULTS.md, session 37).
+exactly those. On Spec-Bench (embedded pair, float32, T=0, 2 prompts a category x 256 tokens) a 31-node tree took
+tau from 3.07 to 3.73 with a chain of up to 15 of its nodes, extraction 2.99 -> 5.22, RAG 3.05 -> 5.20, translation
+1.82 -> 3.25; on the demo's chat, code and math prompts, which copy little, 3.19 -> 3.29 (benchmarks/RESULTS.md,
+session 37).
 Any tree is verified like any other, so the output stays the target's own at every temperature.
 """
 
