@@ -342,7 +342,7 @@ def test_lookup_trees_serve_generates_answer_and_are_refused_where_they_cannot_r
                                                   extra_body={"return_token_ids": True})
     assert response.choices[0].token_ids == reference["token_ids"]
     assert response.metrics["speculative_decoding"]["acceptance_lengths"] == reference["acceptance_lengths"]
-    with pytest.raises(BlockdraftError, match="--lookup 2 adds .* serve --method ddtree, not dflash"):
+    with pytest.raises(BlockdraftError, match="--lookup 2 adds .* --method ddtree, not dflash"):
         BlockdraftServer(settings(*text_pair, method="dflash", lookup=2), print)
     with pytest.raises(BlockdraftError, match="with --max-num-seqs 4 .* use --max-num-seqs 1"):
         BlockdraftServer(settings(*text_pair, max_num_seqs=4, lookup=2), print)

@@ -111,14 +111,14 @@ def generate(
 ) -> None:
     """Generate with AR, DFlash or DDTree; identical to the target's own greedy output at T=0."""
     from blockdraft.decoding.generate import generate as run
-    from blockdraft.decoding.lookup import check_lone
+    from blockdraft.decoding.lookup import check_lone, check_lookup_method
     from blockdraft.decoding.methods import build_proposer
     from blockdraft.decoding.sampling import SamplingParams
     from blockdraft.engine.batch import generate_batch
 
     if batch_size < 1:
         raise BlockdraftError(f"--batch-size {batch_size} must be >= 1 (1: one prompt at a time)")
-    check_lone(lookup, batch_size)
+    check_lone(check_lookup_method(lookup, method), batch_size)
     sampling = SamplingParams(temperature, top_p, top_k)
     items = _prompt_items(prompt, messages, prompt_ids, prompts, chat)
     loaded = Loaded(target, drafter if method == "ar" else default_drafter(target, drafter), device, dtype, engine)

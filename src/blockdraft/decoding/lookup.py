@@ -35,6 +35,14 @@ def check_lookup(lookup: int) -> int:
     return lookup
 
 
+def check_lookup_method(lookup: int, method: str) -> int:
+    """`check_lookup`, and a chain only for DDTree: checked before any model loads."""
+    if check_lookup(lookup) and method != "ddtree":
+        raise BlockdraftError(f"--lookup {lookup} adds a prompt-lookup chain to DDTree's trees: use it with --method "
+                              f"ddtree, not {method}")
+    return lookup
+
+
 def check_lone(lookup: int, together: int, option: str = "--batch-size") -> None:
     """Refuse a lookup chain where sequences decode `together` (set by `option`): the batch decoder builds its
     sequences' trees together (on the device for greedy ones), without any sequence's tokens."""

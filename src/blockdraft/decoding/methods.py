@@ -6,7 +6,7 @@ from blockdraft.decoding.ddtree import DDTreeProposer
 from blockdraft.decoding.dflash2 import DFlash2Proposer, SelectorTreeProposer
 from blockdraft.decoding.dspark import DSparkProposer
 from blockdraft.decoding.draft import DFlashProposer, Proposer
-from blockdraft.decoding.lookup import LookupTreeProposer, check_lookup
+from blockdraft.decoding.lookup import LookupTreeProposer, check_lookup_method
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.drafter import DFlashDrafter
 from blockdraft.models.target import Target
@@ -38,9 +38,7 @@ def build_proposer(method: str, target: Target, drafter: DFlashDrafter | None, b
     `dflash` over a DFlash-2 drafter is its selector walk (what vLLM runs for it under method dflash); `ddtree`
     over one builds its trees from the selector's edge scores. Over a DSpark drafter `dflash` is its Markov chain.
     `lookup` > 0 merges a prompt-lookup chain of up to that many tokens into each DDTree tree (`lookup`)."""
-    if check_lookup(lookup) and method != "ddtree":
-        raise BlockdraftError(f"--lookup {lookup} adds a prompt-lookup chain to DDTree's trees: use it with --method "
-                              f"ddtree, not {method}")
+    check_lookup_method(lookup, method)
     if method == "ar":
         return None
     if method not in METHODS:
