@@ -96,6 +96,8 @@ class OracleProposer:
 
     def add_context(self, taps: torch.Tensor) -> None: ...
 
+    def observe(self, tokens: list[int]) -> None: ...
+
     def propose(self, anchor: int, start: int, max_depth: int, sampling: SamplingParams, generator) -> Draft:
         tokens = self.truth[start + 1 : start + 1 + min(self.slots, max_depth)]
         wrong, self.step = self.step % (self.slots + 1), self.step + 1
