@@ -336,12 +336,15 @@ def test_lookup_trees_serve_generates_answer_and_are_refused_where_they_cannot_r
 
     messages = [{"role": "user", "content": "abcabcabcabcabc"}]
     reference = cli_generate(text_pair, "--messages", json.dumps(messages), "--max-new-tokens", "40", "--lookup", "2")
-    with running(settings(*text_pair, served_model_name=MODEL, max_num_seqs=1, lookup=2)) as server:
+    said: list[str] = []
+    with running(settings(*text_pair, served_model_name=MODEL, max_num_seqs=1, lookup=2), said.append) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
         response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
                                                   extra_body={"return_token_ids": True})
     assert response.choices[0].token_ids == reference["token_ids"]
     assert response.metrics["speculative_decoding"]["acceptance_lengths"] == reference["acceptance_lengths"]
+    assert any("trees of 4 nodes, 3 drafted tokens deep, each holding a prompt-lookup chain of up to 2 tokens" in line
+               for line in said)
     with pytest.raises(BlockdraftError, match="--lookup 2 adds .* --method ddtree, not dflash"):
         BlockdraftServer(settings(*text_pair, method="dflash", lookup=2), print)
     with pytest.raises(BlockdraftError, match="with --max-num-seqs 4 .* use --max-num-seqs 1"):

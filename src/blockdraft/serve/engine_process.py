@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from blockdraft.decoding.draft import Proposer, check_draft_tokens
-from blockdraft.decoding.lookup import check_lone
+from blockdraft.decoding.lookup import chain_room, check_lone
 from blockdraft.decoding.methods import GPU_BUDGET, build_proposer, device_settings
 from blockdraft.engine.batch import check_kv_room, default_max_num_seqs
 from blockdraft.engine.measured import MeasuredSchedule
@@ -120,6 +120,8 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
     dtype = str(target.dtype).removeprefix("torch.")
     sizes = {"ar": "", "dflash": f", {depth} drafted tokens per step",
              "ddtree": f", trees of {budget} nodes, {depth} drafted tokens deep"}[method]
+    if settings.lookup and budget is not None and depth is not None:
+        sizes += f", each holding a prompt-lookup chain of up to {chain_room(settings.lookup, budget, depth)} tokens"
     say(f"method {method}{sizes} on {target.device.type} ({dtype}, engine {target.engine}); --method, --budget "
         f"and --draft-tokens change it (loaded in {loaded_s:.1f} s)")
     if settings.self_check and loaded.drafter is not None and depth is not None:
