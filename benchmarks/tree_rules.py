@@ -33,7 +33,7 @@ import torch
 from blockdraft.decoding.ddtree import build_tree
 from blockdraft.decoding.draft import DFlashProposer, Draft
 from blockdraft.decoding.generate import generate
-from blockdraft.decoding.lookup import NgramIndex, chain_room, merge_chain
+from blockdraft.decoding.lookup import NgramIndex
 from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.models.drafter import DFlashDrafter
 from blockdraft.models.target import Target
@@ -186,12 +186,9 @@ def replay(recording: Recording, budget: int, rule: TreeRule, lookup: int = 0) -
             values, table = row
             draft = rule(values, budget)
             tokens = [int(table[depth - 1, rank]) for depth, rank in zip(draft.depths, draft.tokens.tolist())]
-            chain = index.chain(chain_room(lookup, budget, values.shape[0])) if lookup else []
-            if chain:
-                draft = merge_chain(Draft(torch.tensor(tokens, dtype=torch.long), draft.parents, draft.depths), tokens,
-                                    chain, budget)
-                tokens = draft.tokens.tolist()
-            count = accepted(draft, tokens, output[done:])
+            draft = index.merged_into(Draft(torch.tensor(tokens, dtype=torch.long), draft.parents, draft.depths),
+                                      lookup, budget, values.shape[0], tokens)
+            count = accepted(draft, draft.tokens.tolist(), output[done:])
         committed = min(count + 1, len(output) - done)
         index.extend(output[done : done + committed])
         lengths.append(committed)

@@ -84,6 +84,16 @@ class NgramIndex:
                 return self.tokens[end + 1 : end + 1 + length]
         return []
 
+    def merged_into(self, draft: Draft, lookup: int, budget: int, slots: int,
+                    tree_tokens: list[int] | None = None) -> Draft:
+        """`draft` (a tree of `slots` drafted slots) with this sequence's chain of `chain_room` tokens merged in
+        (`merge_chain`): what `LookupTreeProposer` drafts and `benchmarks/tree_rules.py` replays. The tree's tokens
+        are read from the device only when there is a chain, unless given as `tree_tokens`."""
+        chain = self.chain(chain_room(lookup, budget, slots))
+        if not chain:
+            return draft
+        return merge_chain(draft, draft.tokens.tolist() if tree_tokens is None else tree_tokens, chain, budget)
+
 
 def merge_chain(draft: Draft, tree_tokens: list[int], chain: list[int], budget: int) -> Draft:
     """The tree `draft` (its tokens `tree_tokens` on the host, nodes in pop order: each after its parent) with the
@@ -144,8 +154,6 @@ class LookupTreeProposer(DDTreeProposer):
         budget = self.budget if budget is None else budget
         draft = super().finish(logits, sampling, generator, budget)
         t0 = time.perf_counter()
-        chain = self.index.chain(chain_room(self.lookup, budget, logits.shape[0]))
-        if chain:
-            draft = merge_chain(draft, draft.tokens.tolist(), chain, budget)
+        draft = self.index.merged_into(draft, self.lookup, budget, logits.shape[0])
         self.build_s += time.perf_counter() - t0
         return draft
