@@ -81,8 +81,9 @@ def pairs(trained_pairs: dict) -> dict:
 def _decode(model: torch.nn.Module, drafter: object, method: str, fused: bool, prompt: list[int], n: int,
             **kwargs: object) -> tuple[list[int], list[int], list[int], int]:
     target = FastTarget(model, fused=fused)
-    budget = kwargs.pop("budget", None)
-    proposer = None if method == "ar" else build_proposer(method, target, drafter, budget)  # type: ignore[arg-type]
+    budget, lookup = kwargs.pop("budget", None), kwargs.pop("lookup", 0)
+    proposer = None if method == "ar" else build_proposer(method, target, drafter, budget,  # type: ignore[arg-type]
+                                                          lookup=lookup)  # type: ignore[arg-type]
     steps = fused_steps(target, proposer)
     reads = [0, 0]  # reads, and the most steps in flight at a read
     if steps is not None:
@@ -99,14 +100,19 @@ def _decode(model: torch.nn.Module, drafter: object, method: str, fused: bool, p
 
 
 @pytest.mark.parametrize("pair", ["full", "swa"])
-@pytest.mark.parametrize("method,budget", [("ar", None), ("dflash", None), ("ddtree", 6), ("ddtree", 40)])
-def test_fused_steps_decode_as_the_step_by_step_path(pairs: dict, pair: str, method: str, budget: int | None) -> None:
+@pytest.mark.parametrize("method,budget,lookup", [("ar", None, 0), ("dflash", None, 0), ("ddtree", 6, 0),
+                                                  ("ddtree", 40, 0), ("ddtree", 6, 3), ("ddtree", 40, 15)])
+def test_fused_steps_decode_as_the_step_by_step_path(pairs: dict, pair: str, method: str, budget: int | None,
+                                                     lookup: int) -> None:
+    """With a prompt-lookup chain too, searched and merged on the device (prompts that repeat themselves, so chains
+    are found and accepted)."""
     from trained_pair import prompts
 
     model, drafter = pairs[pair]
     for prompt in prompts(seed=3, count=3):
-        plain = _decode(model, drafter, method, False, prompt.ids, 53, budget=budget)
-        fused = _decode(model, drafter, method, True, prompt.ids, 53, budget=budget)
+        ids = (prompt.ids * 3)[: 40] if lookup else prompt.ids
+        plain = _decode(model, drafter, method, False, ids, 53, budget=budget, lookup=lookup)
+        fused = _decode(model, drafter, method, True, ids, 53, budget=budget, lookup=lookup)
         assert plain[3] == 0 and fused[3] > 0  # the fused steps ran, then the last steps took the other path
         assert fused[4] == AHEAD  # the next step launched before this one's read
         assert fused[:3] == plain[:3]
@@ -201,24 +207,27 @@ def test_a_step_left_in_flight_by_a_stop_is_dropped_and_the_next_decode_is_its_o
     assert (after.token_ids, after.acceptance_lengths, after.draft_lengths) == fresh[:3]
 
 
-@pytest.mark.parametrize("method,budget", [("ar", None), ("dflash", None), ("ddtree", 12)])
+@pytest.mark.parametrize("method,budget,lookup", [("ar", None, 0), ("dflash", None, 0), ("ddtree", 12, 0),
+                                                  ("ddtree", 12, 6)])
 def test_buffers_that_grow_while_a_step_flies_keep_what_it_committed(pairs: dict, method: str,
-                                                                     budget: int | None) -> None:
+                                                                     budget: int | None, lookup: int) -> None:
     """The buffers' first room (SLOT_STEP positions), a prompt of 230 and 60 new tokens: the target's and the
-    drafter's buffers grow in the middle of the decode, with the next step launched before the last one's commit
-    was read."""
+    drafter's buffers (and a lookup chain's token history) grow in the middle of the decode, with the next step
+    launched before the last one's commit was read."""
     from trained_pair import prompts
 
     model, drafter = pairs["full"]
     prompt = (prompts(seed=9, count=1)[0].ids * 40)[:230]
     target = FastTarget(model, cache_slots=1, fused=True)
-    proposer = None if method == "ar" else build_proposer(method, target, drafter, budget)
+    proposer = None if method == "ar" else build_proposer(method, target, drafter, budget, lookup=lookup)
     if proposer is not None:
         chain = proposer.chain if method == "ddtree" else proposer
         chain._fast = FastDrafter(drafter, target, cache_slots=1)
     result = generate(target, prompt, proposer, 60)
     assert target.storage.slots > SLOT_STEP  # grown after the prefill: the decode crossed the first room
-    fresh = _decode(model, drafter, method, False, prompt, 60, budget=budget)
+    if lookup:
+        assert fused_steps(target, proposer).history.numel() > SLOT_STEP
+    fresh = _decode(model, drafter, method, False, prompt, 60, budget=budget, lookup=lookup)
     assert (result.token_ids, result.acceptance_lengths, result.draft_lengths) == fresh[:3]
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from blockdraft.decoding.generate import generate
 from blockdraft.decoding.methods import build_proposer
@@ -64,6 +65,36 @@ def test_one_read_per_step(engine: type, method: str, temperature: float, per_st
     expected = Counter({name: n * steps for name, n in per_step.items()})
     expected["item"] += 1  # the prefill's first token
     assert mode.reads == expected
+
+
+class CountScalarReads(TorchDispatchMode):
+    """Counts the ops that bring one device value to the host, however they are reached: indexing with a 0-d
+    tensor reads it in C++, where a torch-function mode does not see it (and a CUDA graph capture fails)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func.__name__.split(".")[0] in {"_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal"}:
+            self.reads[func.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_fused_ddtree_steps_with_a_lookup_chain_read_once_per_step() -> None:
+    """The chain's search and its merge into the tree run on the device inside the fused steps (graph-captured on a
+    GPU): the step's one read is the result's, and nothing else reads a device value but the prefill's token."""
+    target = FastTarget(make_target_model("qwen3"), fused=True)
+    proposer = build_proposer("ddtree", target, make_drafter(), budget=8, lookup=4)
+    prompt = [3, 14, 15, 9, 3, 14, 15, 9, 3, 14]
+    ids = generate(target, prompt, proposer, max_new_tokens=80).token_ids
+    stop = next(t for i, t in enumerate(ids) if i >= 30 and t not in ids[:i])  # ends the decode in its fused steps
+    with CountHostReads() as mode, CountScalarReads() as scalars:
+        result = generate(target, prompt, proposer, max_new_tokens=80, stop_token_ids=(stop,))
+    steps = len(result.acceptance_lengths)
+    assert steps > 10 and result.stopped_on == stop
+    assert mode.reads == Counter({"tolist": steps, "item": 1})
+    assert scalars.reads == Counter({"item.default": 1})
 
 
 @pytest.mark.parametrize("scheduled", [False, True], ids=["ddtree", "schedule"])

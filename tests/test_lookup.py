@@ -118,14 +118,19 @@ def test_lookup_trees_decode_the_targets_own_ids(variant: str) -> None:
 
 
 def test_lookup_trees_on_the_fast_engine_decode_its_ar_ids() -> None:
-    """The fast engine's fused greedy steps and device trees do not apply (trees need the host's tokens): its
-    step-by-step path verifies the merged trees, smaller ones than the budget included."""
-    target = FastTarget(make_target_model("qwen3"), fused=True)
-    proposer = LookupTreeProposer(make_drafter("all_full"), target, 8, 4)
-    assert fused_steps(target, proposer) is None
-    for prompt in PROMPTS:
-        assert generate(target, prompt, proposer, max_new_tokens=24).token_ids == \
-            generate(target, prompt, None, max_new_tokens=24).token_ids
+    """Its fused greedy steps (the chain searched and merged on the device) and its step-by-step path (merged trees
+    smaller than the budget included) decode its AR ids, with the same acceptance."""
+    model, drafter = make_target_model("qwen3"), make_drafter("all_full")
+    runs = []
+    for fused in (True, False):
+        target = FastTarget(model, fused=fused)
+        proposer = LookupTreeProposer(drafter, target, 8, 4)
+        assert (fused_steps(target, proposer) is not None) == fused
+        for prompt in PROMPTS:
+            result = generate(target, prompt, proposer, max_new_tokens=24)
+            assert result.token_ids == generate(target, prompt, None, max_new_tokens=24).token_ids
+            runs.append(result.acceptance_lengths)
+    assert runs[: len(PROMPTS)] == runs[len(PROMPTS) :]
 
 
 def test_a_looping_target_is_drafted_by_its_chains() -> None:

@@ -33,11 +33,14 @@ import torch
 from blockdraft.decoding.argmax_kernel import greedy_picks
 from blockdraft.decoding.ddtree import DDTreeProposer, tree_layout
 from blockdraft.decoding.draft import DFlashProposer
+from blockdraft.decoding.lookup import LookupTreeProposer, chain_room
+from blockdraft.decoding.lookup_device import chain_search, merged_rows
 from blockdraft.decoding.walk_kernel import kernel_runs as walk_kernel_runs
 from blockdraft.decoding.walk_kernel import walk_rows
 from blockdraft.models.fast_drafter import FastDrafter
 from blockdraft.models.fast_target import FastTarget
 from blockdraft.models.graphs import capture, graph_pool
+from blockdraft.models.host_to_device import long_tensor
 from blockdraft.models.kernel_choice import kernel_wins
 from blockdraft.models.static_cache import SLOT_STEP, StaticTargetCache, round_up
 
@@ -65,12 +68,14 @@ def device_walk(ids: torch.Tensor, picks: torch.Tensor, own: torch.Tensor, paren
 
 @dataclass(frozen=True)
 class StepShape:
-    """What a method's fused step is made of: the drafted slots (0: AR), the mask rows the drafter sees, and the
-    tree's budget (None: a chain or AR). Steps of one shape share their graphs, whichever proposer asked."""
+    """What a method's fused step is made of: the drafted slots (0: AR), the mask rows the drafter sees, the tree's
+    budget (None: a chain or AR) and the most nodes of its prompt-lookup chain (`lookup.chain_room`; 0: none).
+    Steps of one shape share their graphs, whichever proposer asked."""
 
     slots: int = 0
     visible: int = 0
     budget: int | None = None
+    lookup: int = 0
 
 
 AR_SHAPE = StepShape()
@@ -82,7 +87,10 @@ def step_shape(proposer: DFlashProposer | DDTreeProposer | None) -> StepShape:
         return AR_SHAPE
     chain = proposer.chain if isinstance(proposer, DDTreeProposer) else proposer
     slots, visible = chain.block_rows(chain.block_size)
-    return StepShape(slots, visible, proposer.budget if isinstance(proposer, DDTreeProposer) else None)
+    if not isinstance(proposer, DDTreeProposer):
+        return StepShape(slots, visible)
+    lookup = chain_room(proposer.lookup, proposer.budget, slots) if isinstance(proposer, LookupTreeProposer) else 0
+    return StepShape(slots, visible, proposer.budget, lookup)
 
 
 class FusedSteps:
@@ -101,6 +109,7 @@ class FusedSteps:
         self.tap_layers = tap_layers
         self.budget = shape.budget
         self.slots = shape.slots
+        self.lookup = shape.lookup
         visible = shape.visible
         self.rows = 1 + (self.budget if self.budget is not None else self.slots)
         self.commit_rows = min(1 + self.slots, self.rows)  # a path of the tree's nodes at most
@@ -122,6 +131,8 @@ class FusedSteps:
                 self.block_ids = torch.full((1, d.block_size), d.drafter.cfg.mask_token_id, **long)
                 self.valid = torch.full((), visible + 1, **long)
                 self.host = torch.tensor([[self.slots, 0, 0]], **long)  # a tree's slots, anchor and start
+            self.history = torch.zeros(SLOT_STEP if self.lookup else 0, **long)  # the context's tokens, anchor last
+        self._history_grown = 0
         pinned = self.device.type == "cuda"
         self._landed = [(torch.zeros(self.result.shape, dtype=torch.long, pin_memory=pinned),
                          torch.cuda.Event() if pinned else None) for _ in range(AHEAD)]  # each verify's result
@@ -131,8 +142,19 @@ class FusedSteps:
         self._pool: Any = None
         self._versions = self._storage_versions()
 
-    def _storage_versions(self) -> tuple[int, int]:
-        return self.target.storage.version, self.drafter.storage.version if self.drafter is not None else 0
+    def _storage_versions(self) -> tuple[int, int, int]:
+        drafter = self.drafter.storage.version if self.drafter is not None else 0
+        return self.target.storage.version, drafter, self._history_grown
+
+    def _history_room(self, positions: int) -> None:
+        """Room in the token history for `positions` tokens (a lookup chain's steps only; grown, every graph is
+        dropped: `_graph`)."""
+        if self.lookup and positions > self.history.numel():
+            grown = torch.zeros(max(round_up(positions), 2 * self.history.numel()), dtype=torch.long,
+                                device=self.device)
+            grown[: self.history.numel()] = self.history
+            self.history = grown
+            self._history_grown += 1
 
     def _state(self) -> list[torch.Tensor]:
         """Every buffer a step's graphs write, the device lengths included (a capture's warm-up runs write them)."""
@@ -140,6 +162,8 @@ class FusedSteps:
                  self.path, self.target.storage.length]
         if self.drafter is not None:
             state += [self.taps, self.block_ids, self.host, self.drafter.storage.length]
+        if self.lookup:
+            state.append(self.history)
         return state
 
     @property
@@ -153,11 +177,16 @@ class FusedSteps:
         return depth_left - unread * self.commit_rows >= self.min_depth_left
 
     @torch.inference_mode()
-    def begin(self, anchor: int, cache: StaticTargetCache) -> None:
+    def begin(self, anchor: int, cache: StaticTargetCache, context: list[int] | None = None) -> None:
         """Lay out the first step's rows after the prefill: the anchor (the prefill's token), then its draft. A step
-        a stopped decode left in flight is dropped (its writes precede the prefill's on the stream)."""
+        a stopped decode left in flight is dropped (its writes precede the prefill's on the stream). Steps with a
+        lookup chain search the `context`: the prompt and every token committed, the anchor last."""
         self._launched = self._taken = 0
         self.anchor.fill_(anchor)
+        if self.lookup:
+            assert context is not None and len(context) == len(cache) + 1 and context[-1] == anchor
+            self._history_room(round_up(self._draft_slots(len(cache), 0)))  # the first draft's search too
+            self.history[: len(context)].copy_(long_tensor(context, self.device))
         self.result[0].fill_(0)  # the draft graph's context extension then adds nothing
         if self.drafter is None:
             self._next_anchor_row()
@@ -179,6 +208,8 @@ class FusedSteps:
         cache.reserve(self.rows, unread)
         if self.drafter is not None:  # the draft's room now: a buffer grown with a graph in flight drops it
             self.drafter.room(self._draft_slots(len(cache), self.pending + 1), unread)
+        self._history_room(max(len(cache) + unread + self.commit_rows + 1,
+                               round_up(self._draft_slots(len(cache), self.pending + 1)) if self.lookup else 0))
         self._replay(self._verify_graphs, round_up(len(cache) + unread + self.rows), self._verify_run)
         landed, event = self._landed[self._launched % AHEAD]
         landed.copy_(self.result, non_blocking=True)
@@ -225,6 +256,7 @@ class FusedSteps:
                 self._graph(self._verify_graphs, cap, self._verify_run)
         if self.drafter is not None:
             self.drafter.room(self._draft_slots(positions, AHEAD))
+            self._history_room(round_up(self._draft_slots(positions, AHEAD)))
             for cap in range(SLOT_STEP, round_up(self._draft_slots(positions, AHEAD)) + 1, SLOT_STEP):
                 self._graph(self._draft_graphs, cap, self._draft_run)
 
@@ -263,6 +295,8 @@ class FusedSteps:
             kv.index_copy_(3, length + self.row_ids[: self.commit_rows], kv.index_select(3, length + self.path))
         if taps is not None:
             self.taps.copy_(taps[:, self.path])
+        if self.lookup:  # the committed tokens follow the anchor in the history
+            self.history.index_copy_(0, length + 1 + self.row_ids[: self.commit_rows], self.result[2:])
         length.add_(self.result[0])
         if self.drafter is None:
             self._next_anchor_row()
@@ -311,11 +345,18 @@ class FusedSteps:
             return
         self.host[0, 1:].copy_(torch.stack([self.anchor, start]))
         ids, positions, own, shape = tree_layout(logits.unsqueeze(0), self.host, self.budget)
-        self.ids.copy_(ids)
-        self.positions.copy_(positions[0])
-        self.own.copy_(own[0])
-        self.parent_rows[1:].copy_(shape[0, 1 : 1 + self.budget] + 1)
-        self.nodes.copy_(shape[0, 0])
+        ids, positions, own, nodes = ids[0], positions[0], own[0], shape[0, 0]
+        parent_rows = torch.cat([self.row_ids[:1], shape[0, 1 : 1 + self.budget] + 1])
+        if self.lookup:
+            chain, count = chain_search(self.history[:cap], start, self.lookup)
+            ids, depths, own, parent_rows, nodes = merged_rows(ids, positions - start, own, parent_rows, nodes,
+                                                               chain, count)
+            positions = start + depths
+        self.ids[0].copy_(ids)
+        self.positions.copy_(positions)
+        self.own.copy_(own)
+        self.parent_rows.copy_(parent_rows)
+        self.nodes.copy_(nodes)
 
 
 def fused_steps(target: Any, proposer: Any) -> FusedSteps | None:
@@ -325,7 +366,7 @@ def fused_steps(target: Any, proposer: Any) -> FusedSteps | None:
     if not isinstance(target, FastTarget) or not target.fused:
         return None
     if proposer is not None:
-        if type(proposer) not in (DFlashProposer, DDTreeProposer):
+        if type(proposer) not in (DFlashProposer, DDTreeProposer, LookupTreeProposer):
             return None
         chain = proposer.chain if isinstance(proposer, DDTreeProposer) else proposer
         if chain.fast is None or chain.target is not target:

@@ -196,7 +196,7 @@ def generate(
         # fused: until a step could commit past the end, and while one is in flight
         if fused is not None and (fused.pending or fused.whole_step(depth_left)):
             if not begun:
-                fused.begin(anchor, cache)
+                fused.begin(anchor, cache, [*prompt_ids, *tokens])
                 begun = True
             if not fused.pending:
                 _launch_fused(fused, cache, stages)

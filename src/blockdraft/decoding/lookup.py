@@ -130,8 +130,9 @@ def merge_chain(draft: Draft, tree_tokens: list[int], chain: list[int], budget: 
 
 
 class LookupTreeProposer(DDTreeProposer):
-    """DDTree whose every tree also holds the context's prompt-lookup chain (`NgramIndex`; `chain_room` tokens).
-    Trees are built on the host, where the context's tokens are."""
+    """DDTree whose every tree also holds the context's prompt-lookup chain (`NgramIndex`; `chain_room` tokens),
+    built on the host here; the fast engine's fused greedy steps search and merge the same chain on the device
+    (`lookup_device`)."""
 
     name = "ddtree+lookup"
 

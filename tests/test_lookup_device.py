@@ -1,0 +1,73 @@
+"""Prompt lookup on the device (`decoding.lookup_device`): the n-gram search finds what a scan of the context
+finds, and the merge into a laid-out tree gives `merge_chain`'s tree, row for row."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_lookup import scanned_chain, trees
+
+from blockdraft.decoding.draft import Draft
+from blockdraft.decoding.lookup import merge_chain
+from blockdraft.decoding.lookup_device import chain_search, merged_rows
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=40), st.lists(st.integers(0, 3), max_size=12),
+       st.integers(1, 6))
+def test_the_search_finds_what_a_scan_finds(tokens: list[int], after: list[int], room: int) -> None:
+    """Whatever the buffer holds past the context's last token (the rows a step wrote and did not commit)."""
+    history = torch.tensor(tokens + after)
+    chain, count = chain_search(history, torch.tensor(len(tokens) - 1), room)
+    assert chain[: int(count)].tolist() == scanned_chain(tokens, room)
+    assert chain.shape == (room,)
+
+
+def laid_out(draft: Draft, tokens: list[int], budget: int) -> tuple[torch.Tensor, ...]:
+    """The tree as `ddtree.tree_layout` lays it out in 1 + `budget` rows (padding rows: depth 1, below the anchor,
+    seeing the anchor and themselves): ids, depths, own, parent_rows, nodes."""
+    size, n = budget + 1, len(draft)
+    ids = torch.full((size,), 2)
+    ids[0] = 9
+    ids[1 : 1 + n] = torch.tensor(tokens, dtype=torch.long)
+    depths = torch.ones(size, dtype=torch.long)
+    depths[0] = 0
+    depths[1 : 1 + n] = torch.tensor(draft.depths, dtype=torch.long)
+    parent_rows = torch.zeros(size, dtype=torch.long)
+    parent_rows[1 : 1 + n] = torch.tensor(draft.parents, dtype=torch.long) + 1
+    return ids, depths, ancestors(parent_rows.tolist()), parent_rows, torch.tensor(n)
+
+
+def ancestors(parent_rows: list[int]) -> torch.Tensor:
+    """Each row's ancestor mask (itself included), from its parent row (the anchor's: itself)."""
+    own = torch.eye(len(parent_rows), dtype=torch.bool)
+    for row in range(len(parent_rows)):
+        up = row
+        while up != 0:
+            up = parent_rows[up]
+            own[row, up] = True
+    return own
+
+
+@settings(max_examples=400, deadline=None)
+@given(trees(), st.lists(st.integers(0, 3), max_size=6), st.integers(0, 6), st.integers(0, 3))
+def test_the_merge_lays_out_the_hosts_merged_tree(tree: tuple[Draft, list[int]], chain: list[int], spare: int,
+                                                  padding: int) -> None:
+    """Tokens, parents and depths of every row, the ancestor mask (no row sees a padding row), the node count; a
+    chain of any length in a longer buffer, none included."""
+    draft, tokens = tree
+    budget = max(len(draft), len(chain), 1) + spare
+    merged = merge_chain(draft, tokens, chain, budget) if chain else draft
+    buffer = torch.tensor(chain + [1] * (padding + (not chain)), dtype=torch.long)
+    ids, depths, own, parent_rows, nodes = merged_rows(*laid_out(draft, tokens, budget), buffer,
+                                                       torch.tensor(len(chain)))
+    n = len(merged)
+    assert int(nodes) == n
+    assert ids[1 : 1 + n].tolist() == merged.tokens.tolist() and int(ids[0]) == 9
+    assert (parent_rows[1 : 1 + n] - 1).tolist() == merged.parents and int(parent_rows[0]) == 0
+    assert depths[1 : 1 + n].tolist() == merged.depths and int(depths[0]) == 0
+    assert torch.equal(own[: 1 + n], torch.cat([ancestors(parent_rows[: 1 + n].tolist()),
+                                                torch.zeros(1 + n, budget - n, dtype=torch.bool)], dim=1))
+    padding_rows = own[1 + n :]
+    assert torch.equal(padding_rows, torch.eye(budget + 1, dtype=torch.bool)[1 + n :] | (torch.arange(budget + 1) == 0))
