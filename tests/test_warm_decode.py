@@ -85,20 +85,22 @@ def test_a_tree_without_its_own_graph_replays_a_captured_one_of_up_to_twice_its_
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("method,budget,sampling", [("ar", None, SamplingParams()), ("dflash", None, SamplingParams()),
-                                                    ("ddtree", 12, SamplingParams()),
-                                                    ("ddtree", 20, SamplingParams(temperature=1.0))])
+@pytest.mark.parametrize("method,budget,sampling,lookup", [
+    ("ar", None, SamplingParams(), 0), ("dflash", None, SamplingParams(), 0), ("ddtree", 12, SamplingParams(), 0),
+    ("ddtree", 20, SamplingParams(temperature=1.0), 0), ("ddtree", 12, SamplingParams(), 6)])
 def test_after_warming_a_decode_inside_the_context_captures_no_graph(method: str, budget: int | None,
-                                                                      sampling: SamplingParams) -> None:
+                                                                      sampling: SamplingParams, lookup: int) -> None:
+    """A lookup chain's search and merge are captured in the fused steps' draft graph (the prompts repeat
+    themselves every 20 tokens, so chains are found)."""
     model = make_target_model("qwen3").cuda()
     drafter = make_drafter("all_full").cuda()
     prompts = [[(3 * i + 1) % 60 + 1 for i in range(n)] for n in (5, 200, 300)]
     new = 180
     cold = FastTarget(model, fused=False)  # step by step and captured as met: the fused, warmed steps must agree
-    cold_ids = [generate(cold, p, build_proposer(method, cold, drafter, budget), new, sampling, seed=3).token_ids
-                for p in prompts]
+    cold_ids = [generate(cold, p, build_proposer(method, cold, drafter, budget, lookup=lookup), new, sampling,
+                         seed=3).token_ids for p in prompts]
     target = FastTarget(model)
-    proposer = build_proposer(method, target, drafter, budget)
+    proposer = build_proposer(method, target, drafter, budget, lookup=lookup)
     assert warm_decode(target, proposer, max(map(len, prompts)) + new) > 0
     generate(target, prompts[0], proposer, 2 * drafter.cfg.block_size, sampling)  # the tree search's own graphs
     before = graphs_captured()
