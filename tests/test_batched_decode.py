@@ -1,7 +1,7 @@
 """Batched decoding is lossless: every sequence's ids (and acceptance lengths) in a batch equal its batch-1 ids from
-`generate()`, with mixed prompt lengths, sequences joining and leaving mid-run, chains and trees, all-full and
-sliding-window drafters, a sliding-window target, the HF engine and a hybrid (linear-attention) target; at T > 0 a
-batched sequence draws what it draws alone."""
+`generate()`, with mixed prompt lengths, sequences joining and leaving mid-run, chains and trees (with prompt-lookup
+chains too), all-full and sliding-window drafters, a sliding-window target, the HF engine and a hybrid
+(linear-attention) target; at T > 0 a batched sequence draws what it draws alone."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from blockdraft.decoding import lookup as lookup_module
 from blockdraft.decoding.generate import generate
 from blockdraft.decoding.methods import build_proposer
 from blockdraft.decoding.sampling import SamplingParams
@@ -58,16 +59,26 @@ CASES = [("qwen3", "ar", None, None), ("qwen3", "dflash", "all_full", None), ("q
          ("hf-hybrid-qwen3_5", "dflash", "all_full", None), ("hf-hybrid-qwen3_5", "ddtree", "all_full", 6),
          ("qwen3-padded", "dflash", "all_full", None), ("qwen3-padded", "ddtree", "all_full", 12),
          ("qwen3", "dflash", "dflash2", None), ("hf-qwen3", "ddtree", "dflash2", 6)]
+LOOKUP_CASES = [("qwen3", "ddtree", "all_full", 12, 4), ("qwen3-padded", "ddtree", "all_full", 8, 15),
+                ("sliding-qwen2", "ddtree", "mixed_swa", 6, 3), ("hf-qwen3", "ddtree", "all_full", 6, 4),
+                ("hf-hybrid-qwen3_5", "ddtree", "all_full", 6, 4)]
 
 
-@pytest.mark.parametrize("target_name,method,variant,budget", CASES)
+@pytest.mark.parametrize("target_name,method,variant,budget,lookup", [(*case, 0) for case in CASES] + LOOKUP_CASES)
 def test_every_sequence_in_a_batch_decodes_its_batch_1_ids(target_name: str, method: str, variant: str | None,
-                                                          budget: int | None) -> None:
+                                                          budget: int | None, lookup: int,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """With lookup chains, each sequence's chains come from its own tokens (its trees are its batch-1 trees: the
+    same acceptance lengths), merged on the device where the fast engine builds the batch's trees there."""
     target = TARGETS[target_name]()
     drafter = make_drafter(variant) if variant else None
+    found: list[int] = []
+    chain = lookup_module.NgramIndex.chain
+    monkeypatch.setattr(lookup_module.NgramIndex, "chain", lambda self, n: found.append(len(chain(self, n))) or
+                        chain(self, n))
 
     def new_proposer():  # noqa: ANN202
-        return build_proposer(method, target, drafter, budget)
+        return build_proposer(method, target, drafter, budget, lookup=lookup)
 
     items = prompts(7)
     alone = [generate(target, ids, new_proposer(), max_new_tokens=6 + 5 * (i % 4), stop_token_ids=(5,))
@@ -103,6 +114,7 @@ def test_every_sequence_in_a_batch_decodes_its_batch_1_ids(target_name: str, met
         assert batched.token_ids == single.token_ids, f"prompt {i}"
         assert batched.acceptance_lengths == single.acceptance_lengths, f"prompt {i}"
         assert batched.draft_lengths == single.draft_lengths, f"prompt {i}"
+    assert (max(found, default=0) > 0) == (lookup > 0)  # chains were found and merged
 
 
 def test_sampled_sequences_draw_what_they_draw_alone() -> None:
@@ -290,7 +302,9 @@ def test_batching_refuses_what_it_cannot_do() -> None:
         decoder.join([1, 2], 8)
 
 
-def test_generate_batch_size_prints_what_one_at_a_time_prints(tiny_dirs, tmp_path) -> None:
+@pytest.mark.parametrize("lookup", ["0", "3"])
+def test_generate_batch_size_prints_what_one_at_a_time_prints(tiny_dirs, tmp_path, lookup: str) -> None:
+    """With DDTree's lookup chains too (each sequence's own)."""
     import json
 
     from typer.testing import CliRunner
@@ -304,7 +318,7 @@ def test_generate_batch_size_prints_what_one_at_a_time_prints(tiny_dirs, tmp_pat
     for extra in ([], ["--batch-size", "4"]):
         result = CliRunner().invoke(app, ["generate", "--target", str(target), "--drafter", str(drafter), "--method",
                                           "ddtree", "--budget", "6", "--engine", "fast", "--device", "cpu", "--prompts",
-                                          str(prompt_file), "--max-new-tokens", "12", *extra])
+                                          str(prompt_file), "--max-new-tokens", "12", "--lookup", lookup, *extra])
         assert result.exit_code == 0, result.output
         runs.append([json.loads(line) for line in result.stdout.strip().splitlines()])
     assert [(r["token_ids"], r["acceptance_lengths"]) for r in runs[0]] == \
@@ -456,16 +470,16 @@ def test_bench_batch_size_gives_the_same_ids_and_the_batch_wall_time(tiny_dirs, 
     for size in ("1", "3"):
         out = tmp_path / f"bench{size}.json"
         result = CliRunner().invoke(app, ["bench", "--target", str(target), "--drafter", str(drafter), "--methods",
-                                          "ar,ddtree", "--budget", "4", "--engine", "fast", "--device", "cpu",
-                                          "--prompts", str(prompt_file), "--max-new-tokens", "10", "--batch-size",
-                                          size, "--json-out", str(out)])
+                                          "ar,ddtree", "--budget", "4", "--lookup", "0,2", "--engine", "fast",
+                                          "--device", "cpu", "--prompts", str(prompt_file), "--max-new-tokens", "10",
+                                          "--batch-size", size, "--json-out", str(out)])
         assert result.exit_code == 0, result.output
         reports.append(json.loads(out.read_text()))
     one, three = reports
     assert three["settings"]["batch_size"] == 3
-    for label in ("ar", "ddtree@4"):
-        assert [p["token_ids"] for p in one["methods"][label]["prompts"]] == \
-            [p["token_ids"] for p in three["methods"][label]["prompts"]]
+    for label in ("ar", "ddtree@4", "ddtree@4+lookup2"):
+        assert [(p["token_ids"], p["acceptance_lengths"]) for p in one["methods"][label]["prompts"]] == \
+            [(p["token_ids"], p["acceptance_lengths"]) for p in three["methods"][label]["prompts"]]
         assert one["methods"][label]["batched_wall_s"] is None and three["methods"][label]["batched_wall_s"] > 0
         stats = three["methods"][label]["stats"]
         assert stats["ttft_s"] + stats["decode_s"] == pytest.approx(three["methods"][label]["batched_wall_s"])

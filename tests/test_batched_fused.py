@@ -46,10 +46,11 @@ def reads(monkeypatch: pytest.MonkeyPatch) -> Reads:
 
 
 def _reference(model: torch.nn.Module, drafter: object, method: str, budget: int | None, prompt: list[int], n: int,
-               **kwargs: object) -> object:
+               lookup: int = 0, **kwargs: object) -> object:
     """`generate()` step by step (fused steps off) on its own target."""
     target = FastTarget(model, fused=False)
-    proposer = None if method == "ar" else build_proposer(method, target, drafter, budget)  # type: ignore[arg-type]
+    proposer = None if method == "ar" else build_proposer(method, target, drafter, budget,  # type: ignore[arg-type]
+                                                          lookup=lookup)
     return generate(target, prompt, proposer, n, **kwargs)  # type: ignore[arg-type]
 
 
@@ -59,14 +60,15 @@ def _same(seq: object, single: object, label: str) -> None:
     assert seq.draft_lengths == single.draft_lengths, label  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize("pair,method,budget", [("full", "ar", None), ("full", "dflash", None),
-                                                ("full", "ddtree", 6), ("swa", "ddtree", 40), ("swa", "dflash", None)])
+@pytest.mark.parametrize("pair,method,budget,lookup", [
+    ("full", "ar", None, 0), ("full", "dflash", None, 0), ("full", "ddtree", 6, 0), ("swa", "ddtree", 40, 0),
+    ("swa", "dflash", None, 0), ("full", "ddtree", 12, 6)])
 def test_lone_stretches_run_fused_and_decode_their_batch_1_ids(trained_pairs: dict, pair: str, method: str,
-                                                               budget: int | None, reads: Reads) -> None:
+                                                               budget: int | None, lookup: int, reads: Reads) -> None:
     """A alone from its prefill (fused); B joins while A's fused step flies (both batched); B leaves (A fused
     again, from a fresh layout); C joins while A's fused step flies and is done at its first token (A goes on
     fused); D joins (batched); D leaves; A's last steps go step by step. Every sequence gives `generate()`'s ids
-    and lengths."""
+    and lengths; with a lookup chain, each fused stretch starts its token history from the sequence's context."""
     from blockdraft.models.loading import load_drafter, load_target
     from trained_pair import prompts as trained_prompts
 
@@ -75,9 +77,9 @@ def test_lone_stretches_run_fused_and_decode_their_batch_1_ids(trained_pairs: di
     model = loaded.model
     drafter = load_drafter(drafter_dir, loaded)
     target = FastTarget(model, fused=True)
-    decoder = BatchDecoder(target, lambda: None if method == "ar" else build_proposer(method, target, drafter, budget),
-                           max_seqs=4)
-    items = [p.ids for p in trained_prompts(seed=5, count=4)]
+    decoder = BatchDecoder(target, lambda: None if method == "ar" else build_proposer(method, target, drafter, budget,
+                                                                                      lookup=lookup), max_seqs=4)
+    items = [(p.ids * 3)[:40] if lookup else p.ids for p in trained_prompts(seed=5, count=4)]
     limits = [160, 14, 1, 20]
     a = decoder.join(items[0], limits[0])
     for _ in range(3):
@@ -100,7 +102,7 @@ def test_lone_stretches_run_fused_and_decode_their_batch_1_ids(trained_pairs: di
     while decoder.running:
         decoder.step()
     for seq, prompt, n, label in zip((a, b, c, d), items, limits, "abcd"):
-        _same(seq, _reference(model, drafter, method, budget, prompt, n), label)
+        _same(seq, _reference(model, drafter, method, budget, prompt, n, lookup), label)
     assert max(reads.in_flight) == AHEAD  # a lone stretch launched its next step before reading this one
     if method != "ar":
         assert max(a.acceptance_lengths) > 2  # whole paths were committed, not only the anchor's bonus

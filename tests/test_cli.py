@@ -90,8 +90,6 @@ def test_bench_sweeps_lookup_chains(tiny_dirs: tuple[Path, Path], tmp_path: Path
         (["--prompt-ids", "1", "--method", "beam"], "--method"),
         (["--prompt-ids", "1", "--prompt", "x"], "exactly one"),
         (["--prompt-ids", "1", "--method", "dflash", "--lookup", "4"], "--method ddtree"),
-        (["--prompt-ids", "1", "--method", "ddtree", "--budget", "8", "--lookup", "4", "--batch-size", "2"],
-         "--batch-size 1"),
     ],
 )
 def test_errors_are_one_line_exit_2(tiny_dirs: tuple[Path, Path], args: list[str], message: str) -> None:

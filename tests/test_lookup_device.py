@@ -50,24 +50,28 @@ def ancestors(parent_rows: list[int]) -> torch.Tensor:
     return own
 
 
-@settings(max_examples=400, deadline=None)
-@given(trees(), st.lists(st.integers(0, 3), max_size=6), st.integers(0, 6), st.integers(0, 3))
-def test_the_merge_lays_out_the_hosts_merged_tree(tree: tuple[Draft, list[int]], chain: list[int], spare: int,
-                                                  padding: int) -> None:
-    """Tokens, parents and depths of every row, the ancestor mask (no row sees a padding row), the node count; a
-    chain of any length in a longer buffer, none included."""
-    draft, tokens = tree
-    budget = max(len(draft), len(chain), 1) + spare
-    merged = merge_chain(draft, tokens, chain, budget) if chain else draft
-    buffer = torch.tensor(chain + [1] * (padding + (not chain)), dtype=torch.long)
-    ids, depths, own, parent_rows, nodes = merged_rows(*laid_out(draft, tokens, budget), buffer,
-                                                       torch.tensor(len(chain)))
-    n = len(merged)
-    assert int(nodes) == n
-    assert ids[1 : 1 + n].tolist() == merged.tokens.tolist() and int(ids[0]) == 9
-    assert (parent_rows[1 : 1 + n] - 1).tolist() == merged.parents and int(parent_rows[0]) == 0
-    assert depths[1 : 1 + n].tolist() == merged.depths and int(depths[0]) == 0
-    assert torch.equal(own[: 1 + n], torch.cat([ancestors(parent_rows[: 1 + n].tolist()),
-                                                torch.zeros(1 + n, budget - n, dtype=torch.bool)], dim=1))
-    padding_rows = own[1 + n :]
-    assert torch.equal(padding_rows, torch.eye(budget + 1, dtype=torch.bool)[1 + n :] | (torch.arange(budget + 1) == 0))
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(trees(), st.lists(st.integers(0, 3), max_size=6), st.integers(0, 3)), min_size=1,
+                max_size=3), st.integers(0, 6))
+def test_the_merge_lays_out_the_hosts_merged_trees(batch: list[tuple[tuple[Draft, list[int]], list[int], int]],
+                                                    spare: int) -> None:
+    """Several trees at once, each with its own chain of any length (none included) in a buffer of its own length:
+    tokens, parents and depths of every row, the ancestor masks (no row sees a padding row), the node counts."""
+    budget = max(max(len(draft), len(chain), 1) for (draft, _), chain, _ in batch) + spare
+    room = max(len(chain) + padding for _, chain, padding in batch) + 1
+    laid = [laid_out(draft, tokens, budget) for (draft, tokens), _, _ in batch]
+    buffers = torch.tensor([chain + [1] * (room - len(chain)) for _, chain, _ in batch], dtype=torch.long)
+    counts = torch.tensor([len(chain) for _, chain, _ in batch])
+    ids, depths, own, parent_rows, nodes = merged_rows(*(torch.stack(x) for x in zip(*laid)), buffers, counts)
+    for b, ((draft, tokens), chain, _) in enumerate(batch):
+        merged = merge_chain(draft, tokens, chain, budget) if chain else draft
+        n = len(merged)
+        assert int(nodes[b]) == n
+        assert ids[b, 1 : 1 + n].tolist() == merged.tokens.tolist() and int(ids[b, 0]) == 9
+        assert (parent_rows[b, 1 : 1 + n] - 1).tolist() == merged.parents and int(parent_rows[b, 0]) == 0
+        assert depths[b, 1 : 1 + n].tolist() == merged.depths and int(depths[b, 0]) == 0
+        assert depths[b, 1 + n :].tolist() == [1] * (budget - n)
+        assert torch.equal(own[b, : 1 + n], torch.cat([ancestors(parent_rows[b, : 1 + n].tolist()),
+                                                       torch.zeros(1 + n, budget - n, dtype=torch.bool)], dim=1))
+        padding_rows = torch.eye(budget + 1, dtype=torch.bool)[1 + n :] | (torch.arange(budget + 1) == 0)
+        assert torch.equal(own[b, 1 + n :], padding_rows)

@@ -328,27 +328,40 @@ def test_a_busy_port_or_a_missing_drafter_is_one_sentence_before_loading(text_pa
         BlockdraftServer(settings(text_pair[0], None), print)
 
 
-def test_lookup_trees_serve_generates_answer_and_are_refused_where_they_cannot_run(text_pair) -> None:
-    """--lookup N one request at a time: the answer and its acceptance lengths are `generate --lookup N`'s; with
-    another method or requests decoded together it is one sentence before loading."""
+@pytest.mark.parametrize("seqs", [1, 3])
+def test_lookup_trees_serve_generates_answers_and_are_refused_where_they_cannot_run(text_pair, seqs: int) -> None:
+    """--lookup N one request at a time and under continuous batching (requests sent together): each answer and
+    its acceptance lengths are `generate --lookup N`'s; with another method or a schedule it is one sentence before
+    loading."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from blockdraft.errors import BlockdraftError
     from blockdraft.serve.server import BlockdraftServer
 
-    messages = [{"role": "user", "content": "abcabcabcabcabc"}]
-    reference = cli_generate(text_pair, "--messages", json.dumps(messages), "--max-new-tokens", "40", "--lookup", "2")
+    conversations = [[{"role": "user", "content": text}] for text in ("abcabcabcabcabc", "xyz xyz xyz xyz")]
+    references = [cli_generate(text_pair, "--messages", json.dumps(messages), "--max-new-tokens", "40", "--lookup", "2")
+                  for messages in conversations]
     said: list[str] = []
-    with running(settings(*text_pair, served_model_name=MODEL, max_num_seqs=1, lookup=2), said.append) as server:
+    with running(settings(*text_pair, served_model_name=MODEL, max_num_seqs=seqs, lookup=2), said.append) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
-        response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
+
+        def ask(messages: list[dict]) -> object:
+            return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=40, temperature=0,
                                                   extra_body={"return_token_ids": True})
-    assert response.choices[0].token_ids == reference["token_ids"]
-    assert response.metrics["speculative_decoding"]["acceptance_lengths"] == reference["acceptance_lengths"]
+
+        with ThreadPoolExecutor(len(conversations)) as pool:
+            responses = list(pool.map(ask, conversations))
+    for response, reference in zip(responses, references):
+        assert response.choices[0].token_ids == reference["token_ids"]
+        assert response.metrics["speculative_decoding"]["acceptance_lengths"] == reference["acceptance_lengths"]
     assert any("trees of 4 nodes, 3 drafted tokens deep, each holding a prompt-lookup chain of up to 2 tokens" in line
                for line in said)
+    if seqs > 1:
+        return
     with pytest.raises(BlockdraftError, match="--lookup 2 adds .* --method ddtree, not dflash"):
         BlockdraftServer(settings(*text_pair, method="dflash", lookup=2), print)
-    with pytest.raises(BlockdraftError, match="with --max-num-seqs 4 .* use --max-num-seqs 1"):
-        BlockdraftServer(settings(*text_pair, max_num_seqs=4, lookup=2), print)
+    with pytest.raises(BlockdraftError, match="--lookup 2 is not among the schedule's candidates .* --schedule off"):
+        BlockdraftServer(settings(*text_pair, max_num_seqs=4, lookup=2, schedule="auto"), print)
 
 
 def test_an_engine_that_dies_answers_every_request_and_turns_health_503(text_pair) -> None:

@@ -111,14 +111,14 @@ def generate(
 ) -> None:
     """Generate with AR, DFlash or DDTree; identical to the target's own greedy output at T=0."""
     from blockdraft.decoding.generate import generate as run
-    from blockdraft.decoding.lookup import check_lone, check_lookup_method
+    from blockdraft.decoding.lookup import check_lookup_method
     from blockdraft.decoding.methods import build_proposer
     from blockdraft.decoding.sampling import SamplingParams
     from blockdraft.engine.batch import generate_batch
 
     if batch_size < 1:
         raise BlockdraftError(f"--batch-size {batch_size} must be >= 1 (1: one prompt at a time)")
-    check_lone(check_lookup_method(lookup, method), batch_size)
+    check_lookup_method(lookup, method)
     sampling = SamplingParams(temperature, top_p, top_k)
     items = _prompt_items(prompt, messages, prompt_ids, prompts, chat)
     loaded = Loaded(target, drafter if method == "ar" else default_drafter(target, drafter), device, dtype, engine)
@@ -128,7 +128,8 @@ def generate(
     json_lines = as_json or prompts is not None
     if batch_size > 1:
         results = in_order(generate_batch(
-            loaded.target, encoded, lambda: build_proposer(method, loaded.target, loaded.drafter, budget, draft_tokens),
+            loaded.target, encoded,
+            lambda: build_proposer(method, loaded.target, loaded.drafter, budget, draft_tokens, lookup),
             batch_size, max_new_tokens, sampling, stops, seed))
     else:
         results = (run(loaded.target, ids, proposer, max_new_tokens, sampling, stops, seed,
@@ -432,7 +433,7 @@ def serve(
         20.0, "--stream-interval-ms",
         help="Streamed text is sent at most this often (the commits in between form one chunk); 0: every commit.",
     ),
-    lookup: int = typer.Option(0, "--lookup", help=f"{LOOKUP_HELP} Needs --max-num-seqs 1."),
+    lookup: int = typer.Option(0, "--lookup", help=f"{LOOKUP_HELP} Not with --schedule (timed without a chain)."),
 ) -> None:
     """An OpenAI-compatible server (chat, completions, models, /health, /metrics in vLLM's names) for AR, DFlash, DDTree."""
     from blockdraft.serve.server import BlockdraftServer

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 
 from blockdraft.decoding.draft import Proposer
 from blockdraft.decoding.generate import GenerationResult, generate
-from blockdraft.decoding.lookup import check_lone
 from blockdraft.decoding.methods import build_proposer
 from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.engine.batch import generate_batch
@@ -110,8 +109,6 @@ def run_bench(
 ) -> list[MethodRun]:
     """Run every method on every prompt, side by side in this process; with `batch_size` > 1 each method decodes
     up to that many prompts together (continuous batching, engine/batch.py)."""
-    for spec in methods:
-        check_lone(spec.lookup, batch_size)
     proposers = warmed_proposers(target, drafter, methods, prompts, sampling, max_new_tokens)
     runs = []
     for spec in methods:

@@ -349,8 +349,9 @@ class FusedSteps:
         parent_rows = torch.cat([self.row_ids[:1], shape[0, 1 : 1 + self.budget] + 1])
         if self.lookup:
             chain, count = chain_search(self.history[:cap], start, self.lookup)
-            ids, depths, own, parent_rows, nodes = merged_rows(ids, positions - start, own, parent_rows, nodes,
-                                                               chain, count)
+            merged = merged_rows(ids.unsqueeze(0), (positions - start).unsqueeze(0), own.unsqueeze(0),
+                                 parent_rows.unsqueeze(0), nodes.view(1), chain.unsqueeze(0), count.view(1))
+            ids, depths, own, parent_rows, nodes = (x[0] for x in merged)
             positions = start + depths
         self.ids[0].copy_(ids)
         self.positions.copy_(positions)

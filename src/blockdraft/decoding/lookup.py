@@ -43,12 +43,12 @@ def check_lookup_method(lookup: int, method: str) -> int:
     return lookup
 
 
-def check_lone(lookup: int, together: int, option: str = "--batch-size") -> None:
-    """Refuse a lookup chain where sequences decode `together` (set by `option`): the batch decoder builds its
-    sequences' trees together (on the device for greedy ones), without any sequence's tokens."""
-    if lookup and together > 1:
-        raise BlockdraftError(f"--lookup {lookup} decodes one sequence at a time; with {option} {together} the "
-                              f"trees are built together without it: use {option} 1 or leave --lookup out")
+def check_unscheduled(lookup: int, schedule: str | None) -> None:
+    """Refuse a lookup chain under a speculation schedule (`--schedule` other than off): its candidates (AR, the
+    DFlash chain, DDTree budgets) were timed and measured without one."""
+    if lookup and schedule not in (None, "off"):
+        raise BlockdraftError(f"--lookup {lookup} is not among the schedule's candidates (AR, the DFlash chain, DDTree "
+                              f"budgets, measured without a chain): pass --schedule off or leave --lookup out")
 
 
 def chain_room(lookup: int, budget: int, slots: int) -> int:
@@ -149,12 +149,20 @@ class LookupTreeProposer(DDTreeProposer):
     def observe(self, tokens: list[int]) -> None:
         self.index.extend(tokens)
 
+    def lookup_chain(self, budget: int, slots: int) -> list[int]:
+        """This step's chain for a tree of `budget` nodes over `slots` drafted slots: `chain_room` tokens at most."""
+        return self.index.chain(chain_room(self.lookup, budget, slots))
+
+    def merged(self, draft: Draft, budget: int, slots: int) -> Draft:
+        """`draft` (DDTree's tree of `budget` nodes over `slots` slots) with this step's chain merged in."""
+        return self.index.merged_into(draft, self.lookup, budget, slots)
+
     def finish(self, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None,
                budget: int | None = None) -> Draft:
         """DDTree's tree of the slot logits [slots, V], then the lookup chain merged into it."""
         budget = self.budget if budget is None else budget
         draft = super().finish(logits, sampling, generator, budget)
         t0 = time.perf_counter()
-        draft = self.index.merged_into(draft, self.lookup, budget, logits.shape[0])
+        draft = self.merged(draft, budget, logits.shape[0])
         self.build_s += time.perf_counter() - t0
         return draft

@@ -1,14 +1,17 @@
-"""Prompt lookup on the device, for the fused steps: the n-gram search over the context's tokens kept in a device
-buffer, and the chain's merge into a tree already laid out as verify rows. Static shapes and no host read, so a
-DDTree step holding a lookup chain stays two graph replays and one read (`fused_steps`); on the host path the same
-trees come from `lookup.NgramIndex.chain` and `lookup.merge_chain`, which these equal (tests/test_lookup_device.py).
+"""Prompt lookup on the device: the n-gram search over the context's tokens kept in a device buffer, and the
+chains' merge into trees already laid out as verify rows. Static shapes and no host read, so a DDTree step holding
+a lookup chain stays two graph replays and one read (`fused_steps`), and a batch's trees built on the device stay
+there until the verify's read (`merged_trees`, the batch decoder's). On the host path the same trees come from
+`lookup.NgramIndex.chain` and `lookup.merge_chain`, which these equal (tests/test_lookup_device.py).
 """
 
 from __future__ import annotations
 
 import torch
 
+from blockdraft.decoding.ddtree import DeviceTrees
 from blockdraft.decoding.lookup import MAX_NGRAM, MIN_NGRAM
+from blockdraft.models.host_to_device import long_tensor
 
 
 def chain_search(history: torch.Tensor, last: torch.Tensor, room: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,41 +41,65 @@ def chain_search(history: torch.Tensor, last: torch.Tensor, room: int) -> tuple[
 def merged_rows(ids: torch.Tensor, depths: torch.Tensor, own: torch.Tensor, parent_rows: torch.Tensor,
                 nodes: torch.Tensor, chain: torch.Tensor, count: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A tree's verify rows with `count` tokens of `chain` [room] merged in as `lookup.merge_chain` merges them: the
-    chain's prefix already in the tree is kept, its other tokens follow the tree's rows as a path below that prefix,
-    and the tree's last-popped other nodes give up their rows to stay within the budget.
+    """n trees' verify rows with `count` [n] tokens of each one's `chain` [n, room] merged in as `lookup.merge_chain`
+    merges them: the chain's prefix already in the tree is kept, its other tokens follow the tree's rows as a path
+    below that prefix, and the tree's last-popped other nodes give up their rows to stay within the budget.
 
-    The tree is as `ddtree.tree_layout` lays it out, R = 1 + budget rows: `ids` [R] (row 0 the anchor, then `nodes`
-    nodes in pop order, each after its parent, then padding), `depths` [R] from the anchor, the ancestor mask `own`
-    [R, R] and each row's `parent_rows` [R] (the anchor's: itself). Returns the merged (ids, depths, own,
-    parent_rows, nodes) in that layout."""
-    size, room = ids.shape[0], chain.shape[0]
+    The trees are as `ddtree.tree_layout` lays them out, R = 1 + budget rows each: `ids` [n, R] (row 0 the anchor,
+    then `nodes` [n] nodes in pop order, each after its parent, then padding), `depths` [n, R] from the anchor, the
+    ancestor masks `own` [n, R, R] and each row's `parent_rows` [n, R] (the anchor's: itself). Returns the merged
+    (ids, depths, own, parent_rows, nodes) in that layout (padding rows: depth 1, seeing the anchor and
+    themselves)."""
+    (n, size), room = ids.shape, chain.shape[1]
     device = ids.device
     rows = torch.arange(size, device=device)
     anchor = rows == 0
-    real = ~anchor & (rows <= nodes)
-    fits = real & (depths <= count) & (ids == chain[(depths - 1).clamp(0, room - 1)])
-    on_path = real & ~(own & ~(fits | anchor)).any(dim=-1)  # the chain's prefix already in the tree: one path
-    matched = on_path.sum()
+    real = ~anchor & (rows <= nodes.unsqueeze(1))
+    fits = real & (depths <= count.unsqueeze(1)) & (ids == chain.gather(1, (depths - 1).clamp(0, room - 1)))
+    on_path = real & ~(own & ~(fits | anchor).unsqueeze(1)).any(dim=-1)  # the chain's prefix in the tree: a path
+    matched = on_path.sum(1)
     extra = count - matched
-    others = (size - 1) - extra - matched  # rows left for the tree's other nodes, kept in pop order
-    keep = anchor | on_path | (real & ~on_path & ((real & ~on_path).cumsum(0) <= others))
-    new = keep.cumsum(0) - 1  # each kept row's row after the merge
-    kept = keep.sum() - 1
-    attach = torch.where(on_path | anchor, depths, -1).argmax()  # the chain's extra tokens hang below this row
-    spill = torch.full((size + 1,), 0, dtype=torch.long, device=device)  # index `size`: rows that go nowhere
-    src = spill.scatter(0, torch.where(keep, new, size), rows)
-    places = torch.arange(room, device=device)
-    chain_rows = torch.where(places < extra, kept + 1 + places, size)
-    src = src.scatter(0, chain_rows, attach.expand(room))[:size]  # a chain row sees what its attach row sees
-    is_chain = torch.zeros(size + 1, dtype=torch.bool, device=device).scatter(0, chain_rows, True)[:size]
-    place = spill.scatter(0, chain_rows, places)[:size]
-    valid = rows <= kept + extra
-    merged_ids = torch.where(is_chain, chain[(matched + place).clamp_max(room - 1)], ids[src])
-    merged_depths = torch.where(is_chain, matched + 1 + place, depths[src])
-    below = torch.where(place == 0, new.gather(0, attach.view(1)), rows - 1)  # indexed by tensors: no read
-    merged_parents = torch.where(is_chain, below, new[parent_rows[src]])
-    tree_cols = own[src][:, src] & ~is_chain & valid
-    chain_cols = is_chain.unsqueeze(1) & is_chain & (place <= place.unsqueeze(1))
+    others = (size - 1) - extra - matched  # rows left for the trees' other nodes, kept in pop order
+    rest = real & ~on_path
+    keep = anchor | on_path | (rest & (rest.cumsum(1) <= others.unsqueeze(1)))
+    new = keep.cumsum(1) - 1  # each kept row's row after the merge
+    kept = keep.sum(1) - 1
+    attach = torch.where(on_path | anchor, depths, -1).argmax(1, keepdim=True)  # the extra tokens hang below it
+    spill = torch.zeros(n, size + 1, dtype=torch.long, device=device)  # column `size`: rows that go nowhere
+    src = spill.scatter(1, torch.where(keep, new, size), rows.expand(n, size))
+    places = torch.arange(room, device=device).expand(n, room)
+    chain_rows = torch.where(places < extra.unsqueeze(1), kept.unsqueeze(1) + 1 + places, size)
+    src = src.scatter(1, chain_rows, attach.expand(n, room))[:, :size]  # a chain row sees what its attach row sees
+    is_chain = torch.zeros(n, size + 1, dtype=torch.bool, device=device).scatter(1, chain_rows, True)[:, :size]
+    place = spill.scatter(1, chain_rows, places)[:, :size]
+    valid = rows <= (kept + extra).unsqueeze(1)
+    merged_ids = torch.where(is_chain, chain.gather(1, (matched.unsqueeze(1) + place).clamp_max(room - 1)),
+                             ids.gather(1, src))
+    merged_depths = torch.where(is_chain, matched.unsqueeze(1) + 1 + place,
+                                torch.where(valid, depths.gather(1, src), 1))
+    below = torch.where(place == 0, new.gather(1, attach), rows - 1)
+    merged_parents = torch.where(is_chain, below, new.gather(1, parent_rows.gather(1, src)))
+    square = (n, size, size)
+    tree_cols = own.gather(1, src.unsqueeze(2).expand(square)).gather(2, src.unsqueeze(1).expand(square))
+    tree_cols = tree_cols & ~is_chain.unsqueeze(1) & valid.unsqueeze(1)
+    chain_cols = is_chain.unsqueeze(2) & is_chain.unsqueeze(1) & (place.unsqueeze(1) <= place.unsqueeze(2))
     merged_own = tree_cols | chain_cols | torch.eye(size, dtype=torch.bool, device=device)
     return merged_ids, merged_depths, merged_own, merged_parents, kept + extra
+
+
+def merged_trees(trees: DeviceTrees, chains: list[list[int]]) -> DeviceTrees:
+    """A batch's device trees with each sequence's lookup chain merged in (`merged_rows`): the chains come from the
+    host, where the batch decoder keeps each sequence's tokens, in one copy; nothing is read back."""
+    if not any(chains):
+        return trees
+    room = max(1, *map(len, chains))
+    upload = long_tensor([[len(chain), *chain, *[0] * (room - len(chain))] for chain in chains], trees.ids.device)
+    budget = trees.budget
+    starts = trees.positions[:, :1]
+    anchor_row = torch.zeros_like(starts)
+    parent_rows = torch.cat([anchor_row, trees.shape[:, 1 : 1 + budget] + 1], dim=1)
+    ids, depths, own, parent_rows, nodes = merged_rows(trees.ids, trees.positions - starts, trees.own, parent_rows,
+                                                       trees.shape[:, 0], upload[:, 1:], upload[:, 0])
+    real = torch.arange(budget, device=nodes.device) < nodes.unsqueeze(1)
+    shape = torch.cat([nodes.unsqueeze(1), torch.where(real, parent_rows[:, 1:] - 1, -1), depths[:, 1:]], dim=1)
+    return DeviceTrees(ids, starts + depths, own, shape)

@@ -32,6 +32,8 @@ from blockdraft.decoding.ddtree import DDTreeProposer, DeviceTrees, build_trees,
 from blockdraft.decoding.draft import DFlashProposer, Draft, DrafterProposer, Proposer
 from blockdraft.decoding.fused_steps import AR_SHAPE, FusedSteps, StepShape, fused_steps, step_shape
 from blockdraft.decoding.generate import GenerationResult, OnCommit, check_context, check_prompt_ids, until_stop
+from blockdraft.decoding.lookup import LookupTreeProposer
+from blockdraft.decoding.lookup_device import merged_trees
 from blockdraft.decoding.sampling import SamplingParams, pick
 from blockdraft.decoding.verify import Verdict, greedy_read, greedy_walks, verify
 from blockdraft.engine.measured import MeasuredSchedule
@@ -97,6 +99,8 @@ class Sequence:
             self.stopped_on = stopped_on
         self.tokens.extend(committed)
         self.acceptance_lengths.append(len(committed))
+        if self.proposer:
+            self.proposer.observe(committed)
         return committed
 
     def result(self) -> GenerationResult:
@@ -276,6 +280,8 @@ class BatchDecoder:
         seq = Sequence(len(request.prompt_ids), request.max_new_tokens, request.sampling, generator,
                        frozenset(request.stop_token_ids), proposer, request.on_commit, [first], ttft_s, joined)
         seq.stopped_on = first if first in seq.stops else None
+        if proposer:
+            proposer.observe([*request.prompt_ids, first])
         seq.ended_early = bool(request.on_commit and request.on_commit([first]))
         if seq.done:
             seq.finished = time.perf_counter()
@@ -462,7 +468,8 @@ class BatchDecoder:
             assert self.drafting is not None
             self.drafting.alone()
         if self.fused_for is None or self.fused_for[0] is not seq or self.fused_for[1] is not steps:
-            steps.begin(seq.tokens[-1], cache)
+            context = seq.proposer.index.tokens if isinstance(seq.proposer, LookupTreeProposer) else None
+            steps.begin(seq.tokens[-1], cache, context)
             self.fused_for = (seq, steps)
         steps.verify(cache)
         steps.draft(cache)
@@ -616,8 +623,11 @@ class BatchDecoder:
         if budget is None or all(plan is None for plan in plans):
             return None
         logits = self._slot_logits(starts, plans)
-        return trees_on_device(logits, [0 if plan is None else plan[0] for plan in plans], budget,
-                               [seq.tokens[-1] for seq in self.running], starts)
+        slots = [0 if plan is None else plan[0] for plan in plans]
+        trees = trees_on_device(logits, slots, budget, [seq.tokens[-1] for seq in self.running], starts)
+        return merged_trees(trees, [seq.proposer.lookup_chain(budget, n)
+                                    if isinstance(seq.proposer, LookupTreeProposer) else []
+                                    for seq, n in zip(self.running, slots)])
 
     def _slot_logits(self, starts: list[int], plans: list[tuple[int, int] | None]) -> torch.Tensor:
         """The batch's drafter pass for this step's plans: slot logits [n, B-1, V]."""
@@ -658,6 +668,10 @@ class BatchDecoder:
             rows = logits if len(members) == logits.shape[0] else logits[long_tensor(members, logits.device)]
             slots = [plan[0] for plan in (plans[b] for b in members) if plan is not None]
             trees.update(zip(members, build_trees(slot_log_probs(rows, SamplingParams()), slots, budget)))
+            for b, n in zip(members, slots):
+                proposer = proposers[b]
+                if isinstance(proposer, LookupTreeProposer):
+                    trees[b] = proposer.merged(trees[b], budget, n)
         return trees
 
     def _leave(self) -> list[Sequence]:
@@ -686,7 +700,7 @@ def _fused_shape(proposer: Proposer | None) -> StepShape | None:
         if candidate.method == "dflash":
             return StepShape(*chain.block_rows(chain.block_size, candidate.draft_tokens))
         return StepShape(*chain.block_rows(chain.block_size), candidate.budget)
-    if proposer is None or type(proposer) in (DFlashProposer, DDTreeProposer):
+    if proposer is None or type(proposer) in (DFlashProposer, DDTreeProposer, LookupTreeProposer):
         return step_shape(proposer)  # type: ignore[arg-type]
     return None
 
@@ -702,7 +716,7 @@ def _tree_budget(proposer: Proposer | None) -> int | None:
     """The budget of the plain DDTree this proposer builds from its slot logits this step, if it builds one."""
     if isinstance(proposer, SwitchingProposer):
         return proposer.candidate.budget if proposer.candidate.method == "ddtree" else None
-    return proposer.budget if type(proposer) is DDTreeProposer else None
+    return proposer.budget if type(proposer) in (DDTreeProposer, LookupTreeProposer) else None
 
 
 def generate_batch(target: Target, prompts: list[list[int]], new_proposer: Callable[[], Proposer | None],

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from blockdraft.decoding.draft import Proposer, check_draft_tokens
-from blockdraft.decoding.lookup import chain_room, check_lone
+from blockdraft.decoding.lookup import chain_room
 from blockdraft.decoding.methods import GPU_BUDGET, build_proposer, device_settings
 from blockdraft.engine.batch import check_kv_room, default_max_num_seqs
 from blockdraft.engine.measured import MeasuredSchedule
@@ -93,7 +93,6 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
     stops = loaded.stops([], False)
     model_len = max_model_len(settings.max_model_len, target.max_positions)
     seqs = settings.max_num_seqs or default_max_num_seqs(target, model_len)
-    check_lone(settings.lookup, seqs, "--max-num-seqs")
     schedule = None
     fast_gpu = isinstance(target, FastTarget) and target.device.type == "cuda"
     plain = loaded.drafter is not None and loaded.drafter.plain
@@ -158,13 +157,14 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
 def schedule_choice(settings: ServeSettings, seqs: int, plain_drafter: bool, fast_gpu: bool) -> str:
     """--schedule as given; by default auto where it was measured to pay and can run: continuous batching on the
     fast engine on a GPU, a plain DFlash drafter (the schedule switches between its chain and its trees; a DFlash-2
-    selector or a DSpark head drafts otherwise), and no --method asking for one method (on the H200 it served
-    1.02-1.04x the best fixed method and 1.12-1.54x AR at 1-64 concurrent requests, where a fixed DDTree@32 fell to
-    0.66x AR at 64; benchmarks/RESULTS.md session 28). Elsewhere off: measured on a GPU only, and the start-up tune
+    selector or a DSpark head drafts otherwise), and no --method or --lookup asking for one method (on the H200 it
+    served 1.02-1.04x the best fixed method and 1.12-1.54x AR at 1-64 concurrent requests, where a fixed DDTree@32
+    fell to 0.66x AR at 64; benchmarks/RESULTS.md session 28). Elsewhere off: measured on a GPU only, and the start-up tune
     times the fast engine's batched steps."""
     if settings.schedule is not None:
         return settings.schedule
-    return "auto" if settings.method is None and seqs > 1 and plain_drafter and fast_gpu else "off"
+    wanted = settings.method is None and not settings.lookup  # a lookup chain is no candidate of a schedule
+    return "auto" if wanted and seqs > 1 and plain_drafter and fast_gpu else "off"
 
 
 def _schedule(choice: str, seqs: int, drafter_dir: str, loaded: Loaded, depth: int, budget: int,
