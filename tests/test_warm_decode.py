@@ -68,6 +68,25 @@ def test_warming_reserves_the_target_cache_before_any_part_captures(monkeypatch,
     assert target.storage.slots >= 700 + 41 and target.storage.slots >= target.prefill_room
 
 
+def test_warming_fused_steps_with_a_lookup_chain_sizes_its_history_before_the_first_capture(monkeypatch) -> None:
+    """The token history a lookup chain's steps search grows before any of their graphs is captured (a buffer that
+    grows drops every graph captured on it): each capture sees the buffers' last versions. (Captures recorded, not
+    made: a CPU has no graphs.)"""
+    from blockdraft.decoding.fused_steps import AHEAD, FusedSteps, fused_steps
+
+    target = FastTarget(make_target_model("qwen3"), cache_slots=16, fused=True)
+    proposer = build_proposer("ddtree", target, make_drafter("all_full"), 12, lookup=6)
+    steps = fused_steps(target, proposer)
+    steps.drafter.room(steps._draft_slots(700, AHEAD))  # the drafter's buffers, as warm_decode reserves them
+    captures: list[tuple[int, ...]] = []
+    monkeypatch.setattr(FusedSteps, "_graph", lambda self, graphs, cap, run: captures.append(
+        self._storage_versions()))
+    target.use_graphs = True
+    steps.warm(700)
+    assert len(captures) > 4 and set(captures) == {steps._storage_versions()}
+    assert steps.history.numel() >= 700
+
+
 def test_a_tree_without_its_own_graph_replays_a_captured_one_of_up_to_twice_its_rows() -> None:
     target = FastTarget(make_target_model("qwen3"))
     taps = (0, 2)

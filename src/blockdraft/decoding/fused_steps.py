@@ -251,12 +251,12 @@ class FusedSteps:
         cache = self.target.new_cache()
         ahead = (AHEAD - 1) * self.commit_rows  # the host's length may trail by the steps in flight
         cache.reserve(positions + ahead + self.rows)
+        self._history_room(round_up(self._draft_slots(positions, AHEAD)) if self.lookup else 0)  # before any capture
         for cap in range(SLOT_STEP, round_up(positions + ahead + self.rows) + 1, SLOT_STEP):
             if cap >= self.rows:
                 self._graph(self._verify_graphs, cap, self._verify_run)
         if self.drafter is not None:
             self.drafter.room(self._draft_slots(positions, AHEAD))
-            self._history_room(round_up(self._draft_slots(positions, AHEAD)))
             for cap in range(SLOT_STEP, round_up(self._draft_slots(positions, AHEAD)) + 1, SLOT_STEP):
                 self._graph(self._draft_graphs, cap, self._draft_run)
 
