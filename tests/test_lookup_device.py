@@ -75,3 +75,24 @@ def test_the_merge_lays_out_the_hosts_merged_trees(batch: list[tuple[tuple[Draft
                                                        torch.zeros(1 + n, budget - n, dtype=torch.bool)], dim=1))
         padding_rows = torch.eye(budget + 1, dtype=torch.bool)[1 + n :] | (torch.arange(budget + 1) == 0)
         assert torch.equal(own[b, 1 + n :], padding_rows)
+
+
+def test_the_compiled_unit_gives_the_plain_units_rows_at_every_history_length_without_recompiling() -> None:
+    """What a fused step runs on a GPU (`compiled_lookup_rows`, compiled where the target's units are) against the
+    plain functions, over histories of two lengths (a key capacity's growth) and contexts that find a chain or none:
+    one compilation for all of them (a recompile inside a CUDA-graph capture stalls a server for seconds)."""
+    from torch._dynamo.utils import counters
+
+    from blockdraft.decoding.lookup_device import compiled_lookup_rows, lookup_rows
+
+    draft = Draft(tokens=torch.tensor([1, 2, 3, 0]), parents=[-1, -1, 0, 2], depths=[1, 1, 2, 3])
+    rows = laid_out(draft, [1, 2, 3, 0], 8)
+    gen = torch.Generator().manual_seed(0)
+    before = counters["stats"]["unique_graphs"]
+    for cap, last in ((256, 40), (512, 300), (256, 3)):
+        history = torch.randint(0, 4, (cap,), generator=gen)
+        plain = lookup_rows(history, torch.tensor(last), 5, *rows)
+        fused = compiled_lookup_rows(history, torch.tensor(last), 5, *rows)
+        assert all(torch.equal(a, b) for a, b in zip(plain, fused)), cap
+    assert not compiled_lookup_rows.failed
+    assert counters["stats"]["unique_graphs"] - before == 1

@@ -34,7 +34,7 @@ from blockdraft.decoding.argmax_kernel import greedy_picks
 from blockdraft.decoding.ddtree import DDTreeProposer, tree_layout
 from blockdraft.decoding.draft import DFlashProposer
 from blockdraft.decoding.lookup import LookupTreeProposer, chain_room
-from blockdraft.decoding.lookup_device import chain_search, merged_rows
+from blockdraft.decoding.lookup_device import compiled_lookup_rows, lookup_rows
 from blockdraft.decoding.walk_kernel import kernel_runs as walk_kernel_runs
 from blockdraft.decoding.walk_kernel import walk_rows
 from blockdraft.models.fast_drafter import FastDrafter
@@ -348,10 +348,9 @@ class FusedSteps:
         ids, positions, own, nodes = ids[0], positions[0], own[0], shape[0, 0]
         parent_rows = torch.cat([self.row_ids[:1], shape[0, 1 : 1 + self.budget] + 1])
         if self.lookup:
-            chain, count = chain_search(self.history[:cap], start, self.lookup)
-            merged = merged_rows(ids.unsqueeze(0), (positions - start).unsqueeze(0), own.unsqueeze(0),
-                                 parent_rows.unsqueeze(0), nodes.view(1), chain.unsqueeze(0), count.view(1))
-            ids, depths, own, parent_rows, nodes = (x[0] for x in merged)
+            merge = compiled_lookup_rows if self.target.ops.compiled else lookup_rows
+            ids, depths, own, parent_rows, nodes = merge(self.history[:cap], start, self.lookup, ids, positions - start,
+                                                         own, parent_rows, nodes)
             positions = start + depths
         self.ids[0].copy_(ids)
         self.positions.copy_(positions)

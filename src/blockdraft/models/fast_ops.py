@@ -310,7 +310,7 @@ def kernel_block_attention(
     return options[fastest("block_attention", shape, q.device, options)]()
 
 
-class _CompiledOrPlain:
+class CompiledOrPlain:
     """torch.compile(fn), falling back to fn for good after the first failure (with one warning).
 
     Compiled without duck sizing: by default two dimensions of the same size at the first call (a batch of 16
@@ -347,7 +347,7 @@ class LayerOps:
 
     def __init__(self, compiled: bool, kernels: bool = False, qkv_kernel: bool = False, few_rows: bool = False,
                  attention_kernel: bool = False) -> None:
-        wrap: Callable[[Callable[..., object]], Callable[..., object]] = _CompiledOrPlain if compiled else (lambda f: f)
+        wrap: Callable[[Callable[..., object]], Callable[..., object]] = CompiledOrPlain if compiled else (lambda f: f)
         self.compiled = compiled
         self.kernels = kernels
         self.compact_masks = kernels or attention_kernel  # the targets' forwards give `block_attention` their masks
