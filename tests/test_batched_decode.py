@@ -328,7 +328,10 @@ def test_generate_batch_size_prints_what_one_at_a_time_prints(tiny_dirs, tmp_pat
     assert refused.exit_code != 0 and "--batch-size 0 must be >= 1" in str(refused.exception)
 
 
-def test_a_schedule_switches_the_method_with_the_batch_size_losslessly() -> None:
+@pytest.mark.parametrize("lookup", [0, 2])
+def test_a_schedule_switches_the_method_with_the_batch_size_losslessly(lookup: int,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a lookup chain in the schedule's trees too (found and merged)."""
     from blockdraft.engine.schedule import AR, AcceptanceProfile, Candidate, CostTable, choose
     from blockdraft.engine.switching import SwitchingProposer
 
@@ -342,7 +345,11 @@ def test_a_schedule_switches_the_method_with_the_batch_size_losslessly() -> None
     schedule = choose(costs, profile, [AR, Candidate("dflash", 3), Candidate("ddtree", budget=4)], [1, 2, 4])
     assert [entry.choice.label for entry in schedule.entries] == ["ddtree@4", "ar", "ar"]
 
-    decoder = BatchDecoder(target, lambda: SwitchingProposer(drafter, target, 4), 4, schedule)
+    found: list[int] = []
+    chain = lookup_module.NgramIndex.chain
+    monkeypatch.setattr(lookup_module.NgramIndex, "chain", lambda self, n: found.append(len(chain(self, n))) or
+                        chain(self, n))
+    decoder = BatchDecoder(target, lambda: SwitchingProposer(drafter, target, 4, lookup), 4, schedule)
     first_ids, second_ids = prompts(2)
     first = decoder.join(first_ids, 40)
     for _ in range(3):
@@ -357,6 +364,7 @@ def test_a_schedule_switches_the_method_with_the_batch_size_losslessly() -> None
     assert any(n > 0 for n in first.draft_lengths[4 + together :])
     for seq, ids in ((first, first_ids), (second, second_ids)):
         assert seq.tokens == generate(target, ids, None, seq.max_new_tokens).token_ids
+    assert (max(found, default=0) > 0) == (lookup > 0)
 
 
 def test_the_measured_schedule_times_a_step_without_the_join_that_ran_while_it_flew(monkeypatch) -> None:

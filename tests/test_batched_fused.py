@@ -161,9 +161,11 @@ def test_a_hook_that_ends_a_lone_sequence_drops_its_fused_step_in_flight(reads: 
     _same(after, _reference(model, drafter, "ddtree", 8, prompts(2)[1], 12), "after")
 
 
-def test_a_schedule_switching_methods_alone_runs_each_fused_and_stays_lossless(reads: Reads) -> None:
+@pytest.mark.parametrize("lookup", [0, 3])
+def test_a_schedule_switching_methods_alone_runs_each_fused_and_stays_lossless(reads: Reads, lookup: int) -> None:
     """A lone sequence whose schedule switches every step among a chain, two trees and AR (an AR step defers its
-    taps, so it keeps the step-by-step path) decodes what the same schedule decodes with fused steps off."""
+    taps, so it keeps the step-by-step path) decodes what the same schedule decodes with fused steps off; with a
+    lookup chain in the trees (each tree's fused steps start their token history afresh after another method's)."""
     model, drafter = make_target_model("qwen3"), make_drafter("all_full")
     plan = [Candidate("dflash", draft_tokens=3), Candidate("ddtree", budget=8), AR, Candidate("ddtree", budget=5)]
 
@@ -177,7 +179,7 @@ def test_a_schedule_switching_methods_alone_runs_each_fused_and_stays_lossless(r
 
     def run(fused: bool) -> object:
         target = FastTarget(model, fused=fused)
-        decoder = BatchDecoder(target, lambda: SwitchingProposer(drafter, target, 8), 2,
+        decoder = BatchDecoder(target, lambda: SwitchingProposer(drafter, target, 8, lookup), 2,
                                schedule=Rotating())  # type: ignore[arg-type]
         seq = decoder.join(prompts(3)[2], 40)
         while decoder.running:
@@ -188,6 +190,7 @@ def test_a_schedule_switching_methods_alone_runs_each_fused_and_stays_lossless(r
     assert not reads
     fused = run(True)
     assert {(steps.slots, steps.budget) for steps in reads} == {(3, None), (5, 8), (5, 5)}  # AR's steps: not fused
+    assert {steps.lookup for steps in reads} == ({0, 3, 2} if lookup else {0})  # chain_room of each tree
     assert fused.tokens == plain.tokens and fused.acceptance_lengths == plain.acceptance_lengths  # type: ignore
     assert fused.draft_lengths == plain.draft_lengths  # type: ignore[attr-defined]
     assert 0 in plain.draft_lengths  # type: ignore[attr-defined]

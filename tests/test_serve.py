@@ -329,10 +329,9 @@ def test_a_busy_port_or_a_missing_drafter_is_one_sentence_before_loading(text_pa
 
 
 @pytest.mark.parametrize("seqs", [1, 3])
-def test_lookup_trees_serve_generates_answers_and_are_refused_where_they_cannot_run(text_pair, seqs: int) -> None:
+def test_lookup_trees_serve_generates_answers_and_are_refused_off_ddtree(text_pair, seqs: int) -> None:
     """--lookup N one request at a time and under continuous batching (requests sent together): each answer and
-    its acceptance lengths are `generate --lookup N`'s; with another method or a schedule it is one sentence before
-    loading."""
+    its acceptance lengths are `generate --lookup N`'s; with another method it is one sentence before loading."""
     from concurrent.futures import ThreadPoolExecutor
 
     from blockdraft.errors import BlockdraftError
@@ -360,8 +359,6 @@ def test_lookup_trees_serve_generates_answers_and_are_refused_where_they_cannot_
         return
     with pytest.raises(BlockdraftError, match="--lookup 2 adds .* --method ddtree, not dflash"):
         BlockdraftServer(settings(*text_pair, method="dflash", lookup=2), print)
-    with pytest.raises(BlockdraftError, match="--lookup 2 is not among the schedule's candidates .* --schedule off"):
-        BlockdraftServer(settings(*text_pair, max_num_seqs=4, lookup=2, schedule="auto"), print)
 
 
 def test_an_engine_that_dies_answers_every_request_and_turns_health_503(text_pair) -> None:

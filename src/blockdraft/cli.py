@@ -433,7 +433,7 @@ def serve(
         20.0, "--stream-interval-ms",
         help="Streamed text is sent at most this often (the commits in between form one chunk); 0: every commit.",
     ),
-    lookup: int = typer.Option(0, "--lookup", help=f"{LOOKUP_HELP} Not with --schedule (timed without a chain)."),
+    lookup: int = typer.Option(0, "--lookup", help=f"{LOOKUP_HELP} Under --schedule, in its DDTree steps."),
 ) -> None:
     """An OpenAI-compatible server (chat, completions, models, /health, /metrics in vLLM's names) for AR, DFlash, DDTree."""
     from blockdraft.serve.server import BlockdraftServer

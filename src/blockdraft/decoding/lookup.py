@@ -43,14 +43,6 @@ def check_lookup_method(lookup: int, method: str) -> int:
     return lookup
 
 
-def check_unscheduled(lookup: int, schedule: str | None) -> None:
-    """Refuse a lookup chain under a speculation schedule (`--schedule` other than off): its candidates (AR, the
-    DFlash chain, DDTree budgets) were timed and measured without one."""
-    if lookup and schedule not in (None, "off"):
-        raise BlockdraftError(f"--lookup {lookup} is not among the schedule's candidates (AR, the DFlash chain, DDTree "
-                              f"budgets, measured without a chain): pass --schedule off or leave --lookup out")
-
-
 def chain_room(lookup: int, budget: int, slots: int) -> int:
     """The most tokens a tree's lookup chain gets: `lookup`, at most half the `budget` and the `slots` drafted (the
     measured split, RESULTS session 37: a 15-node tree giving 7 to the chain, tau 2.92 -> 3.46 on Spec-Bench; all

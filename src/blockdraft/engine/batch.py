@@ -32,7 +32,7 @@ from blockdraft.decoding.ddtree import DDTreeProposer, DeviceTrees, build_trees,
 from blockdraft.decoding.draft import DFlashProposer, Draft, DrafterProposer, Proposer
 from blockdraft.decoding.fused_steps import AR_SHAPE, FusedSteps, StepShape, fused_steps, step_shape
 from blockdraft.decoding.generate import GenerationResult, OnCommit, check_context, check_prompt_ids, until_stop
-from blockdraft.decoding.lookup import LookupTreeProposer
+from blockdraft.decoding.lookup import LookupTreeProposer, chain_room
 from blockdraft.decoding.lookup_device import merged_trees
 from blockdraft.decoding.sampling import SamplingParams, pick
 from blockdraft.decoding.verify import Verdict, greedy_read, greedy_walks, verify
@@ -468,8 +468,8 @@ class BatchDecoder:
             assert self.drafting is not None
             self.drafting.alone()
         if self.fused_for is None or self.fused_for[0] is not seq or self.fused_for[1] is not steps:
-            context = seq.proposer.index.tokens if isinstance(seq.proposer, LookupTreeProposer) else None
-            steps.begin(seq.tokens[-1], cache, context)
+            lookup = _lookup_trees(seq.proposer)
+            steps.begin(seq.tokens[-1], cache, lookup.index.tokens if lookup is not None else None)
             self.fused_for = (seq, steps)
         steps.verify(cache)
         steps.draft(cache)
@@ -625,9 +625,9 @@ class BatchDecoder:
         logits = self._slot_logits(starts, plans)
         slots = [0 if plan is None else plan[0] for plan in plans]
         trees = trees_on_device(logits, slots, budget, [seq.tokens[-1] for seq in self.running], starts)
-        return merged_trees(trees, [seq.proposer.lookup_chain(budget, n)
-                                    if isinstance(seq.proposer, LookupTreeProposer) else []
-                                    for seq, n in zip(self.running, slots)])
+        lookups = [_lookup_trees(seq.proposer) for seq in self.running]
+        return merged_trees(trees, [lookup.lookup_chain(budget, n) if lookup is not None else []
+                                    for lookup, n in zip(lookups, slots)])
 
     def _slot_logits(self, starts: list[int], plans: list[tuple[int, int] | None]) -> torch.Tensor:
         """The batch's drafter pass for this step's plans: slot logits [n, B-1, V]."""
@@ -669,9 +669,9 @@ class BatchDecoder:
             slots = [plan[0] for plan in (plans[b] for b in members) if plan is not None]
             trees.update(zip(members, build_trees(slot_log_probs(rows, SamplingParams()), slots, budget)))
             for b, n in zip(members, slots):
-                proposer = proposers[b]
-                if isinstance(proposer, LookupTreeProposer):
-                    trees[b] = proposer.merged(trees[b], budget, n)
+                lookup = _lookup_trees(proposers[b])
+                if lookup is not None:
+                    trees[b] = lookup.merged(trees[b], budget, n)
         return trees
 
     def _leave(self) -> list[Sequence]:
@@ -699,10 +699,20 @@ def _fused_shape(proposer: Proposer | None) -> StepShape | None:
             return None
         if candidate.method == "dflash":
             return StepShape(*chain.block_rows(chain.block_size, candidate.draft_tokens))
-        return StepShape(*chain.block_rows(chain.block_size), candidate.budget)
+        slots, visible = chain.block_rows(chain.block_size)
+        lookup = proposer.lookup_trees
+        room = chain_room(lookup.lookup, candidate.budget, slots) if lookup is not None else 0  # type: ignore[arg-type]
+        return StepShape(slots, visible, candidate.budget, room)
     if proposer is None or type(proposer) in (DFlashProposer, DDTreeProposer, LookupTreeProposer):
         return step_shape(proposer)  # type: ignore[arg-type]
     return None
+
+
+def _lookup_trees(proposer: Proposer | None) -> LookupTreeProposer | None:
+    """The proposer whose trees hold a lookup chain this step (its own, or a schedule's DDTree step's), if any."""
+    if isinstance(proposer, SwitchingProposer):
+        return proposer.lookup_trees
+    return proposer if isinstance(proposer, LookupTreeProposer) else None
 
 
 def _plain_chain(proposer: Proposer | None) -> bool:

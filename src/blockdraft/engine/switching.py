@@ -1,5 +1,6 @@
 """A proposer whose method the speculation schedule sets before each step: no draft (AR), a DFlash chain of N
-tokens, or a DDTree of b nodes, all over one drafter context, so switching costs nothing and loses nothing.
+tokens, or a DDTree of b nodes (each holding a prompt-lookup chain when asked), all over one drafter context, so
+switching costs nothing and loses nothing.
 
 The drafter context is written for every committed token whatever the step's method (an AR step's taps too), so a
 later chain or tree step drafts exactly as a sequence that had speculated all along.
@@ -11,6 +12,7 @@ import torch
 
 from blockdraft.decoding.ddtree import DDTreeProposer
 from blockdraft.decoding.draft import Draft
+from blockdraft.decoding.lookup import LookupTreeProposer
 from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.engine.schedule import AR, Candidate
 from blockdraft.models.drafter import DFlashDrafter
@@ -18,12 +20,14 @@ from blockdraft.models.target import Target
 
 
 class SwitchingProposer:
-    """`use(candidate)` sets the next steps' method; `propose` drafts accordingly."""
+    """`use(candidate)` sets the next steps' method; `propose` drafts accordingly. With `lookup` > 0 its trees hold
+    a prompt-lookup chain of up to that many tokens (`lookup.chain_room` of each candidate's budget)."""
 
     name = "scheduled"
 
-    def __init__(self, drafter: DFlashDrafter, target: Target, largest_budget: int) -> None:
-        self.tree = DDTreeProposer(drafter, target, largest_budget)
+    def __init__(self, drafter: DFlashDrafter, target: Target, largest_budget: int, lookup: int = 0) -> None:
+        self.tree = (LookupTreeProposer(drafter, target, largest_budget, lookup) if lookup
+                     else DDTreeProposer(drafter, target, largest_budget))
         self.drafter = drafter
         self.tap_layers = self.tree.tap_layers
         self.candidate: Candidate = AR
@@ -34,6 +38,11 @@ class SwitchingProposer:
 
     def use(self, candidate: Candidate) -> None:
         self.candidate = candidate
+
+    @property
+    def lookup_trees(self) -> LookupTreeProposer | None:
+        """The proposer of this step's trees when they hold a lookup chain (a DDTree step, lookup asked)."""
+        return self.tree if self.candidate.method == "ddtree" and isinstance(self.tree, LookupTreeProposer) else None
 
     def reset(self) -> None:
         self.tree.reset()

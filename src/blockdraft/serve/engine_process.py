@@ -137,8 +137,8 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
             plan = MeasuredSchedule(schedule, say)
             say("the schedule adapts: each batch size's candidates are timed in turn on the server's own steps and "
                 "the fastest kept (--no-schedule-adapt keeps the table)")
-        engine = BatchedEngine(target, lambda: SwitchingProposer(drafter, target, largest), loaded.tokenizer, seqs,
-                               plan, info.max_model_len)
+        engine = BatchedEngine(target, lambda: SwitchingProposer(drafter, target, largest, settings.lookup),
+                               loaded.tokenizer, seqs, plan, info.max_model_len)
     elif seqs > 1:
         engine = BatchedEngine(target, new_proposer, loaded.tokenizer, seqs, max_model_len=info.max_model_len)
     else:
@@ -157,14 +157,13 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
 def schedule_choice(settings: ServeSettings, seqs: int, plain_drafter: bool, fast_gpu: bool) -> str:
     """--schedule as given; by default auto where it was measured to pay and can run: continuous batching on the
     fast engine on a GPU, a plain DFlash drafter (the schedule switches between its chain and its trees; a DFlash-2
-    selector or a DSpark head drafts otherwise), and no --method or --lookup asking for one method (on the H200 it
-    served 1.02-1.04x the best fixed method and 1.12-1.54x AR at 1-64 concurrent requests, where a fixed DDTree@32
-    fell to 0.66x AR at 64; benchmarks/RESULTS.md session 28). Elsewhere off: measured on a GPU only, and the start-up tune
+    selector or a DSpark head drafts otherwise), and no --method asking for one method (on the H200 it served
+    1.02-1.04x the best fixed method and 1.12-1.54x AR at 1-64 concurrent requests, where a fixed DDTree@32 fell to
+    0.66x AR at 64; benchmarks/RESULTS.md session 28). With --lookup its DDTree steps hold the chain. Elsewhere off: measured on a GPU only, and the start-up tune
     times the fast engine's batched steps."""
     if settings.schedule is not None:
         return settings.schedule
-    wanted = settings.method is None and not settings.lookup  # a lookup chain is no candidate of a schedule
-    return "auto" if wanted and seqs > 1 and plain_drafter and fast_gpu else "off"
+    return "auto" if settings.method is None and seqs > 1 and plain_drafter and fast_gpu else "off"
 
 
 def _schedule(choice: str, seqs: int, drafter_dir: str, loaded: Loaded, depth: int, budget: int,

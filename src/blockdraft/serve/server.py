@@ -16,7 +16,7 @@ from types import FrameType
 
 import uvicorn
 
-from blockdraft.decoding.lookup import check_lookup_method, check_unscheduled
+from blockdraft.decoding.lookup import check_lookup_method
 from blockdraft.decoding.methods import METHODS
 from blockdraft.errors import BlockdraftError
 from blockdraft.pair import default_drafter
@@ -67,7 +67,6 @@ class BlockdraftServer:
         if settings.max_num_seqs is not None and settings.max_num_seqs < 1:
             raise BlockdraftError(f"--max-num-seqs {settings.max_num_seqs} must be >= 1 (1: one request at a time)")
         check_lookup_method(settings.lookup, method)
-        check_unscheduled(settings.lookup, settings.schedule)
         if settings.stream_interval_ms < 0:
             raise BlockdraftError(f"--stream-interval-ms {settings.stream_interval_ms:g} must be >= 0 (0: every commit)")
         drafter_dir = None if method == "ar" else default_drafter(settings.target, settings.drafter)

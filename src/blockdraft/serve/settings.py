@@ -33,7 +33,7 @@ class ServeSettings:
     drain_timeout: float = 30.0
     stream_interval_ms: float = 20.0
     schedule_adapt: bool = True
-    lookup: int = 0  # DDTree's prompt-lookup chain (`decoding/lookup.py`); no schedule with it
+    lookup: int = 0  # DDTree's prompt-lookup chain (`decoding/lookup.py`), a schedule's DDTree steps' too
 
     @property
     def served_method(self) -> str:
