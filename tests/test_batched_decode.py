@@ -117,13 +117,15 @@ def test_every_sequence_in_a_batch_decodes_its_batch_1_ids(target_name: str, met
     assert (max(found, default=0) > 0) == (lookup > 0)  # chains were found and merged
 
 
-def test_sampled_sequences_draw_what_they_draw_alone() -> None:
+@pytest.mark.parametrize("lookup", [0, 4])
+def test_sampled_sequences_draw_what_they_draw_alone(lookup: int) -> None:
+    """With lookup chains too: a sampled sequence's trees are built on the host, each with its own chain."""
     target = FastTarget(make_target_model("qwen3"))
     drafter = make_drafter("all_full")
     sampling = SamplingParams(temperature=0.9, top_p=0.95)
 
     def new_proposer():  # noqa: ANN202
-        return build_proposer("ddtree", target, drafter, 8)
+        return build_proposer("ddtree", target, drafter, 8, lookup=lookup)
 
     items = prompts(5)
     alone = [generate(target, ids, new_proposer(), 20, sampling, seed=11).token_ids for ids in items]
