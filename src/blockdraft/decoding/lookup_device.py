@@ -103,11 +103,14 @@ def lookup_rows(history: torch.Tensor, last: torch.Tensor, room: int, ids: torch
 
 
 compiled_lookup_rows = CompiledOrPlain(lookup_rows)
+compiled_merged_rows = CompiledOrPlain(merged_rows)
 
 
-def merged_trees(trees: DeviceTrees, chains: list[list[int]]) -> DeviceTrees:
-    """A batch's device trees with each sequence's lookup chain merged in (`merged_rows`): the chains come from the
-    host, where the batch decoder keeps each sequence's tokens, in one copy; nothing is read back."""
+def merged_trees(trees: DeviceTrees, chains: list[list[int]], compiled: bool = False) -> DeviceTrees:
+    """A batch's device trees with each sequence's lookup chain merged in (`merged_rows`, `compiled_merged_rows`
+    where the target's units are compiled: one compilation for every batch size over 1, met in the server's
+    warm-up): the chains come from the host, where the batch decoder keeps each sequence's tokens, in one copy;
+    nothing is read back."""
     if not any(chains):
         return trees
     room = max(1, *map(len, chains))
@@ -116,8 +119,9 @@ def merged_trees(trees: DeviceTrees, chains: list[list[int]]) -> DeviceTrees:
     starts = trees.positions[:, :1]
     anchor_row = torch.zeros_like(starts)
     parent_rows = torch.cat([anchor_row, trees.shape[:, 1 : 1 + budget] + 1], dim=1)
-    ids, depths, own, parent_rows, nodes = merged_rows(trees.ids, trees.positions - starts, trees.own, parent_rows,
-                                                       trees.shape[:, 0], upload[:, 1:], upload[:, 0])
+    merge = compiled_merged_rows if compiled else merged_rows
+    ids, depths, own, parent_rows, nodes = merge(trees.ids, trees.positions - starts, trees.own, parent_rows,
+                                                 trees.shape[:, 0], upload[:, 1:], upload[:, 0])
     real = torch.arange(budget, device=nodes.device) < nodes.unsqueeze(1)
     shape = torch.cat([nodes.unsqueeze(1), torch.where(real, parent_rows[:, 1:] - 1, -1), depths[:, 1:]], dim=1)
     return DeviceTrees(ids, starts + depths, own, shape)

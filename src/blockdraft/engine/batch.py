@@ -626,8 +626,8 @@ class BatchDecoder:
         slots = [0 if plan is None else plan[0] for plan in plans]
         trees = trees_on_device(logits, slots, budget, [seq.tokens[-1] for seq in self.running], starts)
         lookups = [_lookup_trees(seq.proposer) for seq in self.running]
-        return merged_trees(trees, [lookup.lookup_chain(budget, n) if lookup is not None else []
-                                    for lookup, n in zip(lookups, slots)])
+        chains = [lookup.lookup_chain(budget, n) if lookup is not None else [] for lookup, n in zip(lookups, slots)]
+        return merged_trees(trees, chains, self.target.ops.compiled)  # type: ignore[attr-defined]
 
     def _slot_logits(self, starts: list[int], plans: list[tuple[int, int] | None]) -> torch.Tensor:
         """The batch's drafter pass for this step's plans: slot logits [n, B-1, V]."""
