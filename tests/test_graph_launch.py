@@ -17,23 +17,32 @@ sys.modules["graph_launch"] = graph_launch
 SPEC.loader.exec_module(graph_launch)
 
 
-def test_a_cpu_run_times_each_fused_call_of_a_ddtree_decode(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("lookup", [0, 3])
+def test_a_cpu_run_times_each_fused_call_of_a_ddtree_decode(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                            lookup: int) -> None:
+    """With a lookup chain too (searched and merged in the fused draft)."""
     out = tmp_path / "launch.json"
     graph_launch.main(["--device", "cpu", "--dtype", "float32", "--shape", "tiny", "--extra", "0", "--tokens", "48",
-                       "--repeats", "1", "--budget", "6", "--json", str(out)])
-    (row,) = json.loads(out.read_text())["rows"]
+                       "--repeats", "1", "--budget", "6", "--lookup", str(lookup), "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert report["lookup"] == lookup
+    (row,) = report["rows"]
     assert row["extra graphs"] == 0 and row["wall ms a step"] > 0 and row["tau"] >= 1
     assert row["host ms in verify"] > 0 and row["host ms in draft"] > 0  # the fused steps ran (eagerly, on a CPU)
-    assert "| 0 x 400 kernels |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| 0 x 400 kernels |" in printed and printed.startswith("ddtree@6+lookup3," if lookup else "ddtree@6,")
 
 
-def test_extra_graphs_need_a_gpu_and_counts_must_not_be_negative(capsys: pytest.CaptureFixture[str]) -> None:
+def test_extra_graphs_need_a_gpu_counts_are_not_negative_and_a_lookup_chain_is_ddtrees(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         graph_launch.main(["--device", "cpu", "--extra", "0,5"])
     assert "--extra needs CUDA graphs" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         graph_launch.main(["--extra", "0,-1"])
     assert "counts of 0 or more" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        graph_launch.main(["--device", "cpu", "--extra", "0", "--method", "dflash", "--lookup", "4"])
+    assert "--lookup 4 is DDTree's" in capsys.readouterr().err
 
 
 def test_preferring_fused_units_picks_their_fastest_kernel_where_the_library_was_timed_faster(

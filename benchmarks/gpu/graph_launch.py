@@ -17,8 +17,13 @@ their fastest kernel even where the chooser timed the library's product plus a s
 without (separate processes: the choices are kept per process) to see whether the unit-by-unit timing misses what
 those launches cost the step.
 
+With `--lookup N` DDTree's trees hold a prompt-lookup chain of up to N tokens: the fused draft graph then also
+searches the token history and merges the chain (`decoding/lookup_device.py`, ~130 eager kernels, one compiled unit
+on a GPU), whatever it finds, so the step's wall time against the run without it is what the chain costs a step.
+
     python3 benchmarks/gpu/graph_launch.py --budget 31 --extra 0,100,400 --json $OUT/graph_launch.json
     python3 benchmarks/gpu/graph_launch.py --budget 31 --extra 0 --prefer-fused-units
+    python3 benchmarks/gpu/graph_launch.py --budget 31 --extra 0 --lookup 15
 """
 
 from __future__ import annotations
@@ -116,6 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="decodes per setting (the medians are printed)")
     parser.add_argument("--extra", type=counts, default="0,100,400", help="graphs kept alive besides the step's")
     parser.add_argument("--nodes", type=int, default=400, help="kernels in each extra graph")
+    parser.add_argument("--lookup", type=int, default=0, help="DDTree only: a prompt-lookup chain of up to N tokens")
     parser.add_argument("--prefer-fused-units", action="store_true",
                         help="few-row units take their fastest kernel even where the library was timed faster")
     parser.add_argument("--json", type=Path, default=None)
@@ -125,9 +131,12 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device)
     if device.type != "cuda" and any(args.extra):
         parser.error("--extra needs CUDA graphs: use --extra 0 off a GPU")
+    if args.lookup and args.method != "ddtree":
+        parser.error(f"--lookup {args.lookup} is DDTree's: use --method ddtree")
     model, drafter = build_synthetic(args.shape, device, getattr(torch, args.dtype))
     target = FastTarget(model, fused=True)  # a CPU runs the fused steps' work eagerly
-    proposer = build_proposer(args.method, target, drafter, args.budget if args.method == "ddtree" else None)
+    proposer = build_proposer(args.method, target, drafter, args.budget if args.method == "ddtree" else None,
+                              lookup=args.lookup)
     vocab = SHAPES[args.shape]["target"]["vocab_size"]
     prompt = [(7 * i + 3) % vocab for i in range(args.prompt_tokens)]
     warmed = warm_decode(target, proposer, args.prompt_tokens + args.tokens)
@@ -135,6 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     alive: list[torch.cuda.CUDAGraph] = []
     rows = []
     label = f"{args.method}@{args.budget}" if args.method == "ddtree" else args.method
+    label += f"+lookup{args.lookup}" if args.lookup else ""
     units = ", few-row units fused wherever a kernel ran" if args.prefer_fused_units else ""
     print(f"{label}, {args.shape} shape, {args.dtype}, {warmed} graphs warmed{units}; medians of {args.repeats} "
           f"decodes of {args.tokens} tokens\n")
@@ -152,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
               flush=True)
     if args.json:
         args.json.write_text(json.dumps({"argv": sys.argv, "warmed": warmed, "prefer fused units": args.prefer_fused_units,
-                                          "rows": rows}, indent=1) + "\n")
+                                          "lookup": args.lookup, "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
