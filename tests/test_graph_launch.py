@@ -33,7 +33,8 @@ def test_a_cpu_run_times_each_fused_call_of_a_ddtree_decode(tmp_path: Path, caps
     assert "| 0 x 400 kernels |" in printed and printed.startswith("ddtree@6+lookup3," if lookup else "ddtree@6,")
 
 
-def test_extra_graphs_need_a_gpu_counts_are_not_negative_and_a_lookup_chain_is_ddtrees(capsys: pytest.CaptureFixture[str]) -> None:
+def test_extra_graphs_need_a_gpu_counts_are_not_negative_and_a_lookup_chain_is_ddtrees(
+        capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         graph_launch.main(["--device", "cpu", "--extra", "0,5"])
     assert "--extra needs CUDA graphs" in capsys.readouterr().err

@@ -159,8 +159,8 @@ def schedule_choice(settings: ServeSettings, seqs: int, plain_drafter: bool, fas
     fast engine on a GPU, a plain DFlash drafter (the schedule switches between its chain and its trees; a DFlash-2
     selector or a DSpark head drafts otherwise), and no --method asking for one method (on the H200 it served
     1.02-1.04x the best fixed method and 1.12-1.54x AR at 1-64 concurrent requests, where a fixed DDTree@32 fell to
-    0.66x AR at 64; benchmarks/RESULTS.md session 28). With --lookup its DDTree steps hold the chain. Elsewhere off: measured on a GPU only, and the start-up tune
-    times the fast engine's batched steps."""
+    0.66x AR at 64; benchmarks/RESULTS.md session 28). With --lookup its DDTree steps hold the chain. Elsewhere
+    off: measured on a GPU only, and the start-up tune times the fast engine's batched steps."""
     if settings.schedule is not None:
         return settings.schedule
     return "auto" if settings.method is None and seqs > 1 and plain_drafter and fast_gpu else "off"
