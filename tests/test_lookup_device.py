@@ -99,21 +99,25 @@ def test_the_compiled_unit_gives_the_plain_units_rows_at_every_history_length_wi
 
 
 def test_the_compiled_batch_merge_gives_the_plain_merges_rows_at_every_batch_size_without_recompiling() -> None:
-    """What the batch decoder merges with where the target's units are compiled (`compiled_merged_rows`), at batch
-    sizes 2, 3 and 5: the plain merge's rows, one compilation."""
+    """What the batch decoder merges with where the target's units are compiled (`merged_trees(compiled=True)`), at
+    batch sizes 2, 3 and 5 and chains of every length the steps meet (none, one token, more): the plain merge's
+    trees, from one compilation."""
     from torch._dynamo.utils import counters
 
-    from blockdraft.decoding.lookup_device import compiled_merged_rows
+    from blockdraft.decoding.ddtree import DeviceTrees
+    from blockdraft.decoding.lookup_device import compiled_merged_rows, merged_trees
 
     trees = [Draft(tokens=torch.tensor([1, 2, 3, 0]), parents=[-1, -1, 0, 2], depths=[1, 1, 2, 3]),
              Draft(tokens=torch.tensor([0]), parents=[-1], depths=[1]), Draft.empty(torch.device("cpu"))]
-    chains = [[1, 3, 2], [0, 0], []]
     before = counters["stats"]["unique_graphs"]
-    for n in (2, 3, 5):
+    for n, chains in ((2, [[1, 3, 2], [0, 0]]), (3, [[1], [0], []]), (5, [[2], [], [3, 3], [1, 3, 2, 2], [0]])):
         laid = [laid_out(trees[b % 3], trees[b % 3].tokens.tolist(), 8) for b in range(n)]
-        buffers = torch.tensor([chains[b % 3] + [1] * (4 - len(chains[b % 3])) for b in range(n)])
-        counts = torch.tensor([len(chains[b % 3]) for b in range(n)])
-        inputs = [*(torch.stack(x) for x in zip(*laid)), buffers, counts]
-        assert all(torch.equal(a, b) for a, b in zip(merged_rows(*inputs), compiled_merged_rows(*inputs))), n
+        ids, depths, own, parent_rows, nodes = (torch.stack(x) for x in zip(*laid))
+        real = torch.arange(8) < nodes.unsqueeze(1)
+        shape = torch.cat([nodes.unsqueeze(1), torch.where(real, parent_rows[:, 1:] - 1, -1), depths[:, 1:]], dim=1)
+        device_trees = DeviceTrees(ids, 100 + depths, own, shape)
+        plain, fused = (merged_trees(device_trees, chains, compiled) for compiled in (False, True))
+        for field in ("ids", "positions", "own", "shape"):
+            assert torch.equal(getattr(plain, field), getattr(fused, field)), (n, field)
     assert not compiled_merged_rows.failed
     assert counters["stats"]["unique_graphs"] - before == 1

@@ -113,7 +113,7 @@ def merged_trees(trees: DeviceTrees, chains: list[list[int]], compiled: bool = F
     nothing is read back."""
     if not any(chains):
         return trees
-    room = max(1, *map(len, chains))
+    room = max(2, *map(len, chains))  # never 1 wide: compiled, a size of 1 would be a compilation of its own
     upload = long_tensor([[len(chain), *chain, *[0] * (room - len(chain))] for chain in chains], trees.ids.device)
     budget = trees.budget
     starts = trees.positions[:, :1]
