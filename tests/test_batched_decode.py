@@ -49,6 +49,16 @@ def hybrid_target() -> Target:
     return Target(make_hybrid("qwen3_5"))
 
 
+@pytest.fixture
+def found(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The length of every prompt-lookup chain looked up on the host (`NgramIndex.chain`), as it is looked up."""
+    lengths: list[int] = []
+    chain = lookup_module.NgramIndex.chain
+    monkeypatch.setattr(lookup_module.NgramIndex, "chain", lambda self, n: lengths.append(len(chain(self, n))) or
+                        chain(self, n))
+    return lengths
+
+
 TARGETS = {"qwen3": lambda: FastTarget(make_target_model("qwen3")),
            "qwen3-padded": lambda: FastTarget(make_target_model("qwen3")),
            "mistral": lambda: FastTarget(make_target_model("mistral")), "sliding-qwen2": sliding_target,
@@ -66,16 +76,11 @@ LOOKUP_CASES = [("qwen3", "ddtree", "all_full", 12, 4), ("qwen3-padded", "ddtree
 
 @pytest.mark.parametrize("target_name,method,variant,budget,lookup", [(*case, 0) for case in CASES] + LOOKUP_CASES)
 def test_every_sequence_in_a_batch_decodes_its_batch_1_ids(target_name: str, method: str, variant: str | None,
-                                                          budget: int | None, lookup: int,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+                                                          budget: int | None, lookup: int, found: list[int]) -> None:
     """With lookup chains, each sequence's chains come from its own tokens (its trees are its batch-1 trees: the
     same acceptance lengths), merged on the device where the fast engine builds the batch's trees there."""
     target = TARGETS[target_name]()
     drafter = make_drafter(variant) if variant else None
-    found: list[int] = []
-    chain = lookup_module.NgramIndex.chain
-    monkeypatch.setattr(lookup_module.NgramIndex, "chain", lambda self, n: found.append(len(chain(self, n))) or
-                        chain(self, n))
 
     def new_proposer():  # noqa: ANN202
         return build_proposer(method, target, drafter, budget, lookup=lookup)
@@ -331,8 +336,7 @@ def test_generate_batch_size_prints_what_one_at_a_time_prints(tiny_dirs, tmp_pat
 
 
 @pytest.mark.parametrize("lookup", [0, 2])
-def test_a_schedule_switches_the_method_with_the_batch_size_losslessly(lookup: int,
-                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_schedule_switches_the_method_with_the_batch_size_losslessly(lookup: int, found: list[int]) -> None:
     """With a lookup chain in the schedule's trees too (found and merged)."""
     from blockdraft.engine.schedule import AR, AcceptanceProfile, Candidate, CostTable, choose
     from blockdraft.engine.switching import SwitchingProposer
@@ -347,10 +351,6 @@ def test_a_schedule_switches_the_method_with_the_batch_size_losslessly(lookup: i
     schedule = choose(costs, profile, [AR, Candidate("dflash", 3), Candidate("ddtree", budget=4)], [1, 2, 4])
     assert [entry.choice.label for entry in schedule.entries] == ["ddtree@4", "ar", "ar"]
 
-    found: list[int] = []
-    chain = lookup_module.NgramIndex.chain
-    monkeypatch.setattr(lookup_module.NgramIndex, "chain", lambda self, n: found.append(len(chain(self, n))) or
-                        chain(self, n))
     decoder = BatchDecoder(target, lambda: SwitchingProposer(drafter, target, 4, lookup), 4, schedule)
     first_ids, second_ids = prompts(2)
     first = decoder.join(first_ids, 40)

@@ -291,6 +291,13 @@ def tree_layout(logits: torch.Tensor, host: torch.Tensor, budget: int, kernel: b
     return _tree_rows(*inputs, budget)
 
 
+def tree_parent_rows(shape: torch.Tensor, budget: int) -> torch.Tensor:
+    """Each verify row's parent row [n, 1 + budget] from laid-out trees' `shape` (DeviceTrees' field): the anchor's
+    and every padding row's is the anchor."""
+    parents = shape[:, 1 : 1 + budget]
+    return torch.cat([torch.zeros_like(parents[:, :1]), parents + 1], dim=1)
+
+
 def _tree_rows(values: torch.Tensor, indices: torch.Tensor, host: torch.Tensor, budget: int
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`_search`, then the verify rows of its trees (DeviceTrees' fields): static shapes, no host read."""

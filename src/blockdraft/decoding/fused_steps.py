@@ -31,9 +31,9 @@ from typing import Any
 import torch
 
 from blockdraft.decoding.argmax_kernel import greedy_picks
-from blockdraft.decoding.ddtree import DDTreeProposer, tree_layout
+from blockdraft.decoding.ddtree import DDTreeProposer, tree_layout, tree_parent_rows
 from blockdraft.decoding.draft import DFlashProposer
-from blockdraft.decoding.lookup import LookupTreeProposer, chain_room
+from blockdraft.decoding.lookup import LookupTreeProposer
 from blockdraft.decoding.lookup_device import compiled_lookup_rows, lookup_rows
 from blockdraft.decoding.walk_kernel import kernel_runs as walk_kernel_runs
 from blockdraft.decoding.walk_kernel import walk_rows
@@ -89,7 +89,7 @@ def step_shape(proposer: DFlashProposer | DDTreeProposer | None) -> StepShape:
     slots, visible = chain.block_rows(chain.block_size)
     if not isinstance(proposer, DDTreeProposer):
         return StepShape(slots, visible)
-    lookup = chain_room(proposer.lookup, proposer.budget, slots) if isinstance(proposer, LookupTreeProposer) else 0
+    lookup = proposer.room(proposer.budget, slots) if isinstance(proposer, LookupTreeProposer) else 0
     return StepShape(slots, visible, proposer.budget, lookup)
 
 
@@ -146,12 +146,13 @@ class FusedSteps:
         drafter = self.drafter.storage.version if self.drafter is not None else 0
         return self.target.storage.version, drafter, self._history_grown
 
-    def _history_room(self, positions: int) -> None:
-        """Room in the token history for `positions` tokens (a lookup chain's steps only; grown, every graph is
-        dropped: `_graph`)."""
-        if self.lookup and positions > self.history.numel():
-            grown = torch.zeros(max(round_up(positions), 2 * self.history.numel()), dtype=torch.long,
-                                device=self.device)
+    def _history_room(self, length: int, unread: int) -> None:
+        """Room in the token history (a lookup chain's steps only) for a draft's search when the host's context
+        holds `length` positions and `unread` launched steps have not been read: the draft's key capacity, past
+        every row those steps' verifies write. Grown, every graph is dropped (`_graph`)."""
+        positions = round_up(self._draft_slots(length, unread)) if self.lookup else 0
+        if positions > self.history.numel():
+            grown = torch.zeros(max(positions, 2 * self.history.numel()), dtype=torch.long, device=self.device)
             grown[: self.history.numel()] = self.history
             self.history = grown
             self._history_grown += 1
@@ -185,7 +186,7 @@ class FusedSteps:
         self.anchor.fill_(anchor)
         if self.lookup:
             assert context is not None and len(context) == len(cache) + 1 and context[-1] == anchor
-            self._history_room(round_up(self._draft_slots(len(cache), 0)))  # the first draft's search too
+            self._history_room(len(cache), 0)
             self.history[: len(context)].copy_(long_tensor(context, self.device))
         self.result[0].fill_(0)  # the draft graph's context extension then adds nothing
         if self.drafter is None:
@@ -208,8 +209,7 @@ class FusedSteps:
         cache.reserve(self.rows, unread)
         if self.drafter is not None:  # the draft's room now: a buffer grown with a graph in flight drops it
             self.drafter.room(self._draft_slots(len(cache), self.pending + 1), unread)
-        self._history_room(max(len(cache) + unread + self.commit_rows + 1,
-                               round_up(self._draft_slots(len(cache), self.pending + 1)) if self.lookup else 0))
+        self._history_room(len(cache), self.pending + 1)
         self._replay(self._verify_graphs, round_up(len(cache) + unread + self.rows), self._verify_run)
         landed, event = self._landed[self._launched % AHEAD]
         landed.copy_(self.result, non_blocking=True)
@@ -251,7 +251,7 @@ class FusedSteps:
         cache = self.target.new_cache()
         ahead = (AHEAD - 1) * self.commit_rows  # the host's length may trail by the steps in flight
         cache.reserve(positions + ahead + self.rows)
-        self._history_room(round_up(self._draft_slots(positions, AHEAD)) if self.lookup else 0)  # before any capture
+        self._history_room(positions, AHEAD)  # before any capture
         for cap in range(SLOT_STEP, round_up(positions + ahead + self.rows) + 1, SLOT_STEP):
             if cap >= self.rows:
                 self._graph(self._verify_graphs, cap, self._verify_run)
@@ -346,7 +346,7 @@ class FusedSteps:
         self.host[0, 1:].copy_(torch.stack([self.anchor, start]))
         ids, positions, own, shape = tree_layout(logits.unsqueeze(0), self.host, self.budget)
         ids, positions, own, nodes = ids[0], positions[0], own[0], shape[0, 0]
-        parent_rows = torch.cat([self.row_ids[:1], shape[0, 1 : 1 + self.budget] + 1])
+        parent_rows = tree_parent_rows(shape, self.budget)[0]
         if self.lookup:
             merge = compiled_lookup_rows if self.target.ops.compiled else lookup_rows
             ids, depths, own, parent_rows, nodes = merge(self.history[:cap], start, self.lookup, ids, positions - start,

@@ -141,9 +141,13 @@ class LookupTreeProposer(DDTreeProposer):
     def observe(self, tokens: list[int]) -> None:
         self.index.extend(tokens)
 
+    def room(self, budget: int, slots: int) -> int:
+        """The most tokens the chain of a tree of `budget` nodes over `slots` drafted slots gets (`chain_room`)."""
+        return chain_room(self.lookup, budget, slots)
+
     def lookup_chain(self, budget: int, slots: int) -> list[int]:
-        """This step's chain for a tree of `budget` nodes over `slots` drafted slots: `chain_room` tokens at most."""
-        return self.index.chain(chain_room(self.lookup, budget, slots))
+        """This step's chain for a tree of `budget` nodes over `slots` drafted slots: `room` tokens at most."""
+        return self.index.chain(self.room(budget, slots))
 
     def merged(self, draft: Draft, budget: int, slots: int) -> Draft:
         """`draft` (DDTree's tree of `budget` nodes over `slots` slots) with this step's chain merged in."""

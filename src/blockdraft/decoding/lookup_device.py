@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from blockdraft.decoding.ddtree import DeviceTrees
+from blockdraft.decoding.ddtree import DeviceTrees, tree_parent_rows
 from blockdraft.decoding.lookup import MAX_NGRAM, MIN_NGRAM
 from blockdraft.models.fast_ops import CompiledOrPlain
 from blockdraft.models.host_to_device import long_tensor
@@ -117,11 +117,10 @@ def merged_trees(trees: DeviceTrees, chains: list[list[int]], compiled: bool = F
     upload = long_tensor([[len(chain), *chain, *[0] * (room - len(chain))] for chain in chains], trees.ids.device)
     budget = trees.budget
     starts = trees.positions[:, :1]
-    anchor_row = torch.zeros_like(starts)
-    parent_rows = torch.cat([anchor_row, trees.shape[:, 1 : 1 + budget] + 1], dim=1)
     merge = compiled_merged_rows if compiled else merged_rows
-    ids, depths, own, parent_rows, nodes = merge(trees.ids, trees.positions - starts, trees.own, parent_rows,
-                                                 trees.shape[:, 0], upload[:, 1:], upload[:, 0])
+    ids, depths, own, parent_rows, nodes = merge(trees.ids, trees.positions - starts, trees.own,
+                                                 tree_parent_rows(trees.shape, budget), trees.shape[:, 0],
+                                                 upload[:, 1:], upload[:, 0])
     real = torch.arange(budget, device=nodes.device) < nodes.unsqueeze(1)
     shape = torch.cat([nodes.unsqueeze(1), torch.where(real, parent_rows[:, 1:] - 1, -1), depths[:, 1:]], dim=1)
     return DeviceTrees(ids, starts + depths, own, shape)

@@ -32,7 +32,7 @@ from blockdraft.decoding.ddtree import DDTreeProposer, DeviceTrees, build_trees,
 from blockdraft.decoding.draft import DFlashProposer, Draft, DrafterProposer, Proposer
 from blockdraft.decoding.fused_steps import AR_SHAPE, FusedSteps, StepShape, fused_steps, step_shape
 from blockdraft.decoding.generate import GenerationResult, OnCommit, check_context, check_prompt_ids, until_stop
-from blockdraft.decoding.lookup import LookupTreeProposer, chain_room
+from blockdraft.decoding.lookup import LookupTreeProposer
 from blockdraft.decoding.lookup_device import merged_trees
 from blockdraft.decoding.sampling import SamplingParams, pick
 from blockdraft.decoding.verify import Verdict, greedy_read, greedy_walks, verify
@@ -701,7 +701,7 @@ def _fused_shape(proposer: Proposer | None) -> StepShape | None:
             return StepShape(*chain.block_rows(chain.block_size, candidate.draft_tokens))
         slots, visible = chain.block_rows(chain.block_size)
         lookup = proposer.lookup_trees
-        room = chain_room(lookup.lookup, candidate.budget, slots) if lookup is not None else 0  # type: ignore[arg-type]
+        room = lookup.room(candidate.budget, slots) if lookup is not None else 0  # type: ignore[arg-type]
         return StepShape(slots, visible, candidate.budget, room)
     if proposer is None or type(proposer) in (DFlashProposer, DDTreeProposer, LookupTreeProposer):
         return step_shape(proposer)  # type: ignore[arg-type]
