@@ -136,11 +136,11 @@ def test_embedded_target_defaults_to_the_shipped_drafter(tiny_dirs: tuple[Path, 
 
 
 def test_benchmark_lists_are_checked_in_one_line() -> None:
-    """The benchmarks' comma lists (`blockdraft.numbers.int_list`, an argparse type): a list of positive integers,
-    or argparse's one-line error naming the flag and an example."""
+    """The benchmarks' comma lists (`blockdraft.numbers.int_list` / `count_list`, argparse types): a list of positive
+    integers (or counts), or argparse's one-line error naming the flag and an example."""
     import argparse
 
-    from blockdraft.numbers import int_list
+    from blockdraft.numbers import count_list, int_list
 
     parser = argparse.ArgumentParser(exit_on_error=False)
     parser.add_argument("--budgets", type=int_list, default="32,64")
@@ -150,3 +150,8 @@ def test_benchmark_lists_are_checked_in_one_line() -> None:
                       (",", "is empty")):
         with pytest.raises(argparse.ArgumentError, match=says):
             parser.parse_args(["--budgets", bad])
+    parser.add_argument("--lookup", type=count_list, default="0")  # counts: 0 is one of them
+    assert parser.parse_args(["--lookup", "0,15"]).lookup == [0, 15]
+    for bad, says in (("-1,4", "counts of 0 or more like 0,15"), ("a", "comma-separated integers like 0,15")):
+        with pytest.raises(argparse.ArgumentError, match=says):
+            parser.parse_args([f"--lookup={bad}"])

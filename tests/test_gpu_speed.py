@@ -27,7 +27,8 @@ def test_cpu_smoke_run(tiny_dirs: tuple[Path, Path], tmp_path: Path) -> None:
     res = subprocess.run(
         [sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--shape", "tiny", "--context", "40",
          "--budgets", "4,8", "--iters", "2", "--warmup", "1", "--target", str(target), "--drafter", str(drafter),
-         "--prompts", str(prompts), "--budget", "6,3", "--max-new-tokens", "16", "--e2e-engines", "hf,fast,fast-batched",
+         "--prompts", str(prompts), "--budget", "6,3", "--lookup", "0,4", "--max-new-tokens", "16",
+         "--e2e-engines", "hf,fast,fast-batched",
          "--json", str(out)],
         capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )
@@ -39,7 +40,8 @@ def test_cpu_smoke_run(tiny_dirs: tuple[Path, Path], tmp_path: Path) -> None:
     assert data["rows"][AGREEMENT_ROW]["fast"].startswith("1.00")
     methods = {e["method"]: e for e in data["e2e"]}
     assert {"ours fast dflash", "ours hf ddtree@6", "ours fast ddtree@3", "HF generate (greedy)",
-            "ours fast-batched ddtree@6"} <= set(methods)  # fast-batched: each prompt alone in the batch decoder
+            "ours fast-batched ddtree@6", "ours fast ddtree@3+lookup4",
+            "ours fast-batched ddtree@6+lookup4"} <= set(methods)  # fast-batched: each prompt alone in the batch decoder
     assert "best ddtree" in res.stdout
     assert all(e["same_ids"] in (None, "2/2") for e in data["e2e"])
     split = methods["ours fast dflash"]["step_ms_draft_verify_rest"]  # the loop's per-step cost, by stage
@@ -87,6 +89,8 @@ def test_logits_agreement_tells_near_ties_from_disagreements() -> None:
 def test_tree_goals_name_ddtree32_against_ar_and_the_best_budget_against_the_chain() -> None:
     entries = [{"method": m, "tokens_per_s": r} for m, r in (
         ("ours fast ar", 1000.0), ("ours fast dflash", 1200.0), ("ours fast ddtree@32", 1500.0),
-        ("ours fast ddtree@256", 1800.0), ("ours hf ar", 50.0), ("HF generate (greedy)", 40.0))]
+        ("ours fast ddtree@256", 1800.0), ("ours fast ddtree@31+lookup15", 1900.0), ("ours fast ddtree@64", 1.0),
+        ("ours hf ar", 50.0), ("HF generate (greedy)", 40.0))]
     assert gpu_speed.tree_goals(entries) == ["ours fast ddtree@32 / ar: 1.50x (goal >= 1.8x)",
-                                             "ours fast best ddtree (@256) / dflash: 1.50x (goal >= 1.3x)"]
+                                             "ours fast ddtree@31+lookup15 / ar: 1.90x (goal >= 1.8x)",
+                                             "ours fast best ddtree (@31+lookup15) / dflash: 1.58x (goal >= 1.3x)"]

@@ -46,19 +46,9 @@ from blockdraft.decoding.methods import build_proposer  # noqa: E402
 from blockdraft.decoding.warm import warm_decode  # noqa: E402
 from blockdraft.models import kernel_choice, skinny_gemm  # noqa: E402
 from blockdraft.models.fast_target import FastTarget  # noqa: E402
+from blockdraft.numbers import count_list  # noqa: E402
 
 FUSED_UNITS = ("few-row norm linear", "few-row residual linear", "few-row glu linear")  # kinds with a folded epilogue
-
-
-def counts(text: str) -> list[int]:
-    """A comma-separated list of graph counts, each 0 or more."""
-    try:
-        values = [int(v) for v in text.split(",")]
-    except ValueError:
-        values = [-1]
-    if min(values) < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must hold counts of 0 or more like 0,100,400")
-    return values
 
 
 def decode_once(target: FastTarget, proposer: Any, prompt: list[int], tokens: int) -> dict[str, float]:
@@ -119,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=256, help="new tokens a decode")
     parser.add_argument("--repeats", type=int, default=3, help="decodes per setting (the medians are printed)")
-    parser.add_argument("--extra", type=counts, default="0,100,400", help="graphs kept alive besides the step's")
+    parser.add_argument("--extra", type=count_list, default="0,100,400", help="graphs kept alive besides the step's")
     parser.add_argument("--nodes", type=int, default=400, help="kernels in each extra graph")
     parser.add_argument("--lookup", type=int, default=0, help="DDTree only: a prompt-lookup chain of up to N tokens")
     parser.add_argument("--prefer-fused-units", action="store_true",

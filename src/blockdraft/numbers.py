@@ -19,12 +19,21 @@ def comma_numbers(text: str, flag: str, kind: Callable[[str], Any], example: str
 
 def int_list(text: str) -> list[int]:
     """An argparse `type` for a comma-separated list of positive integers (argparse names the flag and exits 2)."""
+    return _bounded_ints(text, 1, "positive integers", "1,4,16")
+
+
+def count_list(text: str) -> list[int]:
+    """An argparse `type` for a comma-separated list of counts, 0 included (e.g. 0,15: without and with)."""
+    return _bounded_ints(text, 0, "counts of 0 or more", "0,15")
+
+
+def _bounded_ints(text: str, least: int, what: str, example: str) -> list[int]:
     try:
-        values = _values(text, int, "1,4,16")
+        values = _values(text, int, example)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    if min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} must hold positive integers like 1,4,16")
+    if min(values) < least:
+        raise argparse.ArgumentTypeError(f"{text!r} must hold {what} like {example}")
     return values
 
 
