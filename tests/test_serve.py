@@ -480,7 +480,8 @@ def test_a_schedule_serves_with_the_method_it_picks_per_batch_size(text_pair, se
         steps = {labels[0][1]: n for (name, labels), n in metric_values(scheduled.url).items()
                  if name == "blockdraft:engine_step_seconds_count"}
         assert steps.keys() == {"ddtree@4", "ar"} and min(steps.values()) > 0  # /metrics: each step by its method
-    assert any(line.startswith(f"schedule ({path}): batch 1: ddtree@4") and "batch 2: ar" in line for line in said)
+    assert any(line.startswith(f"schedule ({path}; acceptance: acceptance profile): batch 1: ddtree@4")
+               and "batch 2: ar" in line for line in said)
     assert not any("adapts" in line for line in said)
     assert [ids for ids, _ in together] == [ask(server.url, p)[0] for p in prompts]
     assert alone[0] == together[0][0]
@@ -512,12 +513,17 @@ def test_a_schedule_serves_with_the_method_it_picks_per_batch_size(text_pair, se
         BlockdraftServer(settings(*text_pair, max_num_seqs=2, engine="fast", schedule=str(path)), print)
 
 
-def test_schedule_auto_tunes_at_start_up(text_pair) -> None:
+@pytest.mark.parametrize("lookup", [0, 3])
+def test_schedule_auto_tunes_at_start_up(text_pair, lookup: int) -> None:
+    """With --lookup the start-up tune measures the trees' tau holding the chain the scheduled trees will hold."""
     said: list[str] = []
-    with running(settings(*text_pair, max_num_seqs=2, engine="fast", schedule="auto"), said.append) as server:
+    with running(settings(*text_pair, max_num_seqs=2, engine="fast", schedule="auto", lookup=lookup),
+                 said.append) as server:
         reply = httpx.post(f"{server.url}/v1/completions", json={"prompt": [5, 6], "max_tokens": 4}, timeout=60)
         assert reply.status_code == 200
-    assert any(line.startswith("schedule (measured at start-up): batch 1: ") and "batch 2: " in line for line in said)
+    chained = ", trees holding a prompt-lookup chain of up to 3 tokens" if lookup else ""
+    assert any(line.startswith(f"schedule (measured at start-up; acceptance: start-up decodes{chained}): batch 1: ")
+               and "batch 2: " in line for line in said)
 
 
 def test_a_schedule_over_a_dflash2_drafter_is_refused_at_start_up(text_pair, tmp_path: Path) -> None:

@@ -19,7 +19,8 @@ def test_tune_writes_costs_and_a_consistent_schedule(trained_pairs: dict[str, tu
     out = tmp_path / "tuned"
     result = CliRunner().invoke(app, ["tune", "--target", str(target), "--drafter", str(drafter), "--device", "cpu",
                                       "--batch-sizes", "1,3", "--budget", "4", "--draft-tokens", "1,3",
-                                      "--context", "40", "--repeats", "2", "--max-new-tokens", "16", "--out", str(out)])
+                                      "--context", "40", "--repeats", "2", "--max-new-tokens", "16", "--out", str(out),
+                                      "--lookup", "2"])
     assert result.exit_code == 0, result.output
     costs = CostTable.load(out / "costs.json")
     assert sorted(costs.verify_s) == [1, 3] and sorted(costs.verify_s[1]) == [1, 2, 4, 5]
@@ -37,7 +38,7 @@ def test_tune_writes_costs_and_a_consistent_schedule(trained_pairs: dict[str, tu
     tau = {e.candidate.label: e.tau for e in schedule.entries[0].estimates}
     assert tau["ar"] == 1 and 1 < tau["dflash/1"] <= tau["dflash/3"] <= 4  # the trained drafter accepts something
     assert 1 < tau["ddtree@4"] <= 5
-    assert data["acceptance"] == "greedy decodes of demo"
+    assert data["acceptance"] == "greedy decodes of demo, trees holding a prompt-lookup chain of up to 2 tokens"
     assert "num_speculative_tokens_per_batch_size" in json.loads(result.stdout[result.stdout.index("{"):])[
         "speculative_config"]
 
@@ -45,6 +46,37 @@ def test_tune_writes_costs_and_a_consistent_schedule(trained_pairs: dict[str, tu
 def test_tune_needs_a_drafter(tiny_dirs: tuple[Path, Path]) -> None:
     result = CliRunner().invoke(app, ["tune", "--target", str(tiny_dirs[0]), "--device", "cpu"])
     assert result.exit_code != 0 and "tune needs --drafter PATH" in str(result.exception)
+    result = CliRunner().invoke(app, ["tune", "--target", "no/such/target", "--lookup", "-1"])
+    assert result.exit_code != 0 and "--lookup -1 must be an integer >= 0" in str(result.exception)  # before loading
+
+
+def test_the_trees_tau_is_measured_holding_the_lookup_chain() -> None:
+    """measure_acceptance's DDTree tau with `lookup` is the chained trees' own (generate's, proposer for proposer),
+    not the plain trees' (on prompts that repeat, a random drafter's trees gain from the chain), and the start-up
+    tune (`auto_schedule`) weighs the tree with it."""
+    import torch
+    from conftest import make_drafter, make_target_model
+
+    from blockdraft.decoding.generate import generate
+    from blockdraft.decoding.lookup import LookupTreeProposer
+    from blockdraft.engine.tune import auto_schedule, measure_acceptance
+    from blockdraft.models.fast_target import FastTarget
+
+    torch.manual_seed(0)
+    target, drafter = FastTarget(make_target_model("qwen3")), make_drafter("all_full")
+    prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [9, 10, 11, 9, 10, 11, 9]]
+    plain = measure_acceptance(target, drafter, prompts, [4], 24, (), "m").tree_tau[4]
+    chained = measure_acceptance(target, drafter, prompts, [4], 24, (), "m", lookup=4)
+
+    def tau(new: int) -> float:
+        lengths = [a for ids in prompts for a in generate(target, ids, LookupTreeProposer(drafter, target, 4, 4), new)
+                   .acceptance_lengths]
+        return sum(lengths) / len(lengths)
+
+    assert chained.tree_tau[4] == tau(24) > plain
+    assert chained.source == "m, trees holding a prompt-lookup chain of up to 4 tokens"
+    schedule = auto_schedule(target, drafter, "t", "d", 2, 3, 4, prompts, (), lookup=4)
+    assert {e.candidate.label: e.tau for e in schedule.entries[0].estimates}["ddtree@4"] == tau(32)  # its 32 tokens
 
 
 def test_tune_refuses_a_drafter_it_cannot_schedule(tiny_dirs: tuple[Path, Path], tmp_path: Path) -> None:

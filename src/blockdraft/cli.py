@@ -209,9 +209,12 @@ def tune(
     device: Optional[str] = DeviceOpt,
     dtype: Optional[str] = DtypeOpt,
     out_dir: Path = typer.Option(Path("tune"), "--out", help="Folder for costs.json and schedule.json."),
+    lookup: int = typer.Option(0, "--lookup", help=f"{LOOKUP_HELP} Here: the trees' tau is measured holding it, for a "
+                               "server run with the same --lookup."),
 ) -> None:
     """Time batched steps on this device and measure acceptance; print and write the speculation schedule."""
     from blockdraft.bench.prompts import load_prompt_set
+    from blockdraft.decoding.lookup import check_lookup
     from blockdraft.engine.schedule import AR, Candidate, choose, render
     from blockdraft.engine.tune import measure_acceptance, measure_costs
     from blockdraft.prompting import parse_ids
@@ -222,6 +225,7 @@ def tune(
     trees = sorted(set(parse_ids(budgets, "--budget")))
     if not sizes or min(sizes) < 1 or any(b < 1 for b in trees) or context < 1 or repeats < 1:
         raise BlockdraftError("--batch-sizes and --budget must be integers >= 1, and --context and --repeats >= 1")
+    check_lookup(lookup)
     drafter_dir = default_drafter(target, drafter)
     if drafter_dir is None:
         raise BlockdraftError("tune needs --drafter PATH (only the embedded target has a default drafter)")
@@ -245,7 +249,7 @@ def tune(
     else:
         encoded = [encode_item(item, loaded.tokenizer) for item in load_prompt_set(prompts)]
     profile = measure_acceptance(loaded.target, loaded.drafter, encoded, trees, max_new_tokens,
-                                 loaded.stops([], False), f"greedy decodes of {prompts}")
+                                 loaded.stops([], False), f"greedy decodes of {prompts}", lookup)
     schedule = choose(costs, profile, candidates, sizes)
     out_dir.mkdir(parents=True, exist_ok=True)
     costs.save(out_dir / "costs.json")

@@ -12,7 +12,7 @@ each commit adds). That is AR's step for every candidate (commit_s), and each sp
 `candidates` its own step too (commit_by_candidate_s): landing a DDTree@32 step took 20x an AR step's host time
 on a CPU (benchmarks/commit_cost.py), which AR's alone left out of the schedule.
 Acceptance is measured by decoding the prompts greedily: the DFlash chain over the whole block (per-position rates)
-and DDTree at each budget (tau).
+and DDTree at each budget (tau), its trees holding the prompt-lookup chain the server will run with (`--lookup`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from blockdraft.decoding.ddtree import DDTreeProposer, build_tree, build_trees
+from blockdraft.decoding.ddtree import build_tree, build_trees
 from blockdraft.decoding.draft import DFlashProposer
 from blockdraft.decoding.generate import OnCommit, generate
 from blockdraft.decoding.methods import build_proposer
@@ -173,8 +173,10 @@ def _draft_costs(target: FastTarget, drafter: DFlashDrafter, batch_sizes: list[i
 
 
 def measure_acceptance(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], budgets: list[int],
-                       max_new_tokens: int, stop_token_ids: tuple[int, ...], source: str) -> AcceptanceProfile:
-    """Greedy per-position acceptance of the whole-block chain, and DDTree's tau at each budget, over the prompts."""
+                       max_new_tokens: int, stop_token_ids: tuple[int, ...], source: str, lookup: int = 0
+                       ) -> AcceptanceProfile:
+    """Greedy per-position acceptance of the whole-block chain, and DDTree's tau at each budget, over the prompts;
+    with `lookup` the trees hold the prompt-lookup chain the server's DDTree steps will hold (its tau is theirs)."""
     chain = DFlashProposer(drafter, target)
     lengths = [a for ids in prompts
                for a in generate(target, ids, chain, max_new_tokens, stop_token_ids=stop_token_ids).acceptance_lengths]
@@ -182,21 +184,23 @@ def measure_acceptance(target: Target, drafter: DFlashDrafter, prompts: list[lis
     per_position = [sum(1 for a in lengths if a - 1 > i) / len(lengths) for i in range(depth)]
     tree_tau = {}
     for budget in budgets:
-        tree = DDTreeProposer(drafter, target, budget)
+        tree = build_proposer("ddtree", target, drafter, budget, lookup=lookup)
         steps = [a for ids in prompts
                  for a in generate(target, ids, tree, max_new_tokens, stop_token_ids=stop_token_ids).acceptance_lengths]
         tree_tau[budget] = sum(steps) / len(steps)
-    return AcceptanceProfile(per_position, tree_tau, source)
+    chained = f", trees holding a prompt-lookup chain of up to {lookup} tokens" if lookup else ""
+    return AcceptanceProfile(per_position, tree_tau, source + chained)
 
 
 def auto_schedule(target: Target, drafter: DFlashDrafter, target_name: str, drafter_name: str, max_num_seqs: int,
                   depth: int, budget: int, prompts: list[list[int]], stop_token_ids: tuple[int, ...],
-                  commit_work: Callable[[], OnCommit] | None = None) -> Schedule:
+                  commit_work: Callable[[], OnCommit] | None = None, lookup: int = 0) -> Schedule:
     """`--schedule auto`: a short tune at start-up over the served sizes (AR, the chain of `depth`, the tree of
-    `budget`) at batch sizes 1, 2, 4, ... up to `max_num_seqs`."""
+    `budget`, holding a prompt-lookup chain of up to `lookup` tokens) at batch sizes 1, 2, 4, ... up to
+    `max_num_seqs`."""
     sizes = bucket_sizes(max_num_seqs)
     candidates = [AR, Candidate("dflash", depth), Candidate("ddtree", budget=budget)]
     costs = measure_costs(target, drafter, target_name, drafter_name, sizes, sorted({c.rows for c in candidates}),
                           [budget], context=128, repeats=3, commit_work=commit_work, candidates=candidates)
-    profile = measure_acceptance(target, drafter, prompts, [budget], 32, stop_token_ids, "start-up decodes")
+    profile = measure_acceptance(target, drafter, prompts, [budget], 32, stop_token_ids, "start-up decodes", lookup)
     return choose(costs, profile, candidates, sizes)

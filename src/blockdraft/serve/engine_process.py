@@ -108,7 +108,7 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
             say("--schedule auto: the default on a GPU with continuous batching (the measured schedule served "
                 "1.02-1.04x the best fixed method at 1-64 concurrent requests); --method or --schedule off serve "
                 "one method")
-        schedule = _schedule(chosen, seqs, drafter_dir or "", loaded, depth, tree_budget, stops, say, settings.target)
+        schedule = _schedule(chosen, seqs, drafter_dir or "", loaded, depth, tree_budget, stops, say, settings)
         depth = loaded.drafter.cfg.block_size - 1  # what a scheduled step may draft, as the metrics count it
     info = EngineInfo(
         tokenizer=loaded.tokenizer, vocab_size=target.embedding_weight.shape[0], max_model_len=model_len, eos_ids=stops,
@@ -167,14 +167,16 @@ def schedule_choice(settings: ServeSettings, seqs: int, plain_drafter: bool, fas
 
 
 def _schedule(choice: str, seqs: int, drafter_dir: str, loaded: Loaded, depth: int, budget: int,
-              stops: tuple[int, ...], say: Callable[[str], None], target_name: str) -> Schedule:
-    """--schedule FILE (from `blockdraft tune`, checked against this pair and device) or auto (tuned now)."""
+              stops: tuple[int, ...], say: Callable[[str], None], settings: ServeSettings) -> Schedule:
+    """--schedule FILE (from `blockdraft tune`, checked against this pair and device) or auto (tuned now, the
+    trees' tau measured with the --lookup chain they will hold)."""
     target, drafter = loaded.target, loaded.drafter
     assert drafter is not None
     if choice == "auto":
         say("--schedule auto: timing batched steps and measuring acceptance ...")
-        schedule = auto_schedule(target, drafter, target_name, drafter_dir, seqs, depth, budget,
-                                 check_prompts(loaded.tokenizer, target.vocab_size), stops, commit_work(loaded.tokenizer))
+        prompts = check_prompts(loaded.tokenizer, target.vocab_size)
+        schedule = auto_schedule(target, drafter, settings.target, drafter_dir, seqs, depth, budget, prompts, stops,
+                                 commit_work(loaded.tokenizer), settings.lookup)
         source = "measured at start-up"
     else:
         schedule = Schedule.load(choice)
@@ -187,8 +189,8 @@ def _schedule(choice: str, seqs: int, drafter_dir: str, loaded: Loaded, depth: i
         if too_deep:
             raise BlockdraftError(f"--schedule {source} drafts {too_deep[0]}, more than this drafter's {most} tokens "
                                   "per block; run `blockdraft tune` for this drafter")
-    say(f"schedule ({source}): " + ", ".join(f"batch {e.batch}: {e.choice.label} ({e.gain:.2f}x AR)"
-                                             for e in schedule.entries))
+    say(f"schedule ({source}; acceptance: {schedule.acceptance}): "
+        + ", ".join(f"batch {e.batch}: {e.choice.label} ({e.gain:.2f}x AR)" for e in schedule.entries))
     return schedule
 
 
