@@ -115,7 +115,7 @@ def test_commit_costs_time_the_servers_commit_work_on_every_sequence() -> None:
 
 def test_each_speculative_candidate_gets_its_own_commit_cost(monkeypatch: pytest.MonkeyPatch) -> None:
     """measure_costs times every speculative candidate's whole step at every batch size, with the server's hook on
-    each sequence, and ends the timed sequences without decoding them out."""
+    each sequence (and DDTree's with the lookup chain), and ends the timed sequences without decoding them out."""
     from conftest import make_drafter, make_target_model
 
     from blockdraft.engine import tune
@@ -139,11 +139,14 @@ def test_each_speculative_candidate_gets_its_own_commit_cost(monkeypatch: pytest
 
     chain, tree = Candidate("dflash", 3), Candidate("ddtree", budget=4)
     costs = tune.measure_costs(FastTarget(make_target_model("qwen3")), make_drafter("all_full"), "t", "d", [1, 3],
-                               [1, chain.rows, tree.rows], [4], 8, 2, commit_work, candidates=[AR, chain, tree])
+                               [1, chain.rows, tree.rows], [4], 8, 2, commit_work, candidates=[AR, chain, tree],
+                               lookup=2)
     assert {label: sorted(curve) for label, curve in costs.commit_by_candidate_s.items()} == {
         "dflash/3": [1, 3], "ddtree@4": [1, 3]}
     assert all(t >= 0 for curve in costs.commit_by_candidate_s.values() for t in curve.values())
     assert len(decoders) == 3 and all(not d.running and d.flight is None for d in decoders)
+    made = [d.new_proposer() for d in decoders[1:]]  # the tree's step is timed with the server's lookup chain
+    assert [type(p).__name__ for p in made] == ["DFlashProposer", "LookupTreeProposer"] and made[1].lookup == 2
     # AR's, the chain's and the tree's sequences (1 + 3 each): the first token, a warm-up and 3 timed steps each
     assert len(hooks) == 12 and all(len(seen) == 5 for seen in hooks)
     assert costs.commit_time(3, chain) == costs.commit_by_candidate_s["dflash/3"][3]

@@ -242,7 +242,7 @@ def tune(
     candidates = [AR, *(Candidate("dflash", d) for d in chains), *(Candidate("ddtree", budget=b) for b in trees)]
     err.print(f"timing {len(sizes)} batch sizes x {len({c.rows for c in candidates})} row counts ...")
     costs = measure_costs(loaded.target, loaded.drafter, target, drafter_dir, sizes, sorted({c.rows for c in candidates}),
-                          trees, context, repeats, commit_work(loaded.tokenizer), candidates=candidates)
+                          trees, context, repeats, commit_work(loaded.tokenizer), candidates=candidates, lookup=lookup)
     err.print(f"measuring acceptance on {prompts} ...")
     if prompts == "demo":  # the start-up self-check's prompts: demo's, or counting ids for a target without a template
         encoded = check_prompts(loaded.tokenizer, loaded.target.vocab_size)

@@ -59,10 +59,11 @@ def _seconds(run: Callable[[], object], device: torch.device, repeats: int) -> f
 def measure_costs(target: Target, drafter: DFlashDrafter, target_name: str, drafter_name: str,
                   batch_sizes: list[int], rows: list[int], budgets: list[int], context: int,
                   repeats: int, commit_work: Callable[[], OnCommit] | None = None, *,
-                  candidates: Sequence[Candidate] = ()) -> CostTable:
+                  candidates: Sequence[Candidate] = (), lookup: int = 0) -> CostTable:
     """The cost table of the batched engine on this device (see the module docstring); `commit_work()` gives each
     timed sequence the hook the server runs on its commits (its text), so the host work is the server's. Each
-    speculative candidate in `candidates` gets its own host work; one whose device work the table cannot cost (its
+    speculative candidate in `candidates` gets its own host work, DDTree's with the prompt-lookup chain of
+    `lookup` tokens the server's trees hold (its search and merge); one whose device work the table cannot cost (its
     rows or budget not measured) is skipped, not failed: without a device time its step cannot be split, and it
     pays AR's host work as tables without commit_by_candidate_s do."""
     if not isinstance(target, FastTarget):
@@ -105,19 +106,20 @@ def measure_costs(target: Target, drafter: DFlashDrafter, target_name: str, draf
             device_s = {batch: table.device_time(batch, candidate) for batch in batch_sizes}
         except BlockdraftError:
             continue
-        steps = _steps(target, drafter, candidate, batch_sizes, context, repeats, commit_work)
+        steps = _steps(target, drafter, candidate, batch_sizes, context, repeats, commit_work, lookup)
         table.commit_by_candidate_s[candidate.label] = {batch: max(0.0, steps[batch] - device_s[batch])
                                                         for batch in batch_sizes}
     return table
 
 
 def _steps(target: FastTarget, drafter: DFlashDrafter, candidate: Candidate, batch_sizes: list[int], context: int,
-           repeats: int, commit_work: Callable[[], OnCommit] | None) -> dict[int, float]:
+           repeats: int, commit_work: Callable[[], OnCommit] | None, lookup: int = 0) -> dict[int, float]:
     """Seconds of one whole `candidate` step of the batched engine over each batch size's sequences of `context`
     prompt tokens, in one decoder with the largest batch's slots (as a server's, graphs and buffers shared across
     sizes). The sequences are then ended where they are, as a hook ends one: decoding them out would time nothing."""
+    chain = lookup if candidate.method == "ddtree" else 0
     decoder = BatchDecoder(target, lambda: build_proposer(candidate.method, target, drafter, candidate.budget,
-                                                          candidate.draft_tokens or None), max(batch_sizes))
+                                                          candidate.draft_tokens or None, chain), max(batch_sizes))
     prompt = torch.randint(0, target.vocab_size, (context,)).tolist()
     tokens = _step_tokens(target, context, candidate.rows, repeats)
     seconds: dict[int, float] = {}
@@ -201,6 +203,7 @@ def auto_schedule(target: Target, drafter: DFlashDrafter, target_name: str, draf
     sizes = bucket_sizes(max_num_seqs)
     candidates = [AR, Candidate("dflash", depth), Candidate("ddtree", budget=budget)]
     costs = measure_costs(target, drafter, target_name, drafter_name, sizes, sorted({c.rows for c in candidates}),
-                          [budget], context=128, repeats=3, commit_work=commit_work, candidates=candidates)
+                          [budget], context=128, repeats=3, commit_work=commit_work, candidates=candidates,
+                          lookup=lookup)
     profile = measure_acceptance(target, drafter, prompts, [budget], 32, stop_token_ids, "start-up decodes", lookup)
     return choose(costs, profile, candidates, sizes)
