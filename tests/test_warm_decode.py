@@ -41,6 +41,28 @@ def test_off_a_gpu_warming_captures_nothing_and_the_decode_is_unchanged() -> Non
         assert generate(target, [3, 4, 5], proposer, 12).token_ids == before
 
 
+def test_warming_a_tree_times_the_top_k_of_every_slot_count_a_decode_meets(monkeypatch) -> None:
+    """The steps near max_new_tokens draft fewer slots, each a top-k shape the kernel chooser times where first met:
+    warming meets them all (the chooser spied, as on a GPU, where `top_k_runs` holds), so no decode times one."""
+    from blockdraft.decoding import ddtree, top_k_kernel
+
+    keys: list[tuple[object, ...]] = []
+    monkeypatch.setattr(top_k_kernel, "kernel_runs", lambda device, k: True)
+    monkeypatch.setattr(ddtree, "top_k_runs", lambda device, k: True)
+    monkeypatch.setattr(top_k_kernel, "kernel_wins", lambda kind, key, *rest: keys.append(key) and False)
+    target = FastTarget(make_target_model("qwen3"))
+    drafter = make_drafter("all_full")
+    proposer = build_proposer("ddtree", target, drafter, budget=12)
+    proposer.warm(64)
+    depth = drafter.cfg.block_size - 1
+    assert sorted(key[0] for key in keys) == list(range(1, depth + 1))
+    warmed = set(keys)
+    keys.clear()
+    for new in range(1, 2 * depth):
+        generate(target, [5, 6, 7], proposer, new)
+    assert set(keys) <= warmed and len({key[0] for key in keys}) > 2  # the decodes' tails met several slot counts
+
+
 @pytest.mark.parametrize("method,budget", [("ar", None), ("dflash", None), ("ddtree", 40)])
 def test_warming_reserves_the_target_cache_before_any_part_captures(monkeypatch, method: str,
                                                                     budget: int | None) -> None:

@@ -30,6 +30,7 @@ import torch
 
 from blockdraft.decoding.draft import Draft, OverChain
 from blockdraft.decoding.sampling import SamplingParams, probabilities
+from blockdraft.decoding.top_k_kernel import kernel_runs as top_k_runs
 from blockdraft.decoding.top_k_kernel import log_softmax_top_k
 from blockdraft.decoding.tree_kernel import kernel_runs, tree_rows
 from blockdraft.decoding.verify import Verdict, walk
@@ -353,6 +354,18 @@ class DDTreeProposer(OverChain):
         """The anchor and a full tree: a smaller tree (built on the host, T > 0) replays its graph
         (`FastTarget._captured_rows`)."""
         return (1 + self.budget,)
+
+    def warm(self, positions: int) -> None:
+        """The chain's graphs, then the top-k's kernel choice at every slot count a step can draft: the steps near
+        max_new_tokens draft fewer slots, each count a shape `log_softmax_top_k` times where it first meets it (on
+        the H200, 8 such timings inside a timed decode of the demo prompts halved DDTree@31's tokens/s, benchmarks/
+        RESULTS.md session 39)."""
+        super().warm(positions)
+        target = self.chain.target
+        k = min(self.budget, target.vocab_size)
+        if top_k_runs(target.device, k):
+            for slots in range(1, self.chain.depth + 1):
+                log_softmax_top_k(torch.zeros(slots, target.vocab_size, dtype=target.dtype, device=target.device), k)
 
     def finish(self, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None,
                budget: int | None = None) -> Draft:
