@@ -117,9 +117,9 @@ def _steps(target: FastTarget, drafter: DFlashDrafter, candidate: Candidate, bat
     """Seconds of one whole `candidate` step of the batched engine over each batch size's sequences of `context`
     prompt tokens, in one decoder with the largest batch's slots (as a server's, graphs and buffers shared across
     sizes). The sequences are then ended where they are, as a hook ends one: decoding them out would time nothing."""
-    chain = lookup if candidate.method == "ddtree" else 0
+    lookup = lookup if candidate.method == "ddtree" else 0  # the chain is DDTree's alone
     decoder = BatchDecoder(target, lambda: build_proposer(candidate.method, target, drafter, candidate.budget,
-                                                          candidate.draft_tokens or None, chain), max(batch_sizes))
+                                                          candidate.draft_tokens or None, lookup), max(batch_sizes))
     prompt = torch.randint(0, target.vocab_size, (context,)).tolist()
     tokens = _step_tokens(target, context, candidate.rows, repeats)
     seconds: dict[int, float] = {}
