@@ -88,6 +88,18 @@ def test_the_library_path_is_torchs_off_a_gpu_unless_the_kernel_is_forced() -> N
     assert not top_k_kernel.kernel_runs(DEVICE, top_k_kernel.KERNEL_MAX_K + 1)
 
 
+def test_the_choice_is_timed_once_per_power_of_two_of_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch's trees give the top-k every count of sequences x slots: each is timed under its row count's power of
+    two, which a server's warm-up at its batch buckets meets, so no live count is timed in the middle of traffic."""
+    keys: list[tuple[object, ...]] = []
+    monkeypatch.setattr(top_k_kernel, "kernel_runs", lambda device, k: True)
+    monkeypatch.setattr(top_k_kernel, "kernel_wins", lambda kind, key, *rest: keys.append(key) and False)
+    for rows in (15, 16, 45, 60, 1):
+        log_softmax_top_k(torch.zeros(rows, 70), 8)
+    assert keys == [(16, 70, 8, torch.float32), (16, 70, 8, torch.float32), (64, 70, 8, torch.float32),
+                    (64, 70, 8, torch.float32), (1, 70, 8, torch.float32)]
+
+
 @pytest.mark.parametrize("rows, vocab, dtype", [(1, 300, torch.bfloat16), (37, 257, torch.float32),
                                                 (16, 130, torch.bfloat16), (3, 9, torch.float32)])
 def test_the_kernels_pick_torchs_argmax_first_column_among_ties(rows: int, vocab: int, dtype: torch.dtype) -> None:

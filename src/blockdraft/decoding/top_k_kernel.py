@@ -121,9 +121,10 @@ def log_softmax_top_k(logits: torch.Tensor, k: int, kernel: bool | None = None) 
     flat = logits.reshape(-1, vocab)
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
-    if kernel is None:
+    if kernel is None:  # timed once per power of two of rows: a batch's trees meet every count of sequences x
+        # slots, each a pause of ~0.1 s where first timed (session 39), and a server warms its batch buckets only
         kernel = kernel_runs(logits.device, k) and kernel_wins(
-            "log-softmax top-k", (*flat.shape, k, flat.dtype), flat.device, lambda: kernel_top_k(flat, k),
-            lambda: library_top_k(flat, k))
+            "log-softmax top-k", (power_of_two_at_least(flat.shape[0]), vocab, k, flat.dtype), flat.device,
+            lambda: kernel_top_k(flat, k), lambda: library_top_k(flat, k))
     values, indices = kernel_top_k(flat, k) if kernel else library_top_k(flat, k)
     return values.view(*lead, k), indices.view(*lead, k)
