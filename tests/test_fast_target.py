@@ -19,7 +19,7 @@ from blockdraft.errors import BlockdraftError
 from blockdraft.models import fast_target as fast_mod
 from blockdraft.models.fast_target import FastTarget, graph_rows, pack_prompts, prefill_rows
 from blockdraft.models.fast_batch import BatchKV
-from blockdraft.models.fast_ops import LayerOps, glu
+from blockdraft.models.fast_ops import CompiledOrPlain, LayerOps, glu
 from blockdraft.models.loading import load_target, make_target
 from blockdraft.models.static_cache import KVStorage
 from blockdraft.models.target import Target, TargetOutput
@@ -334,3 +334,28 @@ def test_compiled_units_do_not_recompile_when_equal_sizes_part() -> None:
         torch.testing.assert_close(ops.glu(gate_up, "silu"), glu(gate_up, "silu"))
     assert not ops.glu.failed
     assert counters["stats"]["unique_graphs"] - before == 1
+
+
+def test_a_unit_called_while_a_graph_is_captured_never_compiles_and_never_swallows_an_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a CUDA graph is captured (faked here: a CPU has no captures) a compiled unit runs its compiled code where
+    it fits the inputs, else its plain ops, and compiles nothing: a compilation there stalls a server for seconds or,
+    on a fresh machine, breaks the capture. An error there is raised (the capture is lost anyway), not turned into a
+    warning that leaves the unit unfused for good and the capture's end failing with no cause."""
+    from torch._dynamo.utils import counters
+
+    ops = LayerOps(compiled=True)
+    ops.glu(torch.randn(2, 4, 12), "silu")
+    before = counters["stats"]["unique_graphs"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    for shape in ((2, 4, 12), (1, 1, 12), (3, 5, 8)):  # compiled for; a size of 1 (a recompile); a new width
+        gate_up = torch.randn(*shape)
+        torch.testing.assert_close(ops.glu(gate_up, "silu"), glu(gate_up, "silu"))
+    fresh = CompiledOrPlain(glu)
+    gate_up = torch.randn(2, 3, 6)
+    torch.testing.assert_close(fresh(gate_up, "silu"), glu(gate_up, "silu"))
+    assert counters["stats"]["unique_graphs"] == before
+    with pytest.raises(RuntimeError):
+        fresh(torch.randn(2, 3, 5), "silu")  # an odd width: gate and up do not split
+    assert not fresh.failed and not ops.glu.failed

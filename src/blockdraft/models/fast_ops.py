@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import sys
+from contextlib import nullcontext
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -316,7 +317,12 @@ class CompiledOrPlain:
     Compiled without duck sizing: by default two dimensions of the same size at the first call (a batch of 16
     sequences verifying 16 rows each) become one symbol, and the first call where they differ recompiles. On the H200
     that recompile fell inside a CUDA-graph capture in the middle of serving: an 11.9 s step (benchmarks/RESULTS.md,
-    session 21)."""
+    session 21). So while a graph is captured nothing compiles: code compiled for these inputs runs, else the plain
+    function's ops are captured. A compilation there may also benchmark its kernels where the machine's caches are
+    cold (a synchronize: the capture breaks), and its error, swallowed here, would leave only "operation failed due
+    to a previous error during capture" at the capture's end: what ended session 39's first batched run on a fresh
+    H200 (the likely cause, not confirmed). An error while capturing is raised, not swallowed: the capture is lost
+    either way."""
 
     def __init__(self, fn: Callable[..., object]) -> None:
         self.fn = fn
@@ -325,10 +331,14 @@ class CompiledOrPlain:
 
     def __call__(self, *args: object) -> object:
         if not self.failed:
+            capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
             try:
-                with shape_config.patch(use_duck_shape=False):
+                with (shape_config.patch(use_duck_shape=False),
+                      torch.compiler.set_stance("eager_on_recompile") if capturing else nullcontext()):
                     return self.compiled(*args)
             except Exception as exc:  # a toolchain problem must cost speed, not the run
+                if capturing:
+                    raise
                 self.failed = True
                 sys.stderr.write(f"warning: torch.compile of {self.fn.__name__} failed, running it unfused ({exc!r:.200})\n")
         return self.fn(*args)
