@@ -63,8 +63,9 @@ if triton is not None:
         shift = tl.where(peak == float("-inf"), 0.0, peak)
         # a sum of exps, not of products: a product summed contracts into fused multiply-adds in the order each lane
         # meets them, and on the H200 lanes then held log totals an ulp apart, so two tied logits' log-probabilities
-        # came out an ulp apart, out of order (session 40); adds alone give every lane the same bits
-        log_total = tl.log(tl.sum(tl.exp(most - shift + tl.log(total)), axis=0))
+        # came out an ulp apart, out of order (session 40); adds alone give every lane the same bits. A chunk with a
+        # finite max sums at least exp(0) = 1; one without (padding, all -inf) adds exp(-inf) = 0 whatever its total
+        log_total = tl.log(tl.sum(tl.exp(most - shift + tl.log(tl.maximum(total, 1.0))), axis=0))
         at = tl.arange(0, CANDIDATES)
         lowest = tl.full((CANDIDATES,), -2147483648, tl.int32).to(tl.int64) << 32
         keys = tl.load(keys_ptr + row * CHUNKS * KP + at, mask=at < CHUNKS * KP, other=0)
