@@ -359,3 +359,6 @@ def test_a_unit_called_while_a_graph_is_captured_never_compiles_and_never_swallo
     with pytest.raises(RuntimeError):
         fresh(torch.randn(2, 3, 5), "silu")  # an odd width: gate and up do not split
     assert not fresh.failed and not ops.glu.failed
+    monkeypatch.undo()  # the capture over: the unit compiles again what it ran plain inside it
+    ops.glu(torch.randn(1, 1, 12), "silu")
+    assert counters["stats"]["unique_graphs"] == before + 1

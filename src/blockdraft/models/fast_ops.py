@@ -332,9 +332,9 @@ class CompiledOrPlain:
     def __call__(self, *args: object) -> object:
         if not self.failed:
             capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+            stance = torch.compiler.set_stance("eager_on_recompile") if capturing else nullcontext()
             try:
-                with (shape_config.patch(use_duck_shape=False),
-                      torch.compiler.set_stance("eager_on_recompile") if capturing else nullcontext()):
+                with shape_config.patch(use_duck_shape=False), stance:
                     return self.compiled(*args)
             except Exception as exc:  # a toolchain problem must cost speed, not the run
                 if capturing:
