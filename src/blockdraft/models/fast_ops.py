@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import copy
 import sys
-from contextlib import nullcontext
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
 
@@ -320,8 +320,8 @@ class CompiledOrPlain:
     session 21). So while a graph is captured nothing compiles: code compiled for these inputs runs, else the plain
     function's ops are captured. A compilation there may also benchmark its kernels where the machine's caches are
     cold (a synchronize: the capture breaks), and its error, swallowed here, would leave only "operation failed due
-    to a previous error during capture" at the capture's end: what ended session 39's first batched run on a fresh
-    H200 (the likely cause, not confirmed). An error while capturing is raised, not swallowed: the capture is lost
+    to a previous error during capture" at the capture's end, as session 39's first batched run on a fresh H200 ended
+    (the likely cause there, not confirmed). An error while capturing is raised, not swallowed: the capture is lost
     either way."""
 
     def __init__(self, fn: Callable[..., object]) -> None:
