@@ -23,8 +23,8 @@ from blockdraft.decoding.generate import generate
 from blockdraft.models.fast_ops import LayerOps, attention_bias, decode_attention, glu, kernel_attention
 from blockdraft.models.fast_target import FastTarget
 from blockdraft.models.flash_decode import fits
-from blockdraft.models.skinny_gemm import (WEIGHTS_FIRST_MAX_ROWS, few_row_glu_linear, few_row_linear, gemv_linear,
-                                           kernel_available, skinny_linear, weights_first_linear)
+from blockdraft.models.skinny_gemm import (GEMV_MAX_ROWS, WEIGHTS_FIRST_MAX_ROWS, few_row_glu_linear, few_row_linear,
+                                           gemv_linear, kernel_available, skinny_linear, weights_first_linear)
 
 from conftest import make_drafter, make_target_model
 
@@ -244,6 +244,29 @@ def test_every_gemv_config_is_its_product(flags: str) -> None:
 EPILOGUES = ["glu", "norm", "residual", "norm+bias", "glu+residual"]
 
 
+@needs_kernel
+@pytest.mark.parametrize("rows", [2, 3, GEMV_MAX_ROWS])
+@pytest.mark.parametrize("flags", ["plain", "glu", "norm", "residual", "norm+bias", "glu+residual"])
+def test_every_config_of_the_gemv_of_several_rows_is_its_product(flags: str, rows: int) -> None:
+    """The GEMV of a batch's rows (`_gemv_rows_kernel`), each tile of its tuning space and the interpreter's own,
+    with each epilogue a decode layer uses (gating packed gate|up rows as they load, norming each row as it loads,
+    the residual added as HF rounds it), against float64: ragged rows (3 of a 4-row tile), N and K, bf16 on a GPU
+    (float32 under the interpreter); the unit shaped as its input."""
+    from blockdraft.models import skinny_gemm
+
+    dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
+    x, w, b, kwargs, want = epilogue_case(flags, rows, 40, 1100, dtype, seed=rows * 10 + len(flags))
+    for config in [None, *skinny_gemm.GEMV_ROWS_CONFIGS]:
+        with torch.inference_mode():
+            got = gemv_linear(x.view(1, rows, -1), w, b, config=config, **{
+                name: value.view(1, rows, -1) if name == "residual" and value is not None else value
+                for name, value in kwargs.items()})
+        assert got.dtype == dtype and got.shape == (1, rows, 40), config
+        assert (got[0].double() - want).abs().max().item() <= TOLERANCE[dtype] * want.abs().max().item(), config
+    with pytest.raises(ValueError, match="at most"):
+        gemv_linear(torch.zeros(GEMV_MAX_ROWS + 1, 1100, dtype=dtype, device=DEVICE), w)
+
+
 def epilogue_case(flags: str, rows: int, n: int, k: int, dtype: torch.dtype, seed: int
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict, torch.Tensor]:
     """Inputs of the weights-first kernel with the epilogues `flags` names (x, the weight, the bias, the kernel's
@@ -301,14 +324,15 @@ def test_every_weights_first_config_fuses_the_epilogues(flags: str) -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(1, 1), (1, 2), (2, 3), (1, WEIGHTS_FIRST_MAX_ROWS + 1)])
+@pytest.mark.parametrize("shape", [(1, 1), (1, 2), (3, 1), (2, 3), (1, WEIGHTS_FIRST_MAX_ROWS + 1)])
 def test_the_few_row_units_fuse_up_to_the_weights_first_rows(shape: tuple[int, int], dtype: torch.dtype,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """`few_row_norm_linear`, `few_row_glu_linear` and `few_row_residual_linear` on [batch, rows, K] inputs: one
-    row the GEMV exactly as before, 2 to WEIGHTS_FIRST_MAX_ROWS rows the weights-first kernel with the same
-    epilogue (under the interpreter, the first option; on a GPU it or the reference, whichever was faster), shaped
-    as the reference; more rows the reference exactly (the residual unit: None, the sum left pending). Each unit's
-    timing key tells a single row from a row tile."""
+    """`few_row_norm_linear`, `few_row_glu_linear` and `few_row_residual_linear` on [batch, rows, K] inputs: up to
+    GEMV_MAX_ROWS rows the GEMV (one row exactly as before, a batch's rows from the GEMV of several rows), more
+    rows up to WEIGHTS_FIRST_MAX_ROWS the weights-first kernel, with the same epilogue (under the interpreter, the
+    first option; on a GPU the fastest of the kernels and the reference), shaped as the reference; more rows the
+    reference exactly (the residual unit: None, the sum left pending). Each unit's timing key tells a single row
+    and each power of two of the GEMV's rows from the weights-first kernel's row tile."""
     from blockdraft.models import skinny_gemm
     from blockdraft.models.fast_ops import rms_norm
     from blockdraft.models.skinny_gemm import few_row_norm_linear, few_row_residual_linear
@@ -338,15 +362,11 @@ def test_the_few_row_units_fuse_up_to_the_weights_first_rows(shape: tuple[int, i
                   "residual": few_row_residual_linear(lambda: F.linear(x, w, b), r, x, w, b),
                   "glu+residual": few_row_residual_linear(lambda: F.linear(glu(gate_up, "silu"), w), r, gate_up, w,
                                                           glu=True)}
-        if rows == 1:
-            fused = {"norm": gemv_linear(x, w, b, norm=(g, 1e-6)), "glu": gemv_linear(gate_up, w, b, glu=True),
-                     "residual": gemv_linear(x, w, b, residual=r), "glu+residual": gemv_linear(gate_up, w, glu=True,
-                                                                                               residual=r)}
-        elif rows <= WEIGHTS_FIRST_MAX_ROWS:
-            fused = {"norm": weights_first_linear(x, w, b, norm=(g, 1e-6)),
-                     "glu": weights_first_linear(gate_up, w, b, glu=True),
-                     "residual": weights_first_linear(x, w, b, residual=r),
-                     "glu+residual": weights_first_linear(gate_up, w, glu=True, residual=r)}
+        kernels = [product for product, takes in ((gemv_linear, rows <= GEMV_MAX_ROWS),
+                                                  (weights_first_linear, 1 < rows <= WEIGHTS_FIRST_MAX_ROWS)) if takes]
+        fused = [{"norm": product(x, w, b, norm=(g, 1e-6)), "glu": product(gate_up, w, b, glu=True),
+                  "residual": product(x, w, b, residual=r), "glu+residual": product(gate_up, w, glu=True, residual=r)}
+                 for product in kernels]  # in the order the units offer them: the interpreter runs the first
     for name, reference in references.items():
         got = routed[name]
         if rows > WEIGHTS_FIRST_MAX_ROWS:
@@ -355,12 +375,17 @@ def test_the_few_row_units_fuse_up_to_the_weights_first_rows(shape: tuple[int, i
         if DEVICE.type == "cuda" and (got is None or torch.equal(got, reference)):  # the reference was faster
             continue
         assert got.shape == reference.shape and got.dtype == dtype, name
-        assert torch.equal(got, fused[name]), name
+        if DEVICE.type == "cuda":
+            assert any(torch.equal(got, each[name]) for each in fused), name
+        else:
+            assert torch.equal(got, fused[0][name]), name
         scale = reference.double().abs().max().item()
         assert (got.double() - reference.double()).abs().max().item() <= 2 * TOLERANCE[dtype] * scale, name
     if rows <= WEIGHTS_FIRST_MAX_ROWS:
-        assert len(keys) == 4 and all(key[2] == (1 if rows == 1 else 16) for _, key, _ in keys), keys
+        tile = {1: 1, 2: 2, 3: 4}.get(rows, 16)
+        assert len(keys) == 4 and all(key[2] == tile for _, key, _ in keys), keys
         assert all(("kernel, weights first" in options) == (rows > 1) for _, _, options in keys), keys
+        assert all(("gemv" in options) == (rows <= GEMV_MAX_ROWS) for _, _, options in keys), keys
     else:
         assert not keys
 
@@ -368,7 +393,8 @@ def test_the_few_row_units_fuse_up_to_the_weights_first_rows(shape: tuple[int, i
 @needs_kernel
 def test_the_kernel_engine_may_split_the_gemv_and_the_fast_engine_does_not(monkeypatch) -> None:
     """`LayerOps(kernels=True)` offers the one-row products' K-split GEMV as one more timed option (keyed apart, so
-    the fast engine's timings never stand in for it); `LayerOps(few_rows=True)`, the default, does not."""
+    the fast engine's timings never stand in for it); `LayerOps(few_rows=True)`, the default, does not; neither
+    splits the GEMV of several rows, which both offer."""
     from blockdraft.models import skinny_gemm
 
     offered: list[list[str]] = []
@@ -389,6 +415,12 @@ def test_the_kernel_engine_may_split_the_gemv_and_the_fast_engine_does_not(monke
             ops.norm_linear(x, None, g, 1e-6, w, None)
             ops.residual_linear(x, gate_up, w, None, "silu")
             assert offered and all(("gemv, split K" in names) == split for names in offered), offered
+            offered.clear()
+            two = x.expand(2, 1, 64).contiguous()
+            ops.residual_linear(two, attended.expand(2, 1, 64).contiguous(), w, None)
+            ops.norm_linear(two, None, g, 1e-6, w, None)
+            ops.residual_linear(two, gate_up.expand(2, 1, 128).contiguous(), w, None, "silu")
+            assert offered and all("gemv" in names and "gemv, split K" not in names for names in offered), offered
 
 
 @needs_kernel

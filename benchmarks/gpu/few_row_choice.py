@@ -11,10 +11,12 @@ config of the weights-first kernel and smaller or further-split tiles (mma.sync,
 with `--sweep-cold`. Session 35: the warm and cold picks agreed at 1-16 rows but for two near ties; at 33-65 rows the
 cold times of the library and the kernel were equal and far above the step's own (profiled) kernels, so the cold
 column there is not the step's. Warm, the 33-row tile (64 rows padded) lost 3 of the 4 units to cuBLAS and the
-32-row tile won 2 (3 with a 9-way split of down's K).
+32-row tile won 2 (3 with a 9-way split of down's K). At 2 to GEMV_MAX_ROWS rows (a batched decode step's) the
+GEMV of several rows is timed beside them (the "gemv" columns), as the chooser offers it there.
 
     python3 benchmarks/gpu/few_row_choice.py --json $OUT/few_row_choice.json
     python3 benchmarks/gpu/few_row_choice.py --rows "" --sweep-rows 32,33
+    python3 benchmarks/gpu/few_row_choice.py --rows 1,2,4 --sweep-rows "" --shapes 8b
 """
 
 from __future__ import annotations
@@ -91,12 +93,18 @@ class Unit:
             return lambda: self.residual + F.linear(self.x, w)
         return lambda: self.residual + F.linear(_GLU(self.x, "silu"), w)
 
+    def flags(self) -> dict[str, object]:
+        return {"norm": dict(norm=self.norm), "residual": dict(residual=self.residual),
+                "glu residual": dict(glu=True, residual=self.residual)}[self.epilogue]
+
     def kernel(self, w: torch.Tensor, config: triton.Config | None = None) -> Callable[[], object]:
-        flags = {"norm": dict(norm=self.norm), "residual": dict(residual=self.residual),
-                 "glu residual": dict(glu=True, residual=self.residual)}[self.epilogue]
+        """One row: the GEMV; more: the weights-first kernel (tuned, or the `config` given)."""
         if self.x.shape[0] == 1 and config is None:
-            return lambda: skinny_gemm.gemv_linear(self.x, w, **flags)
-        return lambda: skinny_gemm.weights_first_linear(self.x, w, config=config, **flags)
+            return self.gemv(w)
+        return lambda: skinny_gemm.weights_first_linear(self.x, w, config=config, **self.flags())
+
+    def gemv(self, w: torch.Tensor) -> Callable[[], object]:
+        return lambda: skinny_gemm.gemv_linear(self.x, w, **self.flags())
 
     def time(self, option: Callable[[torch.Tensor], Callable[[], object]]) -> float:
         """Microseconds a call: warm ten calls of the first copy, cold one call of each."""
@@ -107,15 +115,17 @@ class Unit:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=lambda v: int_list(v) if v else [], default="1,16,33,65")
-    parser.add_argument("--sweep-rows", type=int_list, default="32,33", help="rows at which every config is timed")
+    parser.add_argument("--sweep-rows", type=lambda v: int_list(v) if v else [], default="32,33",
+                        help="rows at which every config is timed")
     parser.add_argument("--sweep-cold", action="store_true", help="time the sweep cold (default: warm, as the chooser)")
     parser.add_argument("--shapes", default="embedded,8b")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     device = torch.device("cuda")
     results: list[dict[str, object]] = []
-    print("| shape | unit | rows | library warm | library cold | kernel warm | kernel cold | warm pick | cold pick |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| shape | unit | rows | library warm | library cold | kernel warm | kernel cold | gemv warm | gemv cold "
+          "| warm pick | cold pick |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     with torch.inference_mode():
         for shape in args.shapes.split(","):
             for name, (n, k, epilogue) in SHAPES[shape].items():
@@ -126,11 +136,15 @@ def main() -> None:
                         side = "cold" if cold else "warm"
                         times[f"library {side}"] = unit.time(unit.library)
                         times[f"kernel {side}"] = unit.time(unit.kernel)
-                    picks = {side: "kernel" if times[f"kernel {side}"] < times[f"library {side}"] else "library"
-                             for side in ("warm", "cold")}
+                        if 1 < rows <= skinny_gemm.GEMV_MAX_ROWS:
+                            times[f"gemv {side}"] = unit.time(unit.gemv)
+                    picks = {side: min((option for option in times if option.endswith(side)), key=times.get)
+                             .removesuffix(f" {side}") for side in ("warm", "cold")}
                     results.append({"shape": shape, "unit": name, "rows": rows, **times, "picks": picks})
-                    print(f"| {shape} | {name} | {rows} | " + " | ".join(f"{v:.2f}" for v in times.values())
-                          + f" | {picks['warm']} | {picks['cold']} |", flush=True)
+                    cells = [times.get(f"{option} {side}") for option in ("library", "kernel", "gemv")
+                             for side in ("warm", "cold")]
+                    shown = " | ".join("-" if v is None else f"{v:.2f}" for v in cells)
+                    print(f"| {shape} | {name} | {rows} | {shown} | {picks['warm']} | {picks['cold']} |", flush=True)
     skinny_gemm.MAX_SPLITS = SWEEP_MAX_SPLITS  # the partials' buffer sized for the sweep's splits
     configs = skinny_gemm.WEIGHTS_FIRST_CONFIGS + SMALL_TILES
     side = "cold" if args.sweep_cold else "warm"

@@ -28,6 +28,9 @@ WEIGHTS_FIRST_MAX_ROWS = 128  # `_weights_first_kernel`'s rows are its dot's N s
 MAX_SPLITS = 4  # the most ways `_weights_first_kernel` splits K (its autotuned configs')
 GEMV_MAX_SPLITS = 8  # the most ways `_gemv_kernel` splits K (SPLIT_GEMV_CONFIGS' configs) ...
 MIN_SPLIT_GEMV_BLOCK_N = 2  # ... and the fewest features a tile of theirs has: what their partials are sized for
+GEMV_MAX_ROWS = 4  # the most rows `_gemv_rows_kernel` takes: at 8 its sm_90 code issues 0.41-0.66 warp instructions
+# per weight element (4 rows: 0.25-0.36; one-row GEMV: 0.13-0.15), past the 4 an SM issues a cycle while it reads
+# ~9 weight elements at the H200's bandwidth (benchmarks/RESULTS.md session 41, compiled without a GPU)
 TUNED_ON_DISK = True  # each shape's tuned tiles kept in Triton's cache (~/.triton): a server's warm-up tunes every
 # product at every row tile (4 row tiles x 5 products x the drafter's), which a restart, the next server of a
 # benchmark or the next test process then reads instead of timing every config again
@@ -191,6 +194,47 @@ if triton is not None:
                              RESIDUAL)
 
     @triton.jit
+    def _gemv_rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, M, N, K, eps, stride_xm, stride_wn, stride_ym,
+                          stride_rm, HAS_BIAS: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr,
+                          RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """`_gemv_kernel` for 2 to GEMV_MAX_ROWS rows (a batched decode step's, one row a sequence), ROWS their
+        power of two: each weight tile, loaded once, multiplies every row in registers, and the rows' sums across
+        K wait for the end, as the one-row GEMV's do, with its epilogues per row and its roundings. Why: a batch of
+        4 sequences otherwise runs its products on the weights-first kernel, whose rows are tl.dot's 16-row tile
+        and whose norm epilogue lost to a norm kernel of its own at the 8B shape (two launches a layer the batch-1
+        step does not make: benchmarks/RESULTS.md session 29); here the input's transforms (gating, norming) stay
+        off the tensor-core path, as in the GEMV."""
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows = tl.arange(0, ROWS)
+        acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        running = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
+        dtype = x_ptr.dtype.element_ty
+        for start in range(0, K, BLOCK_K):
+            ks = start + tl.arange(0, BLOCK_K)
+            inside = (rows[:, None] < M) & (ks[None, :] < K)
+            x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=inside, other=0.0).to(tl.float32)
+            if GLU:
+                up = tl.load(x_ptr + rows[:, None] * stride_xm + K + ks[None, :], mask=inside, other=0.0).to(
+                    tl.float32)
+                x = ((x / (1.0 + tl.exp(-x))).to(dtype).to(tl.float32) * up).to(dtype).to(tl.float32)
+            if NORM:
+                running += x * x
+                x = x * tl.load(g_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)[None, :]
+            w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :],
+                        mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0)
+            acc += w.to(tl.float32)[None, :, :] * x[:, None, :]
+        y = tl.sum(acc, axis=2)
+        if NORM:
+            y = y * tl.rsqrt(tl.sum(running, axis=1) / K + eps)[:, None]
+        if HAS_BIAS:
+            y += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        inside = (rows[:, None] < M) & (cols[None, :] < N)
+        if RESIDUAL:  # the product rounded first, as HF's residual add sees it (`_gemv_finish`)
+            y = y.to(dtype).to(tl.float32) + tl.load(r_ptr + rows[:, None] * stride_rm + cols[None, :], mask=inside,
+                                                     other=0.0).to(tl.float32)
+        tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=inside)
+
+    @triton.jit
     def _weights_first_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, part_ptr, count_ptr, M, N, K, eps, stride_xm,
                               stride_wn, stride_ym, stride_rm, HAS_BIAS: tl.constexpr, GLU: tl.constexpr,
                               NORM: tl.constexpr, RESIDUAL: tl.constexpr, F32_DOT: tl.constexpr, ROWS: tl.constexpr,
@@ -303,6 +347,14 @@ if triton is not None:
         configs=SPLIT_GEMV_CONFIGS, key=["N", "K", "GLU", "NORM", "RESIDUAL"], cache_results=TUNED_ON_DISK,
     )(_gemv_kernel)
 
+    GEMV_ROWS_CONFIGS = [  # 8-16 features a tile: a [rows x features x K tile] of running products in registers
+        triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
+        for n, k, w, s in ((16, 256, 4, 3), (16, 128, 2, 3), (8, 128, 2, 3), (8, 256, 4, 3), (16, 512, 8, 3))]
+
+    _tuned_gemv_rows = triton.autotune(
+        configs=GEMV_ROWS_CONFIGS, key=["N", "K", "ROWS", "GLU", "NORM", "RESIDUAL"], cache_results=TUNED_ON_DISK,
+    )(_gemv_rows_kernel)
+
     _tuned_kernel = triton.autotune(  # each (N, K, rows) shape picks its tiles on first use (before graph capture)
         configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
                  for n, k, w, s in ((16, 256, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3), (32, 128, 4, 4),
@@ -330,10 +382,11 @@ def _row_tile(rows: int) -> int:
 
 
 def _shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, int, int, torch.dtype, bool]:
-    """What `kernel_choice` times a product once for: N, K, the row tile (1 for a single row, which the GEMV also
-    serves), the dtype, whether biased."""
+    """What `kernel_choice` times a product once for: N, K, the rows as the kernels tile them (1 to GEMV_MAX_ROWS
+    by their power of two, which the GEMV also serves; more by the row tile), the dtype, whether biased."""
     rows = _rows(x)
-    return weight.shape[0], weight.shape[1], 1 if rows == 1 else _row_tile(rows), x.dtype, bias is not None
+    tile = power_of_two_at_least(rows) if rows <= GEMV_MAX_ROWS else _row_tile(rows)
+    return weight.shape[0], weight.shape[1], tile, x.dtype, bias is not None
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -345,8 +398,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return F.linear(x, weight, bias)
     options = {"kernel": lambda: _launch(x, weight, bias)[0]} if _rows(x) <= MAX_ROWS else {}
     options["kernel, weights first"] = lambda: weights_first_linear(x, weight, bias)
-    if _rows(x) == 1:
-        options.update(_gemv_options(functools.partial(gemv_linear, x, weight, bias), weight.shape[0], True))
+    if _rows(x) <= GEMV_MAX_ROWS:
+        options.update(_gemv_options(functools.partial(gemv_linear, x, weight, bias), weight.shape[0], _rows(x) == 1))
     options["library"] = lambda: F.linear(x, weight, bias)
     return options[fastest("linear", _shape(x, weight, bias), x.device, options)]()
 
@@ -355,15 +408,14 @@ def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """`F.linear`, from our kernel where it runs and was timed faster at this shape (the fast engine's default on
     CUDA): a single row from the GEMV (it won every one-row product of the 8B step, 3-25% under the library,
     benchmarks/RESULTS.md session 23), 2 to WEIGHTS_FIRST_MAX_ROWS rows from the weights-first kernel (o_proj, down
-    and the LM head 4-16% under the library at 16 rows, sessions 25-26). More rows, or a shape the kernel lost, from
-    the library."""
+    and the LM head 4-16% under the library at 16 rows, sessions 25-26) or, up to GEMV_MAX_ROWS, the GEMV of
+    several rows. More rows, or a shape the kernels lost, from the library."""
     if not _fits(x, weight, bias, WEIGHTS_FIRST_MAX_ROWS):
         return F.linear(x, weight, bias)
-    if _rows(x) == 1:
-        options = {"gemv": lambda: gemv_linear(x, weight, bias), "library": lambda: F.linear(x, weight, bias)}
-    else:
-        options = {"kernel, weights first": lambda: weights_first_linear(x, weight, bias),
-                   "library": lambda: F.linear(x, weight, bias)}
+    options = {"gemv": lambda: gemv_linear(x, weight, bias)} if _rows(x) <= GEMV_MAX_ROWS else {}
+    if _rows(x) > 1:
+        options["kernel, weights first"] = lambda: weights_first_linear(x, weight, bias)
+    options["library"] = lambda: F.linear(x, weight, bias)
     return options[fastest("few-row linear", _shape(x, weight, bias), x.device, options)]()
 
 
@@ -391,10 +443,13 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                 split: bool = False, config: triton.Config | None = None) -> torch.Tensor:
     """`F.linear` of one row (x [..., K] holding K values; with `glu`, [..., 2K] holding a gate|up row whose
     silu(gate) * up is the input) from `_gemv_kernel`; with `norm` = (norm weight, eps) of rms_norm(x) * weight,
-    with `residual` (K-shaped as the output) the residual + the product; with `split` K split 2-8 ways
+    with `residual` (shaped as the output) the residual + the product; with `split` K split 2-8 ways
     (SPLIT_GEMV_CONFIGS, tuned per shape), or one `config` given (the tests run each). Why a kernel of its own: on the
     H200 the library's narrow one-row products (q|k|v, o_proj, down) read their weights at 2.6-3.4 TB/s against
-    gate|up's 4.0 (benchmarks/RESULTS.md, session 22), and `_skinny_kernel` pads a row to tl.dot's 16."""
+    gate|up's 4.0 (benchmarks/RESULTS.md, session 22), and `_skinny_kernel` pads a row to tl.dot's 16. Two to
+    GEMV_MAX_ROWS rows run `_gemv_rows_kernel`, K whole (its `config` one of GEMV_ROWS_CONFIGS)."""
+    if _rows(x) > 1:
+        return _gemv_rows(x, weight, bias, glu, norm, residual, config)
     n, k = weight.shape
     flat = x.reshape((2 if glu else 1) * k)
     if flat.stride(0) != 1:
@@ -421,6 +476,32 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return out.view(*x.shape[:-1], n)
 
 
+def _gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, glu: bool,
+               norm: tuple[torch.Tensor, float] | None, residual: torch.Tensor | None,
+               config: triton.Config | None) -> torch.Tensor:
+    """`gemv_linear` of 2 to GEMV_MAX_ROWS rows, from `_gemv_rows_kernel`."""
+    n, k = weight.shape
+    flat = _matrix(x, (2 if glu else 1) * k)
+    m = flat.shape[0]
+    if m > GEMV_MAX_ROWS:
+        raise ValueError(f"the GEMV takes at most {GEMV_MAX_ROWS} rows, not {m}")
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    norm_weight, eps = norm if norm is not None else (out, 0.0)
+    added = _matrix(residual, n) if residual is not None else out
+    args = (flat, weight, bias if bias is not None else out, out, norm_weight, added, m, n, k, eps, flat.stride(0),
+            weight.stride(0), out.stride(0), added.stride(0))
+    flags = dict(HAS_BIAS=bias is not None, GLU=glu, NORM=norm is not None, RESIDUAL=residual is not None,
+                 ROWS=power_of_two_at_least(m))
+    if config is not None:
+        meta = config.all_kwargs()
+        _gemv_rows_kernel[(triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags, **meta)
+    elif x.is_cuda:
+        _tuned_gemv_rows[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
+    else:  # Triton's interpreter (tests): no autotuning there, small tiles
+        _gemv_rows_kernel[(triton.cdiv(n, 4),)](*args, **flags, BLOCK_N=4, BLOCK_K=32)
+    return out.view(*x.shape[:-1], n)
+
+
 def _gemv_options(run: Callable[..., torch.Tensor], n: int, split: bool) -> dict[str, Callable[[], torch.Tensor]]:
     """The GEMV's options for a one-row product of `n` features: `run(split=...)` unsplit, and with K split where
     asked (the kernel engine's) and the product is narrow enough to keep partials for (SPLIT_MAX_N)."""
@@ -432,11 +513,14 @@ def _gemv_options(run: Callable[..., torch.Tensor], n: int, split: bool) -> dict
 
 def _fused_options(x: torch.Tensor, weight: torch.Tensor, split: bool, gemv: Callable[..., torch.Tensor],
                    weights_first: Callable[[], torch.Tensor]) -> dict[str, Callable[[], torch.Tensor]]:
-    """A fused unit's kernel options at x's rows: one row the GEMV's (`_gemv_options`: it won every one-row
-    product), more the weights-first kernel with the same epilogue (`weights_first`)."""
-    if _rows(x) == 1:
-        return _gemv_options(gemv, weight.shape[0], split)
-    return {"kernel, weights first": weights_first}
+    """A fused unit's kernel options at x's rows: up to GEMV_MAX_ROWS the GEMV's (`_gemv_options`: it won every
+    one-row product; K split for one row only), more than one row the weights-first kernel with the same epilogue
+    (`weights_first`)."""
+    rows = _rows(x)
+    options = _gemv_options(gemv, weight.shape[0], split and rows == 1) if rows <= GEMV_MAX_ROWS else {}
+    if rows > 1:
+        options["kernel, weights first"] = weights_first
+    return options
 
 
 def few_row_norm_linear(reference: Callable[[], torch.Tensor], x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
