@@ -1,0 +1,60 @@
+"""benchmarks/kernel_sass.py: our product kernels compiled for sm_90 without a GPU (Triton's own ptxas and
+cuobjdump), their registers, spills and the K loop's instructions per weight element. The compile runs in a process
+of its own: under the interpreter (conftest's, without CUDA) the kernels are not compiled."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_sass.py"
+SPEC = importlib.util.spec_from_file_location("kernel_sass", SCRIPT)
+kernel_sass = importlib.util.module_from_spec(SPEC)
+sys.modules["kernel_sass"] = kernel_sass
+SPEC.loader.exec_module(kernel_sass)
+
+SASS = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   S2R R0, SR_TID.X ;
+        /*0020*/                   FFMA R2, R3, R4, R2 ;
+        /*0030*/               @P0 BRA 0x20 ;
+        /*0040*/                   LDG.E R5, desc[UR4][R6.64] ;
+        /*0050*/                   FFMA R2, R3, R5, R2 ;
+        /*0060*/                   IMAD R7, R7, 0x2, RZ ;
+        /*0070*/              @!P1 BRA 0x40 ;
+        /*0080*/                   EXIT ;
+"""
+
+
+def test_the_hottest_loop_is_the_longest_backward_branchs_body() -> None:
+    """Two loops: the longer (LDG, FFMA, IMAD and its branch) is the one counted, by opcode without modifiers."""
+    assert kernel_sass.hottest_loop(SASS) == {"LDG": 1, "FFMA": 1, "IMAD": 1, "BRA": 1}
+
+
+def test_more_rows_of_the_gemv_issue_more_for_each_weight_element(tmp_path: Path) -> None:
+    """Each tuned config of the GEMV of several rows compiles for sm_90 with the norm epilogue; at 8 rows every one
+    issues more instructions per weight element it reads than at 2 (more multiply-adds a loaded weight), which is why
+    the GEMV stops at GEMV_MAX_ROWS."""
+    from blockdraft.models.skinny_gemm import GEMV_ROWS_CONFIGS
+
+    out = tmp_path / "sass.json"
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}  # compiled, not run
+    subprocess.run([sys.executable, str(SCRIPT), "--kernel", "gemv_rows", "--rows", "2,8", "--epilogues", "norm",
+                    "--json", str(out)], env=env, check=True, capture_output=True)
+    readings = json.loads(out.read_text())
+    assert len(readings) == 2 * len(GEMV_ROWS_CONFIGS)
+    for reading in readings:
+        assert reading["registers"] > 0 and reading["loop_instructions"] > 0 and "FFMA" in reading["top"], reading
+    per_element = {(r["rows"], r["config"]): r["per_weight_element"] for r in readings}
+    configs = {config for _, config in per_element}
+    assert all(per_element[8, config] > per_element[2, config] for config in configs), per_element
+    assert any(r["issue_bound"] for r in readings if r["rows"] == 8)
+    assert not any(r["issue_bound"] or r["spilled_bytes"] for r in readings if r["rows"] == 2)
