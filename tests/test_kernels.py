@@ -770,7 +770,7 @@ def test_a_tree_past_the_two_matmul_rows_attends_through_the_kernel_as_sdpa_does
                                       attention_mask=draft.tree_mask(len(cache), DEVICE)))
     assert fast_target.compact_mask(kernel.ops, *(torch.zeros(1, dtype=torch.long),) * 2,
                                     torch.ones(1, nodes + 1, nodes + 1, dtype=torch.bool),
-                                    torch.zeros(1, nodes + 1, dtype=torch.long)) is not None
+                                    torch.zeros(1, nodes + 1, dtype=torch.long), lambda window: torch.zeros(0)) is not None
     torch.testing.assert_close(prefills[1], prefills[0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(outputs[1].logits, outputs[0].logits, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(outputs[1].taps, outputs[0].taps, rtol=1e-4, atol=1e-4)
@@ -803,6 +803,50 @@ def test_batched_sequences_on_kernels_decode_their_batch_1_ids(sliding: bool, me
     while decoder.running:
         finished.update({index[id(seq)]: seq.result().token_ids for seq in decoder.step()})
     assert [finished[i] for i in range(len(items))] == alone
+
+
+@needs_kernel
+@pytest.mark.parametrize("attention", ["kernel", "library"])
+def test_a_forward_builds_its_dense_bias_only_where_the_library_attends(attention: str,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forwards that give the attention its mask in compact form (batch 1's verify, the batched verify) build the
+    dense additive bias only where the library runs a layer's attention, and then once a forward for each window
+    (the sliding target has two: full and windowed layers), never where the kernel runs every layer."""
+    from test_batched_decode import sliding_target
+
+    from blockdraft.models import fast_batch, fast_ops
+    from blockdraft.models.fast_batch import BatchKV, forward_batch
+
+    target = sliding_target()
+    target.ops = LayerOps(False, attention_kernel=True)
+    windows = {layer.window for layer in target.layers}
+    assert len(windows) == 2
+    timed = fast_ops.fastest
+    monkeypatch.setattr(fast_ops, "fastest", lambda kind, key, device, options: (
+        attention if kind == "block_attention" else timed(kind, key, device, options)))
+    built: list[int | None] = []
+
+    def counted(build: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def count(*args: Any) -> torch.Tensor:
+            built.append(args[4])  # the window
+            return build(*args)
+        return count
+
+    target.ops.attention_bias = counted(target.ops.attention_bias)
+    monkeypatch.setattr(fast_batch, "batched_attention_bias", counted(fast_batch.batched_attention_bias))
+    cache = target.new_cache()
+    with torch.inference_mode():
+        target.forward(torch.tensor([[3, 9, 27, 4, 11, 40]]), torch.arange(6), cache)
+        built.clear()
+        for rows in (1, 4):  # a decode step, a chain's verify
+            target.forward(torch.arange(rows).unsqueeze(0) + 5, torch.arange(rows) + len(cache), cache)
+            assert sorted(built, key=str) == (sorted(windows, key=str) if attention == "library" else []), built
+            built.clear()
+        store = BatchKV.for_target(target, 2, 64)
+        store.lengths[:2] = [6, 3]
+        forward_batch(target, store, torch.tensor([[7, 8], [9, 10]]), torch.tensor([[6, 7], [3, 4]]),
+                      torch.ones(2, 2, dtype=torch.bool).tril().expand(2, 2, 2), None)
+    assert sorted(built, key=str) == (sorted(windows, key=str) if attention == "library" else []), built
 
 
 def test_the_kernels_run_only_on_gpus_triton_serves(monkeypatch) -> None:

@@ -144,16 +144,19 @@ def run_batch(target: FastTarget, kv: torch.Tensor, lengths: torch.Tensor, ids: 
     cos, sin = target.rotary(torch.empty(0, dtype=target.dtype, device=device), positions)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     slot_ids = torch.arange(cap, device=device)
-    biases = {w: batched_attention_bias(lengths, slot_ids, positions, own, w, groups, target.dtype)
-              for w in {layer.window for layer in target.layers}}
-    mask = compact_mask(ops, seq[:, 0], lengths, own, positions)
+
+    def dense(window: int | None) -> torch.Tensor:
+        return batched_attention_bias(lengths, slot_ids, positions, own, window, groups, target.dtype)
+
+    mask = compact_mask(ops, seq[:, 0], lengths, own, positions, dense)
+    biases = {} if mask is not None else {w: dense(w) for w in {layer.window for layer in target.layers}}
 
     def step(i: int, layer: LayerWeights, x: torch.Tensor, qkv: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor | None]:
         q = ops.batched_qkv_heads(qkv, layer.q_norm, layer.k_norm, cos, sin, target.heads, target.kv_heads,
                                   target.eps, kv[i, 0], kv[i, 1], seq, cols)
         keys, values = kv[i, 0, :batch, :, :cap], kv[i, 1, :batch, :, :cap]
-        out = attend(ops, layer, q, keys, values, biases[layer.window], t, target.heads, mask)
+        out = attend(ops, layer, q, keys, values, biases.get(layer.window), t, target.heads, mask)
         return layer_mlp(ops, layer, x, out, target.eps, target.act)
 
     return target.run_layers(F.embedding(ids, target.embedding_weight), step, tap_layers)

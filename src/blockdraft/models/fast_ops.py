@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 
 import torch
 import torch.fx.experimental._config as shape_config
@@ -264,26 +264,30 @@ class CompactMask:
     """A target forward's attention mask as what it is made of (`attention_bias`'s inputs), built once per forward
     for `block_attention`: sequence b of the forward reads cache slot slots[b] of the keys it is given, holding its
     lengths[b] committed tokens; its t new rows see each other as own[b] ([B, t, t], uint8) says, at positions
-    [B, t]."""
+    [B, t]. `dense(window)` is the same mask as the library's additive bias, built the first time a layer's
+    attention runs the library (once a forward for each window): where the kernel runs every layer, as it does on
+    the GPU, no step builds it (a dozen small launches a batched step, one compiled one at batch 1)."""
 
     slots: torch.Tensor
     lengths: torch.Tensor
     own: torch.Tensor
     positions: torch.Tensor
+    dense: Callable[[int | None], torch.Tensor]
 
     @classmethod
-    def of(cls, slots: torch.Tensor, lengths: torch.Tensor, own: torch.Tensor, positions: torch.Tensor
-           ) -> "CompactMask":
-        """From a batched forward's [B] slots and lengths, [B, t, t] bool own and [B, t] positions."""
-        return cls(slots, lengths, own.to(torch.uint8).contiguous(), positions.contiguous())
+    def of(cls, slots: torch.Tensor, lengths: torch.Tensor, own: torch.Tensor, positions: torch.Tensor,
+           dense: Callable[[int | None], torch.Tensor]) -> "CompactMask":
+        """From a batched forward's [B] slots and lengths, [B, t, t] bool own and [B, t] positions, and the dense
+        bias's builder for a window."""
+        return cls(slots, lengths, own.to(torch.uint8).contiguous(), positions.contiguous(), cache(dense))
 
 
 def kernel_block_attention(
     reference: Callable[..., torch.Tensor], merge_out: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor,
-    v: torch.Tensor, bias: torch.Tensor, scale: float, mask: CompactMask, window: int | None,
+    v: torch.Tensor, scale: float, mask: CompactMask, window: int | None,
 ) -> torch.Tensor:
     """`merge_out(decode_attention(...))`, the heads merged [B, t, heads * d], from the compact-mask kernel
-    (`block_attention`: the mask's pieces instead of the dense `bias`, keys read only up to each sequence's own
+    (`block_attention`: the mask's pieces instead of its dense bias, keys read only up to each sequence's own
     length, the heads stored merged) where it runs and was timed faster at this shape than `reference` and `merge_out`
     (the engine's own attention for these rows: two matmuls for a few, SDPA for many, then the heads' transpose;
     `kernel_choice`: key lengths by power of two; splits of 64 keys or of LONG_SPLIT_KEYS, merged by a second launch
@@ -292,7 +296,7 @@ def kernel_block_attention(
     heads = q.shape[1] * q.shape[2] // t
 
     def library() -> torch.Tensor:
-        return merge_out(reference(q, k, v, bias, scale), heads, t)
+        return merge_out(reference(q, k, v, mask.dense(window), scale), heads, t)
 
     if not block_attention_runs(q, k):
         return library()

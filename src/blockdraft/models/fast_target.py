@@ -133,7 +133,7 @@ def layer_step(
     kv: torch.Tensor,
     slots: torch.Tensor,
     cap: int,
-    bias: torch.Tensor,
+    bias: torch.Tensor | None,
     heads: int,
     kv_heads: int,
     eps: float,
@@ -142,8 +142,8 @@ def layer_step(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One decoder layer on a static cache (target and drafter alike) from its residual input `x` and q|k|v product
     (`run_stack` makes both): K/V of the t new rows written at `slots` of `kv` ([2, kv_heads, slots, d]), attention
-    over its first `cap` slots under `bias` (`mask`: the same mask in compact form, for the kernels); returns the
-    layer's output as a pending sum (`layer_mlp`)."""
+    over its first `cap` slots under `bias`, or `mask` (the mask in compact form, for the kernels; `bias` None);
+    returns the layer's output as a pending sum (`layer_mlp`)."""
     t = qkv.shape[1]
     q = ops.qkv_heads(qkv, layer.q_norm, layer.k_norm, cos, sin, heads, kv_heads, eps, kv[0], kv[1], slots)
     out = attend(ops, layer, q, kv[0, :, :cap].unsqueeze(0), kv[1, :, :cap].unsqueeze(0), bias, t, heads, mask)
@@ -151,24 +151,27 @@ def layer_step(
 
 
 def compact_mask(ops: LayerOps, slots: torch.Tensor, lengths: torch.Tensor, own: torch.Tensor,
-                 positions: torch.Tensor) -> CompactMask | None:
-    """A target forward's mask in compact form (`CompactMask.of`) where `attend` may give it to `block_attention`:
-    the attention kernel on (`LayerOps.compact_masks`), and few enough rows per sequence; else None."""
+                 positions: torch.Tensor, dense: Callable[[int | None], torch.Tensor]) -> CompactMask | None:
+    """A target forward's mask in compact form (`CompactMask.of`, `dense(window)` its additive bias) where `attend`
+    may give it to `block_attention`: the attention kernel on (`LayerOps.compact_masks`), and few enough rows per
+    sequence; else None (the caller builds the dense biases)."""
     if ops.compact_masks and own.shape[-1] <= BLOCK_ATTENTION_MAX_TOKENS:
-        return CompactMask.of(slots, lengths, own, positions)
+        return CompactMask.of(slots, lengths, own, positions, dense)
     return None
 
 
 def attend(ops: LayerOps, layer: LayerWeights, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-           bias: torch.Tensor, t: int, heads: int, mask: CompactMask | None = None) -> torch.Tensor:
+           bias: torch.Tensor | None, t: int, heads: int, mask: CompactMask | None = None) -> torch.Tensor:
     """Attention of `t` new rows per sequence, the `heads` query heads merged ([B, t, heads * d], as o_proj reads
     them): two matmuls for a few rows, the fused SDPA kernels for many; with the mask given in compact form
     (`compact_mask`), `block_attention` where it was timed faster than either (it stores the heads merged: no
-    transpose kernel after it)."""
+    transpose kernel after it; `bias` None: the mask's own dense form where the library runs)."""
     few = t <= DECODE_ATTENTION_MAX_TOKENS
     if mask is not None:
         kernel = ops.block_attention if few else ops.many_row_block_attention
-        return kernel(q, keys, values, bias, layer.scaling, mask, layer.window)
+        return kernel(q, keys, values, layer.scaling, mask, layer.window)
+    if bias is None:
+        raise ValueError("attend needs a dense bias or a compact mask")
     out = (ops.decode_attention(q, keys, values, bias, layer.scaling) if few
            else sdpa_attention(q, keys, values, bias, layer.scaling))
     return ops.merge_heads(out, heads, t)
@@ -381,16 +384,18 @@ class FastTarget(Target):
         groups = self.heads // self.kv_heads
         slots = self.storage.length + self.slot_ids[:t]
         cos, sin = self.cos[positions][None, None], self.sin[positions][None, None]
-        biases = {
-            w: ops.attention_bias(self.storage.length, self.slot_ids[:cap], positions, own, w, groups, self.dtype)
-            for w in {layer.window for layer in self.layers}
-        }
+
+        def dense(window: int | None) -> torch.Tensor:
+            return ops.attention_bias(self.storage.length, self.slot_ids[:cap], positions, own, window, groups,
+                                      self.dtype)
+
         mask = compact_mask(ops, self.slot_ids[:1], self.storage.length.view(1), own.unsqueeze(0),
-                            positions.unsqueeze(0))
+                            positions.unsqueeze(0), dense)
+        biases = {} if mask is not None else {w: dense(w) for w in {layer.window for layer in self.layers}}
 
         def step(i: int, layer: LayerWeights, x: torch.Tensor, qkv: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
-            return layer_step(ops, layer, x, qkv, cos, sin, kv[i], slots, cap, biases[layer.window], self.heads,
+            return layer_step(ops, layer, x, qkv, cos, sin, kv[i], slots, cap, biases.get(layer.window), self.heads,
                               self.kv_heads, self.eps, self.act, mask)
 
         return self.run_layers(F.embedding(ids, self.embedding_weight), step, tap_layers, ops)
