@@ -1,5 +1,6 @@
-"""Our few-row product kernels as an H200 runs them, read without a GPU: each config compiled for sm_90, its
-registers and spills, and its hottest loop's instructions per weight element it streams.
+"""Our few-row product kernels (and the compact-mask attention) as an H200 runs them, read without a GPU: each
+config compiled for sm_90, its registers and spills, and its hottest loop's instructions per weight (or K/V) element
+it streams.
 
 Why: a product of a few rows is a read of its weights only while each SM issues the loop's instructions faster
 than the weights arrive. An H200 SM receives ~8 bf16 weight elements a cycle (4.29 TB/s of copy bandwidth over 132
@@ -12,6 +13,7 @@ which configs and row counts are worth a GPU's time before any is spent.
     python benchmarks/kernel_sass.py --kernel gemv_rows --rows 2,4,8 --epilogues plain,norm,glu+residual
     python benchmarks/kernel_sass.py --kernel gemv --epilogues norm
     python benchmarks/kernel_sass.py --kernel weights_first --rows 16 --epilogues plain,norm --json sass.json
+    python benchmarks/kernel_sass.py --kernel block_attention --epilogues plain,window
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import json
 import re
 import subprocess
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -31,24 +34,65 @@ from rich.table import Table
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from blockdraft.models import skinny_gemm
+from blockdraft.models import block_attention, skinny_gemm
+from blockdraft.models.flash_decode import BLOCK_KEYS, BLOCK_ROWS
 from blockdraft.numbers import int_list
 
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 ISSUE_A_CYCLE = 4  # warp instructions an SM issues a cycle (four schedulers, one each)
+SM_REGISTERS, SM_SHARED, SM_WARPS = 65536, 228 * 1024, 64  # an H100/H200 SM's (registers go 8 a thread at a time)
+SHARED_RESERVED = 1024  # the shared memory the driver keeps for each resident program
 ALIGNED = 16  # what Triton assumes of a pointer or size divisible by 16 when it specializes a launch (all of ours)
-POINTERS = ("x_ptr", "w_ptr", "b_ptr", "y_ptr", "g_ptr", "r_ptr")
-# each kernel: its function, its runtime arguments beyond the pointers, its tuned configs and their row constexpr
+HEAD_DIM = 128  # the attention's head dimension (Qwen3-8B's and most targets')
+
+
+@dataclass
+class Spec:
+    """How to compile one kernel: its function, its arguments' types (pointers bf16 unless named), which of them are
+    16-aligned at the engine's launches, its configs, the constant that holds its rows, its constants for an
+    epilogue, and the streamed elements one iteration of its K loop reads for a config."""
+
+    fn: object
+    types: dict[str, str]
+    aligned: Callable[[str], bool]
+    configs: list[triton.Config]
+    rows_name: str | None
+    constants: Callable[[str], dict[str, object]]
+    elements: Callable[[triton.Config], int]
+
+
+def _product_constants(epilogue: str) -> dict[str, object]:
+    return dict(HAS_BIAS="bias" in epilogue, GLU="glu" in epilogue, NORM="norm" in epilogue,
+                RESIDUAL="residual" in epilogue)
+
+
+def _tile(config: triton.Config) -> int:
+    return config.kwargs["BLOCK_N"] * config.kwargs["BLOCK_K"]
+
+
+def _product_aligned(name: str) -> bool:
+    return name in ("N", "K") or name.startswith("stride")
+
+
+_PRODUCT_TYPES = {"part_ptr": "*fp32", "count_ptr": "*i32", "eps": "fp32"}
 KERNELS = {
-    "gemv": (skinny_gemm._gemv_kernel, ("part_ptr", "count_ptr", "N", "K", "eps", "stride_wn"),
-             skinny_gemm.GEMV_CONFIGS, None),
-    "gemv_rows": (skinny_gemm._gemv_rows_kernel, ("M", "N", "K", "eps", "stride_xm", "stride_wn", "stride_ym",
-                                                  "stride_rm"), skinny_gemm.GEMV_ROWS_CONFIGS, "ROWS"),
-    "weights_first": (skinny_gemm._weights_first_kernel, ("part_ptr", "count_ptr", "M", "N", "K", "eps", "stride_xm",
-                                                          "stride_wn", "stride_ym", "stride_rm"),
-                      skinny_gemm.WEIGHTS_FIRST_CONFIGS, "ROWS"),
+    "gemv": Spec(skinny_gemm._gemv_kernel, _PRODUCT_TYPES, _product_aligned, skinny_gemm.GEMV_CONFIGS, None,
+                 lambda epilogue: _product_constants(epilogue) | {"SPLITS": 1}, _tile),
+    "gemv_rows": Spec(skinny_gemm._gemv_rows_kernel, _PRODUCT_TYPES, _product_aligned, skinny_gemm.GEMV_ROWS_CONFIGS,
+                      "ROWS", _product_constants, _tile),
+    "weights_first": Spec(skinny_gemm._weights_first_kernel, _PRODUCT_TYPES, _product_aligned,
+                          skinny_gemm.WEIGHTS_FIRST_CONFIGS, "ROWS",
+                          lambda epilogue: _product_constants(epilogue) | {"F32_DOT": False}, _tile),
+    "block_attention": Spec(  # as `block_attention` launches it: Triton's default warps and stages, a decode's rows
+        block_attention._block_split_kernel,
+        {"seq_ptr": "*i64", "length_ptr": "*i64", "pos_ptr": "*i64", "own_ptr": "*u8", "acc_ptr": "*fp32",
+         "m_ptr": "*fp32", "l_ptr": "*fp32", "count_ptr": "*i32", "scale": "fp32"},
+        lambda name: name == "D" or name[:3] in ("sq_", "sk_", "sv_", "so_"),
+        [triton.Config({}, num_warps=4, num_stages=3)], None,
+        lambda epilogue: dict(WINDOW="window" in epilogue, F32_DOT=False, MIN_KEYS=BLOCK_KEYS,
+                              MERGE="merge" in epilogue, BLOCK_R=BLOCK_ROWS, BLOCK_S=BLOCK_KEYS, BLOCK_D=HEAD_DIM),
+        lambda config: 2 * BLOCK_KEYS * HEAD_DIM),  # a block of keys and its values
 }
-TYPES = {"part_ptr": "*fp32", "count_ptr": "*i32", "eps": "fp32"}
 INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z0-9_.]+)([^;]*);")
 
 
@@ -63,33 +107,30 @@ class Reading:
     registers: int
     spilled_bytes: int
     loop_instructions: int
-    per_weight_element: float  # warp instructions the loop issues per weight element it reads
+    shared_bytes: int
+    warps_an_sm: int  # resident warps an SM holds, by registers, shared memory and the 64-warp limit
+    per_element: float  # warp instructions the loop issues per element it streams (weights; K/V for the attention)
     issue_bound: bool
     top: str
+    opcodes: dict[str, int]  # the loop's, each opcode's count
 
 
-def compile_for_sm90(kernel: str, rows: int | None, epilogue: str, config: triton.Config) -> bytes:
-    """The cubin of one config of `kernel` for sm_90 (bf16 operands, every pointer and size 16-aligned, as the
-    engine's launches are specialized)."""
-    fn, scalars, _, rows_name = KERNELS[kernel]
-    signature = {name: "*bf16" for name in POINTERS} | {name: TYPES.get(name, "i32") for name in scalars}
-    constants = dict(HAS_BIAS="bias" in epilogue, GLU="glu" in epilogue, NORM="norm" in epilogue,
-                     RESIDUAL="residual" in epilogue) | config.kwargs
-    if kernel == "weights_first":
-        constants["F32_DOT"] = False
-    if kernel == "gemv":
-        constants.setdefault("SPLITS", 1)
-    if rows_name is not None:
-        constants[rows_name] = rows
-    names = list(fn.arg_names)
-    signature = {name: "constexpr" if name in constants else signature[name] for name in names}
-    aligned = [i for i, name in enumerate(names) if signature[name].startswith("*")
-               or name in ("N", "K") or name.startswith("stride")]
-    source = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in constants.items()},
+def compile_for_sm90(kernel: str, rows: int | None, epilogue: str, config: triton.Config) -> tuple[bytes, int]:
+    """The cubin of one config of `kernel` for sm_90 (bf16 operands, the pointers and the sizes the engine's launches
+    give as multiples of 16 specialized so, as Triton specializes them) and the shared memory a program takes."""
+    spec = KERNELS[kernel]
+    constants = spec.constants(epilogue) | config.kwargs
+    if spec.rows_name is not None:
+        constants[spec.rows_name] = rows
+    names = list(spec.fn.arg_names)
+    signature = {name: "constexpr" if name in constants else spec.types.get(
+        name, "*bf16" if name.endswith("_ptr") else "i32") for name in names}
+    aligned = [i for i, name in enumerate(names) if signature[name].startswith("*") or spec.aligned(name)]
+    source = ASTSource(fn=spec.fn, signature=signature, constexprs={(names.index(k),): v for k, v in constants.items()},
                        attrs={(i,): [["tt.divisibility", ALIGNED]] for i in aligned})
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": config.num_warps, "num_stages": config.num_stages})
-    return compiled.asm["cubin"]
+    return compiled.asm["cubin"], compiled.metadata.shared
 
 
 def hottest_loop(sass: str) -> collections.Counter[str]:
@@ -111,7 +152,8 @@ def read(kernel: str, rows: int, epilogue: str, config: triton.Config, elements_
     cycle at full bandwidth)."""
     with tempfile.TemporaryDirectory() as scratch:
         cubin = Path(scratch) / "kernel.cubin"
-        cubin.write_bytes(compile_for_sm90(kernel, rows, epilogue, config))
+        code, shared = compile_for_sm90(kernel, rows, epilogue, config)
+        cubin.write_bytes(code)
         usage = subprocess.run([str(TOOLS / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True,
                                check=True).stdout
         sass = subprocess.run([str(TOOLS / "cuobjdump"), "-sass", str(cubin)], capture_output=True, text=True,
@@ -119,12 +161,16 @@ def read(kernel: str, rows: int, epilogue: str, config: triton.Config, elements_
     resources = dict(re.findall(r"(REG|LOCAL|STACK):(\d+)", usage))
     loop = hottest_loop(sass)
     instructions = sum(loop.values())
-    tile = config.kwargs["BLOCK_N"] * config.kwargs["BLOCK_K"]
-    per_element = instructions * config.num_warps / tile
-    label = "/".join(str(v) for v in config.kwargs.values()) + f" w{config.num_warps} s{config.num_stages}"
-    return Reading(kernel, rows, epilogue, label, int(resources["REG"]),
-                   int(resources.get("LOCAL", 0)) + int(resources.get("STACK", 0)), instructions, per_element,
-                   per_element * elements_a_cycle > ISSUE_A_CYCLE, ", ".join(f"{k} {v}" for k, v in loop.most_common(5)))
+    per_element = instructions * config.num_warps / KERNELS[kernel].elements(config)
+    registers = int(resources["REG"])
+    programs = min(SM_REGISTERS // (-(-registers // 8) * 8 * 32 * config.num_warps),
+                   SM_SHARED // max(shared + SHARED_RESERVED, 1), SM_WARPS // config.num_warps)
+    tiles = "/".join(str(v) for v in config.kwargs.values())
+    label = f"{tiles} w{config.num_warps} s{config.num_stages}".strip()
+    return Reading(kernel, rows, epilogue, label, registers,
+                   int(resources.get("LOCAL", 0)) + int(resources.get("STACK", 0)), instructions, shared,
+                   programs * config.num_warps, per_element, per_element * elements_a_cycle > ISSUE_A_CYCLE,
+                   ", ".join(f"{k} {v}" for k, v in loop.most_common(5)), dict(loop))
 
 
 def main() -> None:
@@ -133,25 +179,28 @@ def main() -> None:
     parser.add_argument("--rows", type=int_list, default="2,4", help="rows (a power of two) for the kernels with a "
                         "row tile; the one-row GEMV ignores it")
     parser.add_argument("--epilogues", default="plain,norm,glu+residual",
-                        help="comma-separated; each names any of glu, norm, residual, bias joined by +")
+                        help="comma-separated; each names any of glu, norm, residual, bias (products) or window, "
+                        "merge (attention) joined by +")
     parser.add_argument("--bandwidth", type=float, default=4.29e12, help="bytes/s (the H200's measured copy rate)")
     parser.add_argument("--sms", type=int, default=132)
     parser.add_argument("--clock", type=float, default=1.98e9, help="Hz")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     elements = args.bandwidth / args.sms / args.clock / 2
-    _, _, configs, rows_name = KERNELS[args.kernel]
+    spec = KERNELS[args.kernel]
     readings = [read(args.kernel, rows, epilogue, config, elements)
-                for rows in (args.rows if rows_name else [1]) for epilogue in args.epilogues.split(",")
-                for config in configs]
-    table = Table(title=f"{args.kernel} for sm_90: the K loop per weight element (an SM receives {elements:.1f} a "
-                        f"cycle and issues {ISSUE_A_CYCLE}: at most {ISSUE_A_CYCLE / elements:.2f} keeps up)")
-    for column in ("rows", "epilogue", "config", "registers", "spilled B", "loop instr", "per weight element",
-                   "issue-bound", "most issued"):
+                for rows in (args.rows if spec.rows_name else [1]) for epilogue in args.epilogues.split(",")
+                for config in spec.configs]
+    table = Table(title=f"{args.kernel} for sm_90: the K loop's warp instructions per element it streams (an SM "
+                        f"receives {elements:.1f} a cycle and issues {ISSUE_A_CYCLE}: at most "
+                        f"{ISSUE_A_CYCLE / elements:.2f} keeps up)")
+    for column in ("rows", "epilogue", "config", "registers", "spilled B", "shared KB", "warps an SM", "loop instr",
+                   "per element", "issue-bound", "most issued"):
         table.add_column(column)
     for r in readings:
         table.add_row(str(r.rows), r.epilogue, r.config, str(r.registers), str(r.spilled_bytes),
-                      str(r.loop_instructions), f"{r.per_weight_element:.3f}", "yes" if r.issue_bound else "no", r.top)
+                      f"{r.shared_bytes / 1024:.0f}", str(r.warps_an_sm), str(r.loop_instructions),
+                      f"{r.per_element:.3f}", "yes" if r.issue_bound else "no", r.top)
     Console(width=200).print(table)
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in readings], indent=1))

@@ -53,8 +53,22 @@ def test_more_rows_of_the_gemv_issue_more_for_each_weight_element(tmp_path: Path
     assert len(readings) == 2 * len(GEMV_ROWS_CONFIGS)
     for reading in readings:
         assert reading["registers"] > 0 and reading["loop_instructions"] > 0 and "FFMA" in reading["top"], reading
-    per_element = {(r["rows"], r["config"]): r["per_weight_element"] for r in readings}
+        assert 0 < reading["warps_an_sm"] <= 64, reading
+    per_element = {(r["rows"], r["config"]): r["per_element"] for r in readings}
     configs = {config for _, config in per_element}
     assert all(per_element[8, config] > per_element[2, config] for config in configs), per_element
     assert any(r["issue_bound"] for r in readings if r["rows"] == 8)
     assert not any(r["issue_bound"] or r["spilled_bytes"] for r in readings if r["rows"] == 2)
+
+
+def test_the_attention_compiles_as_launched_its_keys_streamed_by_async_copies(tmp_path: Path) -> None:
+    """The compact-mask attention, its strides and head dimension specialized as multiples of 16 as the engine's
+    launches are: its key loop copies K and V asynchronously (LDGSTS, the pipelined loads; without the alignment
+    the same loop loads element by element) and multiplies on tensor cores (HMMA)."""
+    out = tmp_path / "attention.json"
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    subprocess.run([sys.executable, str(SCRIPT), "--kernel", "block_attention", "--epilogues", "plain", "--json",
+                    str(out)], env=env, check=True, capture_output=True)
+    (reading,) = json.loads(out.read_text())
+    assert reading["opcodes"].get("LDGSTS", 0) > 0 and reading["opcodes"].get("HMMA", 0) > 0, reading
+    assert reading["warps_an_sm"] >= 4 and reading["shared_bytes"] > 0, reading
