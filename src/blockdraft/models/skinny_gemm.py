@@ -28,9 +28,10 @@ WEIGHTS_FIRST_MAX_ROWS = 128  # `_weights_first_kernel`'s rows are its dot's N s
 MAX_SPLITS = 4  # the most ways `_weights_first_kernel` splits K (its autotuned configs')
 GEMV_MAX_SPLITS = 8  # the most ways `_gemv_kernel` splits K (SPLIT_GEMV_CONFIGS' configs) ...
 MIN_SPLIT_GEMV_BLOCK_N = 2  # ... and the fewest features a tile of theirs has: what their partials are sized for
-GEMV_MAX_ROWS = 4  # the most rows `_gemv_rows_kernel` takes: at 8 its sm_90 code issues 0.41-0.66 warp instructions
-# per weight element (4 rows: 0.25-0.36; one-row GEMV: 0.13-0.15), past the 4 an SM issues a cycle while it reads
-# ~9 weight elements at the H200's bandwidth (benchmarks/RESULTS.md session 41, compiled without a GPU)
+GEMV_MAX_ROWS = 4  # the most rows `_gemv_rows_kernel` takes: at 8 its sm_90 loop issues 0.45-0.89 warp instructions
+# per weight element (4 rows: 0.25-0.50; the one-row GEMV 0.11-0.62, by config and epilogue), and an H200 SM, which
+# issues 4 a cycle while ~8 weight elements arrive, keeps up only under 0.49 (benchmarks/kernel_sass.py, RESULTS.md
+# session 41)
 TUNED_ON_DISK = True  # each shape's tuned tiles kept in Triton's cache (~/.triton): a server's warm-up tunes every
 # product at every row tile (4 row tiles x 5 products x the drafter's), which a restart, the next server of a
 # benchmark or the next test process then reads instead of timing every config again
