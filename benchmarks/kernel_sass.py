@@ -83,12 +83,12 @@ KERNELS = {
     "weights_first": Spec(skinny_gemm._weights_first_kernel, _PRODUCT_TYPES, _product_aligned,
                           skinny_gemm.WEIGHTS_FIRST_CONFIGS, "ROWS",
                           lambda epilogue: _product_constants(epilogue) | {"F32_DOT": False}, _tile),
-    "block_attention": Spec(  # as `block_attention` launches it: Triton's default warps and stages, a decode's rows
-        block_attention._block_split_kernel,
+    "block_attention": Spec(  # as `block_attention` launches it (Triton's default 4 warps, 3 stages; a decode's rows),
+        block_attention._block_split_kernel,  # then the other launches `attention_splits.py --launches` times
         {"seq_ptr": "*i64", "length_ptr": "*i64", "pos_ptr": "*i64", "own_ptr": "*u8", "acc_ptr": "*fp32",
          "m_ptr": "*fp32", "l_ptr": "*fp32", "count_ptr": "*i32", "scale": "fp32"},
         lambda name: name == "D" or name[:3] in ("sq_", "sk_", "sv_", "so_"),
-        [triton.Config({}, num_warps=4, num_stages=3)], None,
+        [triton.Config({}, num_warps=w, num_stages=st) for w, st in ((4, 3), (8, 3), (4, 4), (8, 2))], None,
         lambda epilogue: dict(WINDOW="window" in epilogue, F32_DOT=False, MIN_KEYS=BLOCK_KEYS,
                               MERGE="merge" in epilogue, BLOCK_R=BLOCK_ROWS, BLOCK_S=BLOCK_KEYS, BLOCK_D=HEAD_DIM),
         lambda config: 2 * BLOCK_KEYS * HEAD_DIM),  # a block of keys and its values

@@ -128,3 +128,22 @@ def test_merged_heads_are_the_output_transposed_as_o_proj_reads_it(t: int, group
         want = merge_heads(block_attention(*args), kv_heads * groups, t)
     assert got.shape == (3, t, kv_heads * groups * d) and got.is_contiguous()
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("launch", [(8, 3), (4, 2)])
+def test_a_launch_of_other_warps_and_stages_attends_alike(launch: tuple[int, int]) -> None:
+    """The split kernel launched with other warps and pipeline stages than Triton's defaults (what
+    `benchmarks/gpu/attention_splits.py --launches` times): the same attention, sequences of different lengths and a
+    chain's rows. (The interpreter runs one program at a time whatever the launch: there this checks the plumbing; on
+    a GPU, the variants.)"""
+    generator = torch.Generator().manual_seed(sum(launch))
+    lengths, kv_heads, groups, t, d = [3, 70, 200], 2, 4, 2, 16
+    cache = torch.randn(2, 3, kv_heads, 256, d, generator=generator).to(DEVICE)
+    q = torch.randn(3, kv_heads, groups * t, d, generator=generator).to(DEVICE)
+    own = torch.ones(3, t, t, dtype=torch.bool).tril().to(DEVICE)
+    positions = (torch.tensor(lengths).unsqueeze(1) + torch.arange(t)).to(DEVICE)
+    args = (q, cache[0], cache[1], torch.arange(3, device=DEVICE), torch.tensor(lengths, device=DEVICE), own,
+            positions, None, 0.25)
+    with torch.inference_mode():
+        torch.testing.assert_close(block_attention(*args, launch=launch), block_attention(*args), rtol=1e-5,
+                                   atol=1e-5)

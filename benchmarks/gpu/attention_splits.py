@@ -9,6 +9,12 @@ kept it: with 512 programs, 64 sequences x 8 heads get one split each. Each time
 (`kernel_choice`).
 
     python3 benchmarks/gpu/attention_splits.py --batch 1,4,16,64 --rows 1,16
+    python3 benchmarks/gpu/attention_splits.py --batch 4,16,64 --rows 1 --launches 4x3,8x3,4x4,8x2 --only-launches
+
+`--launches` (warps x pipeline stages of the split kernel) times the engine's two budgets, 512 and 1024 programs of
+64-key splits, under each: as launched the kernel holds 8 warps an SM (174 registers; `benchmarks/kernel_sass.py
+--kernel block_attention`), which may be what leaves batch 16 at 1.75x its K/V read (benchmarks/RESULTS.md, sessions
+29 and 41).
 """
 
 from __future__ import annotations
@@ -24,6 +30,14 @@ from blockdraft.models.fast_ops import decode_attention
 from blockdraft.models.kernel_choice import _milliseconds
 from blockdraft.numbers import int_list
 
+
+def launch_list(text: str) -> list[tuple[int, int]]:
+    """"4x3,8x3" -> [(4, 3), (8, 3)]: warps x stages."""
+    try:
+        return [(int(w), int(s)) for w, s in (item.split("x") for item in text.split(",") if item)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give warps x stages, comma-separated, e.g. 4x3,8x3") from None
+
 KV_HEADS, GROUPS, HEAD_DIM = 8, 4, 128
 PROGRAMS = (512, 1024, 2048, 4096)
 
@@ -33,6 +47,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int_list, default="1,4,16,64")
     parser.add_argument("--rows", type=int_list, default="1,16", help="new rows a sequence (1: AR, 16: DFlash)")
     parser.add_argument("--context", type=int, default=1024)
+    parser.add_argument("--launches", type=launch_list, default=[], help="warps x stages of the split kernel to time")
+    parser.add_argument("--only-launches", action="store_true", help="skip the program-budget table")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("attention_splits.py needs a CUDA device")
@@ -40,8 +56,13 @@ def main() -> None:
     batches, rows_list = args.batch, args.rows
     cap = args.context + max(rows_list) + 64
     cache = torch.randn(2, max(batches), KV_HEADS, cap, HEAD_DIM, device=device, dtype=dtype)
-    print("| batch | rows | KV MB | library us | " + " | ".join(f"{p} programs, {k}-key splits{m} us" for p in PROGRAMS
-                                                         for k in (64, 256) for m in ("", ", merging")) + " |")
+    if not args.only_launches:
+        columns = [f"{p} programs, {k}-key splits{m} us"
+                   for p in PROGRAMS for k in (64, 256) for m in ("", ", merging")]
+        print("| batch | rows | KV MB | library us | " + " | ".join(columns) + " |")
+    if args.launches:
+        print("launches (us; 512 / 1024 programs of 64-key splits): | batch | rows | "
+              + " | ".join(f"{w} warps x {s} stages" for w, s in args.launches) + " |")
     with torch.inference_mode():
         for batch in batches:
             for t in rows_list:
@@ -54,6 +75,16 @@ def main() -> None:
                 bias = batched_attention_bias(lengths, torch.arange(keys, device=device), positions, own, None, GROUPS,
                                               dtype)
                 slots, own8 = torch.arange(batch, device=device), own.to(torch.uint8)
+                if args.launches:
+                    cells = []
+                    for launch in args.launches:
+                        us = [1e3 * _milliseconds(lambda p=programs, c=launch: block_attention(
+                            q, k, v, slots, lengths, own8, positions, None, 0.088, 64, False, p, launch=c))
+                              for programs in (512, 1024)]
+                        cells.append(" / ".join(f"{u:.1f}" for u in us))
+                    print(f"launches | {batch} | {t} | " + " | ".join(cells) + " |", flush=True)
+                if args.only_launches:
+                    continue
                 times = [_milliseconds(lambda: decode_attention(q, k, v, bias, 0.088))]
                 for programs in PROGRAMS:
                     for split_keys in (64, 256):

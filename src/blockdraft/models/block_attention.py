@@ -93,7 +93,7 @@ def block_attention_runs(q: torch.Tensor, k: torch.Tensor) -> bool:
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: torch.Tensor, lengths: torch.Tensor,
                     own: torch.Tensor, positions: torch.Tensor, window: int | None, scale: float,
                     min_split_keys: int = BLOCK_KEYS, merge: bool = False, programs: int = TARGET_PROGRAMS,
-                    merged_heads: bool = False) -> torch.Tensor:
+                    merged_heads: bool = False, launch: tuple[int, int] | None = None) -> torch.Tensor:
     """q [B, G, R, d] (the query heads sharing a KV head folded into rows, group-major: R = groups x t) against the
     cache k, v [slots, G, S, d], sequence b reading slot seq[b] ([B] long): its lengths[b] committed keys, then its
     t new rows' own K/V at lengths[b] + j, seen as own [B, t, t] (bool or uint8) says; positions [B, t] are the new
@@ -103,7 +103,9 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: torc
     (an atomic count a row block, `zeroed_counters`) instead of a second launch. `programs` bounds the programs a
     launch has (the key splits a sequence gets: more splits, more partial results to merge). With `merged_heads`
     the output is [B, t, heads * d], the heads merged as o_proj reads them (`flash_decode.output_layout`); else q's
-    shape."""
+    shape. `launch` = (warps, pipeline stages) of the split kernel (Triton's defaults, 4 and 3, otherwise: what
+    `benchmarks/gpu/attention_splits.py` sweeps, its 174 registers holding 8 warps an SM, benchmarks/RESULTS.md
+    session 41)."""
     t = own.shape[-1]
     block_d, row_blocks, splits = split_shape(q, k.shape[2], programs)
     f32 = q.dtype == torch.float32 or not q.is_cuda  # the interpreter's half-precision dot is wrong
@@ -120,7 +122,8 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: torc
             q.shape[2], t, q.shape[3], q.shape[1], splits, window or 0, scale,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
             v.stride(2), *layout, WINDOW=window is not None, F32_DOT=f32, MIN_KEYS=min_split_keys,
-            MERGE=out is not None, BLOCK_R=BLOCK_ROWS, BLOCK_S=BLOCK_KEYS, BLOCK_D=block_d)
+            MERGE=out is not None, BLOCK_R=BLOCK_ROWS, BLOCK_S=BLOCK_KEYS, BLOCK_D=block_d,
+            **({} if launch is None else dict(num_warps=launch[0], num_stages=launch[1])))
 
     return split_and_merge(q, splits, block_d, run_splits, lengths, t, min_split_keys, merged=merge,
                            merged_heads=merged_heads)
