@@ -806,6 +806,41 @@ def test_batched_sequences_on_kernels_decode_their_batch_1_ids(sliding: bool, me
 
 
 @needs_kernel
+@pytest.mark.parametrize("sliding", [False, True])
+def test_a_batch_of_ar_sequences_on_the_gemv_of_several_rows_decodes_their_batch_1_ids(
+        sliding: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fast engine's CUDA units (`few_rows`: the GEMVs with their norm, gating and residual epilogues; the q|k|v
+    kernel; the compact-mask attention) in the batched AR step: two sequences of different lengths, joining at
+    different steps, run their products on the GEMV of several rows, and each decodes the ids it decodes alone."""
+    from test_batched_decode import sliding_target
+
+    from blockdraft.engine.batch import BatchDecoder
+    from blockdraft.models import skinny_gemm
+
+    target = sliding_target() if sliding else FastTarget(make_target_model("qwen3"))
+    target.ops = LayerOps(False, qkv_kernel=True, few_rows=True, attention_kernel=True)
+    items = [[3, 9, 27, 4, 11, 40, 2], [8, 1, 30, 30]]
+    alone = [generate(target, ids, None, 4).token_ids for ids in items]
+    rows: list[int] = []
+    several = skinny_gemm._gemv_rows
+
+    def count(x: torch.Tensor, *args: Any) -> torch.Tensor:
+        rows.append(skinny_gemm._rows(x))
+        return several(x, *args)
+
+    monkeypatch.setattr(skinny_gemm, "_gemv_rows", count)
+    decoder = BatchDecoder(target, lambda: None, max_seqs=2)
+    index, finished = {}, {}
+    for i, ids in enumerate(items):
+        index[id(decoder.join(ids, 4))] = i
+        finished.update({index[id(seq)]: seq.result().token_ids for seq in decoder.step()})
+    while decoder.running:
+        finished.update({index[id(seq)]: seq.result().token_ids for seq in decoder.step()})
+    assert [finished[i] for i in range(len(items))] == alone
+    assert 2 in rows, rows
+
+
+@needs_kernel
 @pytest.mark.parametrize("attention", ["kernel", "library"])
 def test_a_forward_builds_its_dense_bias_only_where_the_library_attends(attention: str,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
