@@ -841,6 +841,36 @@ def test_a_batch_of_ar_sequences_on_the_gemv_of_several_rows_decodes_their_batch
 
 
 @needs_kernel
+def test_the_attention_offers_its_wide_launch_and_it_attends_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compact-mask attention's timed options include the split kernel on 8 warps (`WIDE_LAUNCH`), at the
+    default program budget and at twice it; chosen, each gives the default launch's logits."""
+    from blockdraft.models import fast_ops
+
+    target = FastTarget(make_target_model("qwen3"))
+    target.ops = LayerOps(False, attention_kernel=True)
+    timed = fast_ops.fastest
+    offered: list[list[str]] = []
+    wide = ["kernel, 8 warps", f"kernel, 8 warps, {fast_ops.MORE_PROGRAMS} programs"]
+    logits = []
+    for choice in ["kernel", *wide]:
+        def pick(kind: str, key: Any, device: torch.device, options: dict, choice: str = choice) -> str:
+            if kind != "block_attention":
+                return timed(kind, key, device, options)
+            offered.append(list(options))
+            return choice
+
+        monkeypatch.setattr(fast_ops, "fastest", pick)
+        cache = target.new_cache()
+        with torch.inference_mode():
+            target.forward(torch.tensor([[3, 9, 27, 4, 11, 40]], device=DEVICE), torch.arange(6, device=DEVICE), cache)
+            logits.append(target.forward(torch.tensor([[7]], device=DEVICE), torch.tensor([6], device=DEVICE),
+                                         cache).logits)
+    assert offered and all(set(wide) <= set(options) for options in offered), offered
+    for other in logits[1:]:
+        torch.testing.assert_close(other, logits[0], rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
 @pytest.mark.parametrize("attention", ["kernel", "library"])
 def test_a_forward_builds_its_dense_bias_only_where_the_library_attends(attention: str,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -31,6 +31,9 @@ LONG_SPLIT_KEYS = 256  # the block-attention variant with longer key splits: 4-5
 # instead of 17 (the splits of 64 keys lost to the library by 7-14% at 1-16 rows on the H200, RESULTS session 22)
 MORE_PROGRAMS = 2 * TARGET_PROGRAMS  # a budget the batched steps may want: at batch 64 x 1 row two splits a sequence
 # ran 80.1 us against 88.2 with one (H200, 8B shape, RESULTS session 24 item 7); batches 4-16 kept 512
+WIDE_LAUNCH = (8, 3)  # the block-attention split kernel on 8 warps (3 stages): 125 registers, so an SM holds 16 warps
+# against the default launch's 8 (4 warps, 174 registers; benchmarks/kernel_sass.py, RESULTS session 41), more loads
+# in flight where batch 16's attention ran at 1.75x its K/V read (session 29)
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "swish": F.silu,
@@ -291,7 +294,8 @@ def kernel_block_attention(
     length, the heads stored merged) where it runs and was timed faster at this shape than `reference` and `merge_out`
     (the engine's own attention for these rows: two matmuls for a few, SDPA for many, then the heads' transpose;
     `kernel_choice`: key lengths by power of two; splits of 64 keys or of LONG_SPLIT_KEYS, merged by a second launch
-    or by each row block's last split, or twice the programs, whichever was faster), else those."""
+    or by each row block's last split, or twice the programs, or on WIDE_LAUNCH's 8 warps, whichever was faster),
+    else those."""
     t = mask.own.shape[-1]
     heads = q.shape[1] * q.shape[2] // t
 
@@ -301,15 +305,19 @@ def kernel_block_attention(
     if not block_attention_runs(q, k):
         return library()
 
-    def splits_of(keys: int, merge: bool = False, programs: int = TARGET_PROGRAMS) -> Callable[[], torch.Tensor]:
+    def splits_of(keys: int, merge: bool = False, programs: int = TARGET_PROGRAMS,
+                  launch: tuple[int, int] | None = None) -> Callable[[], torch.Tensor]:
         return lambda: block_attention(q, k, v, mask.slots, mask.lengths, mask.own, mask.positions, window, scale,
-                                       keys, merge, programs, merged_heads=True)
+                                       keys, merge, programs, merged_heads=True, launch=launch)
 
     options = {"kernel": splits_of(BLOCK_KEYS), f"kernel, {LONG_SPLIT_KEYS}-key splits": splits_of(LONG_SPLIT_KEYS),
                "kernel, merging": splits_of(BLOCK_KEYS, True),
                f"kernel, {LONG_SPLIT_KEYS}-key splits, merging": splits_of(LONG_SPLIT_KEYS, True),
                f"kernel, {LONG_SPLIT_KEYS}-key splits, {MORE_PROGRAMS} programs": splits_of(LONG_SPLIT_KEYS,
                                                                                              programs=MORE_PROGRAMS),
+               "kernel, 8 warps": splits_of(BLOCK_KEYS, launch=WIDE_LAUNCH),
+               f"kernel, 8 warps, {MORE_PROGRAMS} programs": splits_of(BLOCK_KEYS, programs=MORE_PROGRAMS,
+                                                                         launch=WIDE_LAUNCH),
                "library": library}
     shape = (*q.shape[:3], power_of_two_at_least(k.shape[2]), q.shape[3], q.dtype, window)
     return options[fastest("block_attention", shape, q.device, options)]()
