@@ -103,9 +103,8 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: torc
     (an atomic count a row block, `zeroed_counters`) instead of a second launch. `programs` bounds the programs a
     launch has (the key splits a sequence gets: more splits, more partial results to merge). With `merged_heads`
     the output is [B, t, heads * d], the heads merged as o_proj reads them (`flash_decode.output_layout`); else q's
-    shape. `launch` = (warps, pipeline stages) of the split kernel (Triton's defaults, 4 and 3, otherwise: what
-    `benchmarks/gpu/attention_splits.py` sweeps, its 174 registers holding 8 warps an SM, benchmarks/RESULTS.md
-    session 41)."""
+    shape. `launch` = (warps, pipeline stages) of the split kernel; by default Triton's 4 and 3, whose 174 registers
+    leave an SM 8 resident warps (benchmarks/RESULTS.md session 41; `fast_ops.WIDE_LAUNCH` is the engine's other)."""
     t = own.shape[-1]
     block_d, row_blocks, splits = split_shape(q, k.shape[2], programs)
     f32 = q.dtype == torch.float32 or not q.is_cuda  # the interpreter's half-precision dot is wrong
