@@ -817,7 +817,7 @@ def test_a_batch_of_ar_sequences_on_the_gemv_of_several_rows_decodes_their_batch
     from blockdraft.engine.batch import BatchDecoder
     from blockdraft.models import skinny_gemm
 
-    target = sliding_target() if sliding else FastTarget(make_target_model("qwen3"))
+    target = FastTarget((sliding_target().model if sliding else make_target_model("qwen3")).to(DEVICE))
     target.ops = LayerOps(False, qkv_kernel=True, few_rows=True, attention_kernel=True)
     items = [[3, 9, 27, 4, 11, 40, 2], [8, 1, 30, 30]]
     alone = [generate(target, ids, None, 4).token_ids for ids in items]
@@ -846,8 +846,9 @@ def test_the_attention_offers_its_wide_launch_and_it_attends_alike(monkeypatch: 
     default program budget and at twice it; chosen, each gives the default launch's logits."""
     from blockdraft.models import fast_ops
 
-    target = FastTarget(make_target_model("qwen3"))
+    target = FastTarget(make_target_model("qwen3").to(DEVICE))
     target.ops = LayerOps(False, attention_kernel=True)
+    target.use_graphs = False  # on a GPU: every forward runs its choice, none replays an earlier one's graph
     timed = fast_ops.fastest
     offered: list[list[str]] = []
     wide = ["kernel, 8 warps", f"kernel, 8 warps, {fast_ops.MORE_PROGRAMS} programs"]
@@ -882,8 +883,9 @@ def test_a_forward_builds_its_dense_bias_only_where_the_library_attends(attentio
     from blockdraft.models import fast_batch, fast_ops
     from blockdraft.models.fast_batch import BatchKV, forward_batch
 
-    target = sliding_target()
+    target = FastTarget(sliding_target().model.to(DEVICE))
     target.ops = LayerOps(False, attention_kernel=True)
+    target.use_graphs = False  # on a GPU: each forward run once, not warmed up and captured
     windows = {layer.window for layer in target.layers}
     assert len(windows) == 2
     timed = fast_ops.fastest
@@ -901,16 +903,18 @@ def test_a_forward_builds_its_dense_bias_only_where_the_library_attends(attentio
     monkeypatch.setattr(fast_batch, "batched_attention_bias", counted(fast_batch.batched_attention_bias))
     cache = target.new_cache()
     with torch.inference_mode():
-        target.forward(torch.tensor([[3, 9, 27, 4, 11, 40]]), torch.arange(6), cache)
+        target.forward(torch.tensor([[3, 9, 27, 4, 11, 40]], device=DEVICE), torch.arange(6, device=DEVICE), cache)
         built.clear()
         for rows in (1, 4):  # a decode step, a chain's verify
-            target.forward(torch.arange(rows).unsqueeze(0) + 5, torch.arange(rows) + len(cache), cache)
+            target.forward(torch.arange(rows, device=DEVICE).unsqueeze(0) + 5,
+                           torch.arange(rows, device=DEVICE) + len(cache), cache)
             assert sorted(built, key=str) == (sorted(windows, key=str) if attention == "library" else []), built
             built.clear()
         store = BatchKV.for_target(target, 2, 64)
         store.lengths[:2] = [6, 3]
-        forward_batch(target, store, torch.tensor([[7, 8], [9, 10]]), torch.tensor([[6, 7], [3, 4]]),
-                      torch.ones(2, 2, dtype=torch.bool).tril().expand(2, 2, 2), None)
+        forward_batch(target, store, torch.tensor([[7, 8], [9, 10]], device=DEVICE),
+                      torch.tensor([[6, 7], [3, 4]], device=DEVICE),
+                      torch.ones(2, 2, dtype=torch.bool, device=DEVICE).tril().expand(2, 2, 2), None)
     assert sorted(built, key=str) == (sorted(windows, key=str) if attention == "library" else []), built
 
 
