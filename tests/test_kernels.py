@@ -768,9 +768,10 @@ def test_a_tree_past_the_two_matmul_rows_attends_through_the_kernel_as_sdpa_does
         ids = torch.cat([torch.tensor([9], device=DEVICE), tokens]).unsqueeze(0)
         outputs.append(target.forward(ids, draft.positions(len(prompt), DEVICE), cache, (0, 2),
                                       attention_mask=draft.tree_mask(len(cache), DEVICE)))
-    assert fast_target.compact_mask(kernel.ops, *(torch.zeros(1, dtype=torch.long),) * 2,
-                                    torch.ones(1, nodes + 1, nodes + 1, dtype=torch.bool),
-                                    torch.zeros(1, nodes + 1, dtype=torch.long), lambda window: torch.zeros(0)) is not None
+    assert fast_target.attention_masks(kernel.ops, *(torch.zeros(1, dtype=torch.long),) * 2,
+                                       torch.ones(1, nodes + 1, nodes + 1, dtype=torch.bool),
+                                       torch.zeros(1, nodes + 1, dtype=torch.long), lambda window: torch.zeros(0),
+                                       {None})[0] is not None
     torch.testing.assert_close(prefills[1], prefills[0], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(outputs[1].logits, outputs[0].logits, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(outputs[1].taps, outputs[0].taps, rtol=1e-4, atol=1e-4)

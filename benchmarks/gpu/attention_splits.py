@@ -26,9 +26,14 @@ import torch
 
 from blockdraft.models.block_attention import block_attention
 from blockdraft.models.fast_batch import batched_attention_bias
-from blockdraft.models.fast_ops import decode_attention
+from blockdraft.models.fast_ops import MORE_PROGRAMS, decode_attention
+from blockdraft.models.flash_decode import BLOCK_KEYS, TARGET_PROGRAMS
 from blockdraft.models.kernel_choice import _milliseconds
 from blockdraft.numbers import int_list
+
+KV_HEADS, GROUPS, HEAD_DIM = 8, 4, 128
+PROGRAMS = (512, 1024, 2048, 4096)
+ENGINE_PROGRAMS = (TARGET_PROGRAMS, MORE_PROGRAMS)  # the budgets the engine's chooser times
 
 
 def launch_list(text: str) -> list[tuple[int, int]]:
@@ -37,9 +42,6 @@ def launch_list(text: str) -> list[tuple[int, int]]:
         return [(int(w), int(s)) for w, s in (item.split("x") for item in text.split(",") if item)]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: give warps x stages, comma-separated, e.g. 4x3,8x3") from None
-
-KV_HEADS, GROUPS, HEAD_DIM = 8, 4, 128
-PROGRAMS = (512, 1024, 2048, 4096)
 
 
 def main() -> None:
@@ -61,7 +63,8 @@ def main() -> None:
                    for p in PROGRAMS for k in (64, 256) for m in ("", ", merging")]
         print("| batch | rows | KV MB | library us | " + " | ".join(columns) + " |")
     if args.launches:
-        print("launches (us; 512 / 1024 programs of 64-key splits): | batch | rows | "
+        print(f"launches (us; {' / '.join(map(str, ENGINE_PROGRAMS))} programs of {BLOCK_KEYS}-key splits): "
+              "| batch | rows | "
               + " | ".join(f"{w} warps x {s} stages" for w, s in args.launches) + " |")
     with torch.inference_mode():
         for batch in batches:
@@ -79,8 +82,8 @@ def main() -> None:
                     cells = []
                     for launch in args.launches:
                         us = [1e3 * _milliseconds(lambda p=programs, c=launch: block_attention(
-                            q, k, v, slots, lengths, own8, positions, None, 0.088, 64, False, p, launch=c))
-                              for programs in (512, 1024)]
+                            q, k, v, slots, lengths, own8, positions, None, 0.088, BLOCK_KEYS, False, p, launch=c))
+                              for programs in ENGINE_PROGRAMS]
                         cells.append(" / ".join(f"{u:.1f}" for u in us))
                     print(f"launches | {batch} | {t} | " + " | ".join(cells) + " |", flush=True)
                 if args.only_launches:

@@ -112,11 +112,15 @@ class Unit:
         return 1e3 * milliseconds(calls)
 
 
+def rows_or_none(text: str) -> list[int]:
+    """An `int_list`, or none at all for an empty argument (a table skipped)."""
+    return int_list(text) if text else []
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=lambda v: int_list(v) if v else [], default="1,16,33,65")
-    parser.add_argument("--sweep-rows", type=lambda v: int_list(v) if v else [], default="32,33",
-                        help="rows at which every config is timed")
+    parser.add_argument("--rows", type=rows_or_none, default="1,16,33,65")
+    parser.add_argument("--sweep-rows", type=rows_or_none, default="32,33", help="rows at which every config is timed")
     parser.add_argument("--sweep-cold", action="store_true", help="time the sweep cold (default: warm, as the chooser)")
     parser.add_argument("--shapes", default="embedded,8b")
     parser.add_argument("--json", default=None)

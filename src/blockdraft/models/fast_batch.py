@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from blockdraft.models.fast_target import (FastTarget, LayerWeights, attend, compact_mask, fixed_mask, graph_rows,
-                                            layer_mlp)
+from blockdraft.models.fast_target import (FastTarget, LayerWeights, attend, attention_masks, fixed_mask,
+                                            graph_rows, layer_mlp)
 from blockdraft.models.graphs import capture, graph_pool, power_of_two_at_least
 from blockdraft.models.host_to_device import long_tensor
 from blockdraft.models.static_cache import SLOT_STEP, StaticTargetCache, kv_buffer, round_up
@@ -148,8 +148,8 @@ def run_batch(target: FastTarget, kv: torch.Tensor, lengths: torch.Tensor, ids: 
     def dense(window: int | None) -> torch.Tensor:
         return batched_attention_bias(lengths, slot_ids, positions, own, window, groups, target.dtype)
 
-    mask = compact_mask(ops, seq[:, 0], lengths, own, positions, dense)
-    biases = {} if mask is not None else {w: dense(w) for w in {layer.window for layer in target.layers}}
+    mask, biases = attention_masks(ops, seq[:, 0], lengths, own, positions, dense,
+                                   {layer.window for layer in target.layers})
 
     def step(i: int, layer: LayerWeights, x: torch.Tensor, qkv: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor | None]:

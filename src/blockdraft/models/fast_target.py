@@ -150,21 +150,23 @@ def layer_step(
     return layer_mlp(ops, layer, x, out, eps, act)
 
 
-def compact_mask(ops: LayerOps, slots: torch.Tensor, lengths: torch.Tensor, own: torch.Tensor,
-                 positions: torch.Tensor, dense: Callable[[int | None], torch.Tensor]) -> CompactMask | None:
-    """A target forward's mask in compact form (`CompactMask.of`, `dense(window)` its additive bias) where `attend`
-    may give it to `block_attention`: the attention kernel on (`LayerOps.compact_masks`), and few enough rows per
-    sequence; else None (the caller builds the dense biases)."""
+def attention_masks(ops: LayerOps, slots: torch.Tensor, lengths: torch.Tensor, own: torch.Tensor,
+                    positions: torch.Tensor, dense: Callable[[int | None], torch.Tensor], windows: set[int | None]
+                    ) -> tuple[CompactMask | None, dict[int | None, torch.Tensor]]:
+    """A target forward's masks for `attend`: in compact form (`CompactMask.of`, `dense(window)` its additive bias,
+    built only if the library attends) where `attend` may give it to `block_attention` (the attention kernel on,
+    `LayerOps.compact_masks`, and few enough rows per sequence), and then no dense bias; else None and the dense
+    bias of each of `windows`."""
     if ops.compact_masks and own.shape[-1] <= BLOCK_ATTENTION_MAX_TOKENS:
-        return CompactMask.of(slots, lengths, own, positions, dense)
-    return None
+        return CompactMask.of(slots, lengths, own, positions, dense), {}
+    return None, {window: dense(window) for window in windows}
 
 
 def attend(ops: LayerOps, layer: LayerWeights, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
            bias: torch.Tensor | None, t: int, heads: int, mask: CompactMask | None = None) -> torch.Tensor:
     """Attention of `t` new rows per sequence, the `heads` query heads merged ([B, t, heads * d], as o_proj reads
     them): two matmuls for a few rows, the fused SDPA kernels for many; with the mask given in compact form
-    (`compact_mask`), `block_attention` where it was timed faster than either (it stores the heads merged: no
+    (`attention_masks`), `block_attention` where it was timed faster than either (it stores the heads merged: no
     transpose kernel after it; `bias` None: the mask's own dense form where the library runs)."""
     few = t <= DECODE_ATTENTION_MAX_TOKENS
     if mask is not None:
@@ -389,9 +391,8 @@ class FastTarget(Target):
             return ops.attention_bias(self.storage.length, self.slot_ids[:cap], positions, own, window, groups,
                                       self.dtype)
 
-        mask = compact_mask(ops, self.slot_ids[:1], self.storage.length.view(1), own.unsqueeze(0),
-                            positions.unsqueeze(0), dense)
-        biases = {} if mask is not None else {w: dense(w) for w in {layer.window for layer in self.layers}}
+        mask, biases = attention_masks(ops, self.slot_ids[:1], self.storage.length.view(1), own.unsqueeze(0),
+                                       positions.unsqueeze(0), dense, {layer.window for layer in self.layers})
 
         def step(i: int, layer: LayerWeights, x: torch.Tensor, qkv: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:

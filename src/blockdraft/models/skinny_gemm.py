@@ -413,10 +413,9 @@ def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     several rows. More rows, or a shape the kernels lost, from the library."""
     if not _fits(x, weight, bias, WEIGHTS_FIRST_MAX_ROWS):
         return F.linear(x, weight, bias)
-    options = {"gemv": lambda: gemv_linear(x, weight, bias)} if _rows(x) <= GEMV_MAX_ROWS else {}
-    if _rows(x) > 1:
-        options["kernel, weights first"] = lambda: weights_first_linear(x, weight, bias)
-    options["library"] = lambda: F.linear(x, weight, bias)
+    options = {**_fused_options(x, weight, False, functools.partial(gemv_linear, x, weight, bias),
+                                lambda: weights_first_linear(x, weight, bias)),
+               "library": lambda: F.linear(x, weight, bias)}
     return options[fastest("few-row linear", _shape(x, weight, bias), x.device, options)]()
 
 
@@ -514,9 +513,9 @@ def _gemv_options(run: Callable[..., torch.Tensor], n: int, split: bool) -> dict
 
 def _fused_options(x: torch.Tensor, weight: torch.Tensor, split: bool, gemv: Callable[..., torch.Tensor],
                    weights_first: Callable[[], torch.Tensor]) -> dict[str, Callable[[], torch.Tensor]]:
-    """A fused unit's kernel options at x's rows: up to GEMV_MAX_ROWS the GEMV's (`_gemv_options`: it won every
-    one-row product; K split for one row only), more than one row the weights-first kernel with the same epilogue
-    (`weights_first`)."""
+    """A unit's kernel options at x's rows (a fused unit's, and `few_row_linear`'s plain product): up to
+    GEMV_MAX_ROWS the GEMV's (`_gemv_options`: it won every one-row product; K split for one row only), more than
+    one row the weights-first kernel with the same epilogue (`weights_first`)."""
     rows = _rows(x)
     options = _gemv_options(gemv, weight.shape[0], split and rows == 1) if rows <= GEMV_MAX_ROWS else {}
     if rows > 1:
