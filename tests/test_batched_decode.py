@@ -169,6 +169,27 @@ def test_forward_batch_matches_one_sequence_at_a_time(path: str, rows: int) -> N
     assert store.lengths[:3] == lengths  # the caller commits
 
 
+def test_the_batched_forward_gathers_its_rotary_rows_from_tables_it_keeps() -> None:
+    """The rotary module runs once a table (a power of two of positions), not every step; a table's rows are the
+    module's own bit for bit, and it outlives a larger one being built (a graph captured on it still reads it)."""
+    target = FastTarget(make_target_model("qwen3"))
+    rotary, built = target.rotary, []
+    target.rotary = lambda like, positions: built.append(positions.shape[-1]) or rotary(like, positions)
+    cos, sin = target.rope_table(40)
+    assert built == [64] and cos.shape[0] == 64
+    like, at = torch.empty(0), torch.tensor([[0, 5, 17, 39, 63]])
+    assert torch.equal(cos[at[0]], rotary(like, at)[0][0]) and torch.equal(sin[at[0]], rotary(like, at)[1][0])
+    assert target.rope_table(33)[0] is cos and built == [64]
+    assert target.rope_table(65)[0].shape[0] == 128 and target.rope_table(64)[0] is cos and built == [64, 128]
+    store = BatchKV.for_target(target, 2)
+    store.lengths = [3, 9]
+    ids, positions = torch.tensor([[4, 5], [6, 7]]), torch.tensor([[3, 4], [9, 10]])
+    own = torch.ones(2, 2, dtype=torch.bool).tril().expand(2, 2, 2)
+    first = forward_batch(target, store, ids, positions, own, None)[0]
+    count = len(built)
+    assert torch.equal(forward_batch(target, store, ids, positions, own, None)[0], first) and len(built) == count
+
+
 def test_graph_shapes_share_their_output_buffers() -> None:
     """BatchForward's shapes (buckets, rows, tapped layers or none) all write the same output buffers: each call's
     logits and taps are `forward_batch`'s whatever shape ran before it."""

@@ -135,14 +135,15 @@ def run_batch(target: FastTarget, kv: torch.Tensor, lengths: torch.Tensor, ids: 
               own: torch.Tensor, cap: int,
               tap_layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The batched forward itself up to the final norm (states [B, t, hidden], taps) of the sequences in slots
-    0..B-1: only device work on fixed buffers, so a CUDA graph can capture it."""
+    0..B-1: only device work on fixed buffers, so a CUDA graph can capture it. Every position is below `cap` (a
+    sequence's rows sit at its length plus their depth), so the rotary table of `cap` positions holds them."""
     batch, t = ids.shape
     device = target.device
     ops, groups = target.ops, target.heads // target.kv_heads
     seq = torch.arange(batch, device=device).unsqueeze(1).expand(batch, t)
     cols = lengths.unsqueeze(1) + torch.arange(t, device=device)
-    cos, sin = target.rotary(torch.empty(0, dtype=target.dtype, device=device), positions)
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    cos_table, sin_table = target.rope_table(cap)
+    cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)
     slot_ids = torch.arange(cap, device=device)
 
     def dense(window: int | None) -> torch.Tensor:

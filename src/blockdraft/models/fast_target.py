@@ -270,6 +270,7 @@ class FastTarget(Target):
         slots = cache_slots or min(self.max_positions or 4096, 4096)
         self.storage = KVStorage(self.num_layers, self.kv_heads, self.head_dim, slots, self.dtype, self.device)
         self._tables_for = -1
+        self._rope_tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self.graph_limit = MAX_GRAPHS  # verify graphs kept (least recently used dropped); `warm_verify` raises it
         self._prefill_graphs: OrderedDict[tuple, _Graph] = OrderedDict()
@@ -299,6 +300,19 @@ class FastTarget(Target):
         cos, sin = self.rotary(like, positions.unsqueeze(0))
         self.cos, self.sin, self.slot_ids = cos[0], sin[0], positions
         self._tables_for = slots
+
+    @torch.inference_mode()
+    def rope_table(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [n, head_dim] of positions 0..n-1 (n: the power of two at least `positions`) for the batched
+        forward to gather its rows' from: two launches a step where the rotary module takes ~10. Every table
+        built stays (their sizes sum to under twice the largest's), since a CUDA graph replays its gathers from
+        the table it was captured with."""
+        n = power_of_two_at_least(positions)
+        if n not in self._rope_tables:
+            like = torch.empty(0, dtype=self.dtype, device=self.device)
+            cos, sin = self.rotary(like, torch.arange(n, device=self.device).unsqueeze(0))
+            self._rope_tables[n] = (cos[0], sin[0])
+        return self._rope_tables[n]
 
     @torch.inference_mode()
     def forward(
