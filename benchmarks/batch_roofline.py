@@ -54,9 +54,12 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--peak-flops", type=float, default=H200_BF16_FLOPS)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--verify-only", action="store_true",
+                        help="Time the verify forward at --rows alone (no drafter, whole steps or schedule): the "
+                             "roofline table in a fraction of the time.")
     args = parser.parse_args()
     from blockdraft.engine.schedule import AR, AcceptanceProfile, Candidate, choose, render
-    from blockdraft.engine.tune import measure_costs
+    from blockdraft.engine.tune import measure_costs, verify_seconds
     from blockdraft.models.fast_target import FastTarget
 
     device = torch.device(args.device)
@@ -65,9 +68,14 @@ def main() -> None:
     model, drafter = build_synthetic(args.shape, device, dtype)
     target = FastTarget(model)
     depth = drafter.cfg.block_size - 1
-    rows_list = sorted(set(rows_list) | {1 + depth} | {1 + b for b in budgets})  # the schedule's candidates too
-    costs = measure_costs(target, drafter, f"synthetic {args.shape}", "synthetic", sizes, rows_list, budgets,
-                          args.context, repeats=10)
+    costs = None
+    if args.verify_only:
+        verify_s = verify_seconds(target, drafter.cfg.target_layer_ids, sizes, rows_list, args.context, repeats=10)
+    else:
+        rows_list = sorted(set(rows_list) | {1 + depth} | {1 + b for b in budgets})  # the schedule's candidates too
+        costs = measure_costs(target, drafter, f"synthetic {args.shape}", "synthetic", sizes, rows_list, budgets,
+                              args.context, repeats=10)
+        verify_s = costs.verify_s
     rate = bandwidth(device, False)
     elt = torch.finfo(dtype).bits // 8
     embedding = target.embedding_weight.numel()
@@ -76,16 +84,12 @@ def main() -> None:
     rows_out = []
     for batch in sizes:
         for rows in rows_list:
-            ms = 1000 * costs.verify_s[batch][rows]
+            ms = 1000 * verify_s[batch][rows]
             keys = args.context + rows
             kv_bytes = batch * target.num_layers * 2 * target.kv_heads * target.head_dim * keys * elt
             flops = 2 * matmul * batch * rows + 4 * batch * rows * keys * target.heads * target.head_dim * target.num_layers
             roof = 1000 * max((params * elt + kv_bytes) / rate, flops / args.peak_flops)
             rows_out.append(dict(batch=batch, rows=rows, step_ms=ms, roofline_ms=roof, over_roofline=ms / roof))
-    profile = AcceptanceProfile(geometric_rates(PAPER_TAU["dflash"], depth), {max(budgets): min(PAPER_TAU["ddtree"], 1 + max(budgets))},
-                                "published tau (Qwen3-8B MATH-500 T=0)")
-    candidates = [AR, Candidate("dflash", depth), Candidate("ddtree", budget=max(budgets))]
-    schedule = choose(costs, profile, candidates, sizes)
     console = Console(width=140)
     table = Table(title=f"batched forward vs roofline ({args.shape}, {args.context} context, {rate / 1e12:.2f} TB/s copy "
                         f"bandwidth, {args.peak_flops / 1e12:.0f} TFLOP/s peak)")
@@ -95,16 +99,22 @@ def main() -> None:
         table.add_row(str(r["batch"]), str(r["rows"]), f"{r['step_ms']:.3f}", f"{r['roofline_ms']:.3f}",
                       f"{r['over_roofline']:.2f}")
     console.print(table)
-    console.print("batched drafter step (pass + one block's context per sequence) " +
-                  ", ".join(f"B={b}: {1000 * t:.3f} ms" for b, t in costs.draft_s.items()) + "; tree build " +
-                  ", ".join(f"@{b}: {1000 * t:.3f} ms" for b, t in costs.tree_build_s.items()) +
-                  "; a step's host work " + ", ".join(f"B={b}: {1000 * t:.3f} ms" for b, t in costs.commit_s.items()))
-    console.print(render(schedule))
+    extra: dict = {}
+    if costs is not None:
+        console.print("batched drafter step (pass + one block's context per sequence) " +
+                      ", ".join(f"B={b}: {1000 * t:.3f} ms" for b, t in costs.draft_s.items()) + "; tree build " +
+                      ", ".join(f"@{b}: {1000 * t:.3f} ms" for b, t in costs.tree_build_s.items()) +
+                      "; a step's host work " + ", ".join(f"B={b}: {1000 * t:.3f} ms" for b, t in costs.commit_s.items()))
+        profile = AcceptanceProfile(geometric_rates(PAPER_TAU["dflash"], depth), {max(budgets): min(PAPER_TAU["ddtree"], 1 + max(budgets))},
+                                    "published tau (Qwen3-8B MATH-500 T=0)")
+        candidates = [AR, Candidate("dflash", depth), Candidate("ddtree", budget=max(budgets))]
+        schedule = choose(costs, profile, candidates, sizes)
+        console.print(render(schedule))
+        extra = dict(costs=costs.to_json(), schedule=schedule.to_json())
     attention = {shape: runs_on for shape, runs_on in choices().items() if shape.startswith("block_attention")}
     console.print("attention per shape (kernel_choice):\n" + "\n".join(f"- {k}: {v}" for k, v in attention.items()))
     if args.json:
-        args.json.write_text(json.dumps(dict(settings=vars(args) | {"json": str(args.json)}, steps=rows_out,
-                                             costs=costs.to_json(), schedule=schedule.to_json(),
+        args.json.write_text(json.dumps(dict(settings=vars(args) | {"json": str(args.json)}, steps=rows_out, **extra,
                                              kernel_choices=choices()), indent=1, default=str))
 
 

@@ -69,7 +69,34 @@ def measure_costs(target: Target, drafter: DFlashDrafter, target_name: str, draf
     if not isinstance(target, FastTarget):
         raise BlockdraftError("tune times the batched engine, which needs the fast engine; pass --engine fast")
     device = target.device
-    taps = drafter.cfg.target_layer_ids
+    verify_s = verify_seconds(target, drafter.cfg.target_layer_ids, batch_sizes, rows, context, repeats)
+    draft_s = _draft_costs(target, drafter, batch_sizes, context, repeats)
+    ar_steps = _steps(target, drafter, AR, batch_sizes, context, repeats, commit_work)
+    commit_s = {batch: max(0.0, ar_steps[batch] - verify_s[batch][1]) for batch in batch_sizes if 1 in verify_s[batch]}
+    log_probs = torch.randn(drafter.cfg.block_size - 1, target.vocab_size, device=device).log_softmax(-1)
+    tree_build_s = {b: _seconds(lambda b=b: build_tree(log_probs, b), device, repeats) for b in budgets}
+    trees_s = {batch: {b: _seconds(lambda b=b, rows=log_probs.expand(batch, -1, -1): build_trees(
+        rows, [rows.shape[1]] * batch, b), device, repeats) for b in budgets} for batch in batch_sizes}
+    table = CostTable(device=device.type, dtype=str(target.dtype).removeprefix("torch."), target=target_name,
+                      drafter=drafter_name, context_tokens=context, verify_s=verify_s,
+                      draft_s=draft_s, tree_build_s=tree_build_s, commit_s=commit_s, trees_s=trees_s)
+    for candidate in {c.label: c for c in candidates if c != AR}.values():
+        try:
+            device_s = {batch: table.device_time(batch, candidate) for batch in batch_sizes}
+        except BlockdraftError:
+            continue
+        steps = _steps(target, drafter, candidate, batch_sizes, context, repeats, commit_work, lookup)
+        table.commit_by_candidate_s[candidate.label] = {batch: max(0.0, steps[batch] - device_s[batch])
+                                                        for batch in batch_sizes}
+    return table
+
+
+@torch.inference_mode()
+def verify_seconds(target: FastTarget, taps: tuple[int, ...] | None, batch_sizes: list[int], rows: list[int],
+                   context: int, repeats: int) -> dict[int, dict[int, float]]:
+    """Seconds of the target's verify forward of `rows` causal rows over each batch size's sequences of `context`
+    cached tokens, tapping `taps`: batch 1 on the batch-1 path, more through `BatchForward` (the server's graphs)."""
+    device = target.device
     store = BatchKV.for_target(target, max(batch_sizes), context + max(rows))
     batched = BatchForward(target, store)
     single = target.new_cache()
@@ -91,25 +118,7 @@ def measure_costs(target: Target, drafter: DFlashDrafter, target_name: str, draf
             run = ((lambda: one_sequence(ids, positions[0])) if batch == 1 else
                    (lambda: batched(ids, positions, own, taps)))
             verify_s[batch][r] = _seconds(run, device, repeats)
-    draft_s = _draft_costs(target, drafter, batch_sizes, context, repeats)
-    ar_steps = _steps(target, drafter, AR, batch_sizes, context, repeats, commit_work)
-    commit_s = {batch: max(0.0, ar_steps[batch] - verify_s[batch][1]) for batch in batch_sizes if 1 in verify_s[batch]}
-    log_probs = torch.randn(drafter.cfg.block_size - 1, target.vocab_size, device=device).log_softmax(-1)
-    tree_build_s = {b: _seconds(lambda b=b: build_tree(log_probs, b), device, repeats) for b in budgets}
-    trees_s = {batch: {b: _seconds(lambda b=b, rows=log_probs.expand(batch, -1, -1): build_trees(
-        rows, [rows.shape[1]] * batch, b), device, repeats) for b in budgets} for batch in batch_sizes}
-    table = CostTable(device=device.type, dtype=str(target.dtype).removeprefix("torch."), target=target_name,
-                      drafter=drafter_name, context_tokens=context, verify_s=verify_s,
-                      draft_s=draft_s, tree_build_s=tree_build_s, commit_s=commit_s, trees_s=trees_s)
-    for candidate in {c.label: c for c in candidates if c != AR}.values():
-        try:
-            device_s = {batch: table.device_time(batch, candidate) for batch in batch_sizes}
-        except BlockdraftError:
-            continue
-        steps = _steps(target, drafter, candidate, batch_sizes, context, repeats, commit_work, lookup)
-        table.commit_by_candidate_s[candidate.label] = {batch: max(0.0, steps[batch] - device_s[batch])
-                                                        for batch in batch_sizes}
-    return table
+    return verify_s
 
 
 def _steps(target: FastTarget, drafter: DFlashDrafter, candidate: Candidate, batch_sizes: list[int], context: int,
