@@ -12,6 +12,7 @@ block) and DDTree's tree build, the CostTable of all of it, and `engine.schedule
 for the largest --budget, capped at 1 + budget; chain per-position rates assumed geometric with that sum).
 
     python benchmarks/batch_roofline.py --json roofline.json            # on the H200
+    python benchmarks/batch_roofline.py --verify-only --batch-sizes 1,4,16,64 --rows 1   # issue 22's AR table alone
     python benchmarks/batch_roofline.py --device cpu --shape tiny --batch-sizes 1,2 --rows 1,4 --context 32  # smoke
 """
 
