@@ -304,7 +304,7 @@ class FastTarget(Target):
     @torch.inference_mode()
     def rope_table(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [n, head_dim] of positions 0..n-1 (n: the power of two at least `positions`) for the batched
-        forward to gather its rows' from: two launches a step where the rotary module takes ~10. Every table
+        forward to gather its rows from: two launches a step where the rotary module takes ~10. Every table
         built stays (their sizes sum to under twice the largest's), since a CUDA graph replays its gathers from
         the table it was captured with."""
         n = power_of_two_at_least(positions)
