@@ -105,6 +105,19 @@ def test_errors_are_one_line_exit_2(tiny_dirs: tuple[Path, Path], args: list[str
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in res.stderr
 
 
+@pytest.mark.parametrize("args, message", [
+    (["serve", "--port", "99999"], "Invalid value for '--port'"),
+    (["generate", "--max-new-tokens", "abc"], "Invalid value for '--max-new-tokens'"),
+    (["generate", "hi"], "unexpected extra argument"),
+    (["generate", "--no-such-flag"], "No such option: --no-such-flag"),
+])
+def test_usage_errors_exit_2_without_a_traceback(args: list[str], message: str) -> None:
+    """A flag the parser refuses is its usage line and one error line, exit 2: typer 0.29 raises its own click's
+    exceptions, which are not the click package's."""
+    res = run_cli(*args)
+    assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, res.stderr[-400:]
+
+
 def test_drafter_for_another_target(tiny_dirs: tuple[Path, Path], tmp_path: Path) -> None:
     target, drafter = tiny_dirs
     cfg = json.loads((drafter / "config.json").read_text())

@@ -405,7 +405,7 @@ def serve(
         None, "--draft-tokens", help="Tokens drafted per step, 1..B-1 (default: the whole block on a GPU, 3 on a CPU)."
     ),
     host: str = typer.Option("127.0.0.1", "--host"),
-    port: int = typer.Option(8000, "--port", help="0 picks a free port (printed on start-up)."),
+    port: int = typer.Option(8000, "--port", min=0, max=65535, help="0 picks a free port (printed on start-up)."),
     api_key: Optional[str] = typer.Option(None, "--api-key", help="Require `Authorization: Bearer KEY` on /v1."),
     served_model_name: Optional[str] = typer.Option(None, "--served-model-name", help="Default: the --target value."),
     max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Prompt + output limit (default: the target's)."),
@@ -466,10 +466,9 @@ def main() -> None:
         sys.exit(exc.exit_code)
     except typer.Abort:
         sys.exit(130)
-    except Exception as exc:  # click usage errors carry their own exit code
-        import click
-
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            sys.exit(exc.exit_code)
-        raise
+    except typer.TyperException as exc:  # usage errors (typer's own click's) show usage and carry their exit code
+        show = getattr(exc, "show", None)
+        if show is None:
+            raise
+        show()
+        sys.exit(getattr(exc, "exit_code", 2))
