@@ -107,6 +107,7 @@ def test_errors_are_one_line_exit_2(tiny_dirs: tuple[Path, Path], args: list[str
 
 @pytest.mark.parametrize("args, message", [
     (["serve", "--port", "99999"], "Invalid value for '--port'"),
+    (["serve", "--drain-timeout", "-1"], "Invalid value for '--drain-timeout'"),
     (["generate", "--max-new-tokens", "abc"], "Invalid value for '--max-new-tokens'"),
     (["generate", "hi"], "unexpected extra argument"),
     (["generate", "--no-such-flag"], "No such option: --no-such-flag"),

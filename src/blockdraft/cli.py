@@ -432,7 +432,7 @@ def serve(
     engine: str = EngineOpt,
     self_check: bool = typer.Option(True, "--self-check/--no-self-check", help="Refuse to start when acceptance has collapsed."),
     expect: Optional[Path] = typer.Option(None, "--expect", help="A `doctor probe` JSON the self-check judges against."),
-    drain_timeout: float = typer.Option(30.0, "--drain-timeout", help="Seconds SIGTERM keeps decoding queued requests."),
+    drain_timeout: float = typer.Option(30.0, "--drain-timeout", min=0.0, help="Seconds SIGTERM keeps decoding queued requests."),
     stream_interval_ms: float = typer.Option(
         20.0, "--stream-interval-ms",
         help="Streamed text is sent at most this often (the commits in between form one chunk); 0: every commit.",
