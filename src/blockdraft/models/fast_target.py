@@ -291,20 +291,17 @@ class FastTarget(Target):
         return self.ops.linear(hidden, self.lm_head.weight, getattr(self.lm_head, "bias", None))
 
     def _tables(self) -> None:
-        """cos/sin for every slot position and the slot index, rebuilt when the cache grows."""
+        """cos/sin for every slot position (`rope_table`) and the slot index, taken anew when the cache grows."""
         slots = self.storage.slots
         if self._tables_for == slots:
             return
-        positions = torch.arange(slots, device=self.device)
-        like = torch.empty(0, dtype=self.dtype, device=self.device)
-        cos, sin = self.rotary(like, positions.unsqueeze(0))
-        self.cos, self.sin, self.slot_ids = cos[0], sin[0], positions
+        (self.cos, self.sin), self.slot_ids = self.rope_table(slots), torch.arange(slots, device=self.device)
         self._tables_for = slots
 
     @torch.inference_mode()
     def rope_table(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [n, head_dim] of positions 0..n-1 (n: the power of two at least `positions`) for the batched
-        forward to gather its rows from: two launches a step where the rotary module takes ~10. Every table
+        """cos/sin [n, head_dim] of positions 0..n-1 (n: the power of two at least `positions`) for a forward to
+        gather its rows from (the batched one: two launches a step where the rotary module takes ~10). Every table
         built stays (their sizes sum to under twice the largest's), since a CUDA graph replays its gathers from
         the table it was captured with."""
         n = power_of_two_at_least(positions)
