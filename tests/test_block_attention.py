@@ -147,3 +147,35 @@ def test_a_launch_of_other_warps_and_stages_attends_alike(launch: tuple[int, int
     with torch.inference_mode():
         torch.testing.assert_close(block_attention(*args, launch=launch), block_attention(*args), rtol=1e-5,
                                    atol=1e-5)
+
+
+@pytest.mark.parametrize("merge", [False, True])
+def test_one_split_a_sequence_stores_the_output_with_no_combine_and_no_count(monkeypatch: pytest.MonkeyPatch,
+                                                                             merge: bool) -> None:
+    """Where the programs leave each sequence one split (the 8B shape's 64 sequences of one row), that split stores
+    the output itself: no combine launch and no atomic count, either way of merging, and still the attention (a
+    sequence with no committed key, one longer than a key block, a window)."""
+    from blockdraft.models import flash_decode
+
+    def no_combine(*_: object) -> None:
+        raise AssertionError("the combine kernel ran for one split a sequence")
+
+    monkeypatch.setattr(flash_decode, "_combine_kernel", type("NoLaunch", (), {"__getitem__": no_combine})())
+    monkeypatch.setattr("blockdraft.models.block_attention.zeroed_counters", no_combine)
+    generator = torch.Generator().manual_seed(11)
+    lengths, kv_heads, groups, t, d, window = [0, 70, 150], 2, 4, 1, 16, 100
+    cache = torch.randn(2, 3, kv_heads, 256, d, generator=generator).to(DEVICE)
+    q = torch.randn(3, kv_heads, groups * t, d, generator=generator).to(DEVICE)
+    own = torch.ones(3, t, t, dtype=torch.bool).to(DEVICE)
+    positions = (torch.tensor(lengths).unsqueeze(1) + torch.arange(t)).to(DEVICE)
+    with torch.inference_mode():
+        got = block_attention(q, cache[0], cache[1], torch.arange(3, device=DEVICE),
+                              torch.tensor(lengths, device=DEVICE), own, positions, window, 0.25, merge=merge,
+                              programs=3 * kv_heads)
+    for b, length in enumerate(lengths):
+        keys = length + t
+        bias = attention_bias(torch.tensor(length, device=DEVICE), torch.arange(keys, device=DEVICE), positions[b],
+                              own[b], window, groups, torch.float32)
+        want = decode_attention(q[b : b + 1], cache[0, b : b + 1, :, :keys], cache[1, b : b + 1, :, :keys], bias,
+                                0.25)
+        torch.testing.assert_close(got[b], want[0], rtol=2e-5, atol=2e-5)

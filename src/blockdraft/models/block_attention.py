@@ -1,15 +1,16 @@
-"""Attention of a few new rows per sequence over its cache with the mask in compact form, each sequence's length
-read on the device: the flash-decoding split kernel of `flash_decode`, without the dense mask.
+"""Attention of a few new rows per sequence over its cache with the mask in compact form, each sequence's length read on
+the device: the flash-decoding split kernel of `flash_decode`, without the dense mask.
 
 `flash_decode` reads an additive [rows x key capacity] float mask for every KV head: for a 32-node tree of an 8B
-target that is more bytes than the keys themselves, and its verify took 2x the library's (H200, benchmarks/
-RESULTS.md session 17). Here visibility is computed from what defines it: keys below the sequence's committed
-length are visible to every new row, key length + j to new row i when own[i, j] (chains: causal; trees: the
-ancestors), and a sliding window hides keys `window` or more positions behind the query. Each program reads the
-committed length from the device and loops only to it, splitting the sequence's keys over the launch's splits: a
-batch's short sequences do not read keys up to its longest one's, and one launch (and a CUDA graph of it) could
-serve any context length up to the cache's (the engine's graphs are still keyed by key capacity: the library path
-slices the cache). The splits merge in `flash_decode`'s combine kernel. `fast_ops.decode_attention` under
+target that is more bytes than the keys themselves, and its verify took 2x the library's (H200, benchmarks/RESULTS.md
+session 17). Here visibility is computed from what defines it: keys below the sequence's committed length are visible
+to every new row, key length + j to new row i when own[i, j] (chains: causal; trees: the ancestors), and a sliding
+window hides keys `window` or more positions behind the query. Each program reads the committed length from the device
+and loops only to it, splitting the sequence's keys over the launch's splits: a batch's short sequences do not read
+keys up to its longest one's, and one launch (and a CUDA graph of it) could serve any context length up to the cache's
+(the engine's graphs are still keyed by key capacity: the library path slices the cache). The splits merge in
+`flash_decode`'s combine kernel; where a batch fills the launch's programs with one split a sequence (8B shape, 64
+sequences of one row), that split stores the output itself, no combine. `fast_ops.decode_attention` under
 `fast_ops.attention_bias` is the reference. Used by the target's forwards with kernels on (`FastTarget(kernels=
 True)`, `fast_ops.kernel_block_attention`) where it is timed faster than the reference.
 """
@@ -34,6 +35,7 @@ if triton is not None:
                             count_ptr, out_ptr, R, T, D, heads, splits, window, scale,
                             sq_b, sq_h, sq_r, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_g, so_r, group_rows,
                             WINDOW: tl.constexpr, F32_DOT: tl.constexpr, MIN_KEYS: tl.constexpr, MERGE: tl.constexpr,
+                            ONE_SPLIT: tl.constexpr,
                             BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
         bh, rblock, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, h = bh // heads, bh % heads
@@ -70,17 +72,24 @@ if triton is not None:
                     visible = visible & (query_pos[:, None] - key_pos[None, :] < window)
                 scores = tl.where(visible, block_scores(q, k, F32_DOT) * scale, float("-inf"))
                 m, l, acc = online_softmax_step(scores, v, m, l, acc, F32_DOT)
-            row_index = (bh * splits + split) * R + rows
-            tl.store(m_ptr + row_index, m, mask=rows < R)
-            tl.store(l_ptr + row_index, l, mask=rows < R)
-            tl.store(acc_ptr + row_index[:, None] * BLOCK_D + dims[None, :], acc, mask=(rows[:, None] < R))
-            if MERGE:  # the last of the row block's splits to finish merges them all: no combine launch
-                active = tl.cdiv(total, per)
-                if last_to_finish(count_ptr + bh * tl.num_programs(1) + rblock, active):
-                    out = merge_splits(acc_ptr, m_ptr, l_ptr, bh, rows, R, splits, active, BLOCK_R, BLOCK_D, ".cg")
-                    tl.store(output_rows(out_ptr, b, h, rows, so_b, so_h, so_g, so_r, group_rows)[:, None]
-                             + dims[None, :], out.to(out_ptr.dtype.element_ty),
-                             mask=(rows[:, None] < R) & (dims[None, :] < D))
+            if ONE_SPLIT:  # this split holds every key: its rows are the output (merge_splits' bits), nothing to merge
+                out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+                tl.store(output_rows(out_ptr, b, h, rows, so_b, so_h, so_g, so_r, group_rows)[:, None]
+                         + dims[None, :], out.to(out_ptr.dtype.element_ty),
+                         mask=(rows[:, None] < R) & (dims[None, :] < D))
+            else:
+                row_index = (bh * splits + split) * R + rows
+                tl.store(m_ptr + row_index, m, mask=rows < R)
+                tl.store(l_ptr + row_index, l, mask=rows < R)
+                tl.store(acc_ptr + row_index[:, None] * BLOCK_D + dims[None, :], acc, mask=(rows[:, None] < R))
+                if MERGE:  # the last of the row block's splits to finish merges them all: no combine launch
+                    active = tl.cdiv(total, per)
+                    if last_to_finish(count_ptr + bh * tl.num_programs(1) + rblock, active):
+                        out = merge_splits(acc_ptr, m_ptr, l_ptr, bh, rows, R, splits, active, BLOCK_R, BLOCK_D,
+                                           ".cg")
+                        tl.store(output_rows(out_ptr, b, h, rows, so_b, so_h, so_g, so_r, group_rows)[:, None]
+                                 + dims[None, :], out.to(out_ptr.dtype.element_ty),
+                                 mask=(rows[:, None] < R) & (dims[None, :] < D))
 
 
 def block_attention_runs(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -100,8 +109,9 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: torc
     rows' (for the window; committed key j sits at position j). Everything but the shapes is read on the device.
     Each split takes at least `min_split_keys` keys (a multiple of BLOCK_KEYS): fewer, longer splits leave the
     combine fewer partial results to merge. With `merge` the last split of each row block to finish merges them
-    (an atomic count a row block, `zeroed_counters`) instead of a second launch. `programs` bounds the programs a
-    launch has (the key splits a sequence gets: more splits, more partial results to merge). With `merged_heads`
+    (an atomic count a row block, `zeroed_counters`) instead of a second launch; with one split a sequence its
+    program stores the output, either way. `programs` bounds the programs a launch has (the key splits a sequence
+    gets: more splits, more partial results to merge). With `merged_heads`
     the output is [B, t, heads * d], the heads merged as o_proj reads them (`flash_decode.output_layout`); else q's
     shape. `launch` = (warps, pipeline stages) of the split kernel; by default Triton's 4 and 3, whose 174 registers
     leave an SM 8 resident warps (benchmarks/RESULTS.md session 41; `fast_ops.WIDE_LAUNCH` is the engine's other)."""
@@ -111,7 +121,8 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: torc
     if own.dtype != torch.uint8 or not own.is_contiguous():
         own = own.to(torch.uint8).contiguous()
 
-    counts = zeroed_counters(q.device, q.shape[0] * q.shape[1] * row_blocks) if merge else lengths
+    one_split = splits == 1  # the split kernel stores the output itself: no partial results, no merge
+    counts = zeroed_counters(q.device, q.shape[0] * q.shape[1] * row_blocks) if merge and not one_split else lengths
 
     def run_splits(partial: torch.Tensor, m: torch.Tensor, l: torch.Tensor,
                    out: tuple[torch.Tensor, Layout] | None) -> None:
@@ -121,8 +132,8 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: torc
             q.shape[2], t, q.shape[3], q.shape[1], splits, window or 0, scale,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
             v.stride(2), *layout, WINDOW=window is not None, F32_DOT=f32, MIN_KEYS=min_split_keys,
-            MERGE=out is not None, BLOCK_R=BLOCK_ROWS, BLOCK_S=BLOCK_KEYS, BLOCK_D=block_d,
+            MERGE=merge, ONE_SPLIT=one_split, BLOCK_R=BLOCK_ROWS, BLOCK_S=BLOCK_KEYS, BLOCK_D=block_d,
             **({} if launch is None else dict(num_warps=launch[0], num_stages=launch[1])))
 
-    return split_and_merge(q, splits, block_d, run_splits, lengths, t, min_split_keys, merged=merge,
+    return split_and_merge(q, splits, block_d, run_splits, lengths, t, min_split_keys, merged=merge or one_split,
                            merged_heads=merged_heads)
