@@ -92,3 +92,29 @@ def test_dropping_every_graph_takes_a_new_pool(monkeypatch) -> None:
     before = verify.pool
     verify._outputs(1)
     assert verify.pool != before and not verify.entries
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_the_batch_drafter_gathers_its_rotary_rows_from_tables_it_keeps(padded: bool) -> None:
+    """The pass and the extension gather cos/sin from a table of the context buffer's positions: the rotary module
+    runs once a buffer size, not every pass or extension; a table's rows are the module's own bit for bit, and a
+    table outlives the buffer growing (a graph captured on it may replay before the graphs are dropped)."""
+    drafter = drafter_for(VARIANTS[0])
+    batch = BatchDrafter(drafter, FastTarget(make_target_model("qwen3")), slots=3)
+    batch.pad = padded
+    rotary, forward, built = drafter.rotary_emb, drafter.rotary_emb.forward, []
+    rotary.forward = lambda like, positions: built.append(tuple(positions.shape)) or forward(like, positions)
+    for slot, n in enumerate([7, 12]):
+        batch.reset(slot)
+        batch.extend([slot], [taps(n, slot)])
+    batch.draft([4, 9], [7, 12], [2, 2])
+    batch.extend([0, 1], [taps(2, 5), taps(3, 6)])
+    batch.draft([1, 2], [9, 15], [2, 2])
+    n = batch.store.kv.shape[4]
+    assert built == [(1, n)]
+    cos, sin = batch.rope_table()
+    like, at = torch.empty(0), torch.tensor([[0, 3, 17, n - 1]])
+    assert torch.equal(cos[at[0]], forward(like, at)[0][0]) and torch.equal(sin[at[0]], forward(like, at)[1][0])
+    batch.extend([0], [taps(4 * n, 7)])  # the buffer grows: a new table, the old one kept
+    assert batch.store.kv.shape[4] > n and built[-1] == (1, batch.store.kv.shape[4]) and len(built) == 2
+    assert batch.rope_tables[n][0] is cos

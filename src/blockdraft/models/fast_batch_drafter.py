@@ -82,6 +82,7 @@ class BatchDrafter:
         self.extensions: dict[tuple[int, int], _ExtendGraph] = {}
         self.pool = graph_pool(self.use_graphs)
         self.version = self.store.version
+        self.rope_tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by positions (`rope_table`)
         self.lone: FastDrafter | None = None  # the batch-1 drafter (`lone_drafter`)
         self.single: FastDrafter | None = None  # set while one sequence runs: its context there, not in slot 0
 
@@ -135,8 +136,23 @@ class BatchDrafter:
         self.store.move(source, dest)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [n, t, d] at absolute positions [n, t]."""
-        return self.drafter.rotary_emb(torch.empty(0, dtype=self.dtype, device=self.device), positions)
+        """cos/sin [n, t, r] at absolute positions [n, t], gathered from `rope_table`'s (two launches in the pass's
+        and the extension's graphs where the rotary module takes ~10 in each)."""
+        cos, sin = self.rope_table()
+        return cos[positions], sin[positions]
+
+    @torch.inference_mode()
+    def rope_table(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [n, r] of every position the context buffer holds (n of them: every position a pass or an
+        extension uses is below, as each writes its K/V there). Every table built stays, since a graph replays its
+        gathers from the table it was captured with, and the buffer may grow (a join's `load_kv`) before `_ensure`
+        drops the graphs captured on the old one; the buffer doubles, so the tables sum to under twice the last."""
+        n = self.store.kv.shape[4]
+        if n not in self.rope_tables:
+            like = torch.empty(0, dtype=self.dtype, device=self.device)
+            cos, sin = self.drafter.rotary_emb(like, torch.arange(n, device=self.device).unsqueeze(0))
+            self.rope_tables[n] = (cos[0], sin[0])
+        return self.rope_tables[n]
 
     @torch.inference_mode()
     def extend(self, slots: list[int], taps: list[torch.Tensor], whole: torch.Tensor | None = None) -> None:
