@@ -13,7 +13,7 @@ which configs and row counts are worth a GPU's time before any is spent.
     python benchmarks/kernel_sass.py --kernel gemv_rows --rows 2,4,8 --epilogues plain,norm,glu+residual
     python benchmarks/kernel_sass.py --kernel gemv --epilogues norm
     python benchmarks/kernel_sass.py --kernel weights_first --rows 16 --epilogues plain,norm --json sass.json
-    python benchmarks/kernel_sass.py --kernel block_attention --epilogues plain,window
+    python benchmarks/kernel_sass.py --kernel block_attention --epilogues plain,window,merge,one-split
 """
 
 from __future__ import annotations
@@ -90,7 +90,8 @@ KERNELS = {
         lambda name: name == "D" or name[:3] in ("sq_", "sk_", "sv_", "so_"),
         [triton.Config({}, num_warps=w, num_stages=st) for w, st in ((4, 3), (8, 3), (4, 4), (8, 2))], None,
         lambda epilogue: dict(WINDOW="window" in epilogue, F32_DOT=False, MIN_KEYS=BLOCK_KEYS,
-                              MERGE="merge" in epilogue, BLOCK_R=BLOCK_ROWS, BLOCK_S=BLOCK_KEYS, BLOCK_D=HEAD_DIM),
+                              MERGE="merge" in epilogue, ONE_SPLIT="one" in epilogue, BLOCK_R=BLOCK_ROWS,
+                              BLOCK_S=BLOCK_KEYS, BLOCK_D=HEAD_DIM),
         lambda config: 2 * BLOCK_KEYS * HEAD_DIM),  # a block of keys and its values
 }
 INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z0-9_.]+)([^;]*);")
