@@ -26,8 +26,8 @@ from blockdraft.models.drafter import DFlashDrafter
 from blockdraft.models.fast_batch import BATCH_GRAPHS, BatchKV, batch_bucket
 from blockdraft.models.fast_drafter import (ContextProjection, FastDrafter, batched_context_bias, fast_drafter_problem,
                                             packed_layers)
-from blockdraft.models.fast_target import (PREFILL_ROWS, FastTarget, LayerWeights, attend, graph_rows, layer_mlp,
-                                            prefill_rows, run_stack)
+from blockdraft.models.fast_target import (PREFILL_ROWS, FastTarget, LayerWeights, attend, graph_rows,
+                                            kept_rotary_table, layer_mlp, prefill_rows, run_stack)
 from blockdraft.models.graphs import capture, graph_pool
 from blockdraft.models.host_to_device import long_tensor
 from blockdraft.models.static_cache import round_up
@@ -141,18 +141,13 @@ class BatchDrafter:
         cos, sin = self.rope_table()
         return cos[positions], sin[positions]
 
-    @torch.inference_mode()
     def rope_table(self) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [n, r] of every position the context buffer holds (n of them: every position a pass or an
         extension uses is below, as each writes its K/V there). Every table built stays, since a graph replays its
         gathers from the table it was captured with, and the buffer may grow (a join's `load_kv`) before `_ensure`
         drops the graphs captured on the old one; the buffer doubles, so the tables sum to under twice the last."""
-        n = self.store.kv.shape[4]
-        if n not in self.rope_tables:
-            like = torch.empty(0, dtype=self.dtype, device=self.device)
-            cos, sin = self.drafter.rotary_emb(like, torch.arange(n, device=self.device).unsqueeze(0))
-            self.rope_tables[n] = (cos[0], sin[0])
-        return self.rope_tables[n]
+        return kept_rotary_table(self.rope_tables, self.drafter.rotary_emb, self.store.kv.shape[4], self.dtype,
+                                 self.device)
 
     @torch.inference_mode()
     def extend(self, slots: list[int], taps: list[torch.Tensor], whole: torch.Tensor | None = None) -> None:

@@ -217,6 +217,19 @@ def run_stack(ops: LayerOps, layers: list[LayerWeights], x: torch.Tensor, step: 
     return h, tapped
 
 
+@torch.inference_mode()
+def kept_rotary_table(
+    tables: dict[int, tuple[torch.Tensor, torch.Tensor]], rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    n: int, dtype: torch.dtype, device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [n, rotary dims] of positions 0..n-1 from `rotary` (HF's rotary module), built once and kept in
+    `tables`: a CUDA graph replays its gathers from the table it was captured with, so none is ever dropped."""
+    if n not in tables:
+        cos, sin = rotary(torch.empty(0, dtype=dtype, device=device), torch.arange(n, device=device).unsqueeze(0))
+        tables[n] = (cos[0], sin[0])
+    return tables[n]
+
+
 def graph_rows(t: int) -> int:
     """Rows a graph is captured for: short forwards round up to a power of two (they cost the same on a GPU,
     and the chain's shorter last steps then reuse one graph); longer ones (trees) are captured exactly."""
@@ -298,18 +311,13 @@ class FastTarget(Target):
         (self.cos, self.sin), self.slot_ids = self.rope_table(slots), torch.arange(slots, device=self.device)
         self._tables_for = slots
 
-    @torch.inference_mode()
     def rope_table(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [n, head_dim] of positions 0..n-1 (n: the power of two at least `positions`) for a forward to
         gather its rows from (the batched one: two launches a step where the rotary module takes ~10). Every table
         built stays (their sizes sum to under twice the largest's), since a CUDA graph replays its gathers from
         the table it was captured with."""
-        n = power_of_two_at_least(positions)
-        if n not in self._rope_tables:
-            like = torch.empty(0, dtype=self.dtype, device=self.device)
-            cos, sin = self.rotary(like, torch.arange(n, device=self.device).unsqueeze(0))
-            self._rope_tables[n] = (cos[0], sin[0])
-        return self._rope_tables[n]
+        return kept_rotary_table(self._rope_tables, self.rotary, power_of_two_at_least(positions), self.dtype,
+                                 self.device)
 
     @torch.inference_mode()
     def forward(
