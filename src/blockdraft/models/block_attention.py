@@ -27,7 +27,7 @@ if triton is not None:
     import triton.language as tl
 
     from blockdraft.models.flash_decode import (block_scores, empty_state, keys_per_split, load_block,
-                                                merge_splits, online_softmax_step, output_rows)
+                                                merge_splits, online_softmax_step, store_output)
     from blockdraft.models.skinny_gemm import last_to_finish
 
     @triton.jit
@@ -74,9 +74,7 @@ if triton is not None:
                 m, l, acc = online_softmax_step(scores, v, m, l, acc, F32_DOT)
             if ONE_SPLIT:  # this split holds every key: its rows are the output (merge_splits' bits), nothing to merge
                 out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
-                tl.store(output_rows(out_ptr, b, h, rows, so_b, so_h, so_g, so_r, group_rows)[:, None]
-                         + dims[None, :], out.to(out_ptr.dtype.element_ty),
-                         mask=(rows[:, None] < R) & (dims[None, :] < D))
+                store_output(out_ptr, out, b, h, rows, dims, R, D, so_b, so_h, so_g, so_r, group_rows)
             else:
                 row_index = (bh * splits + split) * R + rows
                 tl.store(m_ptr + row_index, m, mask=rows < R)
@@ -87,9 +85,7 @@ if triton is not None:
                     if last_to_finish(count_ptr + bh * tl.num_programs(1) + rblock, active):
                         out = merge_splits(acc_ptr, m_ptr, l_ptr, bh, rows, R, splits, active, BLOCK_R, BLOCK_D,
                                            ".cg")
-                        tl.store(output_rows(out_ptr, b, h, rows, so_b, so_h, so_g, so_r, group_rows)[:, None]
-                                 + dims[None, :], out.to(out_ptr.dtype.element_ty),
-                                 mask=(rows[:, None] < R) & (dims[None, :] < D))
+                        store_output(out_ptr, out, b, h, rows, dims, R, D, so_b, so_h, so_g, so_r, group_rows)
 
 
 def block_attention_runs(q: torch.Tensor, k: torch.Tensor) -> bool:

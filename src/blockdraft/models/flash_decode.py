@@ -122,10 +122,13 @@ if triton is not None:
         return acc / tl.where(total == 0.0, 1.0, total)[:, None]
 
     @triton.jit
-    def output_rows(out_ptr, b, h, rows, so_b, so_h, so_g, so_r, group_rows):
-        """Where query rows `rows` of (sequence b, KV head h) go in the output (`output_layout`): row r at
-        (r // group_rows) * so_g + (r % group_rows) * so_r."""
-        return out_ptr + b * so_b + h * so_h + (rows // group_rows) * so_g + (rows % group_rows) * so_r
+    def store_output(out_ptr, out, b, h, rows, dims, R, D, so_b, so_h, so_g, so_r, group_rows):
+        """Store the attention output `out` [rows x dims] of query rows `rows` of (sequence b, KV head h) where the
+        output's layout puts them (`output_layout`): row r at (r // group_rows) * so_g + (r % group_rows) * so_r,
+        in the output's dtype; rows past R and dims past D are padding, not stored."""
+        at = out_ptr + b * so_b + h * so_h + (rows // group_rows) * so_g + (rows % group_rows) * so_r
+        tl.store(at[:, None] + dims[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=(rows[:, None] < R) & (dims[None, :] < D))
 
     @triton.jit
     def _combine_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, length_ptr, R, T, D, heads, splits, so_b, so_h, so_g, so_r,
@@ -141,8 +144,7 @@ if triton is not None:
         else:
             active = splits
         out = merge_splits(acc_ptr, m_ptr, l_ptr, bh, rows, R, splits, active, BLOCK_R, BLOCK_D, "")
-        tl.store(output_rows(out_ptr, b, h, rows, so_b, so_h, so_g, so_r, group_rows)[:, None] + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=(rows[:, None] < R) & (dims[None, :] < D))
+        store_output(out_ptr, out, b, h, rows, dims, R, D, so_b, so_h, so_g, so_r, group_rows)
 
 
 def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> bool:
