@@ -17,6 +17,7 @@ GEMV of several rows is timed beside them (the "gemv" columns), as the chooser o
     python3 benchmarks/gpu/few_row_choice.py --json $OUT/few_row_choice.json
     python3 benchmarks/gpu/few_row_choice.py --rows "" --sweep-rows 32,33
     python3 benchmarks/gpu/few_row_choice.py --rows 1,2,4 --sweep-rows "" --shapes 8b
+    python3 benchmarks/gpu/few_row_choice.py --rows 1,4 --shapes 8b --sweep-rows 4 --sweep-shapes 8b --sweep-cold
 """
 
 from __future__ import annotations
@@ -123,6 +124,7 @@ def main() -> None:
     parser.add_argument("--sweep-rows", type=rows_or_none, default="32,33", help="rows at which every config is timed")
     parser.add_argument("--sweep-cold", action="store_true", help="time the sweep cold (default: warm, as the chooser)")
     parser.add_argument("--shapes", default="embedded,8b")
+    parser.add_argument("--sweep-shapes", default="embedded", help="the shapes whose units the sweep times")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -152,10 +154,10 @@ def main() -> None:
     skinny_gemm.MAX_SPLITS = SWEEP_MAX_SPLITS  # the partials' buffer sized for the sweep's splits
     configs = skinny_gemm.WEIGHTS_FIRST_CONFIGS + SMALL_TILES
     side = "cold" if args.sweep_cold else "warm"
-    for rows in args.sweep_rows:
-        print(f"\n{rows} rows, embedded shape, {side}, every config (us; BLOCK_N/BLOCK_K/SPLITS/warps/stages)")
+    for rows, shape in [(rows, shape) for rows in args.sweep_rows for shape in args.sweep_shapes.split(",")]:
+        print(f"\n{rows} rows, {shape} shape, {side}, every config (us; BLOCK_N/BLOCK_K/SPLITS/warps/stages)")
         with torch.inference_mode():
-            for name, (n, k, epilogue) in SHAPES["embedded"].items():
+            for name, (n, k, epilogue) in SHAPES[shape].items():
                 if name == "lm_head":
                     continue
                 unit = Unit(n, k, epilogue, rows, device, cold=args.sweep_cold)
@@ -171,7 +173,7 @@ def main() -> None:
                 library = unit.time(unit.library)
                 print(f"{name}: library {library:.2f}, best {best} {swept[best]:.2f}; "
                       + ", ".join(f"{label} {t:.2f}" for label, t in swept.items()), flush=True)
-                results.append({"shape": "embedded", "unit": name, "rows": rows, "side": side, "library": library,
+                results.append({"shape": shape, "unit": name, "rows": rows, "side": side, "library": library,
                                 "sweep": swept})
     if args.json:
         with open(args.json, "w") as f:
