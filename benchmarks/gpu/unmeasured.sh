@@ -15,6 +15,8 @@
 #     its last level; --json-out now keeps the levels run): issue 22's table with the engine's own time per level
 #   (same) bash benchmarks/gpu/unmeasured.sh steps  # ~5 min: batched DFlash steps at 1/4/16; schedule vs fixed steps
 #   source benchmarks/gpu/env.sh && bash benchmarks/gpu/unmeasured.sh admit   # ~1.5 min: prefill and join costs
+#   source benchmarks/gpu/env.sh && bash benchmarks/gpu/save_kernels.sh   # after the runs: compiled kernels into $OUT,
+#     to carry as .gpu/kernels/ so a fresh machine skips the compiles (env.sh unpacks them)
 # Each step writes $OUT/<step>.log as it runs and has its own time limit, so a call cut short still returns every
 # step that finished (session 16 lost a 9-minute call whose output only went to stdout).
 set -u

@@ -32,9 +32,9 @@ GEMV_MAX_ROWS = 4  # the most rows `_gemv_rows_kernel` takes: at 8 its sm_90 loo
 # per weight element (4 rows: 0.25-0.50; the one-row GEMV 0.11-0.62, by config and epilogue), and an H200 SM, which
 # issues 4 a cycle while ~8 weight elements arrive, keeps up only under 0.49 (benchmarks/kernel_sass.py, RESULTS.md
 # session 41)
-TUNED_ON_DISK = True  # each shape's tuned tiles kept in Triton's cache (~/.triton): a server's warm-up tunes every
-# product at every row tile (4 row tiles x 5 products x the drafter's), which a restart, the next server of a
-# benchmark or the next test process then reads instead of timing every config again
+TUNED_ON_DISK = True  # each shape's tuned tiles kept in Triton's cache (TRITON_CACHE_DIR, by default ~/.triton): a
+# server's warm-up tunes every product at every row tile (4 row tiles x 5 products x the drafter's), which a restart,
+# the next server of a benchmark or the next test process then reads instead of timing every config again
 SPLIT_MAX_N = 16384  # K is split only for products of at most this many features (64-feature tiles fewer than two
 # an H200 SM); the LM head's 150K features never are, so no partials are kept for it
 
