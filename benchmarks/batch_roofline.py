@@ -13,6 +13,8 @@ for the largest --budget, capped at 1 + budget; chain per-position rates assumed
 
     python benchmarks/batch_roofline.py --json roofline.json            # on the H200
     python benchmarks/batch_roofline.py --verify-only --batch-sizes 1,4,16,64 --rows 1   # issue 22's AR table alone
+    python benchmarks/batch_roofline.py --verify-only --batch-sizes 1,4,16,64 --rows 1 --dependent-launch  # its A/B:
+        # the step's Triton kernels launched plain, then dependent (`models/dependent_launch.py`), in one invocation
     python benchmarks/batch_roofline.py --device cpu --shape tiny --batch-sizes 1,2 --rows 1,4 --context 32  # smoke
 """
 
@@ -22,6 +24,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from rich.console import Console
@@ -33,6 +36,9 @@ from blockdraft.numbers import int_list
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_speed import PAPER_TAU, bandwidth, build_synthetic  # noqa: E402  (shared synthetic 8B builder)
 
+if TYPE_CHECKING:
+    from blockdraft.models.fast_target import FastTarget
+
 H200_BF16_FLOPS = 989e12  # dense bf16 tensor-core peak
 
 
@@ -43,6 +49,28 @@ def geometric_rates(tau: float, positions: int) -> list[float]:
         p = (low + high) / 2
         low, high = (p, high) if 1 + sum(p ** (i + 1) for i in range(positions)) < tau else (low, p)
     return [p ** (i + 1) for i in range(positions)]
+
+
+def launch_logits(target: FastTarget, batch_sizes: list[int], context: int) -> dict[int, torch.Tensor]:
+    """The logits of one batched AR forward a batch size through `BatchForward`'s graphs (seeded ids and K/V, every
+    sequence `context` keys long): what the A/B's two launch modes must give alike, bit for bit (the same kernels,
+    each with its own fixed order of sums)."""
+    from blockdraft.models.fast_batch import BatchForward, BatchKV
+
+    device = target.device
+    torch.manual_seed(0)
+    store = BatchKV.for_target(target, max(batch_sizes), context + 1)
+    with torch.inference_mode():
+        store.kv.normal_()
+    forward = BatchForward(target, store)
+    logits = {}
+    for batch in batch_sizes:
+        store.lengths[:batch] = [context] * batch
+        ids = torch.randint(0, target.vocab_size, (batch, 1), device=device)
+        positions = torch.full((batch, 1), context, device=device)
+        own = torch.ones(batch, 1, 1, dtype=torch.bool, device=device)
+        logits[batch] = forward(ids, positions, own, None)[0].float().cpu()
+    return logits
 
 
 def main() -> None:
@@ -58,7 +86,13 @@ def main() -> None:
     parser.add_argument("--verify-only", action="store_true",
                         help="Time the verify forward at --rows alone (no drafter, whole steps or schedule): the "
                              "roofline table in a fraction of the time.")
+    parser.add_argument("--dependent-launch", action="store_true",
+                        help="with --verify-only: the table with the step's Triton kernels launched plain, then "
+                             "dependent (programmatic dependent launch, `models/dependent_launch.py`), one target each")
     args = parser.parse_args()
+    if args.dependent_launch and not args.verify_only:
+        parser.error("--dependent-launch: use it with --verify-only (the A/B of the verify table)")
+    from blockdraft.models import dependent_launch
     from blockdraft.engine.schedule import AR, AcceptanceProfile, Candidate, choose, render
     from blockdraft.engine.tune import measure_costs, verify_seconds
     from blockdraft.models.fast_target import FastTarget
@@ -67,39 +101,56 @@ def main() -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     sizes, rows_list, budgets = args.batch_sizes, args.rows, args.budget
     model, drafter = build_synthetic(args.shape, device, dtype)
-    target = FastTarget(model)
     depth = drafter.cfg.block_size - 1
     costs = None
-    if args.verify_only:
-        verify_s = verify_seconds(target, drafter.cfg.target_layer_ids, sizes, rows_list, args.context, repeats=10)
-    else:
+    runs: dict[str, dict[int, dict[int, float]]] = {}  # a table's label -> batch -> rows -> seconds
+    logits: dict[str, dict[int, torch.Tensor]] = {}  # the A/B's: label -> batch -> one forward's logits
+    target = None
+    for dependent in ((False, True) if args.dependent_launch else (dependent_launch.ENABLED,)):
+        dependent_launch.ENABLED = dependent
+        if target is not None and device.type == "cuda":  # the A/B's first target's graphs and buffers freed first
+            target = None
+            torch.cuda.empty_cache()
+        target = FastTarget(model)  # a target of its own a setting: its graphs captured with that setting's launches
+        label = ("dependent launch" if dependent else "plain launch") if args.dependent_launch else "verify"
+        if args.verify_only:
+            runs[label] = verify_seconds(target, drafter.cfg.target_layer_ids, sizes, rows_list, args.context,
+                                         repeats=10)
+            if args.dependent_launch:
+                logits[label] = launch_logits(target, sizes, args.context)
+    if not args.verify_only:
         rows_list = sorted(set(rows_list) | {1 + depth} | {1 + b for b in budgets})  # the schedule's candidates too
         costs = measure_costs(target, drafter, f"synthetic {args.shape}", "synthetic", sizes, rows_list, budgets,
                               args.context, repeats=10)
-        verify_s = costs.verify_s
+        runs["verify"] = costs.verify_s
     rate = bandwidth(device, False)
     elt = torch.finfo(dtype).bits // 8
     embedding = target.embedding_weight.numel()
     params = sum(p.numel() for p in model.parameters()) - embedding
     matmul = params - sum(p.numel() for p in model.parameters() if p.dim() == 1)
     rows_out = []
-    for batch in sizes:
-        for rows in rows_list:
-            ms = 1000 * verify_s[batch][rows]
-            keys = args.context + rows
-            kv_bytes = batch * target.num_layers * 2 * target.kv_heads * target.head_dim * keys * elt
-            flops = 2 * matmul * batch * rows + 4 * batch * rows * keys * target.heads * target.head_dim * target.num_layers
-            roof = 1000 * max((params * elt + kv_bytes) / rate, flops / args.peak_flops)
-            rows_out.append(dict(batch=batch, rows=rows, step_ms=ms, roofline_ms=roof, over_roofline=ms / roof))
+    for label, verify_s in runs.items():
+        for batch in sizes:
+            for rows in rows_list:
+                ms = 1000 * verify_s[batch][rows]
+                keys = args.context + rows
+                kv_bytes = batch * target.num_layers * 2 * target.kv_heads * target.head_dim * keys * elt
+                flops = (2 * matmul * batch * rows
+                         + 4 * batch * rows * keys * target.heads * target.head_dim * target.num_layers)
+                roof = 1000 * max((params * elt + kv_bytes) / rate, flops / args.peak_flops)
+                rows_out.append(dict(run=label, batch=batch, rows=rows, step_ms=ms, roofline_ms=roof,
+                                     over_roofline=ms / roof))
     console = Console(width=140)
-    table = Table(title=f"batched forward vs roofline ({args.shape}, {args.context} context, {rate / 1e12:.2f} TB/s copy "
-                        f"bandwidth, {args.peak_flops / 1e12:.0f} TFLOP/s peak)")
-    for column in ("batch", "rows", "step ms", "roofline ms", "x roofline"):
-        table.add_column(column, justify="right")
-    for r in rows_out:
-        table.add_row(str(r["batch"]), str(r["rows"]), f"{r['step_ms']:.3f}", f"{r['roofline_ms']:.3f}",
-                      f"{r['over_roofline']:.2f}")
-    console.print(table)
+    for label in runs:
+        table = Table(title=f"batched forward vs roofline ({label}; {args.shape}, {args.context} context, "
+                            f"{rate / 1e12:.2f} TB/s copy bandwidth, {args.peak_flops / 1e12:.0f} TFLOP/s peak)")
+        for column in ("batch", "rows", "step ms", "roofline ms", "x roofline"):
+            table.add_column(column, justify="right")
+        for r in rows_out:
+            if r["run"] == label:
+                table.add_row(str(r["batch"]), str(r["rows"]), f"{r['step_ms']:.3f}", f"{r['roofline_ms']:.3f}",
+                              f"{r['over_roofline']:.2f}")
+        console.print(table)
     extra: dict = {}
     if costs is not None:
         console.print("batched drafter step (pass + one block's context per sequence) " +
@@ -112,11 +163,20 @@ def main() -> None:
         schedule = choose(costs, profile, candidates, sizes)
         console.print(render(schedule))
         extra = dict(costs=costs.to_json(), schedule=schedule.to_json())
+    if logits:
+        plain, dependent = logits.values()
+        differ = {batch: (plain[batch] - dependent[batch]).abs().max().item() for batch in sizes
+                  if not torch.equal(plain[batch], dependent[batch])}
+        extra["dependent_launch_logits_differ"] = differ
+        console.print("dependent launch gives the plain launch's logits bit for bit at every batch size" if not differ
+                      else f"DEPENDENT LAUNCH CHANGED THE LOGITS (batch: largest difference): {differ}")
     attention = {shape: runs_on for shape, runs_on in choices().items() if shape.startswith("block_attention")}
     console.print("attention per shape (kernel_choice):\n" + "\n".join(f"- {k}: {v}" for k, v in attention.items()))
     if args.json:
         args.json.write_text(json.dumps(dict(settings=vars(args) | {"json": str(args.json)}, steps=rows_out, **extra,
                                              kernel_choices=choices()), indent=1, default=str))
+    if logits and extra["dependent_launch_logits_differ"]:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

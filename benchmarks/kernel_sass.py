@@ -14,6 +14,7 @@ which configs and row counts are worth a GPU's time before any is spent.
     python benchmarks/kernel_sass.py --kernel gemv --epilogues norm
     python benchmarks/kernel_sass.py --kernel weights_first --rows 16 --epilogues plain,norm --json sass.json
     python benchmarks/kernel_sass.py --kernel block_attention --epilogues plain,window,merge,one-split
+    python benchmarks/kernel_sass.py --kernel combine --epilogues plain --dependent-launch   # also skinny, split, qkv_rope
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from rich.table import Table
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from blockdraft.models import block_attention, skinny_gemm
+from blockdraft.models import block_attention, flash_decode, qkv_rope, skinny_gemm
 from blockdraft.models.flash_decode import BLOCK_KEYS, BLOCK_ROWS
 from blockdraft.numbers import int_list
 
@@ -93,6 +94,24 @@ KERNELS = {
                               MERGE="merge" in epilogue, ONE_SPLIT="one" in epilogue, BLOCK_R=BLOCK_ROWS,
                               BLOCK_S=BLOCK_KEYS, BLOCK_D=HEAD_DIM),
         lambda config: 2 * BLOCK_KEYS * HEAD_DIM),  # a block of keys and its values
+    "skinny": Spec(skinny_gemm._skinny_kernel, {"eps": "fp32"}, _product_aligned, skinny_gemm._tuned_kernel.configs,
+                   "ROWS", lambda epilogue: dict(HAS_BIAS="bias" in epilogue, NORM="norm" in epilogue, F32_DOT=False),
+                   _tile),
+    "split": Spec(flash_decode._split_kernel, {"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "scale": "fp32"},
+                  lambda name: name == "D" or name[:3] in ("sq_", "sk_", "sv_"), [triton.Config({}, num_warps=4,
+                                                                                                num_stages=3)],
+                  None, lambda epilogue: dict(F32_DOT=False, BLOCK_R=BLOCK_ROWS, BLOCK_S=BLOCK_KEYS, BLOCK_D=HEAD_DIM),
+                  lambda config: 2 * BLOCK_KEYS * HEAD_DIM),  # flash-decode's, with a dense bias
+    "combine": Spec(flash_decode._combine_kernel, {"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32",
+                                                   "length_ptr": "*i64"},
+                    lambda name: name == "D" or name.startswith("so_"), [triton.Config({}, num_warps=4, num_stages=3)],
+                    None, lambda epilogue: dict(LENGTHS=True, MIN_KEYS=BLOCK_KEYS, BLOCK_R=BLOCK_ROWS,
+                                                BLOCK_S=BLOCK_KEYS, BLOCK_D=HEAD_DIM),
+                    lambda config: BLOCK_ROWS * HEAD_DIM),  # a split's partial rows
+    "qkv_rope": Spec(qkv_rope._qkv_rope_kernel, {"slot_ptr": "*i64", "col_ptr": "*i64", "eps": "fp32"},
+                     lambda name: name == "D" or name.startswith("s_"), [triton.Config({}, num_warps=4, num_stages=3)],
+                     None, lambda epilogue: dict(NORM="norm" in epilogue, BLOCK_D=HEAD_DIM),
+                     lambda config: HEAD_DIM),  # one head of one row
 }
 INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z0-9_.]+)([^;]*);")
 
@@ -114,13 +133,17 @@ class Reading:
     issue_bound: bool
     top: str
     opcodes: dict[str, int]  # the loop's, each opcode's count
+    waits_first: bool  # compiled for dependent launch: it waits (ACQBULK) before any global memory access, and
+    # lets the next kernel launch (PREEXIT); False for a kernel compiled without (`dependent_launch`)
 
 
-def compile_for_sm90(kernel: str, rows: int | None, epilogue: str, config: triton.Config) -> tuple[bytes, int]:
+def compile_for_sm90(kernel: str, rows: int | None, epilogue: str, config: triton.Config,
+                     dependent: bool = False) -> tuple[bytes, int]:
     """The cubin of one config of `kernel` for sm_90 (bf16 operands, the pointers and the sizes the engine's launches
-    give as multiples of 16 specialized so, as Triton specializes them) and the shared memory a program takes."""
+    give as multiples of 16 specialized so, as Triton specializes them), with `dependent` its PDL constant
+    (`dependent_launch`), and the shared memory a program takes."""
     spec = KERNELS[kernel]
-    constants = spec.constants(epilogue) | config.kwargs
+    constants = spec.constants(epilogue) | config.kwargs | {"PDL": dependent}
     if spec.rows_name is not None:
         constants[spec.rows_name] = rows
     names = list(spec.fn.arg_names)
@@ -148,12 +171,27 @@ def hottest_loop(sass: str) -> collections.Counter[str]:
     return collections.Counter(opcode.split(".")[0] for _, opcode, _ in code[body[0] : body[1] + 1])
 
 
-def read(kernel: str, rows: int, epilogue: str, config: triton.Config, elements_a_cycle: float) -> Reading:
-    """Compile one config and read its resources and loop (`elements_a_cycle`: weight elements an SM receives a
-    cycle at full bandwidth)."""
+GLOBAL_MEMORY = ("LDG", "STG", "LDGSTS", "ATOMG", "RED", "UTMALDG", "UTMASTG", "UBLKCP")  # an access to it
+
+
+def waits_before_memory(sass: str) -> bool:
+    """Whether `sass` waits for the kernel launched before it (ACQBULK, PTX's griddepcontrol.wait) ahead of its first
+    global memory access and lets the next launch (PREEXIT): what a dependent launch needs to read and write only
+    after the previous kernel has finished."""
+    opcodes = [m.group(2).split(".")[0] for m in map(INSTRUCTION.match, sass.splitlines()) if m]
+    if "ACQBULK" not in opcodes or "PREEXIT" not in opcodes:
+        return False
+    first = next((i for i, opcode in enumerate(opcodes) if opcode in GLOBAL_MEMORY), len(opcodes))
+    return opcodes.index("ACQBULK") < first
+
+
+def read(kernel: str, rows: int, epilogue: str, config: triton.Config, elements_a_cycle: float,
+         dependent: bool = False) -> Reading:
+    """Compile one config (with `dependent`, for dependent launch) and read its resources and loop
+    (`elements_a_cycle`: weight elements an SM receives a cycle at full bandwidth)."""
     with tempfile.TemporaryDirectory() as scratch:
         cubin = Path(scratch) / "kernel.cubin"
-        code, shared = compile_for_sm90(kernel, rows, epilogue, config)
+        code, shared = compile_for_sm90(kernel, rows, epilogue, config, dependent)
         cubin.write_bytes(code)
         usage = subprocess.run([str(TOOLS / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True,
                                check=True).stdout
@@ -171,7 +209,7 @@ def read(kernel: str, rows: int, epilogue: str, config: triton.Config, elements_
     return Reading(kernel, rows, epilogue, label, registers,
                    int(resources.get("LOCAL", 0)) + int(resources.get("STACK", 0)), instructions, shared,
                    programs * config.num_warps, per_element, per_element * elements_a_cycle > ISSUE_A_CYCLE,
-                   ", ".join(f"{k} {v}" for k, v in loop.most_common(5)), dict(loop))
+                   ", ".join(f"{k} {v}" for k, v in loop.most_common(5)), dict(loop), waits_before_memory(sass))
 
 
 def main() -> None:
@@ -185,23 +223,26 @@ def main() -> None:
     parser.add_argument("--bandwidth", type=float, default=4.29e12, help="bytes/s (the H200's measured copy rate)")
     parser.add_argument("--sms", type=int, default=132)
     parser.add_argument("--clock", type=float, default=1.98e9, help="Hz")
+    parser.add_argument("--dependent-launch", action="store_true",
+                        help="compile for dependent launch (PDL on: `models/dependent_launch.py`)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     elements = args.bandwidth / args.sms / args.clock / 2
     spec = KERNELS[args.kernel]
-    readings = [read(args.kernel, rows, epilogue, config, elements)
+    readings = [read(args.kernel, rows, epilogue, config, elements, args.dependent_launch)
                 for rows in (args.rows if spec.rows_name else [1]) for epilogue in args.epilogues.split(",")
                 for config in spec.configs]
     table = Table(title=f"{args.kernel} for sm_90: the K loop's warp instructions per element it streams (an SM "
                         f"receives {elements:.1f} a cycle and issues {ISSUE_A_CYCLE}: at most "
                         f"{ISSUE_A_CYCLE / elements:.2f} keeps up)")
     for column in ("rows", "epilogue", "config", "registers", "spilled B", "shared KB", "warps an SM", "loop instr",
-                   "per element", "issue-bound", "most issued"):
+                   "per element", "issue-bound", "waits first", "most issued"):
         table.add_column(column)
     for r in readings:
         table.add_row(str(r.rows), r.epilogue, r.config, str(r.registers), str(r.spilled_bytes),
                       f"{r.shared_bytes / 1024:.0f}", str(r.warps_an_sm), str(r.loop_instructions),
-                      f"{r.per_element:.3f}", "yes" if r.issue_bound else "no", r.top)
+                      f"{r.per_element:.3f}", "yes" if r.issue_bound else "no", "yes" if r.waits_first else "no",
+                      r.top)
     Console(width=200).print(table)
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in readings], indent=1))

@@ -74,3 +74,32 @@ def test_the_attention_compiles_as_launched_its_keys_streamed_by_async_copies(tm
     for reading in readings:
         assert reading["opcodes"].get("LDGSTS", 0) > 0 and reading["opcodes"].get("HMMA", 0) > 0, reading
         assert reading["warps_an_sm"] >= 4 and reading["shared_bytes"] > 0, reading
+
+
+def test_a_dependent_launch_waits_before_its_first_global_access() -> None:
+    """ACQBULK (griddepcontrol.wait) ahead of the first global load or store, and PREEXIT present: waiting; a load
+    hoisted above the wait, or no PREEXIT, or no wait at all: not."""
+    ordered = "/*0000*/ MOV R1, c[0x0][0x28] ;\n/*0010*/ ACQBULK ;\n/*0020*/ PREEXIT ;\n/*0030*/ LDG.E R0, desc[UR4][R2.64] ;"
+    hoisted = "/*0000*/ LDGSTS [R1], desc[UR4][R2.64] ;\n/*0010*/ ACQBULK ;\n/*0020*/ PREEXIT ;"
+    no_exit = "/*0000*/ ACQBULK ;\n/*0010*/ STG.E desc[UR4][R2.64], R5 ;"
+    plain = "/*0000*/ LDG.E R0, desc[UR4][R2.64] ;\n/*0010*/ STG.E desc[UR4][R2.64], R5 ;"
+    lines = {name: "\n".join("        " + line for line in sass.splitlines())
+             for name, sass in dict(ordered=ordered, hoisted=hoisted, no_exit=no_exit, plain=plain).items()}
+    assert kernel_sass.waits_before_memory(lines["ordered"])
+    assert not any(kernel_sass.waits_before_memory(lines[name]) for name in ("hoisted", "no_exit", "plain"))
+
+
+def test_every_step_kernel_compiled_for_dependent_launch_waits_before_it_touches_memory() -> None:
+    """Each kernel of a decode step (the products, the attentions' splits and combine, the q|k|v epilogue), its
+    first config compiled for sm_90 with PDL on, waits for the kernel before it ahead of any global access (a
+    dependent launch reads and writes only what that kernel finished) and lets the next one launch; with PDL off
+    (the default, and every CPU) it does neither."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}  # compiled, not run
+    code = (f"import sys, json; sys.path.insert(0, {str(SCRIPT.parent)!r}); import kernel_sass as k\n"
+            "print(json.dumps({name: [k.read(name, 16, 'norm', spec.configs[0], 8.0, dependent).waits_first\n"
+            "                          for dependent in (False, True)] for name, spec in k.KERNELS.items()}))")
+    done = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True)
+    waits = json.loads(done.stdout.splitlines()[-1])
+    assert set(waits) >= {"gemv", "gemv_rows", "weights_first", "skinny", "block_attention", "split", "combine",
+                          "qkv_rope"}, waits
+    assert all(w == [False, True] for w in waits.values()), waits

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from blockdraft.models.dependent_launch import launch_options
 from blockdraft.models.graphs import power_of_two_at_least
 from blockdraft.models.kernel_choice import fastest, kernel_wins
 
@@ -71,6 +72,7 @@ def _capable(index: int) -> bool:
 
 
 if triton is not None:
+    from blockdraft.models.dependent_launch import wait_for_inputs
 
     @triton.jit
     def last_to_finish(counter, programs):
@@ -88,7 +90,9 @@ if triton is not None:
     @triton.jit
     def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, d_ptr, nw_ptr, xo_ptr, M, N, K, eps, stride_xm, stride_wn,
                        stride_ym, stride_dm, stride_xom, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-                       F32_DOT: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       F32_DOT: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       PDL: tl.constexpr):
+        wait_for_inputs(PDL)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.arange(0, ROWS)
         dtype = x_ptr.dtype.element_ty
@@ -142,7 +146,7 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, part_ptr, count_ptr, N, K, eps, stride_wn,
                      HAS_BIAS: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                     SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         """One row: each program owns BLOCK_N output features, multiplies and adds in registers (no tl.dot, so no
         row padded to 16) and sums across K once at the end. With GLU the row is silu(gate) * up of a packed
         gate|up row of 2K values, rounded as `fast_ops.glu` rounds it (silu's output, then the product). With NORM
@@ -153,6 +157,7 @@ if triton is not None:
         long rows in more, shorter streams) and stores its K-sums (and its part's squares); the last of a tile's
         splits to finish (an atomic count that resets itself, so graphs replay it) sums them in split order and
         finishes the tile: the same sums every launch, no second kernel."""
+        wait_for_inputs(PDL)
         tile, split = tl.program_id(0), tl.program_id(1)
         cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         if SPLITS == 1:  # the whole of K: the loop as measured before K could be split
@@ -197,7 +202,8 @@ if triton is not None:
     @triton.jit
     def _gemv_rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, M, N, K, eps, stride_xm, stride_wn, stride_ym,
                           stride_rm, HAS_BIAS: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr,
-                          RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                          RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          PDL: tl.constexpr):
         """`_gemv_kernel` for 2 to GEMV_MAX_ROWS rows (a batched decode step's, one row a sequence), ROWS their
         power of two: each weight tile, loaded once, multiplies every row in registers, and the rows' sums across
         K wait for the end, as the one-row GEMV's do, with its epilogues per row and its roundings. Why: a batch of
@@ -205,6 +211,7 @@ if triton is not None:
         and whose norm epilogue lost to a norm kernel of its own at the 8B shape (two launches a layer the batch-1
         step does not make: benchmarks/RESULTS.md session 29); here the input's transforms (gating, norming) stay
         off the tensor-core path, as in the GEMV."""
+        wait_for_inputs(PDL)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.arange(0, ROWS)
         acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -239,7 +246,8 @@ if triton is not None:
     def _weights_first_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, part_ptr, count_ptr, M, N, K, eps, stride_xm,
                               stride_wn, stride_ym, stride_rm, HAS_BIAS: tl.constexpr, GLU: tl.constexpr,
                               NORM: tl.constexpr, RESIDUAL: tl.constexpr, F32_DOT: tl.constexpr, ROWS: tl.constexpr,
-                              SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                              SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              PDL: tl.constexpr):
         """`_skinny_kernel`'s product with the operands swapped: y^T = W x^T, a weight tile of BLOCK_N features the
         dot's M side and the rows its N side. On Hopper a tl.dot whose M side is at least 64 runs as wgmma straight
         from the pipelined shared-memory buffers; with the rows as M (16 or 32 of them) it runs as Ampere's
@@ -252,6 +260,7 @@ if triton is not None:
         operand (in the dtype, float32 under F32_DOT), each row's squares summed as its tiles stream in (a split's
         own, summed in split order by the last) and its outputs scaled at the end; the residual added as they are
         stored."""
+        wait_for_inputs(PDL)
         tile, split = tl.program_id(0), tl.program_id(1)
         cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.arange(0, ROWS)
@@ -464,7 +473,8 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         counts = zeroed_counters(x.device, tiles)
     args = (flat, weight, bias if bias is not None else out, out, norm_weight, added, parts, counts, n, k, eps,
             weight.stride(0))
-    flags = dict(HAS_BIAS=bias is not None, GLU=glu, NORM=norm is not None, RESIDUAL=residual is not None)
+    flags = dict(HAS_BIAS=bias is not None, GLU=glu, NORM=norm is not None, RESIDUAL=residual is not None,
+                 **launch_options(x.device))
     if config is not None:
         meta = config.all_kwargs()
         _gemv_kernel[(triton.cdiv(n, meta["BLOCK_N"]), meta["SPLITS"])](*args, **flags, **meta)
@@ -491,7 +501,7 @@ def _gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     args = (flat, weight, bias if bias is not None else out, out, norm_weight, added, m, n, k, eps, flat.stride(0),
             weight.stride(0), out.stride(0), added.stride(0))
     flags = dict(HAS_BIAS=bias is not None, GLU=glu, NORM=norm is not None, RESIDUAL=residual is not None,
-                 ROWS=power_of_two_at_least(m))
+                 ROWS=power_of_two_at_least(m), **launch_options(x.device))
     if config is not None:
         meta = config.all_kwargs()
         _gemv_rows_kernel[(triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags, **meta)
@@ -591,7 +601,7 @@ def weights_first_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     args = (flat, weight, bias if bias is not None else out, out, norm_weight, added, parts, counts, m, n, k, eps,
             flat.stride(0), weight.stride(0), out.stride(0), added.stride(0))
     flags = dict(HAS_BIAS=bias is not None, GLU=glu, NORM=norm is not None, RESIDUAL=residual is not None,
-                 F32_DOT=x.dtype == torch.float32 or not x.is_cuda, ROWS=rows)
+                 F32_DOT=x.dtype == torch.float32 or not x.is_cuda, ROWS=rows, **launch_options(x.device))
     if config is not None:
         meta = config.all_kwargs()
         _weights_first_kernel[(triton.cdiv(n, meta["BLOCK_N"]), meta["SPLITS"])](*args, **flags, **meta)
@@ -648,7 +658,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     args = (flat, weight, bias if bias is not None else out, out, delta, norm_weight, residual, m, n, k, eps,
             flat.stride(0), weight.stride(0), out.stride(0), delta.stride(0), residual.stride(0))
     flags = dict(HAS_BIAS=bias is not None, NORM=norm is not None, F32_DOT=x.dtype == torch.float32 or not x.is_cuda,
-                 ROWS=_row_tile(m))
+                 ROWS=_row_tile(m), **launch_options(x.device))
     if x.is_cuda:
         _tuned_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
     else:  # Triton's interpreter (tests): no autotuning there, small tiles

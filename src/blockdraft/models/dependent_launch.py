@@ -1,0 +1,53 @@
+"""Programmatic dependent launch (Hopper's PDL) for the decode step's Triton kernels: off until a GPU shows it pays.
+
+A batched AR step of the 8B shape runs ~300 kernels, and its CUDA graph leaves 0.24-0.32 ms a step between them on an
+H100 (the graph's step minus the kernels' own time, benchmarks/RESULTS.md session 44): ~0.06x of an H200's roofline at
+batch 4-16, the largest piece of issue 22's goal left there. Launched dependent, a kernel's programs are scheduled
+while the kernel before it finishes and wait at their first instruction (`griddepcontrol.wait`) until that kernel has
+completed and its writes are visible: the same results, less of each launch's latency exposed. Each kernel lets the
+next one be scheduled once all its own programs have started (`griddepcontrol.launch_dependents`). Triton 3.6 (the
+GPU machine's) has the launch option but not those instructions (Triton 3.9's `gdc_wait`), so they are inline PTX
+here; Triton's interpreter has neither, so a kernel takes them only where `launch_options` turns them on.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton (a CPU install): no kernel launches at all
+    triton = None
+
+ENABLED = False  # off until `benchmarks/batch_roofline.py --dependent-launch` times the step faster with it
+MIN_CAPABILITY = (9, 0)  # griddepcontrol: sm_90 and newer
+
+
+def launch_options(device: torch.device) -> dict[str, bool]:
+    """The keyword arguments a step kernel's launch on `device` takes: its PDL constant, and Triton's `launch_pdl`
+    with it, on only with ENABLED on a GPU of compute capability 9.0 or newer."""
+    return {"PDL": True, "launch_pdl": True} if ENABLED and _dependent(device) else {"PDL": False}
+
+
+def _dependent(device: torch.device) -> bool:
+    return device.type == "cuda" and _capable(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.cache
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= MIN_CAPABILITY
+
+
+if triton is not None:
+
+    @triton.jit
+    def wait_for_inputs(PDL: tl.constexpr):
+        """A step kernel's first statement: with PDL, wait until the kernel launched before it has completed and
+        its writes are visible, then let the next one be scheduled. Nothing without (the interpreter, older GPUs,
+        ENABLED off)."""
+        if PDL:
+            tl.inline_asm_elementwise("griddepcontrol.wait;\ngriddepcontrol.launch_dependents;\nmov.u32 $0, 0;", "=r",
+                                      [], dtype=tl.int32, is_pure=False, pack=1)
