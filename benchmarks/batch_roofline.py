@@ -103,7 +103,37 @@ def main() -> None:
     model, drafter = build_synthetic(args.shape, device, dtype)
     depth = drafter.cfg.block_size - 1
     costs = None
-    runs: dict[str, dict[int, dict[int, float]]] = {}  # a table's label -> batch -> rows -> seconds
+    rate = bandwidth(device, False)
+    elt = torch.finfo(dtype).bits // 8
+    params = sum(p.numel() for p in model.parameters()) - model.get_input_embeddings().weight.numel()
+    matmul = params - sum(p.numel() for p in model.parameters() if p.dim() == 1)
+    console = Console(width=140)
+    rows_out = []
+
+    def table_of(label: str, verify_s: dict[int, dict[int, float]], target: FastTarget) -> None:
+        """One run's steps against the roofline, kept for the JSON and printed at once (a later run that fails on
+        the device leaves this one's table printed)."""
+        rows_of = []
+        for batch in sizes:
+            for rows in rows_list:
+                ms = 1000 * verify_s[batch][rows]
+                keys = args.context + rows
+                kv_bytes = batch * target.num_layers * 2 * target.kv_heads * target.head_dim * keys * elt
+                flops = (2 * matmul * batch * rows
+                         + 4 * batch * rows * keys * target.heads * target.head_dim * target.num_layers)
+                roof = 1000 * max((params * elt + kv_bytes) / rate, flops / args.peak_flops)
+                rows_of.append(dict(run=label, batch=batch, rows=rows, step_ms=ms, roofline_ms=roof,
+                                    over_roofline=ms / roof))
+        table = Table(title=f"batched forward vs roofline ({label}; {args.shape}, {args.context} context, "
+                            f"{rate / 1e12:.2f} TB/s copy bandwidth, {args.peak_flops / 1e12:.0f} TFLOP/s peak)")
+        for column in ("batch", "rows", "step ms", "roofline ms", "x roofline"):
+            table.add_column(column, justify="right")
+        for r in rows_of:
+            table.add_row(str(r["batch"]), str(r["rows"]), f"{r['step_ms']:.3f}", f"{r['roofline_ms']:.3f}",
+                          f"{r['over_roofline']:.2f}")
+        console.print(table)
+        rows_out.extend(rows_of)
+
     logits: dict[str, dict[int, torch.Tensor]] = {}  # the A/B's: label -> batch -> one forward's logits
     target = None
     for dependent in ((False, True) if args.dependent_launch else (dependent_launch.ENABLED,)):
@@ -114,43 +144,15 @@ def main() -> None:
         target = FastTarget(model)  # a target of its own a setting: its graphs captured with that setting's launches
         label = ("dependent launch" if dependent else "plain launch") if args.dependent_launch else "verify"
         if args.verify_only:
-            runs[label] = verify_seconds(target, drafter.cfg.target_layer_ids, sizes, rows_list, args.context,
-                                         repeats=10)
+            table_of(label, verify_seconds(target, drafter.cfg.target_layer_ids, sizes, rows_list, args.context,
+                                           repeats=10), target)
             if args.dependent_launch:
                 logits[label] = launch_logits(target, sizes, args.context)
     if not args.verify_only:
         rows_list = sorted(set(rows_list) | {1 + depth} | {1 + b for b in budgets})  # the schedule's candidates too
         costs = measure_costs(target, drafter, f"synthetic {args.shape}", "synthetic", sizes, rows_list, budgets,
                               args.context, repeats=10)
-        runs["verify"] = costs.verify_s
-    rate = bandwidth(device, False)
-    elt = torch.finfo(dtype).bits // 8
-    embedding = target.embedding_weight.numel()
-    params = sum(p.numel() for p in model.parameters()) - embedding
-    matmul = params - sum(p.numel() for p in model.parameters() if p.dim() == 1)
-    rows_out = []
-    for label, verify_s in runs.items():
-        for batch in sizes:
-            for rows in rows_list:
-                ms = 1000 * verify_s[batch][rows]
-                keys = args.context + rows
-                kv_bytes = batch * target.num_layers * 2 * target.kv_heads * target.head_dim * keys * elt
-                flops = (2 * matmul * batch * rows
-                         + 4 * batch * rows * keys * target.heads * target.head_dim * target.num_layers)
-                roof = 1000 * max((params * elt + kv_bytes) / rate, flops / args.peak_flops)
-                rows_out.append(dict(run=label, batch=batch, rows=rows, step_ms=ms, roofline_ms=roof,
-                                     over_roofline=ms / roof))
-    console = Console(width=140)
-    for label in runs:
-        table = Table(title=f"batched forward vs roofline ({label}; {args.shape}, {args.context} context, "
-                            f"{rate / 1e12:.2f} TB/s copy bandwidth, {args.peak_flops / 1e12:.0f} TFLOP/s peak)")
-        for column in ("batch", "rows", "step ms", "roofline ms", "x roofline"):
-            table.add_column(column, justify="right")
-        for r in rows_out:
-            if r["run"] == label:
-                table.add_row(str(r["batch"]), str(r["rows"]), f"{r['step_ms']:.3f}", f"{r['roofline_ms']:.3f}",
-                              f"{r['over_roofline']:.2f}")
-        console.print(table)
+        table_of("verify", costs.verify_s, target)
     extra: dict = {}
     if costs is not None:
         console.print("batched drafter step (pass + one block's context per sequence) " +
