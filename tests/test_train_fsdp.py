@@ -113,6 +113,11 @@ def _fsdp_rank(rank: int, port: int, settings: TrainSettings, stop_at: int) -> N
             raise _Crash  # and then ("terminate called without an active exception", CI, session 28)
     with pytest.raises(_Crash):
         run_training(settings, on_step=stop)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # no interpreter teardown: the crashed run's FSDP mesh keeps the destroyed gloo group's worker
+    # threads referenced, and freeing them during finalization aborted a rank now and then ("terminate called without
+    # an active exception", CI, sessions 42 and 44; pytorch/pytorch#179291 describes such a teardown abort)
 
 
 def test_checkpoints_resume_across_modes(target_dir: Path, tmp_path: Path) -> None:
