@@ -115,9 +115,9 @@ def _fsdp_rank(rank: int, port: int, settings: TrainSettings, stop_at: int) -> N
         run_training(settings, on_step=stop)
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)  # no interpreter teardown: the crashed run's FSDP mesh keeps the destroyed gloo group's worker
-    # threads referenced, and freeing them during finalization aborted a rank now and then ("terminate called without
-    # an active exception", CI, sessions 42 and 44; pytorch/pytorch#179291 describes such a teardown abort)
+    os._exit(0)  # no interpreter teardown: a rank aborted now and then after the crash ("terminate called without an
+    # active exception", CI, sessions 42 and 44), most likely as finalization freed FSDP objects that outlived the
+    # destroyed gloo group (pytorch/pytorch#179291 describes such a teardown abort); not reproduced in 18 local runs
 
 
 def test_checkpoints_resume_across_modes(target_dir: Path, tmp_path: Path) -> None:
