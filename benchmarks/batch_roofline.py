@@ -166,9 +166,9 @@ def main() -> None:
         console.print(render(schedule))
         extra = dict(costs=costs.to_json(), schedule=schedule.to_json())
     if logits:
-        plain, dependent = logits.values()
-        differ = {batch: (plain[batch] - dependent[batch]).abs().max().item() for batch in sizes
-                  if not torch.equal(plain[batch], dependent[batch])}
+        plain, with_pdl = logits.values()
+        differ = {batch: (plain[batch] - with_pdl[batch]).abs().max().item() for batch in sizes
+                  if not torch.equal(plain[batch], with_pdl[batch])}
         extra["dependent_launch_logits_differ"] = differ
         console.print("dependent launch gives the plain launch's logits bit for bit at every batch size" if not differ
                       else f"DEPENDENT LAUNCH CHANGED THE LOGITS (batch: largest difference): {differ}")

@@ -157,9 +157,14 @@ def compile_for_sm90(kernel: str, rows: int | None, epilogue: str, config: trito
     return compiled.asm["cubin"], compiled.metadata.shared
 
 
+def instructions(sass: str) -> list[tuple[int, str, str]]:
+    """`sass`'s instructions in order: (address, opcode with its modifiers, operands)."""
+    return [(int(m.group(1), 16), m.group(2), m.group(3)) for m in map(INSTRUCTION.match, sass.splitlines()) if m]
+
+
 def hottest_loop(sass: str) -> collections.Counter[str]:
     """The opcodes of the longest backward branch's body in `sass` (the K loop: the kernels have no longer one)."""
-    code = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in map(INSTRUCTION.match, sass.splitlines()) if m]
+    code = instructions(sass)
     index = {address: i for i, (address, _, _) in enumerate(code)}
     body = (0, -1)
     for i, (address, opcode, operands) in enumerate(code):
@@ -178,7 +183,7 @@ def waits_before_memory(sass: str) -> bool:
     """Whether `sass` waits for the kernel launched before it (ACQBULK, PTX's griddepcontrol.wait) ahead of its first
     global memory access and lets the next launch (PREEXIT): what a dependent launch needs to read and write only
     after the previous kernel has finished."""
-    opcodes = [m.group(2).split(".")[0] for m in map(INSTRUCTION.match, sass.splitlines()) if m]
+    opcodes = [opcode.split(".")[0] for _, opcode, _ in instructions(sass)]
     if "ACQBULK" not in opcodes or "PREEXIT" not in opcodes:
         return False
     first = next((i for i, opcode in enumerate(opcodes) if opcode in GLOBAL_MEMORY), len(opcodes))

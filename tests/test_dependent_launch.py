@@ -14,7 +14,7 @@ def test_only_an_enabled_hopper_gpu_launches_dependent(monkeypatch: pytest.Monke
     """Off by default, and on a CPU even when enabled; on a GPU of compute capability 9.0+ only with ENABLED, and
     then both the kernel's PDL constant and Triton's launch_pdl."""
     cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(dependent_launch, "_capable", lambda index: index == 0)
+    monkeypatch.setattr(dependent_launch, "cuda_capability", lambda device: (9, 0) if device.index == 0 else (8, 6))
     assert dependent_launch.launch_options(cuda) == {"PDL": False}
     monkeypatch.setattr(dependent_launch, "ENABLED", True)
     assert dependent_launch.launch_options(cuda) == {"PDL": True, "launch_pdl": True}

@@ -12,9 +12,9 @@ here; Triton's interpreter has neither, so a kernel takes them only where `launc
 
 from __future__ import annotations
 
-import functools
-
 import torch
+
+from blockdraft.models.capability import cuda_capability
 
 try:
     import triton
@@ -29,16 +29,8 @@ MIN_CAPABILITY = (9, 0)  # griddepcontrol: sm_90 and newer
 def launch_options(device: torch.device) -> dict[str, bool]:
     """The keyword arguments a step kernel's launch on `device` takes: its PDL constant, and Triton's `launch_pdl`
     with it, on only with ENABLED on a GPU of compute capability 9.0 or newer."""
-    return {"PDL": True, "launch_pdl": True} if ENABLED and _dependent(device) else {"PDL": False}
-
-
-def _dependent(device: torch.device) -> bool:
-    return device.type == "cuda" and _capable(torch.cuda.current_device() if device.index is None else device.index)
-
-
-@functools.cache
-def _capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= MIN_CAPABILITY
+    dependent = ENABLED and device.type == "cuda" and cuda_capability(device) >= MIN_CAPABILITY
+    return {"PDL": True, "launch_pdl": True} if dependent else {"PDL": False}
 
 
 if triton is not None:

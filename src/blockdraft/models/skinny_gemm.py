@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from blockdraft.models.capability import cuda_capability
 from blockdraft.models.dependent_launch import launch_options
 from blockdraft.models.graphs import power_of_two_at_least
 from blockdraft.models.kernel_choice import fastest, kernel_wins
@@ -55,7 +56,7 @@ def kernel_available(device: torch.device) -> bool:
     if triton is None:
         return False
     if device.type == "cuda":
-        return _capable(torch.cuda.current_device() if device.index is None else device.index)
+        return cuda_capability(device) >= KERNEL_MIN_CAPABILITY
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -64,11 +65,6 @@ def gpu_kernels(device: torch.device) -> bool:
     GPU they can target. On a CPU the interpreter runs them only where a test forces them: there the torch code is
     faster."""
     return device.type == "cuda" and kernel_available(device)
-
-
-@functools.cache
-def _capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index) >= KERNEL_MIN_CAPABILITY
 
 
 if triton is not None:
