@@ -14,7 +14,7 @@ for the largest --budget, capped at 1 + budget; chain per-position rates assumed
     python benchmarks/batch_roofline.py --json roofline.json            # on the H200
     python benchmarks/batch_roofline.py --verify-only --batch-sizes 1,4,16,64 --rows 1   # issue 22's AR table alone
     python benchmarks/batch_roofline.py --verify-only --batch-sizes 1,4,16,64 --rows 1 --dependent-launch  # its A/B:
-        # the step's Triton kernels launched plain, then dependent (`models/dependent_launch.py`), in one invocation
+        # the step's Triton kernels launched plain and dependent (`models/dependent_launch.py`), in alternation
     python benchmarks/batch_roofline.py --device cpu --shape tiny --batch-sizes 1,2 --rows 1,4 --context 32  # smoke
 """
 
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -51,26 +52,55 @@ def geometric_rates(tau: float, positions: int) -> list[float]:
     return [p ** (i + 1) for i in range(positions)]
 
 
-def launch_logits(target: FastTarget, batch_sizes: list[int], context: int) -> dict[int, torch.Tensor]:
-    """The logits of one batched AR forward a batch size through `BatchForward`'s graphs (seeded ids and K/V, every
-    sequence `context` keys long): what the A/B's two launch modes must give alike, bit for bit (the same kernels,
-    each with its own fixed order of sums)."""
+LAUNCH_MODES = {"plain launch": False, "dependent launch": True}  # the A/B's labels and dependent_launch.ENABLED
+
+
+def launch_ab(target: FastTarget, batch_sizes: list[int], rows: list[int], context: int, rounds: int,
+              repeats: int) -> tuple[dict[str, dict[int, dict[int, list[float]]]], dict[str, dict[int, torch.Tensor]]]:
+    """The launch modes' A/B on one target and one K/V cache (seeded, every sequence `context` keys long): each
+    mode's `BatchForward` captures its graphs under its own setting (the same tiles, tuned once), then the modes'
+    steps are timed in alternation, `rounds` times over, each round's time the median of `repeats` calls. Why
+    alternate: the modes differ by ~1-3% and one card's step drifted by as much between back-to-back runs
+    (benchmarks/RESULTS.md session 45), which a run of one mode and then the other puts all on one side. Returns
+    each mode's rounds' seconds (mode -> batch -> rows -> rounds) and its logits of the one-row step (mode ->
+    batch), which must agree bit for bit (the same kernels, each with its own fixed order of sums)."""
+    from blockdraft.engine.tune import median_seconds
+    from blockdraft.models import dependent_launch
     from blockdraft.models.fast_batch import BatchForward, BatchKV
 
     device = target.device
     torch.manual_seed(0)
-    store = BatchKV.for_target(target, max(batch_sizes), context + 1)
+    store = BatchKV.for_target(target, max(batch_sizes), context + max(rows))
     with torch.inference_mode():
         store.kv.normal_()
-    forward = BatchForward(target, store)
-    logits = {}
-    for batch in batch_sizes:
-        store.lengths[:batch] = [context] * batch
-        ids = torch.randint(0, target.vocab_size, (batch, 1), device=device)
-        positions = torch.full((batch, 1), context, device=device)
-        own = torch.ones(batch, 1, 1, dtype=torch.bool, device=device)
-        logits[batch] = forward(ids, positions, own, None)[0].float().cpu()
-    return logits
+    inputs = {(batch, r): (torch.randint(0, target.vocab_size, (batch, r), device=device),
+                           (context + torch.arange(r, device=device)).expand(batch, r),
+                           torch.ones(r, r, dtype=torch.bool, device=device).tril().expand(batch, r, r))
+              for batch in batch_sizes for r in rows}
+    forwards, logits = {}, {}
+    try:
+        for label, dependent in LAUNCH_MODES.items():
+            dependent_launch.ENABLED = dependent
+            forwards[label] = BatchForward(target, store)
+            logits[label] = {}
+            for batch in batch_sizes:
+                store.lengths[:batch] = [context] * batch
+                for r in rows:  # each shape's graph captured now, under this mode's setting
+                    out = forwards[label](*inputs[batch, r], None)[0]
+                    if r == 1:
+                        logits[label][batch] = out.float().cpu()
+        seconds = {label: {batch: {r: [] for r in rows} for batch in batch_sizes} for label in LAUNCH_MODES}
+        for _ in range(rounds):
+            for batch in batch_sizes:
+                store.lengths[:batch] = [context] * batch
+                for r in rows:
+                    for label, dependent in LAUNCH_MODES.items():
+                        dependent_launch.ENABLED = dependent
+                        seconds[label][batch][r].append(median_seconds(
+                            lambda: forwards[label](*inputs[batch, r], None), device, repeats))
+    finally:
+        dependent_launch.ENABLED = False
+    return seconds, logits
 
 
 def main() -> None:
@@ -86,13 +116,14 @@ def main() -> None:
     parser.add_argument("--verify-only", action="store_true",
                         help="Time the verify forward at --rows alone (no drafter, whole steps or schedule): the "
                              "roofline table in a fraction of the time.")
+    parser.add_argument("--rounds", type=int, default=10, help="the A/B's rounds (--dependent-launch)")
     parser.add_argument("--dependent-launch", action="store_true",
                         help="with --verify-only: the table with the step's Triton kernels launched plain, then "
-                             "dependent (programmatic dependent launch, `models/dependent_launch.py`), one target each")
+                             "dependent (programmatic dependent launch, `models/dependent_launch.py`): one target, "
+                             "each mode's own graphs, timed in alternation (--rounds), with the change paired by round")
     args = parser.parse_args()
     if args.dependent_launch and not args.verify_only:
         parser.error("--dependent-launch: use it with --verify-only (the A/B of the verify table)")
-    from blockdraft.models import dependent_launch
     from blockdraft.engine.schedule import AR, AcceptanceProfile, Candidate, choose, render
     from blockdraft.engine.tune import measure_costs, verify_seconds
     from blockdraft.models.fast_target import FastTarget
@@ -135,25 +166,33 @@ def main() -> None:
         rows_out.extend(rows_of)
 
     logits: dict[str, dict[int, torch.Tensor]] = {}  # the A/B's: label -> batch -> one forward's logits
-    target = None
-    for dependent in ((False, True) if args.dependent_launch else (dependent_launch.ENABLED,)):
-        dependent_launch.ENABLED = dependent
-        if target is not None and device.type == "cuda":  # the A/B's first target's graphs and buffers freed first
-            target = None
-            torch.cuda.empty_cache()
-        target = FastTarget(model)  # a target of its own a setting: its graphs captured with that setting's launches
-        label = ("dependent launch" if dependent else "plain launch") if args.dependent_launch else "verify"
-        if args.verify_only:
-            table_of(label, verify_seconds(target, drafter.cfg.target_layer_ids, sizes, rows_list, args.context,
-                                           repeats=10), target)
-            if args.dependent_launch:
-                logits[label] = launch_logits(target, sizes, args.context)
+    target = FastTarget(model)
+    extra: dict = {}
+    if args.dependent_launch:
+        seconds, logits = launch_ab(target, sizes, rows_list, args.context, args.rounds, repeats=10)
+        for label, runs in seconds.items():
+            table_of(label, {b: {r: statistics.median(t) for r, t in by_rows.items()} for b, by_rows in runs.items()},
+                     target)
+        plain, dependent = seconds.values()
+        paired = {f"{b}x{r}": [d / p - 1 for p, d in zip(plain[b][r], dependent[b][r], strict=True)]
+                  for b in sizes for r in rows_list}
+        extra["dependent_launch_change"] = paired
+        table = Table(title=f"dependent against plain launch, paired by round ({args.rounds} rounds, each the median "
+                            "of 10 steps a mode; BatchForward at every batch size)")
+        for column in ("batch x rows", "median change", "rounds' range"):
+            table.add_column(column, justify="right")
+        for key, changes in paired.items():
+            table.add_row(key, f"{100 * statistics.median(changes):+.2f}%",
+                          f"{100 * min(changes):+.2f}% .. {100 * max(changes):+.2f}%")
+        console.print(table)
+    elif args.verify_only:
+        table_of("verify", verify_seconds(target, drafter.cfg.target_layer_ids, sizes, rows_list, args.context,
+                                          repeats=10), target)
     if not args.verify_only:
         rows_list = sorted(set(rows_list) | {1 + depth} | {1 + b for b in budgets})  # the schedule's candidates too
         costs = measure_costs(target, drafter, f"synthetic {args.shape}", "synthetic", sizes, rows_list, budgets,
                               args.context, repeats=10)
         table_of("verify", costs.verify_s, target)
-    extra: dict = {}
     if costs is not None:
         console.print("batched drafter step (pass + one block's context per sequence) " +
                       ", ".join(f"B={b}: {1000 * t:.3f} ms" for b, t in costs.draft_s.items()) + "; tree build " +

@@ -135,6 +135,8 @@ class Reading:
     opcodes: dict[str, int]  # the loop's, each opcode's count
     waits_first: bool  # compiled for dependent launch: it waits (ACQBULK) before any global memory access, and
     # lets the next kernel launch (PREEXIT); False for a kernel compiled without (`dependent_launch`)
+    prefetches_first: bool  # it asks L2 for lines (CCTL.*.PF2, PTX's prefetch.global.L2) before that wait: the
+    # products' first weight tile (`dependent_launch.prefetch_then_wait`)
 
 
 def compile_for_sm90(kernel: str, rows: int | None, epilogue: str, config: triton.Config,
@@ -176,7 +178,8 @@ def hottest_loop(sass: str) -> collections.Counter[str]:
     return collections.Counter(opcode.split(".")[0] for _, opcode, _ in code[body[0] : body[1] + 1])
 
 
-GLOBAL_MEMORY = ("LDG", "STG", "LDGSTS", "ATOMG", "RED", "UTMALDG", "UTMASTG", "UBLKCP")  # an access to it
+GLOBAL_MEMORY = ("LDG", "STG", "LDGSTS", "ATOMG", "RED", "UTMALDG", "UTMASTG", "UBLKCP")  # an access to it (an L2
+# prefetch, CCTL, is not one: a hint with no result, free to run before the wait)
 
 
 def waits_before_memory(sass: str) -> bool:
@@ -188,6 +191,14 @@ def waits_before_memory(sass: str) -> bool:
         return False
     first = next((i for i, opcode in enumerate(opcodes) if opcode in GLOBAL_MEMORY), len(opcodes))
     return opcodes.index("ACQBULK") < first
+
+
+def prefetches_before_wait(sass: str) -> bool:
+    """Whether `sass` asks L2 for lines (CCTL with .PF2) ahead of its wait (ACQBULK): a dependent product's first
+    weight tile streaming in while the kernel before it finishes."""
+    opcodes = [opcode for _, opcode, _ in instructions(sass)]
+    waits = [i for i, opcode in enumerate(opcodes) if opcode.startswith("ACQBULK")]
+    return bool(waits) and any(opcode.startswith("CCTL") and "PF2" in opcode for opcode in opcodes[:waits[0]])
 
 
 def read(kernel: str, rows: int, epilogue: str, config: triton.Config, elements_a_cycle: float,
@@ -214,7 +225,8 @@ def read(kernel: str, rows: int, epilogue: str, config: triton.Config, elements_
     return Reading(kernel, rows, epilogue, label, registers,
                    int(resources.get("LOCAL", 0)) + int(resources.get("STACK", 0)), instructions, shared,
                    programs * config.num_warps, per_element, per_element * elements_a_cycle > ISSUE_A_CYCLE,
-                   ", ".join(f"{k} {v}" for k, v in loop.most_common(5)), dict(loop), waits_before_memory(sass))
+                   ", ".join(f"{k} {v}" for k, v in loop.most_common(5)), dict(loop), waits_before_memory(sass),
+                   prefetches_before_wait(sass))
 
 
 def main() -> None:
@@ -241,13 +253,13 @@ def main() -> None:
                         f"receives {elements:.1f} a cycle and issues {ISSUE_A_CYCLE}: at most "
                         f"{ISSUE_A_CYCLE / elements:.2f} keeps up)")
     for column in ("rows", "epilogue", "config", "registers", "spilled B", "shared KB", "warps an SM", "loop instr",
-                   "per element", "issue-bound", "waits first", "most issued"):
+                   "per element", "issue-bound", "waits first", "prefetches first", "most issued"):
         table.add_column(column)
     for r in readings:
         table.add_row(str(r.rows), r.epilogue, r.config, str(r.registers), str(r.spilled_bytes),
                       f"{r.shared_bytes / 1024:.0f}", str(r.warps_an_sm), str(r.loop_instructions),
                       f"{r.per_element:.3f}", "yes" if r.issue_bound else "no", "yes" if r.waits_first else "no",
-                      r.top)
+                      "yes" if r.prefetches_first else "no", r.top)
     Console(width=200).print(table)
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in readings], indent=1))

@@ -43,3 +43,18 @@ if triton is not None:
         if PDL:
             tl.inline_asm_elementwise("griddepcontrol.wait;\ngriddepcontrol.launch_dependents;\nmov.u32 $0, 0;", "=r",
                                       [], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def prefetch_then_wait(PDL: tl.constexpr, w_ptr, features, stride_wn, first, end, BLOCK_K: tl.constexpr):
+        """A product kernel's first statement: with PDL, ask L2 for the program's first weight tile (the `features`
+        rows of w, columns [first, first + BLOCK_K) up to `end`), then `wait_for_inputs`. Weights are no kernel's
+        output and an L2 prefetch is a hint with no result, so it may run before the wait: a program scheduled
+        during the previous kernel's last wave streams its first tile in while that wave finishes, not after."""
+        if PDL:
+            LINE: tl.constexpr = 128 // (w_ptr.dtype.element_ty.primitive_bitwidth // 8)  # elements a 128-byte line
+            LINES: tl.constexpr = BLOCK_K // LINE if BLOCK_K >= LINE else 1
+            columns = tl.minimum(first + tl.arange(0, LINES) * LINE, end - 1)
+            lines = w_ptr + features[:, None].to(tl.int64) * stride_wn + columns[None, :]
+            tl.inline_asm_elementwise("prefetch.global.L2 [$1];\nmov.u32 $0, 0;", "=r,l", [lines.to(tl.int64)],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+        wait_for_inputs(PDL)

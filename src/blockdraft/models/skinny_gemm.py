@@ -68,7 +68,7 @@ def gpu_kernels(device: torch.device) -> bool:
 
 
 if triton is not None:
-    from blockdraft.models.dependent_launch import wait_for_inputs
+    from blockdraft.models.dependent_launch import prefetch_then_wait
 
     @triton.jit
     def last_to_finish(counter, programs):
@@ -88,8 +88,8 @@ if triton is not None:
                        stride_ym, stride_dm, stride_xom, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
                        F32_DOT: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        PDL: tl.constexpr):
-        wait_for_inputs(PDL)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        prefetch_then_wait(PDL, w_ptr, tl.minimum(cols, N - 1), stride_wn, 0, K, BLOCK_K)
         rows = tl.arange(0, ROWS)
         dtype = x_ptr.dtype.element_ty
         if NORM:  # the input is rms_norm(x + d) * nw, HF's numerics: the sum rounded, normed in float32
@@ -153,7 +153,6 @@ if triton is not None:
         long rows in more, shorter streams) and stores its K-sums (and its part's squares); the last of a tile's
         splits to finish (an atomic count that resets itself, so graphs replay it) sums them in split order and
         finishes the tile: the same sums every launch, no second kernel."""
-        wait_for_inputs(PDL)
         tile, split = tl.program_id(0), tl.program_id(1)
         cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         if SPLITS == 1:  # the whole of K: the loop as measured before K could be split
@@ -163,6 +162,7 @@ if triton is not None:
             chunk = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLITS) * BLOCK_K
             first = split * chunk
             end = tl.minimum(K, first + chunk)
+        prefetch_then_wait(PDL, w_ptr, tl.minimum(cols, N - 1), stride_wn, first, end, BLOCK_K)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
         dtype = x_ptr.dtype.element_ty
@@ -207,8 +207,8 @@ if triton is not None:
         and whose norm epilogue lost to a norm kernel of its own at the 8B shape (two launches a layer the batch-1
         step does not make: benchmarks/RESULTS.md session 29); here the input's transforms (gating, norming) stay
         off the tensor-core path, as in the GEMV."""
-        wait_for_inputs(PDL)
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        prefetch_then_wait(PDL, w_ptr, tl.minimum(cols, N - 1), stride_wn, 0, K, BLOCK_K)
         rows = tl.arange(0, ROWS)
         acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
         running = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
@@ -256,7 +256,6 @@ if triton is not None:
         operand (in the dtype, float32 under F32_DOT), each row's squares summed as its tiles stream in (a split's
         own, summed in split order by the last) and its outputs scaled at the end; the residual added as they are
         stored."""
-        wait_for_inputs(PDL)
         tile, split = tl.program_id(0), tl.program_id(1)
         cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.arange(0, ROWS)
@@ -264,6 +263,7 @@ if triton is not None:
         chunk = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLITS) * BLOCK_K
         first = split * chunk
         end = tl.minimum(K, first + chunk)
+        prefetch_then_wait(PDL, w_ptr, tl.minimum(cols, N - 1), stride_wn, first, end, BLOCK_K)
         w_ptrs = w_ptr + cols[:, None] * stride_wn + first + ks[None, :]
         x_ptrs = x_ptr + rows[:, None] * stride_xm + first + ks[None, :]
         dtype = x_ptr.dtype.element_ty
