@@ -14,7 +14,7 @@ which configs and row counts are worth a GPU's time before any is spent.
     python benchmarks/kernel_sass.py --kernel gemv --epilogues norm
     python benchmarks/kernel_sass.py --kernel weights_first --rows 16 --epilogues plain,norm --json sass.json
     python benchmarks/kernel_sass.py --kernel block_attention --epilogues plain,window,merge,one-split
-    python benchmarks/kernel_sass.py --kernel combine --epilogues plain --dependent-launch   # also skinny, split, qkv_rope
+    python benchmarks/kernel_sass.py --kernel combine --epilogues plain   # also skinny, split, qkv_rope
 """
 
 from __future__ import annotations
@@ -133,19 +133,13 @@ class Reading:
     issue_bound: bool
     top: str
     opcodes: dict[str, int]  # the loop's, each opcode's count
-    waits_first: bool  # compiled for dependent launch: it waits (ACQBULK) before any global memory access, and
-    # lets the next kernel launch (PREEXIT); False for a kernel compiled without (`dependent_launch`)
-    prefetches_first: bool  # it asks L2 for lines (CCTL.*.PF2, PTX's prefetch.global.L2) before that wait: the
-    # products' first weight tile (`dependent_launch.prefetch_then_wait`)
 
 
-def compile_for_sm90(kernel: str, rows: int | None, epilogue: str, config: triton.Config,
-                     dependent: bool = False) -> tuple[bytes, int]:
+def compile_for_sm90(kernel: str, rows: int | None, epilogue: str, config: triton.Config) -> tuple[bytes, int]:
     """The cubin of one config of `kernel` for sm_90 (bf16 operands, the pointers and the sizes the engine's launches
-    give as multiples of 16 specialized so, as Triton specializes them), with `dependent` its PDL constant
-    (`dependent_launch`), and the shared memory a program takes."""
+    give as multiples of 16 specialized so, as Triton specializes them) and the shared memory a program takes."""
     spec = KERNELS[kernel]
-    constants = spec.constants(epilogue) | config.kwargs | {"PDL": dependent}
+    constants = spec.constants(epilogue) | config.kwargs
     if spec.rows_name is not None:
         constants[spec.rows_name] = rows
     names = list(spec.fn.arg_names)
@@ -159,14 +153,9 @@ def compile_for_sm90(kernel: str, rows: int | None, epilogue: str, config: trito
     return compiled.asm["cubin"], compiled.metadata.shared
 
 
-def instructions(sass: str) -> list[tuple[int, str, str]]:
-    """`sass`'s instructions in order: (address, opcode with its modifiers, operands)."""
-    return [(int(m.group(1), 16), m.group(2), m.group(3)) for m in map(INSTRUCTION.match, sass.splitlines()) if m]
-
-
 def hottest_loop(sass: str) -> collections.Counter[str]:
     """The opcodes of the longest backward branch's body in `sass` (the K loop: the kernels have no longer one)."""
-    code = instructions(sass)
+    code = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in map(INSTRUCTION.match, sass.splitlines()) if m]
     index = {address: i for i, (address, _, _) in enumerate(code)}
     body = (0, -1)
     for i, (address, opcode, operands) in enumerate(code):
@@ -178,36 +167,12 @@ def hottest_loop(sass: str) -> collections.Counter[str]:
     return collections.Counter(opcode.split(".")[0] for _, opcode, _ in code[body[0] : body[1] + 1])
 
 
-GLOBAL_MEMORY = ("LDG", "STG", "LDGSTS", "ATOMG", "RED", "UTMALDG", "UTMASTG", "UBLKCP")  # an access to it (an L2
-# prefetch, CCTL, is not one: a hint with no result, free to run before the wait)
-
-
-def waits_before_memory(sass: str) -> bool:
-    """Whether `sass` waits for the kernel launched before it (ACQBULK, PTX's griddepcontrol.wait) ahead of its first
-    global memory access and lets the next launch (PREEXIT): what a dependent launch needs to read and write only
-    after the previous kernel has finished."""
-    opcodes = [opcode.split(".")[0] for _, opcode, _ in instructions(sass)]
-    if "ACQBULK" not in opcodes or "PREEXIT" not in opcodes:
-        return False
-    first = next((i for i, opcode in enumerate(opcodes) if opcode in GLOBAL_MEMORY), len(opcodes))
-    return opcodes.index("ACQBULK") < first
-
-
-def prefetches_before_wait(sass: str) -> bool:
-    """Whether `sass` asks L2 for lines (CCTL with .PF2) ahead of its wait (ACQBULK): a dependent product's first
-    weight tile streaming in while the kernel before it finishes."""
-    opcodes = [opcode for _, opcode, _ in instructions(sass)]
-    waits = [i for i, opcode in enumerate(opcodes) if opcode.startswith("ACQBULK")]
-    return bool(waits) and any(opcode.startswith("CCTL") and "PF2" in opcode for opcode in opcodes[:waits[0]])
-
-
-def read(kernel: str, rows: int, epilogue: str, config: triton.Config, elements_a_cycle: float,
-         dependent: bool = False) -> Reading:
-    """Compile one config (with `dependent`, for dependent launch) and read its resources and loop
-    (`elements_a_cycle`: weight elements an SM receives a cycle at full bandwidth)."""
+def read(kernel: str, rows: int, epilogue: str, config: triton.Config, elements_a_cycle: float) -> Reading:
+    """Compile one config and read its resources and loop (`elements_a_cycle`: weight elements an SM receives a
+    cycle at full bandwidth)."""
     with tempfile.TemporaryDirectory() as scratch:
         cubin = Path(scratch) / "kernel.cubin"
-        code, shared = compile_for_sm90(kernel, rows, epilogue, config, dependent)
+        code, shared = compile_for_sm90(kernel, rows, epilogue, config)
         cubin.write_bytes(code)
         usage = subprocess.run([str(TOOLS / "cuobjdump"), "-res-usage", str(cubin)], capture_output=True, text=True,
                                check=True).stdout
@@ -225,8 +190,7 @@ def read(kernel: str, rows: int, epilogue: str, config: triton.Config, elements_
     return Reading(kernel, rows, epilogue, label, registers,
                    int(resources.get("LOCAL", 0)) + int(resources.get("STACK", 0)), instructions, shared,
                    programs * config.num_warps, per_element, per_element * elements_a_cycle > ISSUE_A_CYCLE,
-                   ", ".join(f"{k} {v}" for k, v in loop.most_common(5)), dict(loop), waits_before_memory(sass),
-                   prefetches_before_wait(sass))
+                   ", ".join(f"{k} {v}" for k, v in loop.most_common(5)), dict(loop))
 
 
 def main() -> None:
@@ -240,26 +204,23 @@ def main() -> None:
     parser.add_argument("--bandwidth", type=float, default=4.29e12, help="bytes/s (the H200's measured copy rate)")
     parser.add_argument("--sms", type=int, default=132)
     parser.add_argument("--clock", type=float, default=1.98e9, help="Hz")
-    parser.add_argument("--dependent-launch", action="store_true",
-                        help="compile for dependent launch (PDL on: `models/dependent_launch.py`)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     elements = args.bandwidth / args.sms / args.clock / 2
     spec = KERNELS[args.kernel]
-    readings = [read(args.kernel, rows, epilogue, config, elements, args.dependent_launch)
+    readings = [read(args.kernel, rows, epilogue, config, elements)
                 for rows in (args.rows if spec.rows_name else [1]) for epilogue in args.epilogues.split(",")
                 for config in spec.configs]
     table = Table(title=f"{args.kernel} for sm_90: the K loop's warp instructions per element it streams (an SM "
                         f"receives {elements:.1f} a cycle and issues {ISSUE_A_CYCLE}: at most "
                         f"{ISSUE_A_CYCLE / elements:.2f} keeps up)")
     for column in ("rows", "epilogue", "config", "registers", "spilled B", "shared KB", "warps an SM", "loop instr",
-                   "per element", "issue-bound", "waits first", "prefetches first", "most issued"):
+                   "per element", "issue-bound", "most issued"):
         table.add_column(column)
     for r in readings:
         table.add_row(str(r.rows), r.epilogue, r.config, str(r.registers), str(r.spilled_bytes),
                       f"{r.shared_bytes / 1024:.0f}", str(r.warps_an_sm), str(r.loop_instructions),
-                      f"{r.per_element:.3f}", "yes" if r.issue_bound else "no", "yes" if r.waits_first else "no",
-                      "yes" if r.prefetches_first else "no", r.top)
+                      f"{r.per_element:.3f}", "yes" if r.issue_bound else "no", r.top)
     Console(width=200).print(table)
     if args.json:
         args.json.write_text(json.dumps([asdict(r) for r in readings], indent=1))

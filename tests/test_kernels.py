@@ -921,12 +921,12 @@ def test_a_forward_builds_its_dense_bias_only_where_the_library_attends(attentio
 
 def test_the_kernels_run_only_on_gpus_triton_serves(monkeypatch) -> None:
     """On a GPU older than Ampere the engine keeps the library calls (the q|k|v kernel is on by default on CUDA)."""
-    from blockdraft.models import capability as gpu, skinny_gemm
+    from blockdraft.models import skinny_gemm
 
     if skinny_gemm.triton is None:
         pytest.skip("Triton is not installed")
     for capability, runs in (((7, 0), False), ((8, 0), True), ((9, 0), True)):
-        gpu._capability.cache_clear()
+        skinny_gemm._capable.cache_clear()
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
         assert skinny_gemm.kernel_available(torch.device("cuda", 3)) is runs
-    gpu._capability.cache_clear()
+    skinny_gemm._capable.cache_clear()

@@ -174,7 +174,7 @@ def test_a_speculative_step_splits_into_device_time_and_its_own_commit_cost(monk
         steps[key] = 0.05 + 0.01 * len(steps)
         return steps[key]
 
-    monkeypatch.setattr(tune, "median_seconds", timer)
+    monkeypatch.setattr(tune, "_seconds", timer)
     tree = Candidate("ddtree", budget=4)
     costs = tune.measure_costs(FastTarget(make_target_model("qwen3")), make_drafter("all_full"), "t", "d", [1, 3],
                                [1, tree.rows], [4], 8, 2, candidates=[tree])

@@ -39,7 +39,7 @@ from blockdraft.models.fast_target import FastTarget
 from blockdraft.models.target import Target
 
 
-def median_seconds(run: Callable[[], object], device: torch.device, repeats: int) -> float:
+def _seconds(run: Callable[[], object], device: torch.device, repeats: int) -> float:
     """Median wall time of `run` after one warm-up call, waiting for the device around each."""
     cuda = device.type == "cuda"
     times = []
@@ -74,8 +74,8 @@ def measure_costs(target: Target, drafter: DFlashDrafter, target_name: str, draf
     ar_steps = _steps(target, drafter, AR, batch_sizes, context, repeats, commit_work)
     commit_s = {batch: max(0.0, ar_steps[batch] - verify_s[batch][1]) for batch in batch_sizes if 1 in verify_s[batch]}
     log_probs = torch.randn(drafter.cfg.block_size - 1, target.vocab_size, device=device).log_softmax(-1)
-    tree_build_s = {b: median_seconds(lambda b=b: build_tree(log_probs, b), device, repeats) for b in budgets}
-    trees_s = {batch: {b: median_seconds(lambda b=b, rows=log_probs.expand(batch, -1, -1): build_trees(
+    tree_build_s = {b: _seconds(lambda b=b: build_tree(log_probs, b), device, repeats) for b in budgets}
+    trees_s = {batch: {b: _seconds(lambda b=b, rows=log_probs.expand(batch, -1, -1): build_trees(
         rows, [rows.shape[1]] * batch, b), device, repeats) for b in budgets} for batch in batch_sizes}
     table = CostTable(device=device.type, dtype=str(target.dtype).removeprefix("torch."), target=target_name,
                       drafter=drafter_name, context_tokens=context, verify_s=verify_s,
@@ -117,7 +117,7 @@ def verify_seconds(target: FastTarget, taps: tuple[int, ...] | None, batch_sizes
             own = torch.ones(r, r, dtype=torch.bool, device=device).tril().expand(batch, r, r)
             run = ((lambda: one_sequence(ids, positions[0])) if batch == 1 else
                    (lambda: batched(ids, positions, own, taps)))
-            verify_s[batch][r] = median_seconds(run, device, repeats)
+            verify_s[batch][r] = _seconds(run, device, repeats)
     return verify_s
 
 
@@ -136,7 +136,7 @@ def _steps(target: FastTarget, drafter: DFlashDrafter, candidate: Candidate, bat
         decoder.join_many([Request(prompt, tokens, on_commit=commit_work() if commit_work else None)
                            for _ in range(batch)])
         decoder.step()  # graphs for this shape, off the clock
-        seconds[batch] = median_seconds(decoder.step, target.device, repeats)
+        seconds[batch] = _seconds(decoder.step, target.device, repeats)
         for seq in decoder.running:
             seq.ended_early = True
         while decoder.running:  # the step in flight is landed, its rows dropped, and the sequences leave
@@ -167,7 +167,7 @@ def _draft_costs(target: FastTarget, drafter: DFlashDrafter, batch_sizes: list[i
     if fast_drafter_problem(drafter) is not None:
         proposer = DFlashProposer(drafter, target)
         proposer.add_context(torch.randn(1, context, width, dtype=target.dtype, device=device))
-        one = median_seconds(lambda: proposer.propose(1, context, proposer.block_size, SamplingParams(), None), device,
+        one = _seconds(lambda: proposer.propose(1, context, proposer.block_size, SamplingParams(), None), device,
                        repeats)
         return {batch: batch * one for batch in batch_sizes}
     drafting = BatchDrafter(drafter, target, max(batch_sizes))
@@ -180,7 +180,7 @@ def _draft_costs(target: FastTarget, drafter: DFlashDrafter, batch_sizes: list[i
         drafting.extend(list(range(batch)), block * batch)
         drafting.store.lengths[:batch] = [context] * batch
 
-    return {batch: median_seconds(lambda batch=batch: draft_step(batch), device, repeats) for batch in batch_sizes}
+    return {batch: _seconds(lambda batch=batch: draft_step(batch), device, repeats) for batch in batch_sizes}
 
 
 def measure_acceptance(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], budgets: list[int],

@@ -21,7 +21,6 @@ import torch
 
 from blockdraft.models.flash_decode import (BLOCK_KEYS, BLOCK_ROWS, TARGET_PROGRAMS, Layout, split_and_merge,
                                             split_shape)
-from blockdraft.models.dependent_launch import launch_options
 from blockdraft.models.skinny_gemm import kernel_available, triton, zeroed_counters
 
 if triton is not None:
@@ -29,7 +28,6 @@ if triton is not None:
 
     from blockdraft.models.flash_decode import (block_scores, empty_state, keys_per_split, load_block,
                                                 merge_splits, online_softmax_step, store_output)
-    from blockdraft.models.dependent_launch import wait_for_inputs
     from blockdraft.models.skinny_gemm import last_to_finish
 
     @triton.jit
@@ -38,8 +36,7 @@ if triton is not None:
                             sq_b, sq_h, sq_r, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_g, so_r, group_rows,
                             WINDOW: tl.constexpr, F32_DOT: tl.constexpr, MIN_KEYS: tl.constexpr, MERGE: tl.constexpr,
                             ONE_SPLIT: tl.constexpr,
-                            BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-        wait_for_inputs(PDL)
+                            BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
         bh, rblock, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, h = bh // heads, bh % heads
         slot = tl.load(seq_ptr + b)
@@ -132,7 +129,6 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: torc
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
             v.stride(2), *layout, WINDOW=window is not None, F32_DOT=f32, MIN_KEYS=min_split_keys,
             MERGE=merge, ONE_SPLIT=one_split, BLOCK_R=BLOCK_ROWS, BLOCK_S=BLOCK_KEYS, BLOCK_D=block_d,
-            **launch_options(q.device),
             **({} if launch is None else dict(num_warps=launch[0], num_stages=launch[1])))
 
     return split_and_merge(q, splits, block_d, run_splits, lengths, t, min_split_keys, merged=merge or one_split,

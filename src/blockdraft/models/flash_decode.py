@@ -16,7 +16,6 @@ from collections.abc import Callable
 
 import torch
 
-from blockdraft.models.dependent_launch import launch_options
 from blockdraft.models.graphs import power_of_two_at_least
 from blockdraft.models.skinny_gemm import kernel_available, triton
 
@@ -26,8 +25,6 @@ TARGET_PROGRAMS = 512  # enough programs in flight for an H200's 132 SMs; fewer 
 
 if triton is not None:
     import triton.language as tl
-
-    from blockdraft.models.dependent_launch import wait_for_inputs
 
     @triton.jit
     def block_scores(q, k, F32_DOT: tl.constexpr):
@@ -76,9 +73,7 @@ if triton is not None:
     def _split_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, acc_ptr, m_ptr, l_ptr,
                       R, S, D, heads, keys_per_split, scale,
                       sq_b, sq_h, sq_r, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sbias_b, sbias_r,
-                      F32_DOT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-                      PDL: tl.constexpr):
-        wait_for_inputs(PDL)
+                      F32_DOT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
         bh, rblock, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, h = bh // heads, bh % heads
         rows = rblock * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -138,8 +133,7 @@ if triton is not None:
     @triton.jit
     def _combine_kernel(acc_ptr, m_ptr, l_ptr, out_ptr, length_ptr, R, T, D, heads, splits, so_b, so_h, so_g, so_r,
                         group_rows, LENGTHS: tl.constexpr, MIN_KEYS: tl.constexpr, BLOCK_R: tl.constexpr,
-                        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-        wait_for_inputs(PDL)
+                        BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
         bh, rblock = tl.program_id(0), tl.program_id(1)
         b, h = bh // heads, bh % heads
         rows = rblock * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -180,7 +174,7 @@ def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.
             q, k, v, bias, partial, m, l, q.shape[2], keys, q.shape[3], q.shape[1], keys_per_split, scale,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
             v.stride(2), bias.stride(0) if bias.shape[0] > 1 else 0, bias.stride(2),
-            F32_DOT=f32, BLOCK_R=BLOCK_ROWS, BLOCK_S=BLOCK_KEYS, BLOCK_D=block_d, **launch_options(q.device))
+            F32_DOT=f32, BLOCK_R=BLOCK_ROWS, BLOCK_S=BLOCK_KEYS, BLOCK_D=block_d)
 
     return split_and_merge(q, splits, block_d, run_splits)
 
@@ -234,6 +228,5 @@ def split_and_merge(q: torch.Tensor, splits: int, block_d: int,
         return out
     _combine_kernel[(batch * heads, triton.cdiv(rows, BLOCK_ROWS))](
         partial, m, l, out, m if lengths is None else lengths, rows, t, dim, heads, splits, *layout,
-        LENGTHS=lengths is not None, MIN_KEYS=min_keys, BLOCK_R=BLOCK_ROWS, BLOCK_S=BLOCK_KEYS, BLOCK_D=block_d,
-        **launch_options(q.device))
+        LENGTHS=lengths is not None, MIN_KEYS=min_keys, BLOCK_R=BLOCK_ROWS, BLOCK_S=BLOCK_KEYS, BLOCK_D=block_d)
     return out

@@ -14,21 +14,17 @@ from __future__ import annotations
 
 import torch
 
-from blockdraft.models.dependent_launch import launch_options
 from blockdraft.models.graphs import power_of_two_at_least
 from blockdraft.models.skinny_gemm import kernel_available, triton
 
 if triton is not None:
     import triton.language as tl
 
-    from blockdraft.models.dependent_launch import wait_for_inputs
-
     @triton.jit
     def _qkv_rope_kernel(qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr,
                          slot_ptr, col_ptr, T, D, heads, kv_heads, eps,
                          s_qkv_b, s_qkv_t, s_cos_b, s_cos_t, s_q_b, s_q_h, s_q_r, s_slot, s_head, s_col,
-                         NORM: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-        wait_for_inputs(PDL)
+                         NORM: tl.constexpr, BLOCK_D: tl.constexpr):
         row, head = tl.program_id(0), tl.program_id(1)
         b, i = row // T, row % T
         dims = tl.arange(0, BLOCK_D)
@@ -95,5 +91,5 @@ def qkv_rope(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tenso
         qkv, q_norm if norms else qkv, k_norm if norms else qkv, cos, sin, q, k_cache, v_cache, slot, col,
         t, d, heads, kv_heads, eps, qkv.stride(0), qkv.stride(1), cos.stride(0) if cos.shape[0] > 1 else 0,
         cos.stride(2), q.stride(0), q.stride(1), q.stride(2), *cache_strides,
-        NORM=norms, BLOCK_D=max(16, power_of_two_at_least(d)), **launch_options(qkv.device))
+        NORM=norms, BLOCK_D=max(16, power_of_two_at_least(d)))
     return q

@@ -19,8 +19,6 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from blockdraft.models.capability import cuda_capability
-from blockdraft.models.dependent_launch import launch_options
 from blockdraft.models.graphs import power_of_two_at_least
 from blockdraft.models.kernel_choice import fastest, kernel_wins
 
@@ -56,7 +54,7 @@ def kernel_available(device: torch.device) -> bool:
     if triton is None:
         return False
     if device.type == "cuda":
-        return cuda_capability(device) >= KERNEL_MIN_CAPABILITY
+        return _capable(torch.cuda.current_device() if device.index is None else device.index)
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
@@ -67,8 +65,12 @@ def gpu_kernels(device: torch.device) -> bool:
     return device.type == "cuda" and kernel_available(device)
 
 
+@functools.cache
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= KERNEL_MIN_CAPABILITY
+
+
 if triton is not None:
-    from blockdraft.models.dependent_launch import prefetch_then_wait
 
     @triton.jit
     def last_to_finish(counter, programs):
@@ -86,10 +88,8 @@ if triton is not None:
     @triton.jit
     def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, d_ptr, nw_ptr, xo_ptr, M, N, K, eps, stride_xm, stride_wn,
                        stride_ym, stride_dm, stride_xom, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-                       F32_DOT: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       PDL: tl.constexpr):
+                       F32_DOT: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        prefetch_then_wait(PDL, w_ptr, tl.minimum(cols, N - 1), stride_wn, 0, K, BLOCK_K)
         rows = tl.arange(0, ROWS)
         dtype = x_ptr.dtype.element_ty
         if NORM:  # the input is rms_norm(x + d) * nw, HF's numerics: the sum rounded, normed in float32
@@ -142,7 +142,7 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, part_ptr, count_ptr, N, K, eps, stride_wn,
                      HAS_BIAS: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                     SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                     SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """One row: each program owns BLOCK_N output features, multiplies and adds in registers (no tl.dot, so no
         row padded to 16) and sums across K once at the end. With GLU the row is silu(gate) * up of a packed
         gate|up row of 2K values, rounded as `fast_ops.glu` rounds it (silu's output, then the product). With NORM
@@ -162,7 +162,6 @@ if triton is not None:
             chunk = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLITS) * BLOCK_K
             first = split * chunk
             end = tl.minimum(K, first + chunk)
-        prefetch_then_wait(PDL, w_ptr, tl.minimum(cols, N - 1), stride_wn, first, end, BLOCK_K)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
         dtype = x_ptr.dtype.element_ty
@@ -198,8 +197,7 @@ if triton is not None:
     @triton.jit
     def _gemv_rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, M, N, K, eps, stride_xm, stride_wn, stride_ym,
                           stride_rm, HAS_BIAS: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr,
-                          RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          PDL: tl.constexpr):
+                          RESIDUAL: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """`_gemv_kernel` for 2 to GEMV_MAX_ROWS rows (a batched decode step's, one row a sequence), ROWS their
         power of two: each weight tile, loaded once, multiplies every row in registers, and the rows' sums across
         K wait for the end, as the one-row GEMV's do, with its epilogues per row and its roundings. Why: a batch of
@@ -208,7 +206,6 @@ if triton is not None:
         step does not make: benchmarks/RESULTS.md session 29); here the input's transforms (gating, norming) stay
         off the tensor-core path, as in the GEMV."""
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        prefetch_then_wait(PDL, w_ptr, tl.minimum(cols, N - 1), stride_wn, 0, K, BLOCK_K)
         rows = tl.arange(0, ROWS)
         acc = tl.zeros((ROWS, BLOCK_N, BLOCK_K), dtype=tl.float32)
         running = tl.zeros((ROWS, BLOCK_K), dtype=tl.float32)
@@ -242,8 +239,7 @@ if triton is not None:
     def _weights_first_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, part_ptr, count_ptr, M, N, K, eps, stride_xm,
                               stride_wn, stride_ym, stride_rm, HAS_BIAS: tl.constexpr, GLU: tl.constexpr,
                               NORM: tl.constexpr, RESIDUAL: tl.constexpr, F32_DOT: tl.constexpr, ROWS: tl.constexpr,
-                              SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              PDL: tl.constexpr):
+                              SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """`_skinny_kernel`'s product with the operands swapped: y^T = W x^T, a weight tile of BLOCK_N features the
         dot's M side and the rows its N side. On Hopper a tl.dot whose M side is at least 64 runs as wgmma straight
         from the pipelined shared-memory buffers; with the rows as M (16 or 32 of them) it runs as Ampere's
@@ -263,7 +259,6 @@ if triton is not None:
         chunk = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLITS) * BLOCK_K
         first = split * chunk
         end = tl.minimum(K, first + chunk)
-        prefetch_then_wait(PDL, w_ptr, tl.minimum(cols, N - 1), stride_wn, first, end, BLOCK_K)
         w_ptrs = w_ptr + cols[:, None] * stride_wn + first + ks[None, :]
         x_ptrs = x_ptr + rows[:, None] * stride_xm + first + ks[None, :]
         dtype = x_ptr.dtype.element_ty
@@ -469,8 +464,7 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         counts = zeroed_counters(x.device, tiles)
     args = (flat, weight, bias if bias is not None else out, out, norm_weight, added, parts, counts, n, k, eps,
             weight.stride(0))
-    flags = dict(HAS_BIAS=bias is not None, GLU=glu, NORM=norm is not None, RESIDUAL=residual is not None,
-                 **launch_options(x.device))
+    flags = dict(HAS_BIAS=bias is not None, GLU=glu, NORM=norm is not None, RESIDUAL=residual is not None)
     if config is not None:
         meta = config.all_kwargs()
         _gemv_kernel[(triton.cdiv(n, meta["BLOCK_N"]), meta["SPLITS"])](*args, **flags, **meta)
@@ -497,7 +491,7 @@ def _gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     args = (flat, weight, bias if bias is not None else out, out, norm_weight, added, m, n, k, eps, flat.stride(0),
             weight.stride(0), out.stride(0), added.stride(0))
     flags = dict(HAS_BIAS=bias is not None, GLU=glu, NORM=norm is not None, RESIDUAL=residual is not None,
-                 ROWS=power_of_two_at_least(m), **launch_options(x.device))
+                 ROWS=power_of_two_at_least(m))
     if config is not None:
         meta = config.all_kwargs()
         _gemv_rows_kernel[(triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags, **meta)
@@ -597,7 +591,7 @@ def weights_first_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     args = (flat, weight, bias if bias is not None else out, out, norm_weight, added, parts, counts, m, n, k, eps,
             flat.stride(0), weight.stride(0), out.stride(0), added.stride(0))
     flags = dict(HAS_BIAS=bias is not None, GLU=glu, NORM=norm is not None, RESIDUAL=residual is not None,
-                 F32_DOT=x.dtype == torch.float32 or not x.is_cuda, ROWS=rows, **launch_options(x.device))
+                 F32_DOT=x.dtype == torch.float32 or not x.is_cuda, ROWS=rows)
     if config is not None:
         meta = config.all_kwargs()
         _weights_first_kernel[(triton.cdiv(n, meta["BLOCK_N"]), meta["SPLITS"])](*args, **flags, **meta)
@@ -654,7 +648,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     args = (flat, weight, bias if bias is not None else out, out, delta, norm_weight, residual, m, n, k, eps,
             flat.stride(0), weight.stride(0), out.stride(0), delta.stride(0), residual.stride(0))
     flags = dict(HAS_BIAS=bias is not None, NORM=norm is not None, F32_DOT=x.dtype == torch.float32 or not x.is_cuda,
-                 ROWS=_row_tile(m), **launch_options(x.device))
+                 ROWS=_row_tile(m))
     if x.is_cuda:
         _tuned_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
     else:  # Triton's interpreter (tests): no autotuning there, small tiles
