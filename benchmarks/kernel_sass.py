@@ -13,7 +13,6 @@ which configs and row counts are worth a GPU's time before any is spent.
     python benchmarks/kernel_sass.py --kernel gemv_rows --rows 2,4,8 --epilogues plain,norm,glu+residual
     python benchmarks/kernel_sass.py --kernel gemv --epilogues norm
     python benchmarks/kernel_sass.py --kernel weights_first --rows 16 --epilogues plain,norm --json sass.json
-    python benchmarks/kernel_sass.py --kernel weights_first --rows 16 --epilogues norm,norm+tma   # weights by TMA
     python benchmarks/kernel_sass.py --kernel block_attention --epilogues plain,window,merge,one-split
     python benchmarks/kernel_sass.py --kernel combine --epilogues plain   # also skinny, split, qkv_rope
 """
@@ -84,8 +83,7 @@ KERNELS = {
                       "ROWS", _product_constants, _tile),
     "weights_first": Spec(skinny_gemm._weights_first_kernel, _PRODUCT_TYPES, _product_aligned,
                           skinny_gemm.WEIGHTS_FIRST_CONFIGS, "ROWS",
-                          lambda epilogue: _product_constants(epilogue) | {"F32_DOT": False, "TMA": "tma" in epilogue},
-                          _tile),
+                          lambda epilogue: _product_constants(epilogue) | {"F32_DOT": False}, _tile),
     "block_attention": Spec(  # as `block_attention` launches it (Triton's default 4 warps, 3 stages; a decode's rows),
         block_attention._block_split_kernel,  # then the other launches `attention_splits.py --launches` times
         {"seq_ptr": "*i64", "length_ptr": "*i64", "pos_ptr": "*i64", "own_ptr": "*u8", "acc_ptr": "*fp32",
@@ -147,8 +145,6 @@ def compile_for_sm90(kernel: str, rows: int | None, epilogue: str, config: trito
     names = list(spec.fn.arg_names)
     signature = {name: "constexpr" if name in constants else spec.types.get(
         name, "*bf16" if name.endswith("_ptr") else "i32") for name in names}
-    if constants.get("TMA"):  # the weights a descriptor of the config's tile (`weights_first_linear(tma=True)`)
-        signature["w_ptr"] = f"tensordesc<bf16[{config.kwargs['BLOCK_N']}, {config.kwargs['BLOCK_K']}]>"
     aligned = [i for i, name in enumerate(names) if signature[name].startswith("*") or spec.aligned(name)]
     source = ASTSource(fn=spec.fn, signature=signature, constexprs={(names.index(k),): v for k, v in constants.items()},
                        attrs={(i,): [["tt.divisibility", ALIGNED]] for i in aligned})

@@ -13,7 +13,6 @@ the same ids as one without.
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -310,32 +309,6 @@ def test_the_weights_first_kernel_fuses_the_gemvs_epilogues(flags: str, splits: 
     assert got.dtype == dtype and got.shape == (rows, n)
     assert not skinny_gemm.zeroed_counters(DEVICE, 1).any()
     assert (got.double() - want).abs().max().item() <= TOLERANCE[dtype] * want.abs().max().item()
-
-
-@needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("splits", [1, 2])
-@pytest.mark.parametrize("flags", EPILOGUES)
-def test_the_weights_first_kernel_by_tma_sums_as_by_pointers(flags: str, splits: int, dtype: torch.dtype) -> None:
-    """The weights read through a tensor descriptor (TMA on Hopper) give the pointer loads' outputs bit for bit, with
-    every epilogue and K whole or split: the descriptor's zeros past N and K are the masks' zeros, and no tile of a
-    split reads into the next one's K. On a GPU the tuned launch (each config's pre-hook setting the descriptor's
-    block) is within the dtype's tolerance too."""
-    import triton
-
-    from blockdraft.models import skinny_gemm
-
-    x, w, b, kwargs, want = epilogue_case(flags, 17, 33, 200, dtype, seed=len(flags) + splits)
-    assert skinny_gemm.tma_fits(w)
-    config = triton.Config({"BLOCK_N": 16, "BLOCK_K": 32, "SPLITS": splits}, num_warps=4, num_stages=2)
-    with torch.inference_mode():
-        by_pointers = weights_first_linear(x, w, b, config, **kwargs)
-        by_tma = weights_first_linear(x, w, b, config, tma=True, **kwargs)
-        tuned = weights_first_linear(x, w, b, tma=True, **kwargs)
-    assert torch.equal(by_tma, by_pointers)
-    assert not skinny_gemm.zeroed_counters(DEVICE, 1).any()
-    for got in (by_tma, tuned):
-        assert (got.double() - want).abs().max().item() <= TOLERANCE[dtype] * want.abs().max().item()
 
 
 @needs_kernel
@@ -947,19 +920,13 @@ def test_a_forward_builds_its_dense_bias_only_where_the_library_attends(attentio
 
 
 def test_the_kernels_run_only_on_gpus_triton_serves(monkeypatch) -> None:
-    """On a GPU older than Ampere the engine keeps the library calls (the q|k|v kernel is on by default on CUDA);
-    the weights-first kernel reads its weights by TMA only from Hopper on, and only 16-byte-aligned ones."""
+    """On a GPU older than Ampere the engine keeps the library calls (the q|k|v kernel is on by default on CUDA)."""
     from blockdraft.models import skinny_gemm
 
     if skinny_gemm.triton is None:
         pytest.skip("Triton is not installed")
-    weight = SimpleNamespace(device=torch.device("cuda", 3), dim=lambda: 2, stride=lambda d: (64, 1)[d],
-                             data_ptr=lambda: 4096, element_size=lambda: 2)  # a [N, 64] bf16 weight on that GPU
-    for capability, runs, tma in (((7, 0), False, False), ((8, 0), True, False), ((9, 0), True, True)):
-        skinny_gemm._capability_of.cache_clear()
+    for capability, runs in (((7, 0), False), ((8, 0), True), ((9, 0), True)):
+        skinny_gemm._capable.cache_clear()
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index, c=capability: c)
         assert skinny_gemm.kernel_available(torch.device("cuda", 3)) is runs
-        assert skinny_gemm.tma_fits(weight) is tma  # TMA from Hopper on
-    for misaligned in (dict(data_ptr=lambda: 4104), dict(stride=lambda d: (60, 1)[d])):  # base; rows of 120 bytes
-        assert not skinny_gemm.tma_fits(SimpleNamespace(**{**vars(weight), **misaligned}))
-    skinny_gemm._capability_of.cache_clear()
+    skinny_gemm._capable.cache_clear()

@@ -12,8 +12,7 @@ with `--sweep-cold`. Session 35: the warm and cold picks agreed at 1-16 rows but
 cold times of the library and the kernel were equal and far above the step's own (profiled) kernels, so the cold
 column there is not the step's. Warm, the 33-row tile (64 rows padded) lost 3 of the 4 units to cuBLAS and the
 32-row tile won 2 (3 with a 9-way split of down's K). At 2 to GEMV_MAX_ROWS rows (a batched decode step's) the
-GEMV of several rows is timed beside them (the "gemv" columns), as the chooser offers it there; from 2 rows on a
-Hopper GPU, the weights-first kernel with its weights by TMA too (the "tma" columns).
+GEMV of several rows is timed beside them (the "gemv" columns), as the chooser offers it there.
 
     python3 benchmarks/gpu/few_row_choice.py --json $OUT/few_row_choice.json
     python3 benchmarks/gpu/few_row_choice.py --rows "" --sweep-rows 32,33
@@ -108,10 +107,6 @@ class Unit:
     def gemv(self, w: torch.Tensor) -> Callable[[], object]:
         return lambda: skinny_gemm.gemv_linear(self.x, w, **self.flags())
 
-    def tma(self, w: torch.Tensor) -> Callable[[], object]:
-        """The weights-first kernel, tuned, its weights by TMA."""
-        return lambda: skinny_gemm.weights_first_linear(self.x, w, tma=True, **self.flags())
-
     def time(self, option: Callable[[torch.Tensor], Callable[[], object]]) -> float:
         """Microseconds a call: warm ten calls of the first copy, cold one call of each."""
         calls = [option(w) for w in self.weights] if self.cold else [option(self.weights[0])] * WARM_CALLS
@@ -135,8 +130,8 @@ def main() -> None:
     device = torch.device("cuda")
     results: list[dict[str, object]] = []
     print("| shape | unit | rows | library warm | library cold | kernel warm | kernel cold | gemv warm | gemv cold "
-          "| tma warm | tma cold | warm pick | cold pick |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| warm pick | cold pick |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     with torch.inference_mode():
         for shape in args.shapes.split(","):
             for name, (n, k, epilogue) in SHAPES[shape].items():
@@ -149,12 +144,10 @@ def main() -> None:
                         times[f"kernel {side}"] = unit.time(unit.kernel)
                         if 1 < rows <= skinny_gemm.GEMV_MAX_ROWS:
                             times[f"gemv {side}"] = unit.time(unit.gemv)
-                        if rows > 1 and skinny_gemm.tma_fits(unit.weights[0]):
-                            times[f"tma {side}"] = unit.time(unit.tma)
                     picks = {side: min((option for option in times if option.endswith(side)), key=times.get)
                              .removesuffix(f" {side}") for side in ("warm", "cold")}
                     results.append({"shape": shape, "unit": name, "rows": rows, **times, "picks": picks})
-                    cells = [times.get(f"{option} {side}") for option in ("library", "kernel", "gemv", "tma")
+                    cells = [times.get(f"{option} {side}") for option in ("library", "kernel", "gemv")
                              for side in ("warm", "cold")]
                     shown = " | ".join("-" if v is None else f"{v:.2f}" for v in cells)
                     print(f"| {shape} | {name} | {rows} | {shown} | {picks['warm']} | {picks['cold']} |", flush=True)

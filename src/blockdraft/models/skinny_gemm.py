@@ -41,13 +41,11 @@ SPLIT_MAX_N = 16384  # K is split only for products of at most this many feature
 try:
     import triton
     import triton.language as tl
-    from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # no Triton (a CPU install): F.linear everywhere
     triton = None
 
 
 KERNEL_MIN_CAPABILITY = (8, 0)  # the kernels' bf16 dots and Triton's supported GPUs: Ampere and newer
-TMA_MIN_CAPABILITY = (9, 0)  # the Tensor Memory Accelerator's bulk copies: Hopper and newer
 
 
 def kernel_available(device: torch.device) -> bool:
@@ -56,17 +54,8 @@ def kernel_available(device: torch.device) -> bool:
     if triton is None:
         return False
     if device.type == "cuda":
-        return _capability(device) >= KERNEL_MIN_CAPABILITY
+        return _capable(torch.cuda.current_device() if device.index is None else device.index)
     return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def tma_fits(weight: torch.Tensor) -> bool:
-    """Whether the weights-first kernel may read `weight` by TMA (`weights_first_linear(tma=True)`): our kernels
-    run on its device, a Hopper GPU or newer there (or the interpreter, the tests), and its base and rows 16-byte
-    aligned, as a tensor descriptor needs."""
-    return (kernel_available(weight.device) and weight.dim() == 2 and weight.stride(1) == 1
-            and (weight.device.type != "cuda" or _capability(weight.device) >= TMA_MIN_CAPABILITY)
-            and weight.data_ptr() % 16 == 0 and weight.stride(0) * weight.element_size() % 16 == 0)
 
 
 def gpu_kernels(device: torch.device) -> bool:
@@ -76,14 +65,9 @@ def gpu_kernels(device: torch.device) -> bool:
     return device.type == "cuda" and kernel_available(device)
 
 
-def _capability(device: torch.device) -> tuple[int, int]:
-    """(major, minor) of a CUDA device (no index: the current one), read once a GPU."""
-    return _capability_of(torch.cuda.current_device() if device.index is None else device.index)
-
-
 @functools.cache
-def _capability_of(index: int) -> tuple[int, int]:
-    return tuple(torch.cuda.get_device_capability(index))
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= KERNEL_MIN_CAPABILITY
 
 
 if triton is not None:
@@ -255,8 +239,7 @@ if triton is not None:
     def _weights_first_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, part_ptr, count_ptr, M, N, K, eps, stride_xm,
                               stride_wn, stride_ym, stride_rm, HAS_BIAS: tl.constexpr, GLU: tl.constexpr,
                               NORM: tl.constexpr, RESIDUAL: tl.constexpr, F32_DOT: tl.constexpr, ROWS: tl.constexpr,
-                              SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              TMA: tl.constexpr = False):
+                              SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """`_skinny_kernel`'s product with the operands swapped: y^T = W x^T, a weight tile of BLOCK_N features the
         dot's M side and the rows its N side. On Hopper a tl.dot whose M side is at least 64 runs as wgmma straight
         from the pipelined shared-memory buffers; with the rows as M (16 or 32 of them) it runs as Ampere's
@@ -268,9 +251,7 @@ if triton is not None:
         launches a decode step's row does: packed gate|up rows gated as they load; rms_norm(x) * g, x * g the dot's
         operand (in the dtype, float32 under F32_DOT), each row's squares summed as its tiles stream in (a split's
         own, summed in split order by the last) and its outputs scaled at the end; the residual added as they are
-        stored. With TMA, w_ptr is a tensor descriptor of W in [BLOCK_N, BLOCK_K] blocks: each tile arrives by one
-        bulk copy (Hopper's TMA) into the shared memory the dot reads, no per-thread addresses or copies, zeros past
-        N and K (a split's chunk is whole tiles, so no tile reads into the next split's)."""
+        stored."""
         tile, split = tl.program_id(0), tl.program_id(1)
         cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.arange(0, ROWS)
@@ -278,18 +259,14 @@ if triton is not None:
         chunk = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLITS) * BLOCK_K
         first = split * chunk
         end = tl.minimum(K, first + chunk)
-        if not TMA:
-            w_ptrs = w_ptr + cols[:, None] * stride_wn + first + ks[None, :]
+        w_ptrs = w_ptr + cols[:, None] * stride_wn + first + ks[None, :]
         x_ptrs = x_ptr + rows[:, None] * stride_xm + first + ks[None, :]
         dtype = x_ptr.dtype.element_ty
         acc = tl.zeros((BLOCK_N, ROWS), dtype=tl.float32)
         squares = tl.zeros((ROWS,), dtype=tl.float32)
         for k in range(0, tl.cdiv(end - first, BLOCK_K)):
             left = end - first - k * BLOCK_K
-            if TMA:
-                w = w_ptr.load([tile * BLOCK_N, first + k * BLOCK_K])
-            else:
-                w = tl.load(w_ptrs, mask=(cols[:, None] < N) & (ks[None, :] < left), other=0.0)
+            w = tl.load(w_ptrs, mask=(cols[:, None] < N) & (ks[None, :] < left), other=0.0)
             x = tl.load(x_ptrs, mask=(rows[:, None] < M) & (ks[None, :] < left), other=0.0)
             if GLU:  # silu's output rounded, then the product: `fast_ops.glu`'s roundings
                 gate = x.to(tl.float32)
@@ -308,8 +285,7 @@ if triton is not None:
                 acc += tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
             else:
                 acc += tl.dot(w, tl.trans(x))
-            if not TMA:
-                w_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
         finish = True
         if SPLITS > 1:
@@ -343,27 +319,12 @@ if triton is not None:
         for n, k, splits, w, s in ((64, 64, 1, 4, 6), (64, 128, 1, 4, 4), (128, 64, 1, 4, 4), (64, 128, 2, 4, 4),
                                    (64, 128, 4, 4, 4), (64, 64, 2, 4, 6), (128, 128, 2, 8, 3), (64, 256, 2, 4, 3))]
 
-    def _splits_allowed(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
-        """The configs a product may run: K split only where its partials are kept (N <= SPLIT_MAX_N)."""
-        return [c for c in configs if c.kwargs["SPLITS"] == 1 or named_args["N"] <= SPLIT_MAX_N]
-
     _tuned_weights_first = triton.autotune(
         configs=WEIGHTS_FIRST_CONFIGS,
         key=["N", "K", "ROWS", "GLU", "NORM", "RESIDUAL"],
-        prune_configs_by={"early_config_prune": _splits_allowed},
+        prune_configs_by={"early_config_prune": lambda configs, named_args, **kwargs: [
+            c for c in configs if c.kwargs["SPLITS"] == 1 or named_args["N"] <= SPLIT_MAX_N]},
         cache_results=TUNED_ON_DISK,
-    )(_weights_first_kernel)
-
-    def _tma_block(args: dict) -> None:
-        """A config's tile as the weights' descriptor's block (the autotuner calls it before each config runs)."""
-        args["w_ptr"].block_shape = [args["BLOCK_N"], args["BLOCK_K"]]
-
-    _tuned_weights_first_tma = triton.autotune(  # the same tiles, the weights by TMA; not kept on disk: Triton keeps
-        # no timings of configs with a pre-hook there, and reading back none fails
-        configs=[triton.Config(c.kwargs, num_warps=c.num_warps, num_stages=c.num_stages, pre_hook=_tma_block)
-                 for c in WEIGHTS_FIRST_CONFIGS],
-        key=["N", "K", "ROWS", "GLU", "NORM", "RESIDUAL"],
-        prune_configs_by={"early_config_prune": _splits_allowed},
     )(_weights_first_kernel)
 
     GEMV_CONFIGS = [  # many small programs: a one-row product is the weights' read and nothing else
@@ -453,7 +414,7 @@ def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if not _fits(x, weight, bias, WEIGHTS_FIRST_MAX_ROWS):
         return F.linear(x, weight, bias)
     options = {**_fused_options(x, weight, False, functools.partial(gemv_linear, x, weight, bias),
-                                functools.partial(weights_first_linear, x, weight, bias)),
+                                lambda: weights_first_linear(x, weight, bias)),
                "library": lambda: F.linear(x, weight, bias)}
     return options[fastest("few-row linear", _shape(x, weight, bias), x.device, options)]()
 
@@ -471,7 +432,7 @@ def few_row_glu_linear(reference: Callable[[], torch.Tensor], gate_up: torch.Ten
             or not _fits(gate, weight, bias, WEIGHTS_FIRST_MAX_ROWS)):
         return reference()
     options = {**_fused_options(gate, weight, split, functools.partial(gemv_linear, gate_up, weight, bias, glu=True),
-                                functools.partial(weights_first_linear, gate_up, weight, bias, glu=True)),
+                                lambda: weights_first_linear(gate_up, weight, bias, glu=True)),
                "library": reference}
     key = (*_shape(gate, weight, bias), split)
     return options[fastest("few-row glu linear", key, gate_up.device, options)]()
@@ -551,17 +512,14 @@ def _gemv_options(run: Callable[..., torch.Tensor], n: int, split: bool) -> dict
 
 
 def _fused_options(x: torch.Tensor, weight: torch.Tensor, split: bool, gemv: Callable[..., torch.Tensor],
-                   weights_first: Callable[..., torch.Tensor]) -> dict[str, Callable[[], torch.Tensor]]:
+                   weights_first: Callable[[], torch.Tensor]) -> dict[str, Callable[[], torch.Tensor]]:
     """A unit's kernel options at x's rows (a fused unit's, and `few_row_linear`'s plain product): up to
     GEMV_MAX_ROWS the GEMV's (`_gemv_options`: it won every one-row product; K split for one row only), more than
-    one row the weights-first kernel with the same epilogue (`weights_first`, called with `tma`), its weights also
-    by TMA where they fit (`tma_fits`): each tile one bulk copy into the shared memory its dot reads."""
+    one row the weights-first kernel with the same epilogue (`weights_first`)."""
     rows = _rows(x)
     options = _gemv_options(gemv, weight.shape[0], split and rows == 1) if rows <= GEMV_MAX_ROWS else {}
     if rows > 1:
-        options["kernel, weights first"] = functools.partial(weights_first, tma=False)
-        if tma_fits(weight):
-            options["kernel, weights first, TMA"] = functools.partial(weights_first, tma=True)
+        options["kernel, weights first"] = weights_first
     return options
 
 
@@ -578,7 +536,7 @@ def few_row_norm_linear(reference: Callable[[], torch.Tensor], x: torch.Tensor, 
         return reference()
     norm = (norm_weight, eps)
     options = {**_fused_options(x, weight, split, functools.partial(gemv_linear, x, weight, bias, norm=norm),
-                                functools.partial(weights_first_linear, x, weight, bias, norm=norm)),
+                                lambda: weights_first_linear(x, weight, bias, norm=norm)),
                "library": reference}
     return options[fastest("few-row norm linear", (*_shape(x, weight, bias), split), x.device, options)]()
 
@@ -601,8 +559,7 @@ def few_row_residual_linear(product: Callable[[], torch.Tensor], residual: torch
         return None
     options = {**_fused_options(row, weight, split,
                                 functools.partial(gemv_linear, x, weight, bias, glu=glu, residual=residual),
-                                functools.partial(weights_first_linear, x, weight, bias, glu=glu,
-                                                  residual=residual)),
+                                lambda: weights_first_linear(x, weight, bias, glu=glu, residual=residual)),
                "library": lambda: residual + product().view(residual.shape)}
     chosen = fastest("few-row residual linear", (*_shape(row, weight, bias), glu, split), x.device, options)
     return None if chosen == "library" else options[chosen]().view(residual.shape)
@@ -611,14 +568,13 @@ def few_row_residual_linear(product: Callable[[], torch.Tensor], residual: torch
 def weights_first_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                          config: triton.Config | None = None, *, glu: bool = False,
                          norm: tuple[torch.Tensor, float] | None = None,
-                         residual: torch.Tensor | None = None, tma: bool = False) -> torch.Tensor:
+                         residual: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear` of at most WEIGHTS_FIRST_MAX_ROWS rows from `_weights_first_kernel` (the weights the dot's M
     side), with the tiles tuned for the shape (and the epilogues) or, given, one `config` of WEIGHTS_FIRST_CONFIGS
     (the tests run each: the tuning picks one a shape, and a split the test shapes never pick must sum right too).
     As `gemv_linear`'s for one row: with `glu` x [..., 2K] holds packed gate|up rows whose silu(gate) * up is the
     input; with `norm` = (norm weight, eps) the input is rms_norm(x) * weight; with `residual` (shaped as the
-    output) the output is the residual + the product. With `tma` (where `tma_fits(weight)`) the weights arrive by
-    TMA, through a descriptor whose block is the config's tile, the same sums."""
+    output) the output is the residual + the product."""
     n, k = weight.shape
     flat = _matrix(x, (2 if glu else 1) * k)
     m = flat.shape[0]
@@ -632,20 +588,18 @@ def weights_first_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     parts = stream_buffer("split partials", x.device, MAX_SPLITS * rows * (n + squares) if split else 1,
                           torch.float32)
     counts = zeroed_counters(x.device, tiles if split else 1)
-    interpreted = {"SPLITS": 1 + split, "BLOCK_N": 16, "BLOCK_K": 32}  # no autotuning there: small tiles, K split
-    # in two where it may be
-    meta = config.all_kwargs() if config is not None else interpreted
-    w = TensorDescriptor.from_tensor(weight, [meta["BLOCK_N"], meta["BLOCK_K"]]) if tma else weight  # tuned: each
-    # config's pre-hook sets its own block
-    args = (flat, w, bias if bias is not None else out, out, norm_weight, added, parts, counts, m, n, k, eps,
+    args = (flat, weight, bias if bias is not None else out, out, norm_weight, added, parts, counts, m, n, k, eps,
             flat.stride(0), weight.stride(0), out.stride(0), added.stride(0))
     flags = dict(HAS_BIAS=bias is not None, GLU=glu, NORM=norm is not None, RESIDUAL=residual is not None,
-                 F32_DOT=x.dtype == torch.float32 or not x.is_cuda, ROWS=rows, TMA=tma)
-    if config is None and x.is_cuda:
-        tuned = _tuned_weights_first_tma if tma else _tuned_weights_first
-        tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLITS"])](*args, **flags)
-    else:
+                 F32_DOT=x.dtype == torch.float32 or not x.is_cuda, ROWS=rows)
+    if config is not None:
+        meta = config.all_kwargs()
         _weights_first_kernel[(triton.cdiv(n, meta["BLOCK_N"]), meta["SPLITS"])](*args, **flags, **meta)
+    elif x.is_cuda:
+        _tuned_weights_first[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLITS"])](*args, **flags)
+    else:  # Triton's interpreter (tests): no autotuning there, small tiles, K split in two where it may be
+        _weights_first_kernel[(triton.cdiv(n, 16), 1 + split)](*args, **flags, SPLITS=1 + split, BLOCK_N=16,
+                                                               BLOCK_K=32)
     return out.view(*x.shape[:-1], n)
 
 
