@@ -75,6 +75,7 @@ def _product_aligned(name: str) -> bool:
     return name in ("N", "K") or name.startswith("stride")
 
 
+TRITON_DEFAULTS = [triton.Config({}, num_warps=4, num_stages=3)]  # as the kernels launched without tuning run
 _PRODUCT_TYPES = {"part_ptr": "*fp32", "count_ptr": "*i32", "eps": "fp32"}
 KERNELS = {
     "gemv": Spec(skinny_gemm._gemv_kernel, _PRODUCT_TYPES, _product_aligned, skinny_gemm.GEMV_CONFIGS, None,
@@ -98,19 +99,18 @@ KERNELS = {
                    "ROWS", lambda epilogue: dict(HAS_BIAS="bias" in epilogue, NORM="norm" in epilogue, F32_DOT=False),
                    _tile),
     "split": Spec(flash_decode._split_kernel, {"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "scale": "fp32"},
-                  lambda name: name == "D" or name[:3] in ("sq_", "sk_", "sv_"), [triton.Config({}, num_warps=4,
-                                                                                                num_stages=3)],
-                  None, lambda epilogue: dict(F32_DOT=False, BLOCK_R=BLOCK_ROWS, BLOCK_S=BLOCK_KEYS, BLOCK_D=HEAD_DIM),
+                  lambda name: name == "D" or name[:3] in ("sq_", "sk_", "sv_"), TRITON_DEFAULTS, None,
+                  lambda epilogue: dict(F32_DOT=False, BLOCK_R=BLOCK_ROWS, BLOCK_S=BLOCK_KEYS, BLOCK_D=HEAD_DIM),
                   lambda config: 2 * BLOCK_KEYS * HEAD_DIM),  # flash-decode's, with a dense bias
     "combine": Spec(flash_decode._combine_kernel, {"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32",
                                                    "length_ptr": "*i64"},
-                    lambda name: name == "D" or name.startswith("so_"), [triton.Config({}, num_warps=4, num_stages=3)],
-                    None, lambda epilogue: dict(LENGTHS=True, MIN_KEYS=BLOCK_KEYS, BLOCK_R=BLOCK_ROWS,
-                                                BLOCK_S=BLOCK_KEYS, BLOCK_D=HEAD_DIM),
+                    lambda name: name == "D" or name.startswith("so_"), TRITON_DEFAULTS, None,
+                    lambda epilogue: dict(LENGTHS=True, MIN_KEYS=BLOCK_KEYS, BLOCK_R=BLOCK_ROWS, BLOCK_S=BLOCK_KEYS,
+                                          BLOCK_D=HEAD_DIM),
                     lambda config: BLOCK_ROWS * HEAD_DIM),  # a split's partial rows
     "qkv_rope": Spec(qkv_rope._qkv_rope_kernel, {"slot_ptr": "*i64", "col_ptr": "*i64", "eps": "fp32"},
-                     lambda name: name == "D" or name.startswith("s_"), [triton.Config({}, num_warps=4, num_stages=3)],
-                     None, lambda epilogue: dict(NORM="norm" in epilogue, BLOCK_D=HEAD_DIM),
+                     lambda name: name == "D" or name.startswith("s_"), TRITON_DEFAULTS, None,
+                     lambda epilogue: dict(NORM="norm" in epilogue, BLOCK_D=HEAD_DIM),
                      lambda config: HEAD_DIM),  # one head of one row
 }
 INSTRUCTION = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z0-9_.]+)([^;]*);")
