@@ -114,6 +114,15 @@ def test_vllm_window_between_two_scrapes(server: tuple[str, Recorded]) -> None:
     assert recorded.hits["/metrics"] == 2
 
 
+def test_an_idle_server_is_judged_on_its_totals_since_start(server: tuple[str, Recorded]) -> None:
+    """A server that had traffic before but none while measured: its totals since start, named as such."""
+    url, recorded = server
+    recorded.routes["/metrics"] = [(200, vllm_text(1000, 15000, [900, 700, 500] + [0] * 12))]
+    fp = measure_server(url, interval=0.0)
+    assert fp.num_drafts == 1000 and fp.tau == pytest.approx(3.1)
+    assert "totals since the server started" in fp.source
+
+
 def test_url_forms(server: tuple[str, Recorded]) -> None:
     url, recorded = server
     recorded.routes["/metrics"] = [(200, vllm_text(10, 30, [5, 2, 1])), (200, vllm_text(20, 60, [10, 4, 2]))]

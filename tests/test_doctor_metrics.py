@@ -14,6 +14,7 @@ from blockdraft.doctor.server_metrics import (
     parse_server_info,
     parse_sglang_metrics,
     parse_vllm_metrics,
+    vllm_recent,
     vllm_window,
 )
 from blockdraft.errors import BlockdraftError
@@ -110,6 +111,21 @@ def test_idle_window_is_a_clear_error() -> None:
     text = vllm_exposition(BEFORE)
     with pytest.raises(BlockdraftError, match="no speculative drafts"):
         vllm_window(text, text, None, "window")
+
+
+def test_an_idle_window_on_a_server_that_had_traffic_reads_its_totals_since_start() -> None:
+    """`doctor server` on a server idle while it measures: the counters' totals since start, and the source says so;
+    a window with drafts is the window; a server that never drafted is still the clear error."""
+    text = vllm_exposition(AFTER)
+    fp = vllm_recent(text, text, QWEN, "window", "totals since start")
+    # QWEN totals: drafts 3000, draft tokens 9000, per position [1500, 650, 200]
+    assert fp.source.startswith("totals since start") and fp.num_drafts == 3000
+    assert fp.per_position == pytest.approx([0.5, 650 / 3000, 200 / 3000])
+    windowed = vllm_recent(vllm_exposition(BEFORE), text, QWEN, "window", "totals since start")
+    assert windowed.source.startswith("window") and windowed.tau == pytest.approx(1.75)
+    never = vllm_exposition({key: (0, 0, [0, 0, 0]) for key in AFTER})
+    with pytest.raises(BlockdraftError, match="no speculative drafts"):
+        vllm_recent(never, never, None, "window", "totals since start")
 
 
 def test_vllm_without_speculative_decoding() -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -163,8 +165,24 @@ def test_qwen3_mask_id_on_qwen36_vocabulary_is_an_error() -> None:
 def test_unusual_mask_id_within_family_is_a_warning() -> None:
     findings = check_pair(drafter(QWEN3_4B_DRAFTER, mask_token_id=151643), QWEN3_4B)
     assert severities(findings, "dflash_config.mask_token_id") == ["warning"]
-    findings = check_pair(drafter(QWEN36_DRAFTER, mask_token_id=248077), QWEN36_27B)
+    findings = check_pair(drafter(QWEN36_DRAFTER, mask_token_id=248071), QWEN36_27B)
     assert severities(findings, "dflash_config.mask_token_id") == ["warning"]
+
+
+@pytest.mark.parametrize("mask", [248070, 248077])
+def test_every_published_qwen35_mask_id_is_clean(mask: int) -> None:
+    """z-lab's Qwen3.6 drafters mask with 248070, its Qwen3.5-4B-DFlash with 248077: both are published ids."""
+    assert not by_field(check_pair(drafter(QWEN36_DRAFTER, mask_token_id=mask), QWEN36_27B), "dflash_config.mask_token_id")
+
+
+def test_published_qwen35_4b_drafter_is_judged_clean() -> None:
+    """z-lab's Qwen3.5-4B-DFlash config, verbatim, on its 32-layer Qwen3.5-4B target: no error and no warning (the
+    infos say what an engine must honour: its sliding layers, its own rotary factor, taps on linear layers)."""
+    raw = json.loads((Path(__file__).parent / "fixtures" / "configs" / "qwen35_4b_dflash.json").read_text())
+    target = target36(hidden_size=2560, num_hidden_layers=32,
+                      layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(32)])
+    findings = check_pair(parse_draft_config(raw), target)
+    assert [f for f in findings if f.severity != "info"] == []
 
 
 def test_mask_outside_target_vocabulary() -> None:

@@ -362,3 +362,37 @@ def test_a_unit_called_while_a_graph_is_captured_never_compiles_and_never_swallo
     monkeypatch.undo()  # the capture over: the unit compiles again what it ran plain inside it
     ops.glu(torch.randn(1, 1, 12), "silu")
     assert counters["stats"]["unique_graphs"] == before + 1
+
+
+def test_compiled_units_take_no_float_as_a_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A float given to a compiled unit (the norms' eps, the attention's scale) is a constant of its compiled code,
+    for each value met: a DFlash decode whose target and drafter norms differ in eps compiles no graph that takes a
+    0-d tensor. Left to dynamo, each float became one (a float64 host tensor the generated code reads back at every
+    launch), and a read inside a CUDA-graph capture broke `blockdraft serve --method dflash` on a fresh GPU. (The
+    engine's own 0-d tensors, a cache length, are integers.)"""
+    inputs: list[list[object]] = []
+    compile_ = torch.compile
+
+    def recorded(fn: Callable[..., object], **options: object) -> Callable[..., object]:
+        def backend(graph: torch.fx.GraphModule, example_inputs: list[object]) -> Callable[..., object]:
+            inputs.append(list(example_inputs))
+            return graph.forward
+        return compile_(fn, backend=backend, **options)
+
+    monkeypatch.setattr(torch, "compile", recorded)
+    model = make_target_model("qwen3")
+    model.config.rms_norm_eps = 1e-5  # the drafter's is 1e-6
+    for module in model.modules():
+        if hasattr(module, "variance_epsilon"):
+            module.variance_epsilon = 1e-5
+    drafter = make_drafter("all_full")
+    prompt = ids(9, seed=3)
+    decoded = []
+    for compiled in (False, True):
+        target = FastTarget(model, compiled=compiled)
+        decoded.append(generate(target, prompt, build_proposer("dflash", target, drafter), 24).token_ids)
+    assert decoded[0] == decoded[1]
+    assert inputs, "no unit was compiled"
+    floats = [value for graph in inputs for value in graph
+              if isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype == torch.float64]
+    assert not floats, f"{len(floats)} float arguments reached compiled code as 0-d float64 tensors"

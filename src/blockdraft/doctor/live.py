@@ -1,7 +1,8 @@
 """Measure a running vLLM or SGLang server: scrape its endpoints and return a Fingerprint.
 
 vLLM's counters are cumulative since start-up, which would mix warm-up and old traffic into the answer, so
-vLLM is scraped twice and only the window between the scrapes counts. SGLang's gauges are already recent
+vLLM is scraped twice and only the window between the scrapes counts; a server idle in that window is judged on
+its totals since it started, and the report's source says so. SGLang's gauges are already recent
 averages (one per rank), so one reading of /metrics is the answer; without --enable-metrics SGLang serves no
 /metrics and /server_info's average since start is the fallback (its Fingerprint source says so).
 """
@@ -20,7 +21,7 @@ from blockdraft.doctor.server_metrics import (
     parse_samples,
     parse_server_info,
     parse_sglang_metrics,
-    vllm_window,
+    vllm_recent,
 )
 from blockdraft.errors import BlockdraftError
 
@@ -77,7 +78,8 @@ def measure_server(
     if engine == "vllm":
         time.sleep(interval)
         second = fetch(metrics_url, timeout) or ""
-        return vllm_window(first, second, model_name, f"{metrics_url} over {interval:g} s")
+        return vllm_recent(first, second, model_name, f"{metrics_url} over {interval:g} s",
+                           f"{metrics_url}: no drafts in {interval:g} s, so the totals since the server started")
     if engine == "sglang":
         return parse_sglang_metrics(first, model_name, metrics_url)
     try:

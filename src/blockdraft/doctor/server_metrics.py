@@ -141,6 +141,17 @@ def vllm_window(before: str, after: str, model_name: str | None, source: str) ->
     return later.since(earlier, source).fingerprint(source)
 
 
+def vllm_recent(before: str, after: str, model_name: str | None, source: str, since_start: str) -> Fingerprint:
+    """Acceptance over the window between two scrapes; where no draft fell in it (a server that had traffic, idle
+    now), the totals since the server started, the fingerprint's `since_start` source saying so."""
+    earlier = parse_vllm_metrics(before, model_name, source)
+    later = parse_vllm_metrics(after, model_name, source)
+    window = later.since(earlier, source)
+    if window.drafts > 0 or later.drafts <= 0:
+        return window.fingerprint(source)
+    return later.fingerprint(since_start)
+
+
 def _rank(sample: Sample) -> tuple[tuple[str, str], ...]:
     """One SGLang scheduler rank's series: its labels (model_name, engine_type, tp_rank, pp_rank, moe_ep_rank,
     dp_rank when DP is on, and any --extra-metric-labels)."""

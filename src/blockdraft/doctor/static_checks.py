@@ -18,7 +18,7 @@ SEVERITY_ORDER: dict[str, int] = {"error": 0, "warning": 1, "info": 2}
 
 COLLAPSE = "acceptance collapses to ~1-2% (tau ~1.1)"
 QWEN3_MASK_ID = 151669
-QWEN35_MASK_ID = 248070
+QWEN35_MASK_IDS = (248070, 248077)  # both published: z-lab's Qwen3.6 drafters use the first, Qwen3.5-4B-DFlash the second
 QWEN35_VOCAB = 248320
 HYBRID_MODEL_TYPES = frozenset({"qwen3_5", "qwen3_5_moe", "qwen3_next"})
 THINKING_MARKERS = ("enable_thinking", "<think>")
@@ -92,13 +92,13 @@ def _ordinary_token(tokenizer: Any, token_id: int) -> str | None:
     return tokenizer.convert_ids_to_tokens(token_id)
 
 
-def _family_mask_id(vocab: int) -> int | None:
-    """The mask id published drafters use for a target vocabulary size, when the family is known."""
+def _family_mask_ids(vocab: int) -> tuple[int, ...]:
+    """The mask ids published drafters use for a target vocabulary size (none known: empty)."""
     if 151_900 <= vocab < 152_000:
-        return QWEN3_MASK_ID
+        return (QWEN3_MASK_ID,)
     if vocab == QWEN35_VOCAB:
-        return QWEN35_MASK_ID
-    return None
+        return QWEN35_MASK_IDS
+    return ()
 
 
 def _check_vocab(draft: DraftConfig, target: dict[str, Any], tokenizer: Any | None) -> list[Finding]:
@@ -120,15 +120,17 @@ def _check_vocab(draft: DraftConfig, target: dict[str, Any], tokenizer: Any | No
             "set dflash_config.mask_token_id to the id the drafter was trained with for this target",
         ))
         return findings
-    expected = _family_mask_id(vocab)
-    if expected is not None and mask != expected:
-        cross_family = mask == QWEN3_MASK_ID and expected == QWEN35_MASK_ID
+    published = _family_mask_ids(vocab)
+    if published and mask not in published:
+        cross_family = mask == QWEN3_MASK_ID and published == QWEN35_MASK_IDS
+        named = " or ".join(map(str, published))
         findings.append(Finding(
             "error" if cross_family else "warning", "dflash_config.mask_token_id",
-            f"mask_token_id {mask} on a {vocab}-token vocabulary; drafters for this family use {expected}"
+            f"mask_token_id {mask} on a {vocab}-token vocabulary; published drafters for this family use {named}"
             + (" (151669 is the Qwen3 mask id, an ordinary token here)" if cross_family else ""),
             f"a mask id other than the trained one: {COLLAPSE}",
-            f"set dflash_config.mask_token_id to {expected} unless this drafter was trained with {mask}",
+            f"set dflash_config.mask_token_id to the one of {named} this drafter was trained with, unless it was "
+            f"trained with {mask}",
         ))
     token = None if tokenizer is None else _ordinary_token(tokenizer, mask)
     if token is not None:

@@ -326,6 +326,14 @@ def kernel_block_attention(
 class CompiledOrPlain:
     """torch.compile(fn), falling back to fn for good after the first failure (with one warning).
 
+    Every float argument (an eps, a softmax scale) is a constant of the compiled code, one compilation per value met.
+    Left to dynamo, a float becomes a 0-d float64 host tensor that the generated code reads with `.item()` at each
+    launch, from the first compile with dynamic sizes or from a recompile on a new value (the target's eps, then the
+    drafter's); read inside a CUDA-graph capture, it broke `blockdraft serve`'s first start on a fresh H100 ("operation
+    failed due to a previous error during capture") while machines with warm compile caches started. Int arguments (a
+    window, head counts, a row count) stay symbolic: the generated code takes them as launch arguments, like sizes, and
+    a row count takes too many values to compile each one.
+
     Compiled without duck sizing: by default two dimensions of the same size at the first call (a batch of 16
     sequences verifying 16 rows each) become one symbol, and the first call where they differ recompiles. On the H200
     that recompile fell inside a CUDA-graph capture in the middle of serving: an 11.9 s step (benchmarks/RESULTS.md,
@@ -346,7 +354,8 @@ class CompiledOrPlain:
             capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
             stance = torch.compiler.set_stance("eager_on_recompile") if capturing else nullcontext()
             try:
-                with shape_config.patch(use_duck_shape=False), stance:
+                with (shape_config.patch(use_duck_shape=False), stance,
+                      torch._dynamo.config.patch(specialize_float=True)):
                     return self.compiled(*args)
             except Exception as exc:  # a toolchain problem must cost speed, not the run
                 if capturing:
