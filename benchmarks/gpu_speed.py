@@ -419,8 +419,10 @@ def e2e(args: argparse.Namespace, rec: Recorder) -> None:
     from blockdraft.decoding.methods import build_proposer
     from blockdraft.decoding.warm import warm_decode
     from blockdraft.engine.batch import BatchDecoder
+    from blockdraft.bench.steady import warm_until_steady
     from blockdraft.models.graphs import graphs_captured
     from blockdraft.models.loading import load_drafter, load_target
+    from blockdraft.models.warm_costs import CAPTURING, COMPILING, TIMING, warm_costs
 
     device, n = args.device, args.max_new_tokens
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(
@@ -444,17 +446,19 @@ def e2e(args: argparse.Namespace, rec: Recorder) -> None:
         none (`warm`, ours: every graph of the method up to the longest prompt's context, `warm_decode`)."""
         try:
             warmed = warm() if warm is not None else 0
-            run(prompts[0], n)  # warm-up, a whole prompt: the graphs and kernels of each shape are a server's
+            # whole prompts until one compiles, times and captures nothing: a shape's first use is a server's
             # start-up, not its steps
+            warm_until_steady(lambda: run(prompts[0], n))
             sync()
-            captured, timed = graphs_captured(), len(choices())
+            before = warm_costs()
             clock = HostClock()
             t0 = time.perf_counter()
             with fused_calls_in(clock):
                 outs = [run(p, n) for p in prompts]
             sync()
             seconds = time.perf_counter() - t0
-            captured, timed = graphs_captured() - captured, len(choices()) - timed
+            met = warm_costs().since(before)
+            captured, timed, compiled = (met.counts[kind] for kind in (CAPTURING, TIMING, COMPILING))
         except Exception as exc:
             line = f"e2e {label} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             log(line)
@@ -477,6 +481,7 @@ def e2e(args: argparse.Namespace, rec: Recorder) -> None:
             "step_ms_draft_verify_rest": split,
             "fused_host_ms_verify_draft_read": fused_host,  # host ms a step in each fused call (0: not fused)
             "graphs_warmed": warmed, "graphs_captured_timed": captured, "kernel_shapes_timed": timed,
+            "compilations_timed": compiled,
         }
         rec.data["e2e"].append(entry)
         rec.save()
@@ -484,7 +489,8 @@ def e2e(args: argparse.Namespace, rec: Recorder) -> None:
             ", ms a step draft / verify / rest " + " / ".join(f"{x:.3f}" for x in split)
             + ", host ms a step in fused verify / draft / read " + " / ".join(f"{x:.3f}" for x in fused_host or []))
         log(f"e2e {label}: {entry['tokens_per_s']:.1f} tok/s, tau {fmt(entry['tau'])}, same ids {entry['same_ids']}, "
-            f"graphs warmed {warmed}, captured / kernel shapes timed while timed {captured} / {timed}{per_step}")
+            f"graphs warmed {warmed}, captured / kernel shapes timed / compilations while timed {captured} / {timed} / "
+            f"{compiled}{per_step}")
         return ids
 
     def hf_generate(prompt: list[int], new: int) -> tuple[list[int], list[int], Any]:

@@ -95,7 +95,7 @@ KERNELS = {
                               MERGE="merge" in epilogue, ONE_SPLIT="one" in epilogue, BLOCK_R=BLOCK_ROWS,
                               BLOCK_S=BLOCK_KEYS, BLOCK_D=HEAD_DIM),
         lambda config: 2 * BLOCK_KEYS * HEAD_DIM),  # a block of keys and its values
-    "skinny": Spec(skinny_gemm._skinny_kernel, {"eps": "fp32"}, _product_aligned, skinny_gemm._tuned_kernel.configs,
+    "skinny": Spec(skinny_gemm._skinny_kernel, {"eps": "fp32"}, _product_aligned, skinny_gemm._tuned_kernel.tuner.configs,
                    "ROWS", lambda epilogue: dict(HAS_BIAS="bias" in epilogue, NORM="norm" in epilogue, F32_DOT=False),
                    _tile),
     "split": Spec(flash_decode._split_kernel, {"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "scale": "fp32"},

@@ -48,6 +48,7 @@ import httpx
 from rich.console import Console
 from rich.table import Table
 
+from blockdraft.bench.steady import warm_until_steady
 from blockdraft.numbers import int_list
 from blockdraft.serve.engine_clock import SLOW_STEP_S
 
@@ -540,13 +541,19 @@ def rotate(methods: list[str], servers: dict[str, "Server"], args: argparse.Name
            prompts: list[list[dict]]) -> list[LevelResult]:
     """One concurrency level for every method, in `--rounds` rounds: each round gives every method the same slice
     of the requests, the methods in turn and in reverse order every other round (ABBA), so that drift of the
-    machine over the level hits all methods alike."""
+    machine over the level hits all methods alike. Each method first serves one untimed wave of `concurrency`
+    requests at the level's length (its warm-up at this level)."""
     records: dict[str, list[RequestRecord]] = {m: [] for m in methods}
     walls = dict.fromkeys(methods, 0.0)
     engines = {m: EngineShare() for m in methods}
     cpus = {m: CpuShare() for m in methods}
     total = max(args.requests, args.per_client * concurrency * args.rounds)
     bounds = [total * r // args.rounds for r in range(args.rounds + 1)]
+    for method in methods:  # untimed: what this level's batch sizes and contexts first meet is not its steps
+        url = servers[method].url
+        assert url is not None
+        run_requests(url, args.target, concurrency, list(range(concurrency)), prompts, args.max_tokens,
+                     time.monotonic() + args.time_cap / args.rounds)
     for r in range(args.rounds):
         for method in methods if r % 2 == 0 else methods[::-1]:
             url = servers[method].url
@@ -622,7 +629,7 @@ def main() -> None:
         for method in methods:  # every server up first: the levels then rotate between them
             console.print(f"# {method}: loading in-process ...")
             local = InProcess(args, "ddtree" if method == SCHEDULE else method)
-            local.run(prompts[0], 8)  # warm-up, as the server does before serving
+            warm_until_steady(lambda: local.run(prompts[0], args.max_tokens))  # as the server warms before serving
             console.print(f"# {method}: starting the server ...")
             servers[method] = server = Server(args, method, local.budget, local.draft_tokens)
             assert server.url is not None

@@ -31,6 +31,8 @@ def test_embedded_pair_serves_generates_ids_after_passing_its_self_check(convert
     assert any(line.startswith("self-check passed") and "probe.json" in line for line in said), said
     assert any("trees of 4 nodes, 3 drafted tokens deep on cpu" in line and "(loaded in " in line for line in said)
     assert any(re.fullmatch(r"warmed up in \d+\.\d s", line) for line in said), said  # start-up, phase by phase
+    assert any(re.fullmatch(r"engine started in [\d.]+ s: loading [\d.]+ s, self-check [\d.]+ s, warm-up [\d.]+ s, "
+                            r"the rest [\d.]+ s; of it no compiling, timing or capturing", line) for line in said), said
     loaded = Loaded(str(converted), str(EMBEDDED_DRAFTER), "cpu", None)
     ids = encode_messages(MESSAGES, loaded.tokenizer)
     proposer = build_proposer("ddtree", loaded.target, loaded.drafter, 4, 3)

@@ -296,7 +296,8 @@ def bench(
 
     from blockdraft.bench.prompts import load_prompt_set
     from blockdraft.bench.report import (
-        category_table, exactness_note, plot_acceptance, plot_budget_sweep, speedup_note, summary_table, to_json,
+        category_table, exactness_note, plot_acceptance, plot_budget_sweep, speedup_note, steadiness_note,
+        summary_table, to_json,
     )
     from blockdraft.bench.runner import BenchPrompt, run_bench
     from blockdraft.decoding.sampling import SamplingParams
@@ -319,7 +320,7 @@ def bench(
     out.print(summary_table(runs))
     out.print(category_table(runs))
     dtype_name = str(loaded.target.dtype).removeprefix("torch.")
-    for note in (exactness_note(runs, dtype_name, temperature),
+    for note in (exactness_note(runs, dtype_name, temperature), steadiness_note(runs),
                  speedup_note(runs, loaded.target.engine, loaded.target.device.type, dtype_name)):
         if note:
             err.print(f"note: {note}", soft_wrap=True)

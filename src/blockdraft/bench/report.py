@@ -68,6 +68,16 @@ def _step_ms(stats: SpecStats) -> str:
     return ", ".join(f"{name} {1000 * seconds / n:.2f}" for name, seconds in parts)
 
 
+def steadiness_note(runs: list[MethodRun]) -> str | None:
+    """The methods whose timed decodes still compiled, timed kernel shapes or captured graphs (their tokens/s carry
+    a start-up cost), None when every one timed steady state."""
+    unsteady = [f"{run.spec.label} ({run.first_uses})" for run in runs if run.first_uses]
+    if not unsteady:
+        return None
+    return ("not steady after warming, these methods' tokens/s include first-use costs: " + "; ".join(unsteady)
+            + " (longer prompts or outputs than the warm-up's meet new cache capacities)")
+
+
 def speedup_note(runs: list[MethodRun], engine: str, device: str = "cuda", dtype: str | None = None) -> str | None:
     """Why a speculative method is slower than AR, in the two numbers that decide it and where its step time goes.
 
@@ -138,6 +148,7 @@ def to_json(runs: list[MethodRun], settings: dict) -> dict:
             "lookup": run.spec.lookup,
             "stats": s.to_dict(),
             "batched_wall_s": run.wall_s,
+            "first_uses_while_timed": run.first_uses,
             "by_category": {c: v.to_dict() for c, v in run.by_category().items()},
             "prompts": [
                 {

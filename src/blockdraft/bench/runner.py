@@ -10,10 +10,12 @@ from blockdraft.decoding.draft import Proposer
 from blockdraft.decoding.generate import GenerationResult, generate
 from blockdraft.decoding.methods import build_proposer
 from blockdraft.decoding.sampling import SamplingParams
-from blockdraft.engine.batch import generate_batch
+from blockdraft.bench.steady import first_uses, warm_tokens, warm_until_steady
+from blockdraft.engine.batch import BatchDecoder, decode_batch, warm_buckets
 from blockdraft.metrics import SpecStats, merge_all
 from blockdraft.models.drafter import DFlashDrafter
 from blockdraft.models.target import Target
+from blockdraft.models.warm_costs import warm_costs
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,7 @@ class MethodRun:
     spec: MethodSpec
     runs: list[PromptRun] = field(default_factory=list)
     wall_s: float | None = None
+    first_uses: str = ""  # what the timed decodes compiled, timed or captured for the first time ("": nothing)
 
     @property
     def stats(self) -> SpecStats:
@@ -87,12 +90,26 @@ def warmed_proposers(
     sampling: SamplingParams,
     max_new_tokens: int,
 ) -> dict[MethodSpec, Proposer | None]:
-    """One proposer per method, each run once on a short generation so no method pays the first-call costs."""
+    """One proposer per method, each warmed on the first prompt until steady (`bench.steady`), so that no method's
+    timed decodes pay its first uses."""
     proposers = {spec: spec.proposer(target, drafter) for spec in methods}
     if prompts:
+        tokens = warm_tokens(target, max_new_tokens)
         for proposer in proposers.values():
-            generate(target, prompts[0].ids, proposer, max_new_tokens=min(8, max_new_tokens), sampling=sampling)
+            warm_until_steady(lambda proposer=proposer: generate(target, prompts[0].ids, proposer, tokens,
+                                                                 sampling=sampling))
     return proposers
+
+
+def warmed_decoder(target: Target, drafter: DFlashDrafter | None, spec: MethodSpec, prompts: list[BenchPrompt],
+                   batch_size: int, max_new_tokens: int) -> BatchDecoder:
+    """A batch decoder of `batch_size` sequences for one method, warmed at every batch bucket until steady: its
+    graphs are its own, so the timed decode must run on it."""
+    decoder = BatchDecoder(target, lambda: spec.proposer(target, drafter), batch_size)
+    if prompts:
+        tokens = warm_tokens(target, max_new_tokens)
+        warm_until_steady(lambda: warm_buckets(decoder, prompts[0].ids, tokens))
+    return decoder
 
 
 def run_bench(
@@ -108,30 +125,30 @@ def run_bench(
     batch_size: int = 1,
 ) -> list[MethodRun]:
     """Run every method on every prompt, side by side in this process; with `batch_size` > 1 each method decodes
-    up to that many prompts together (continuous batching, engine/batch.py)."""
-    proposers = warmed_proposers(target, drafter, methods, prompts, sampling, max_new_tokens)
+    up to that many prompts together (continuous batching, engine/batch.py). Each method is warmed first
+    (`bench.steady`); what its timed decodes still met for the first time is its `first_uses`."""
+    proposers = warmed_proposers(target, drafter, methods, prompts, sampling, max_new_tokens) if batch_size == 1 else {}
     runs = []
     for spec in methods:
         run = MethodRun(spec)
-        if batch_size > 1:
+        decoder = warmed_decoder(target, drafter, spec, prompts, batch_size, max_new_tokens) if batch_size > 1 else None
+        before = warm_costs()
+        if decoder is not None:
             start = time.perf_counter()
-            results = dict(generate_batch(
-                target, [p.ids for p in prompts],
-                lambda spec=spec: spec.proposer(target, drafter),
-                batch_size, max_new_tokens, sampling, stop_token_ids, seed))
+            results = dict(decode_batch(decoder, [p.ids for p in prompts], max_new_tokens, sampling, stop_token_ids,
+                                        seed))
             run.wall_s = time.perf_counter() - start
             run.runs = [PromptRun(p.prompt_id, p.category, results[i]) for i, p in enumerate(prompts)]
             if on_progress:
                 on_progress(spec.label, len(prompts))
-            runs.append(run)
-            continue
-        for prompt in prompts:
+        for prompt in prompts if decoder is None else []:
             result = generate(
                 target, prompt.ids, proposers[spec], max_new_tokens, sampling, stop_token_ids, seed=seed
             )
             run.runs.append(PromptRun(prompt.prompt_id, prompt.category, result))
             if on_progress:
                 on_progress(spec.label, 1)
+        run.first_uses = first_uses(warm_costs().since(before))
         runs.append(run)
     return runs
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import time
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from blockdraft.models.kernel_choice import fastest, kernel_wins
 from blockdraft.models.qkv_rope import qkv_rope, qkv_rope_runs
 from blockdraft.models.skinny_gemm import (few_row_glu_linear, few_row_linear, few_row_norm_linear,
                                            few_row_residual_linear, skinny_add_norm_linear, skinny_linear)
+from blockdraft.models.warm_costs import COMPILING, charge, compilations
 
 LONG_SPLIT_KEYS = 256  # the block-attention variant with longer key splits: 4-5 partial results to merge at 1K keys
 # instead of 17 (the splits of 64 keys lost to the library by 7-14% at 1-16 rows on the H200, RESULTS session 22)
@@ -354,9 +356,13 @@ class CompiledOrPlain:
             capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
             stance = torch.compiler.set_stance("eager_on_recompile") if capturing else nullcontext()
             try:
+                compiled, began = compilations(), time.perf_counter()
                 with (shape_config.patch(use_duck_shape=False), stance,
                       torch._dynamo.config.patch(specialize_float=True)):
-                    return self.compiled(*args)
+                    out = self.compiled(*args)
+                if compilations() != compiled:
+                    charge(COMPILING, time.perf_counter() - began, compilations() - compiled)
+                return out
             except Exception as exc:  # a toolchain problem must cost speed, not the run
                 if capturing:
                     raise

@@ -11,6 +11,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from blockdraft.models.warm_costs import CAPTURING, spent, warm_costs
+
 T = TypeVar("T")
 
 
@@ -28,26 +30,23 @@ def graph_pool(use_graphs: bool) -> Any:
     return torch.cuda.graph_pool_handle() if use_graphs else None
 
 
-_CAPTURED = [0]
-
-
 def graphs_captured() -> int:
-    """CUDA graphs captured by this process so far (a server names them when a step stalls)."""
-    return _CAPTURED[0]
+    """CUDA graphs captured by `capture` in this process so far (a server names them when a step stalls)."""
+    return warm_costs().counts[CAPTURING]
 
 
 def capture(run: Callable[[], T], device: torch.device, pool: Any = None) -> tuple[Any, T]:
     """A CUDA graph of `run` and its outputs (the graph's static outputs), after warm-up on a side stream (kernel
     selection, torch.compile) so the capture records only the steady state; `pool` shares memory between graphs
     that never run at the same time."""
-    _CAPTURED[0] += 1
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            run()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = run()
+    with spent(CAPTURING):
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream(device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            out = run()
     return graph, out

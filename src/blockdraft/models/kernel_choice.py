@@ -22,6 +22,8 @@ from collections.abc import Callable, Hashable
 
 import torch
 
+from blockdraft.models.warm_costs import TIMING, spent
+
 _TIMES: dict[tuple[str, Hashable], dict[str, float]] = {}  # each option's milliseconds a call
 CALLS_PER_GRAPH = 10  # calls of an option in one timed graph, as a step's graph runs its kernels: one call a graph
 # timed the host's launch of each replay on the smaller shapes (the embedded 135M pair's options all took 4-8 us a
@@ -59,9 +61,10 @@ def fastest(kind: str, key: Hashable, device: torch.device, options: dict[str, C
     if (kind, key) not in _TIMES:
         if torch.cuda.is_current_stream_capturing():
             return names[-1]
-        _TIMES[(kind, key)] = {name: _kernel_milliseconds(kind, name, run) for name, run in options.items()
-                               if name != names[-1]}
-        _TIMES[(kind, key)][names[-1]] = _milliseconds(options[names[-1]])
+        with spent(TIMING):
+            times = {name: _kernel_milliseconds(kind, name, run) for name, run in options.items() if name != names[-1]}
+            times[names[-1]] = _milliseconds(options[names[-1]])
+        _TIMES[(kind, key)] = times
     times = _TIMES[(kind, key)]
     return min(times, key=lambda name: times[name])
 

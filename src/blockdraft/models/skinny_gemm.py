@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import functools
 import os
+import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from blockdraft.models.graphs import power_of_two_at_least
 from blockdraft.models.kernel_choice import fastest, kernel_wins
+from blockdraft.models.warm_costs import TUNING, charge
 
 MAX_ROWS = 64  # more rows than this are compute, not weight reads: cuBLAS
 WEIGHTS_FIRST_MAX_ROWS = 128  # `_weights_first_kernel`'s rows are its dot's N side, 128 of them a tile at most: a
@@ -43,6 +46,24 @@ try:
     import triton.language as tl
 except ImportError:  # no Triton (a CPU install): F.linear everywhere
     triton = None
+
+
+class Tuning:
+    """A Triton autotuner whose launches say when they tuned: a key it had not met (every config compiled and timed,
+    or read from the disk cache) is charged to `warm_costs`, so that a start-up can say what tuning cost it."""
+
+    def __init__(self, tuner: Any) -> None:
+        self.tuner = tuner
+
+    def __getitem__(self, grid: Callable[..., tuple[int, ...]]) -> Callable[..., None]:
+        launch = self.tuner[grid]
+
+        def run(*args: Any, **kwargs: Any) -> None:
+            known, began = len(self.tuner.cache), time.perf_counter()
+            launch(*args, **kwargs)
+            if len(self.tuner.cache) > known:
+                charge(TUNING, time.perf_counter() - began, len(self.tuner.cache) - known)
+        return run
 
 
 KERNEL_MIN_CAPABILITY = (8, 0)  # the kernels' bf16 dots and Triton's supported GPUs: Ampere and newer
@@ -319,13 +340,13 @@ if triton is not None:
         for n, k, splits, w, s in ((64, 64, 1, 4, 6), (64, 128, 1, 4, 4), (128, 64, 1, 4, 4), (64, 128, 2, 4, 4),
                                    (64, 128, 4, 4, 4), (64, 64, 2, 4, 6), (128, 128, 2, 8, 3), (64, 256, 2, 4, 3))]
 
-    _tuned_weights_first = triton.autotune(
+    _tuned_weights_first = Tuning(triton.autotune(
         configs=WEIGHTS_FIRST_CONFIGS,
         key=["N", "K", "ROWS", "GLU", "NORM", "RESIDUAL"],
         prune_configs_by={"early_config_prune": lambda configs, named_args, **kwargs: [
             c for c in configs if c.kwargs["SPLITS"] == 1 or named_args["N"] <= SPLIT_MAX_N]},
         cache_results=TUNED_ON_DISK,
-    )(_weights_first_kernel)
+    )(_weights_first_kernel))
 
     GEMV_CONFIGS = [  # many small programs: a one-row product is the weights' read and nothing else
         triton.Config({"BLOCK_N": n, "BLOCK_K": k, "SPLITS": 1}, num_warps=w, num_stages=s)
@@ -333,36 +354,36 @@ if triton is not None:
                            (8, 256, 4, 4), (8, 512, 4, 3), (8, 1024, 8, 3), (16, 256, 4, 4), (16, 512, 8, 3),
                            (32, 256, 8, 3))]
 
-    _tuned_gemv = triton.autotune(
+    _tuned_gemv = Tuning(triton.autotune(
         configs=GEMV_CONFIGS,
         key=["N", "K", "GLU", "NORM", "RESIDUAL"],  # and the tensors' dtypes, which the autotuner adds to every key
         cache_results=TUNED_ON_DISK,
-    )(_gemv_kernel)
+    )(_gemv_kernel))
 
     SPLIT_GEMV_CONFIGS = [  # K split 2-8 ways: a narrow product's (o_proj, down, q|k|v) long rows in shorter streams
         triton.Config({"BLOCK_N": n, "BLOCK_K": k, "SPLITS": splits}, num_warps=w, num_stages=s)
         for n, k, splits, w, s in ((2, 1024, 2, 4, 3), (4, 512, 2, 4, 4), (4, 512, 4, 4, 4), (8, 256, 2, 4, 4),
                                    (8, 256, 4, 4, 4), (8, 512, 2, 4, 3), (16, 256, 2, 4, 4), (4, 256, 8, 4, 4))]
 
-    _tuned_split_gemv = triton.autotune(
+    _tuned_split_gemv = Tuning(triton.autotune(
         configs=SPLIT_GEMV_CONFIGS, key=["N", "K", "GLU", "NORM", "RESIDUAL"], cache_results=TUNED_ON_DISK,
-    )(_gemv_kernel)
+    )(_gemv_kernel))
 
     GEMV_ROWS_CONFIGS = [  # 8-16 features a tile: a [rows x features x K tile] of running products in registers
         triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
         for n, k, w, s in ((16, 256, 4, 3), (16, 128, 2, 3), (8, 128, 2, 3), (8, 256, 4, 3), (16, 512, 8, 3))]
 
-    _tuned_gemv_rows = triton.autotune(
+    _tuned_gemv_rows = Tuning(triton.autotune(
         configs=GEMV_ROWS_CONFIGS, key=["N", "K", "ROWS", "GLU", "NORM", "RESIDUAL"], cache_results=TUNED_ON_DISK,
-    )(_gemv_rows_kernel)
+    )(_gemv_rows_kernel))
 
-    _tuned_kernel = triton.autotune(  # each (N, K, rows) shape picks its tiles on first use (before graph capture)
+    _tuned_kernel = Tuning(triton.autotune(  # each (N, K, rows) shape picks its tiles on first use (before graph capture)
         configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
                  for n, k, w, s in ((16, 256, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3), (32, 128, 4, 4),
                                     (64, 128, 4, 3), (16, 1024, 8, 2), (32, 512, 8, 3))],
         key=["N", "K", "ROWS", "NORM"],
         cache_results=TUNED_ON_DISK,
-    )(_skinny_kernel)
+    )(_skinny_kernel))
 
 
 def _rows(x: torch.Tensor) -> int:

@@ -8,14 +8,15 @@ still its batch-1 ids (the decoder's lossless tests).
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 
 from blockdraft.decoding.draft import Proposer
-from blockdraft.engine.batch import BatchDecoder, Request, bucket_sizes
+from blockdraft.engine.batch import BatchDecoder, Request, Sequence, warm_buckets
 from blockdraft.engine.measured import MeasuredSchedule
-from blockdraft.engine.schedule import Schedule
+from blockdraft.engine.schedule import Candidate, Schedule
 from blockdraft.engine.switching import SwitchingProposer
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.static_cache import SLOT_STEP
@@ -25,6 +26,12 @@ from blockdraft.serve.jobs import Failed, Finished, Job
 from blockdraft.serve.job_run import JobRun
 
 _WARMUP_TOKENS = 4
+
+
+def _use(candidate: Candidate, seq: Sequence) -> None:
+    """A warm-up sequence drafts as the schedule's `candidate`."""
+    assert isinstance(seq.proposer, SwitchingProposer)
+    seq.proposer.use(candidate)
 
 
 class BatchedEngine:
@@ -85,13 +92,7 @@ class BatchedEngine:
         try:
             for prompt in prompts:
                 for candidate in table.candidates if table is not None else [None]:
-                    for size in bucket_sizes(decoder.max_seqs):
-                        decoder.join_many([Request(prompt, tokens)] * size)
-                        for seq in decoder.running if candidate is not None else []:
-                            assert isinstance(seq.proposer, SwitchingProposer)
-                            seq.proposer.use(candidate)
-                        while decoder.running:
-                            decoder.step()
+                    warm_buckets(decoder, prompt, tokens, None if candidate is None else partial(_use, candidate))
         finally:
             decoder.schedule = schedule
 

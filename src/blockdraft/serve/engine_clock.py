@@ -13,24 +13,17 @@ and says what a slow step did: how many CUDA graphs it captured and how many tor
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable
 
 from blockdraft.engine.measured import bucket_of, bucket_range
 from blockdraft.models.graphs import graphs_captured
+from blockdraft.models.warm_costs import compilations
 from blockdraft.serve.messages import EngineTime
 
 REPORT_EVERY_S = 1.0  # at most one report a second while busy (and one whenever the thread goes idle)
 SLOW_STEP_S = 0.25  # a step this long is named in a line of its own ...
 SAY_EVERY_S = 5.0  # ... at most one line this often (the others counted in it)
-
-
-def compilations() -> int:
-    """torch.compile compilations in this process so far (dynamo's count of the graphs it compiled; none while
-    dynamo was never imported, which this does not do: the import takes seconds)."""
-    utils = sys.modules.get("torch._dynamo.utils")
-    return 0 if utils is None else int(utils.counters["stats"]["unique_graphs"])
 
 
 class EngineClock:

@@ -10,7 +10,6 @@ closes (the HTTP process is gone).
 from __future__ import annotations
 
 import signal
-import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -48,6 +47,7 @@ from blockdraft.serve.relay import Outbox
 from blockdraft.serve.self_check import check_prompts, self_check
 from blockdraft.serve.sequential import SequentialEngine
 from blockdraft.serve.settings import ServeSettings
+from blockdraft.serve.startup_clock import StartupClock
 from blockdraft.serve.worker import Worker
 
 
@@ -68,10 +68,10 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
                  outbox: Outbox) -> tuple[Worker, EngineInfo]:
     """Load, pick the method's sizes, self-check and warm up; the worker is running when this returns."""
     method = settings.served_method
+    clock = StartupClock()
     say(f"loading target {settings.target}" + (f" and drafter {drafter_dir}" if drafter_dir else "") + " ...")
-    began = time.perf_counter()
-    loaded = Loaded(settings.target, drafter_dir, settings.device, settings.dtype, settings.engine)
-    loaded_s = time.perf_counter() - began
+    with clock.phase("loading") as loading:
+        loaded = Loaded(settings.target, drafter_dir, settings.device, settings.dtype, settings.engine)
     target = loaded.target
     if target.device.type == "cuda":
         # The GPU does the work; the host only launches. One intra-op thread, as vLLM's processes run (OMP_NUM_THREADS
@@ -108,7 +108,12 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
             say("--schedule auto: the default on a GPU with continuous batching (the measured schedule served "
                 "1.02-1.04x the best fixed method at 1-64 concurrent requests); --method or --schedule off serve "
                 "one method")
-        schedule = _schedule(chosen, seqs, drafter_dir or "", loaded, depth, tree_budget, stops, say, settings)
+        with clock.phase("schedule") as scheduling:
+            schedule, source = _schedule(chosen, seqs, drafter_dir or "", loaded, depth, tree_budget, stops, say,
+                                         settings)
+        say(f"schedule ({source}; acceptance: {schedule.acceptance}): "
+            + ", ".join(f"batch {e.batch}: {e.choice.label} ({e.gain:.2f}x AR)" for e in schedule.entries)
+            + f"; took {scheduling}")
         depth = loaded.drafter.cfg.block_size - 1  # what a scheduled step may draft, as the metrics count it
     info = EngineInfo(
         tokenizer=loaded.tokenizer, vocab_size=target.embedding_weight.shape[0], max_model_len=model_len, eos_ids=stops,
@@ -122,12 +127,12 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
     if settings.lookup and budget is not None and depth is not None:
         sizes += f", each holding a prompt-lookup chain of up to {chain_room(settings.lookup, budget, depth)} tokens"
     say(f"method {method}{sizes} on {target.device.type} ({dtype}, engine {target.engine}); --method, --budget "
-        f"and --draft-tokens change it (loaded in {loaded_s:.1f} s)")
+        f"and --draft-tokens change it (loaded in {loading})")
     if settings.self_check and loaded.drafter is not None and depth is not None:
-        began = time.perf_counter()
-        check = self_check(target, loaded.drafter, loaded.tokenizer, depth, stops, settings.expect,
-                           Path(drafter_dir) if drafter_dir else None)
-        say(f"self-check passed: {check.summary} ({time.perf_counter() - began:.1f} s)")
+        with clock.phase("self-check") as checking:
+            check = self_check(target, loaded.drafter, loaded.tokenizer, depth, stops, settings.expect,
+                               Path(drafter_dir) if drafter_dir else None)
+        say(f"self-check passed: {check.summary} ({checking})")
     engine: SequentialEngine | BatchedEngine
     if schedule is not None:
         largest = max((c.budget or 0 for c in schedule.candidates), default=0) or 1
@@ -146,11 +151,11 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
     if seqs > 1:
         say(f"continuous batching: up to {seqs} requests decode together (--max-num-seqs)")
     worker = Worker(engine, lambda job: outbox.send(Started(job.spec.job_id)), EngineClock(outbox.send, say))
-    began = time.perf_counter()
-    worker.start(warmup_ids=check_prompts(loaded.tokenizer, target.vocab_size)[0])
-    warmed = f"warmed up in {time.perf_counter() - began:.1f} s"
-    say(warmed + " (kernels compiled and CUDA graphs captured now, so no request waits for them)" if fast_gpu
-        else warmed)
+    with clock.phase("warm-up") as warming:
+        worker.start(warmup_ids=check_prompts(loaded.tokenizer, target.vocab_size)[0])
+    say(f"warmed up in {warming}" + (" (kernels compiled and timed, CUDA graphs captured now, so no request waits "
+                                     "for them)" if fast_gpu else ""))
+    say(clock.summary())
     return worker, info
 
 
@@ -167,9 +172,9 @@ def schedule_choice(settings: ServeSettings, seqs: int, plain_drafter: bool, fas
 
 
 def _schedule(choice: str, seqs: int, drafter_dir: str, loaded: Loaded, depth: int, budget: int,
-              stops: tuple[int, ...], say: Callable[[str], None], settings: ServeSettings) -> Schedule:
+              stops: tuple[int, ...], say: Callable[[str], None], settings: ServeSettings) -> tuple[Schedule, str]:
     """--schedule FILE (from `blockdraft tune`, checked against this pair and device) or auto (tuned now, the
-    trees' tau measured with the --lookup chain they will hold)."""
+    trees' tau measured with the --lookup chain they will hold), and where it came from."""
     target, drafter = loaded.target, loaded.drafter
     assert drafter is not None
     if choice == "auto":
@@ -189,9 +194,7 @@ def _schedule(choice: str, seqs: int, drafter_dir: str, loaded: Loaded, depth: i
         if too_deep:
             raise BlockdraftError(f"--schedule {source} drafts {too_deep[0]}, more than this drafter's {most} tokens "
                                   "per block; run `blockdraft tune` for this drafter")
-    say(f"schedule ({source}; acceptance: {schedule.acceptance}): "
-        + ", ".join(f"batch {e.batch}: {e.choice.label} ({e.gain:.2f}x AR)" for e in schedule.entries))
-    return schedule
+    return schedule, source
 
 
 def serve_commands(commands: Connection, worker: Worker, outbox: Outbox) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable
 from types import FrameType
 
@@ -61,6 +62,7 @@ class BlockdraftServer:
     """A started engine and an app bound to its port; `run()` serves until stopped."""
 
     def __init__(self, settings: ServeSettings, say: Callable[[str], None]) -> None:
+        began = time.perf_counter()
         method = settings.served_method
         if method not in METHODS:
             raise BlockdraftError(f"--method {method!r} is not one of {', '.join(METHODS)}")
@@ -96,7 +98,8 @@ class BlockdraftServer:
         self._server = _DrainingServer(config, lambda: threading.Thread(
             target=self.engine.drain, args=(settings.drain_timeout,), daemon=True).start())
         say(f"serving {name!r} at {self.url}/v1 (OpenAI API; also /health and /metrics); max-model-len "
-            f"{info.max_model_len}, up to {settings.max_queue} waiting requests; Ctrl-C or SIGTERM drains and stops")
+            f"{info.max_model_len}, up to {settings.max_queue} waiting requests; ready {time.perf_counter() - began:.1f} "
+            "s after start-up began; Ctrl-C or SIGTERM drains and stops")
 
     def run(self) -> None:
         """Serve until a stop signal (or `stop()`), drain, and return; the caller then exits 0."""
