@@ -27,7 +27,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from blockdraft.models.kernel_choice import choices
+from blockdraft.kernels.kernel_choice import choices
 from blockdraft.numbers import int_list
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -61,7 +61,7 @@ def main() -> None:
     args = parser.parse_args()
     from blockdraft.engine.schedule import AR, AcceptanceProfile, Candidate, choose, render
     from blockdraft.engine.tune import measure_costs, verify_seconds
-    from blockdraft.models.fast_target import FastTarget
+    from blockdraft.fast.target import FastTarget
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

@@ -114,7 +114,7 @@ def main() -> None:
     from blockdraft.decoding.sampling import SamplingParams
     from blockdraft.engine.schedule import AR, Candidate
     from blockdraft.engine.switching import SwitchingProposer
-    from blockdraft.models.graphs import graphs_captured
+    from blockdraft.fast.graphs import graphs_captured
     from blockdraft.pair import Loaded, default_drafter
     from blockdraft.prompting import encode_messages
     from blockdraft.serve.batched import BatchedEngine

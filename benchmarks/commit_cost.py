@@ -24,7 +24,7 @@ from conftest import make_drafter, make_target_model  # noqa: E402  (the tests' 
 
 from blockdraft.decoding.methods import build_proposer  # noqa: E402
 from blockdraft.engine.batch import BatchDecoder  # noqa: E402
-from blockdraft.models.fast_target import FastTarget  # noqa: E402
+from blockdraft.fast.target import FastTarget  # noqa: E402
 
 
 def main() -> None:

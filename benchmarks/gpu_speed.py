@@ -3,7 +3,7 @@
 Part 1 (always): a Qwen3-8B-shaped target and a published-shape DFlash drafter (5 layers, B=16) with random bf16
 weights, batch 1, a 1K context. Per engine (hf = HF forward, fast = FastTarget with compiled ops + CUDA graphs,
 fast-graphs = FastTarget without torch.compile, fast-eager = no graphs either, fast-kernels = fast with the
-weight products from `models/skinny_gemm.py`'s Triton kernel, fast-stepwise = fast with greedy steps launched op by
+weight products from `kernels/skinny_gemm.py`'s Triton kernel, fast-stepwise = fast with greedy steps launched op by
 op instead of `decoding/fused_steps.py`'s two graphs and one read; end to end also fast-batched and
 fast-batched-stepwise = each prompt alone through the batch decoder, a server's lone request): AR step, DFlash verify (16 rows),
 drafter pass and context extension (the eager drafter under hf, the static FastDrafter under the fast engines,
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from blockdraft.decoding.fused_steps import FusedSteps
-from blockdraft.models.kernel_choice import choices
+from blockdraft.kernels.kernel_choice import choices
 from blockdraft.numbers import count_list, int_list
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -223,7 +223,7 @@ def build_synthetic(shape: str, device: torch.device, dtype: torch.dtype) -> tup
 
 
 def make_engine(name: str, model: Any) -> Any:
-    from blockdraft.models.fast_target import FastTarget
+    from blockdraft.fast.target import FastTarget
     from blockdraft.models.target import Target
 
     if name == "hf":
@@ -420,15 +420,15 @@ def e2e(args: argparse.Namespace, rec: Recorder) -> None:
     from blockdraft.decoding.warm import warm_decode
     from blockdraft.engine.batch import BatchDecoder
     from blockdraft.bench.steady import warm_until_steady
-    from blockdraft.models.graphs import graphs_captured
+    from blockdraft.fast.graphs import graphs_captured
     from blockdraft.models.loading import load_drafter, load_target
-    from blockdraft.models.warm_costs import CAPTURING, COMPILING, TIMING, warm_costs
+    from blockdraft.kernels.warm_costs import CAPTURING, COMPILING, TIMING, warm_costs
 
     device, n = args.device, args.max_new_tokens
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(
         args.e2e_dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
     log(f"e2e dtype {dtype}")
-    hf_target, tokenizer = load_target(args.target, device, dtype, engine="hf")
+    hf_target, tokenizer = load_target(args.target, device, dtype)
     model = hf_target.model
     drafter = load_drafter(args.drafter, hf_target)
     prompts = [encode_item(item, tokenizer) for item in load_prompt_set(args.prompts, limit=args.limit)]

@@ -35,8 +35,8 @@ from rich.table import Table
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from blockdraft.models import block_attention, flash_decode, qkv_rope, skinny_gemm
-from blockdraft.models.flash_decode import BLOCK_KEYS, BLOCK_ROWS
+from blockdraft.kernels import block_attention, flash_decode, qkv_rope, skinny_gemm
+from blockdraft.kernels.flash_decode import BLOCK_KEYS, BLOCK_ROWS
 from blockdraft.numbers import int_list
 
 TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"

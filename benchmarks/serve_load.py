@@ -41,6 +41,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -629,7 +630,7 @@ def main() -> None:
         for method in methods:  # every server up first: the levels then rotate between them
             console.print(f"# {method}: loading in-process ...")
             local = InProcess(args, "ddtree" if method == SCHEDULE else method)
-            warm_until_steady(lambda: local.run(prompts[0], args.max_tokens))  # as the server warms before serving
+            warm_until_steady(partial(local.run, prompts[0], args.max_tokens))  # as the server warms before serving
             console.print(f"# {method}: starting the server ...")
             servers[method] = server = Server(args, method, local.budget, local.draft_tokens)
             assert server.url is not None

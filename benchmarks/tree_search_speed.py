@@ -4,7 +4,7 @@ search, read back, token gather), and whether both gave the same trees. Sets `dd
 the kernel) and `ddtree.DEVICE_SEARCH_NODES` (without), from which a GPU searches there. "rows":
 `ddtree.trees_on_device`, what a greedy DDTree step of the fast engine runs (top-k, search and the verify rows),
 with the read of the trees' shape it makes together with the verify's picks, by the tensor search (one graph
-replay) and by the tree kernel (`decoding/tree_kernel.py`).
+replay) and by the tree kernel (`kernels/tree_search.py`).
 
     python3 benchmarks/tree_search_speed.py --device cuda --slots 15 --vocab 49152
 """
@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from blockdraft.decoding.ddtree import DEVICE_SEARCH_NODES, KERNEL_SEARCH_TREES, build_trees, trees_on_device
-from blockdraft.decoding.tree_kernel import kernel_runs
+from blockdraft.kernels.tree_search import kernel_runs
 from blockdraft.numbers import int_list
 
 

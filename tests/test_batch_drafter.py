@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockdraft.models.fast_batch_drafter import BatchDrafter
-from blockdraft.models.fast_drafter import FastDrafter
-from blockdraft.models.fast_target import FastTarget
+from blockdraft.fast.batch_drafter import BatchDrafter
+from blockdraft.fast.drafter import FastDrafter
+from blockdraft.fast.target import FastTarget
 
 from conftest import HIDDEN, make_target_model
 from test_fast_drafter import VARIANTS, drafter_for
@@ -73,8 +73,8 @@ def test_dropping_every_graph_takes_a_new_pool(monkeypatch) -> None:
     memory taken in it lives on (H200, session 16). Pool handles are counted here, no GPU needed."""
     from itertools import count
 
-    from blockdraft.models import fast_drafter
-    from blockdraft.models.fast_batch import BatchForward, BatchKV
+    from blockdraft.fast import drafter as fast_drafter
+    from blockdraft.fast.batch import BatchForward, BatchKV
 
     handles = count()
     monkeypatch.setattr(fast_drafter.torch.cuda, "graph_pool_handle", lambda: next(handles))

@@ -17,8 +17,8 @@ from blockdraft.engine.batch import BatchDecoder, Request, generate_batch
 from blockdraft.errors import BlockdraftError
 from blockdraft.decoding.draft import Draft
 from blockdraft.engine.verifiers import SlotVerifier, pack_rows
-from blockdraft.models.fast_batch import BatchForward, BatchKV, forward_batch
-from blockdraft.models.fast_target import FastTarget
+from blockdraft.fast.batch import BatchForward, BatchKV, forward_batch
+from blockdraft.fast.target import FastTarget
 from blockdraft.models.target import Target
 
 from conftest import HIDDEN, TARGET_LAYERS, VOCAB, make_drafter, make_target_model
@@ -435,7 +435,7 @@ def test_scheduled_ar_steps_leave_the_drafter_context_for_later_and_draft_the_sa
     from blockdraft.engine import batch
     from blockdraft.engine.schedule import AR, Candidate
     from blockdraft.engine.switching import SwitchingProposer
-    from blockdraft.models.fast_batch_drafter import BatchDrafter
+    from blockdraft.fast.batch_drafter import BatchDrafter
 
     class Script:
         """AR for the first 7 steps, then the chain for 3, then AR again."""

@@ -17,7 +17,7 @@ from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.engine.batch import BatchDecoder
 from blockdraft.engine.schedule import AR, Candidate
 from blockdraft.engine.switching import SwitchingProposer
-from blockdraft.models.fast_target import FastTarget
+from blockdraft.fast.target import FastTarget
 
 from test_batched_decode import prompts
 

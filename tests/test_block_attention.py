@@ -1,4 +1,4 @@
-"""The compact-mask attention kernel (models/block_attention.py) against `decode_attention` under `attention_bias`,
+"""The compact-mask attention kernel (kernels/block_attention.py) against `decode_attention` under `attention_bias`,
 the fast engine's reference: chains, trees and sliding windows, GQA folds, sequences of different committed lengths
 reading their own slots of one cache, and garbage (NaN) in the cache past each sequence's keys.
 
@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockdraft.models.block_attention import block_attention, block_attention_runs
-from blockdraft.models.fast_ops import attention_bias, decode_attention
-from blockdraft.models.skinny_gemm import kernel_available
+from blockdraft.kernels.block_attention import block_attention, block_attention_runs
+from blockdraft.fast.ops import attention_bias, decode_attention
+from blockdraft.kernels.skinny_gemm import kernel_available
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(not kernel_available(DEVICE),
@@ -70,7 +70,7 @@ def test_the_kernel_is_decode_attention_under_the_dense_mask(t: int, groups: int
 def test_merging_in_the_last_split_is_the_combine_launch_and_leaves_its_counts_zero() -> None:
     """The merging variant (each row block's last split merges, counted atomically) gives the two-launch kernel's
     output exactly, and leaves every count at zero, as the next launch (a graph's replay) needs."""
-    from blockdraft.models.skinny_gemm import zeroed_counters
+    from blockdraft.kernels.skinny_gemm import zeroed_counters
 
     generator = torch.Generator().manual_seed(7)
     lengths, t, groups, heads, d = [70, 3, 300], 2, 4, 2, 16
@@ -90,7 +90,7 @@ def test_merging_in_the_last_split_is_the_combine_launch_and_leaves_its_counts_z
 def test_counters_a_larger_shape_outgrows_stay_alive_for_the_graphs_captured_on_them() -> None:
     """`zeroed_counters` grows for a shape that needs more counts (a wide product's weights-first tiles), and keeps the
     buffer it replaced: a CUDA graph captured on it holds its address, not a reference."""
-    from blockdraft.models import skinny_gemm
+    from blockdraft.kernels import skinny_gemm
 
     old = skinny_gemm.zeroed_counters(DEVICE, 1)
     new = skinny_gemm.zeroed_counters(DEVICE, old.numel() + 1)
@@ -113,7 +113,7 @@ def test_it_runs_only_where_it_can() -> None:
 def test_merged_heads_are_the_output_transposed_as_o_proj_reads_it(t: int, groups: int, merge: bool) -> None:
     """With `merged_heads` the kernel (either way of merging its splits) stores [B, t, heads * d]: exactly
     `merge_heads` of its own [B, G, groups * t, d] output, with no transpose kernel after it."""
-    from blockdraft.models.fast_ops import merge_heads
+    from blockdraft.fast.ops import merge_heads
 
     generator = torch.Generator().manual_seed(t + groups)
     lengths, kv_heads, d = [0, 40, 130], 2, 16
@@ -155,13 +155,13 @@ def test_one_split_a_sequence_stores_the_output_with_no_combine_and_no_count(mon
     """Where the programs leave each sequence one split (the 8B shape's 64 sequences of one row), that split stores
     the output itself: no combine launch and no atomic count, either way of merging, and still the attention (a
     sequence with no committed key, one longer than a key block, a window)."""
-    from blockdraft.models import flash_decode
+    from blockdraft.kernels import flash_decode
 
     def no_combine(*_: object) -> None:
         raise AssertionError("the combine kernel ran for one split a sequence")
 
     monkeypatch.setattr(flash_decode, "_combine_kernel", type("NoLaunch", (), {"__getitem__": no_combine})())
-    monkeypatch.setattr("blockdraft.models.block_attention.zeroed_counters", no_combine)
+    monkeypatch.setattr("blockdraft.kernels.block_attention.zeroed_counters", no_combine)
     generator = torch.Generator().manual_seed(11)
     lengths, kv_heads, groups, t, d, window = [0, 70, 150], 2, 4, 1, 16, 100
     cache = torch.randn(2, 3, kv_heads, 256, d, generator=generator).to(DEVICE)

@@ -19,7 +19,7 @@ from blockdraft.decoding.draft import DFlashProposer
 from blockdraft.decoding.generate import generate
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.drafter import DFlashDrafter, apply_rope, sink_attention
-from blockdraft.models.fast_drafter import fast_drafter_problem
+from blockdraft.fast.drafter import fast_drafter_problem
 from blockdraft.models.target import Target
 
 from conftest import drafter_raw_config, make_target_model

@@ -18,7 +18,7 @@ from blockdraft.decoding.methods import build_proposer
 from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.drafter import DFlashDrafter
-from blockdraft.models.fast_target import FastTarget
+from blockdraft.fast.target import FastTarget
 from blockdraft.models.loading import load_drafter, save_drafter
 from blockdraft.models.target import Target
 

@@ -14,10 +14,10 @@ import torch
 from blockdraft.decoding.draft import DFlashProposer
 from blockdraft.decoding.generate import generate
 from blockdraft.decoding.methods import build_proposer
-from blockdraft.models import fast_drafter as fast_drafter_mod
+from blockdraft.fast import drafter as fast_drafter_mod
 from blockdraft.models.drafter import DFlashDrafter
-from blockdraft.models.fast_drafter import FastDrafter
-from blockdraft.models.fast_target import FastTarget
+from blockdraft.fast.drafter import FastDrafter
+from blockdraft.fast.target import FastTarget
 from blockdraft.models.target import Target
 
 from conftest import HIDDEN, make_drafter, make_target_model

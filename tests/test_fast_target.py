@@ -16,12 +16,13 @@ from blockdraft.decoding.draft import Draft
 from blockdraft.decoding.generate import generate
 from blockdraft.decoding.methods import build_proposer
 from blockdraft.errors import BlockdraftError
-from blockdraft.models import fast_target as fast_mod
-from blockdraft.models.fast_target import FastTarget, graph_rows, pack_prompts, prefill_rows
-from blockdraft.models.fast_batch import BatchKV
-from blockdraft.models.fast_ops import CompiledOrPlain, LayerOps, glu
-from blockdraft.models.loading import load_target, make_target
-from blockdraft.models.static_cache import KVStorage
+from blockdraft.fast import target as fast_mod
+from blockdraft.fast.target import FastTarget, graph_rows, pack_prompts, prefill_rows
+from blockdraft.fast.batch import BatchKV
+from blockdraft.fast.ops import CompiledOrPlain, LayerOps, glu
+from blockdraft.fast.engines import make_target
+from blockdraft.models.loading import load_target
+from blockdraft.fast.static_cache import KVStorage
 from blockdraft.models.target import Target, TargetOutput
 
 from conftest import HIDDEN, TARGET_LAYERS, VOCAB, make_drafter, make_target_model
@@ -293,12 +294,12 @@ def test_engine_choice(qwen3_model: torch.nn.Module) -> None:
 
 def test_unsupported_model_with_engine_fast_is_a_user_error(tmp_path: Path) -> None:
     GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=64)).save_pretrained(tmp_path)
+    hf, _ = load_target(str(tmp_path), torch.device("cpu"), torch.float32)
     with pytest.raises(BlockdraftError) as info:
-        load_target(str(tmp_path), torch.device("cpu"), torch.float32, engine="fast")
+        make_target(hf.model, "fast")
     message = str(info.value)
     assert "model_type 'gpt2'" in message and "--engine hf" in message and "\n" not in message
-    target, _ = load_target(str(tmp_path), torch.device("cpu"), torch.float32, engine="auto")
-    assert type(target) is Target
+    assert type(make_target(hf.model, "auto")) is Target
 
 
 def test_cli_engine_flag(tiny_dirs: tuple[Path, Path]) -> None:

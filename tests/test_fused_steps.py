@@ -12,19 +12,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from blockdraft.decoding.ddtree import _tree_rows, build_tree
-from blockdraft.decoding import argmax_kernel
+from blockdraft.kernels import argmax as argmax_kernel
 from blockdraft.decoding import fused_steps as fused_steps_module
-from blockdraft.decoding import walk_kernel
+from blockdraft.kernels import walk as walk_kernel
 from blockdraft.decoding.fused_steps import AHEAD, FusedSteps, device_walk, fused_steps
 from blockdraft.decoding.generate import generate
 from blockdraft.decoding.methods import build_proposer
 from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.decoding.verify import walk
-from blockdraft.decoding.walk_kernel import walk_rows
-from blockdraft.models.fast_drafter import FastDrafter
-from blockdraft.models.fast_target import FastTarget
-from blockdraft.models.skinny_gemm import kernel_available
-from blockdraft.models.static_cache import SLOT_STEP
+from blockdraft.kernels.walk import walk_rows
+from blockdraft.fast.drafter import FastDrafter
+from blockdraft.fast.target import FastTarget
+from blockdraft.kernels.skinny_gemm import kernel_available
+from blockdraft.fast.static_cache import SLOT_STEP
 
 KERNEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where the walk kernel's checks run
 

@@ -52,7 +52,7 @@ def test_preferring_fused_units_picks_their_fastest_kernel_where_the_library_was
     won keep the chooser's pick (timings seeded, so no GPU is needed)."""
     import torch
 
-    from blockdraft.models import kernel_choice, skinny_gemm
+    from blockdraft.kernels import kernel_choice, skinny_gemm
 
     monkeypatch.setattr(skinny_gemm, "fastest", skinny_gemm.fastest)
     monkeypatch.setattr(kernel_choice, "_TIMES", {

@@ -22,7 +22,7 @@ from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.engine.batch import BatchDecoder
 from blockdraft.engine.schedule import Candidate
 from blockdraft.engine.switching import SwitchingProposer
-from blockdraft.models.fast_target import FastTarget
+from blockdraft.fast.target import FastTarget
 from blockdraft.models.target import Target
 
 from conftest import make_drafter, make_target_model

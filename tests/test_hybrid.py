@@ -22,7 +22,8 @@ from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.hybrid import DEFAULT_STRATEGY, STRATEGIES, HybridCache, tree_linear_attention, tree_parents
 from blockdraft.models.loading import load_target
-from blockdraft.models.target import Target, TargetCache
+from blockdraft.models.target import Target
+from blockdraft.models.target_cache import TargetCache
 
 from conftest import HIDDEN, TARGET_LAYERS, VOCAB, make_drafter
 from test_ddtree import scattered_path_tree

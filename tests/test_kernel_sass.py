@@ -43,7 +43,7 @@ def test_more_rows_of_the_gemv_issue_more_for_each_weight_element(tmp_path: Path
     """Each tuned config of the GEMV of several rows compiles for sm_90 with the norm epilogue; at 8 rows every one
     issues more instructions per weight element it reads than at 2 (more multiply-adds a loaded weight), which is why
     the GEMV stops at GEMV_MAX_ROWS."""
-    from blockdraft.models.skinny_gemm import GEMV_ROWS_CONFIGS
+    from blockdraft.kernels.skinny_gemm import GEMV_ROWS_CONFIGS
 
     out = tmp_path / "sass.json"
     env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}  # compiled, not run

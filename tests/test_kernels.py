@@ -1,6 +1,6 @@
-"""The fast engine's Triton kernels against their PyTorch references: the few-row GEMM (models/skinny_gemm.py)
-against F.linear, the flash-decoding attention (models/flash_decode.py) against fast_ops.decode_attention, and
-targets on the kernels (their forwards' attention from models/block_attention.py, tested on its own in
+"""The fast engine's Triton kernels against their PyTorch references: the few-row GEMM (kernels/skinny_gemm.py)
+against F.linear, the flash-decoding attention (kernels/flash_decode.py) against fast_ops.decode_attention, and
+targets on the kernels (their forwards' attention from kernels/block_attention.py, tested on its own in
 test_block_attention.py) against targets without, alone and batched.
 
 The kernels run on a GPU, or on a CPU under Triton's interpreter (conftest sets `TRITON_INTERPRET=1` without CUDA;
@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from blockdraft.decoding.generate import generate
-from blockdraft.models.fast_ops import LayerOps, attention_bias, decode_attention, glu, kernel_attention
-from blockdraft.models.fast_target import FastTarget
-from blockdraft.models.flash_decode import fits
-from blockdraft.models.skinny_gemm import (GEMV_MAX_ROWS, WEIGHTS_FIRST_MAX_ROWS, few_row_glu_linear, few_row_linear,
+from blockdraft.fast.ops import LayerOps, attention_bias, decode_attention, glu, kernel_attention
+from blockdraft.fast.target import FastTarget
+from blockdraft.kernels.flash_decode import fits
+from blockdraft.kernels.skinny_gemm import (GEMV_MAX_ROWS, WEIGHTS_FIRST_MAX_ROWS, few_row_glu_linear, few_row_linear,
                                            gemv_linear, kernel_available, skinny_linear, weights_first_linear)
 
 from conftest import make_drafter, make_target_model
@@ -44,7 +44,7 @@ def test_the_kernel_is_f_linear(rows: int, n: int, k: int, dtype: torch.dtype, b
     """The few-row kernel as the engine routes it, and the one with the weights as the dot's M side
     (`weights_first_linear`, a timed option of `skinny_linear`: K split in parts the last split sums, its counts back
     at zero after each launch), ragged N and K included."""
-    from blockdraft.models import skinny_gemm
+    from blockdraft.kernels import skinny_gemm
 
     generator = torch.Generator().manual_seed(rows * 1000 + n + k)
     x = torch.randn(rows, k, generator=generator).to(DEVICE, dtype)
@@ -64,7 +64,7 @@ def test_the_kernel_is_f_linear(rows: int, n: int, k: int, dtype: torch.dtype, b
 def test_every_weights_first_config_is_f_linear(rows: int, n: int, k: int) -> None:
     """Each tile and split of the weights-first kernel's tuning space (the tuning runs one a shape), ragged N and K,
     bf16 on a GPU (float32 under the interpreter), its counts back at zero."""
-    from blockdraft.models import skinny_gemm
+    from blockdraft.kernels import skinny_gemm
 
     dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
     generator = torch.Generator().manual_seed(rows + n + k)
@@ -81,7 +81,7 @@ def check_every_weights_first_config(run: Callable[[Any], torch.Tensor], want: t
     split counters back at zero after each; at most two configs skipped for want of shared memory."""
     from triton.runtime.errors import OutOfResources
 
-    from blockdraft.models import skinny_gemm
+    from blockdraft.kernels import skinny_gemm
 
     ran = 0
     for config in skinny_gemm.WEIGHTS_FIRST_CONFIGS:
@@ -100,7 +100,7 @@ def check_every_weights_first_config(run: Callable[[Any], torch.Tensor], want: t
 def test_the_weights_first_kernel_leaves_k_whole_past_split_max_n(monkeypatch: pytest.MonkeyPatch) -> None:
     """Products wider than SPLIT_MAX_N features (the LM head) run unsplit, with no partials kept for them: F.linear
     still (a shape of its own, so no earlier launch's tuned split is reused)."""
-    from blockdraft.models import skinny_gemm
+    from blockdraft.kernels import skinny_gemm
 
     monkeypatch.setattr(skinny_gemm, "SPLIT_MAX_N", 8)
     generator = torch.Generator().manual_seed(11)
@@ -158,8 +158,8 @@ def test_the_norming_gemv_is_the_product_of_rms_norm(n: int, k: int, dtype: torc
     K-sum scaled at the end (the normed row not rounded to the dtype first: within the dtype's tolerance of the
     float64 product of HF's normed row), routed by `few_row_norm_linear` (on a GPU: the faster of it and the
     reference); more rows than WEIGHTS_FIRST_MAX_ROWS the reference exactly."""
-    from blockdraft.models.fast_ops import rms_norm
-    from blockdraft.models.skinny_gemm import few_row_norm_linear
+    from blockdraft.fast.ops import rms_norm
+    from blockdraft.kernels.skinny_gemm import few_row_norm_linear
 
     generator = torch.Generator().manual_seed(7 * n + k)
     x = (4 * torch.randn(1, 1, k, generator=generator)).to(DEVICE, dtype)
@@ -189,7 +189,7 @@ def test_the_residual_gemv_adds_the_product_as_hf_rounds_it(dtype: torch.dtype, 
     product rounded to the dtype before the add as HF's residual add sees it; `few_row_residual_linear` gives it
     (or None, on a GPU where it lost: the caller keeps the sum pending), and None for more rows than
     WEIGHTS_FIRST_MAX_ROWS."""
-    from blockdraft.models.skinny_gemm import few_row_residual_linear
+    from blockdraft.kernels.skinny_gemm import few_row_residual_linear
 
     n, k = 40, 72
     generator = torch.Generator().manual_seed(n + k + glu_row)
@@ -219,8 +219,8 @@ def test_every_gemv_config_is_its_product(flags: str) -> None:
     """Each tile of the GEMV's tuning spaces, K whole or split 2-8 ways (the last split to finish sums the parts, the
     norm's squares included), with each epilogue a decode layer uses, against float64: ragged N and K, bf16 on a GPU
     (float32 under the interpreter), the counts back at zero."""
-    from blockdraft.models import skinny_gemm
-    from blockdraft.models.fast_ops import rms_norm
+    from blockdraft.kernels import skinny_gemm
+    from blockdraft.fast.ops import rms_norm
 
     dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
     n, k = 40, 1100  # every config's K really split: 2 to 5 parts with work
@@ -252,7 +252,7 @@ def test_every_config_of_the_gemv_of_several_rows_is_its_product(flags: str, row
     with each epilogue a decode layer uses (gating packed gate|up rows as they load, norming each row as it loads,
     the residual added as HF rounds it), against float64: ragged rows (3 of a 4-row tile), N and K, bf16 on a GPU
     (float32 under the interpreter); the unit shaped as its input."""
-    from blockdraft.models import skinny_gemm
+    from blockdraft.kernels import skinny_gemm
 
     dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
     x, w, b, kwargs, want = epilogue_case(flags, rows, 40, 1100, dtype, seed=rows * 10 + len(flags))
@@ -300,7 +300,7 @@ def test_the_weights_first_kernel_fuses_the_gemvs_epilogues(flags: str, splits: 
     both hold work, the counts back at zero."""
     import triton
 
-    from blockdraft.models import skinny_gemm
+    from blockdraft.kernels import skinny_gemm
 
     x, w, b, kwargs, want = epilogue_case(flags, rows, n, k, dtype, seed=rows + n + k + splits)
     config = triton.Config({"BLOCK_N": 16, "BLOCK_K": 32, "SPLITS": splits}, num_warps=4, num_stages=2)
@@ -333,9 +333,9 @@ def test_the_few_row_units_fuse_up_to_the_weights_first_rows(shape: tuple[int, i
     first option; on a GPU the fastest of the kernels and the reference), shaped as the reference; more rows the
     reference exactly (the residual unit: None, the sum left pending). Each unit's timing key tells a single row
     and each power of two of the GEMV's rows from the weights-first kernel's row tile."""
-    from blockdraft.models import skinny_gemm
-    from blockdraft.models.fast_ops import rms_norm
-    from blockdraft.models.skinny_gemm import few_row_norm_linear, few_row_residual_linear
+    from blockdraft.kernels import skinny_gemm
+    from blockdraft.fast.ops import rms_norm
+    from blockdraft.kernels.skinny_gemm import few_row_norm_linear, few_row_residual_linear
 
     keys: list[tuple] = []
     timed = skinny_gemm.fastest
@@ -395,7 +395,7 @@ def test_the_kernel_engine_may_split_the_gemv_and_the_fast_engine_does_not(monke
     """`LayerOps(kernels=True)` offers the one-row products' K-split GEMV as one more timed option (keyed apart, so
     the fast engine's timings never stand in for it); `LayerOps(few_rows=True)`, the default, does not; neither
     splits the GEMV of several rows, which both offer."""
-    from blockdraft.models import skinny_gemm
+    from blockdraft.kernels import skinny_gemm
 
     offered: list[list[str]] = []
 
@@ -553,7 +553,7 @@ def test_a_prefill_multiplies_with_the_library_and_a_verify_with_the_kernels(mon
                                                                           ) -> None:
     """A prefill's 16-128-row products would each autotune the few-row kernels' configs per row tile on a fresh
     machine (minutes of warm-up for a forward run once a request): its units take F.linear, a verify's the kernels."""
-    from blockdraft.models import skinny_gemm
+    from blockdraft.kernels import skinny_gemm
     launched: list[int] = []
     for name in ("_launch", "weights_first_linear", "gemv_linear"):
         kernel = getattr(skinny_gemm, name)
@@ -638,7 +638,7 @@ def test_where_flash_decoding_does_not_run_it_is_decode_attention_exactly() -> N
 def test_an_option_is_timed_as_calls_back_to_back_in_one_graph() -> None:
     """`kernel_choice._milliseconds` captures CALLS_PER_GRAPH calls in one graph and replays it (a step's graph runs
     its kernels back to back; one call a graph timed the host's launches): every call the graph holds ran."""
-    from blockdraft.models import kernel_choice
+    from blockdraft.kernels import kernel_choice
 
     count = torch.zeros(1, device="cuda")
     milliseconds = kernel_choice._milliseconds(lambda: count.add_(1), calls=4, replays=2)
@@ -649,7 +649,7 @@ def test_an_option_is_timed_as_calls_back_to_back_in_one_graph() -> None:
 def test_a_kernel_runs_a_shape_only_where_it_was_timed_faster(monkeypatch) -> None:
     """`kernel_choice.kernel_wins` on a GPU: both sides timed once per shape, the faster kept and never timed again;
     while a CUDA graph is being captured an untimed shape keeps the library call. (Timings are faked: no GPU here.)"""
-    from blockdraft.models import kernel_choice
+    from blockdraft.kernels import kernel_choice
 
     timed: list[str] = []
     speeds = {"kernel": 1.0, "library": 2.0}
@@ -695,8 +695,8 @@ def test_the_fused_add_norm_product_is_the_engines_composition(rows: int, n: int
                                                                dtype: torch.dtype) -> None:
     """(x + delta, rms_norm(x + delta) @ W^T) from one kernel against the engine's units (HF's RMSNorm numerics):
     the new residual exactly on a GPU, the product to the dtype's rounding."""
-    from blockdraft.models.fast_ops import add_norm_linear, add_rms_norm
-    from blockdraft.models.skinny_gemm import skinny_add_norm_linear
+    from blockdraft.fast.ops import add_norm_linear, add_rms_norm
+    from blockdraft.kernels.skinny_gemm import skinny_add_norm_linear
 
     generator = torch.Generator().manual_seed(rows + n + k)
     x, delta = (torch.randn(rows, k, generator=generator).to(DEVICE, dtype) for _ in range(2))
@@ -746,7 +746,7 @@ def test_a_tree_past_the_two_matmul_rows_attends_through_the_kernel_as_sdpa_does
     path), and a DDTree decode of that size the same ids."""
     from blockdraft.decoding.draft import Draft
     from blockdraft.decoding.methods import build_proposer
-    from blockdraft.models import fast_target
+    from blockdraft.fast import target as fast_target
 
     model = make_target_model("qwen3").to(DEVICE)
     plain, kernel = FastTarget(model), FastTarget(model)
@@ -816,7 +816,7 @@ def test_a_batch_of_ar_sequences_on_the_gemv_of_several_rows_decodes_their_batch
     from test_batched_decode import sliding_target
 
     from blockdraft.engine.batch import BatchDecoder
-    from blockdraft.models import skinny_gemm
+    from blockdraft.kernels import skinny_gemm
 
     target = FastTarget((sliding_target().model if sliding else make_target_model("qwen3")).to(DEVICE))
     target.ops = LayerOps(False, qkv_kernel=True, few_rows=True, attention_kernel=True)
@@ -845,7 +845,7 @@ def test_a_batch_of_ar_sequences_on_the_gemv_of_several_rows_decodes_their_batch
 def test_the_attention_offers_its_wide_launch_and_it_attends_alike(monkeypatch: pytest.MonkeyPatch) -> None:
     """The compact-mask attention's timed options include the split kernel on 8 warps (`WIDE_LAUNCH`), at the
     default program budget and at twice it; chosen, each gives the default launch's logits."""
-    from blockdraft.models import fast_ops
+    from blockdraft.fast import ops as fast_ops
 
     target = FastTarget(make_target_model("qwen3").to(DEVICE))
     target.ops = LayerOps(False, attention_kernel=True)
@@ -881,8 +881,9 @@ def test_a_forward_builds_its_dense_bias_only_where_the_library_attends(attentio
     (the sliding target has two: full and windowed layers), never where the kernel runs every layer."""
     from test_batched_decode import sliding_target
 
-    from blockdraft.models import fast_batch, fast_ops
-    from blockdraft.models.fast_batch import BatchKV, forward_batch
+    from blockdraft.fast import batch as fast_batch
+    from blockdraft.fast import ops as fast_ops
+    from blockdraft.fast.batch import BatchKV, forward_batch
 
     target = FastTarget(sliding_target().model.to(DEVICE))
     target.ops = LayerOps(False, attention_kernel=True)
@@ -921,7 +922,7 @@ def test_a_forward_builds_its_dense_bias_only_where_the_library_attends(attentio
 
 def test_the_kernels_run_only_on_gpus_triton_serves(monkeypatch) -> None:
     """On a GPU older than Ampere the engine keeps the library calls (the q|k|v kernel is on by default on CUDA)."""
-    from blockdraft.models import skinny_gemm
+    from blockdraft.kernels import skinny_gemm
 
     if skinny_gemm.triton is None:
         pytest.skip("Triton is not installed")

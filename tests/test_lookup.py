@@ -17,7 +17,7 @@ from blockdraft.decoding.lookup import MAX_NGRAM, MIN_NGRAM, LookupTreeProposer,
 from blockdraft.decoding.methods import build_proposer
 from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.errors import BlockdraftError
-from blockdraft.models.fast_target import FastTarget
+from blockdraft.fast.target import FastTarget
 from blockdraft.models.target import Target
 
 from conftest import make_drafter, make_target_model

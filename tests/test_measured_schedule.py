@@ -13,7 +13,7 @@ from blockdraft.engine.batch import BatchDecoder
 from blockdraft.engine.measured import MeasuredSchedule, bucket_label, bucket_of
 from blockdraft.engine.schedule import AR, AcceptanceProfile, Candidate, CostTable, Schedule, choose
 from blockdraft.engine.switching import SwitchingProposer
-from blockdraft.models.fast_target import FastTarget
+from blockdraft.fast.target import FastTarget
 
 from conftest import make_drafter, make_target_model
 

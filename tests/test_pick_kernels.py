@@ -1,5 +1,5 @@
 """The decoding tail's pick kernels against the torch calls they replace: the log-softmax top-k
-(decoding/top_k_kernel.py, DDTree's per-slot scores) and the split argmax (decoding/argmax_kernel.py, the fused
+(kernels/top_k.py, DDTree's per-slot scores) and the split argmax (kernels/argmax.py, the fused
 steps' greedy picks).
 
 They run on a GPU, or on a CPU under Triton's interpreter (conftest sets `TRITON_INTERPRET=1`); the tests skip where
@@ -12,10 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockdraft.decoding import argmax_kernel, top_k_kernel
-from blockdraft.decoding.argmax_kernel import greedy_picks, kernel_argmax
-from blockdraft.decoding.top_k_kernel import chunk_size, kernel_top_k, library_top_k, log_softmax_top_k
-from blockdraft.models.skinny_gemm import kernel_available
+from blockdraft.kernels import argmax as argmax_kernel
+from blockdraft.kernels import top_k as top_k_kernel
+from blockdraft.kernels.argmax import greedy_picks, kernel_argmax
+from blockdraft.kernels.top_k import chunk_size, kernel_top_k, library_top_k, log_softmax_top_k
+from blockdraft.kernels.skinny_gemm import kernel_available
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(not kernel_available(DEVICE),

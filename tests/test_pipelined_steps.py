@@ -10,7 +10,7 @@ import torch
 from blockdraft.decoding.generate import generate
 from blockdraft.decoding.methods import build_proposer
 from blockdraft.engine.batch import BatchDecoder
-from blockdraft.models.fast_target import FastTarget
+from blockdraft.fast.target import FastTarget
 
 from conftest import make_drafter, make_target_model
 from test_batched_decode import prompts

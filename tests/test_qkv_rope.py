@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockdraft.models.fast_ops import batched_qkv_heads, kernel_batched_qkv_heads, kernel_qkv_heads, qkv_heads
-from blockdraft.models.qkv_rope import qkv_rope_runs
-from blockdraft.models.skinny_gemm import kernel_available
+from blockdraft.fast.ops import batched_qkv_heads, kernel_batched_qkv_heads, kernel_qkv_heads, qkv_heads
+from blockdraft.kernels.qkv_rope import qkv_rope_runs
+from blockdraft.kernels.skinny_gemm import kernel_available
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(not kernel_available(DEVICE),

@@ -441,7 +441,7 @@ def test_waiting_jobs_join_together_and_a_bad_one_gets_its_own_400() -> None:
     event. The engine's clock hears the admission and every step, by method."""
     import threading
 
-    from blockdraft.models.fast_target import FastTarget
+    from blockdraft.fast.target import FastTarget
     from blockdraft.serve.batched import BatchedEngine
     from blockdraft.serve.engine_clock import EngineClock
     from blockdraft.serve.jobs import Failed, Finished, Job, JobSpec
@@ -511,8 +511,8 @@ def test_the_warm_up_decodes_full_depth_drafts_at_two_capacities_where_graphs_ar
     """With CUDA graphs the warm-up reserves K/V for --max-model-len, then its decodes reach a whole block's draft
     (the usual verify shape) and a context past the first capacity step at every batch bucket: both shapes were
     otherwise captured by the first requests. (Joins recorded, not run: a CPU cannot capture graphs.)"""
-    from blockdraft.models.fast_target import FastTarget
-    from blockdraft.models.static_cache import SLOT_STEP
+    from blockdraft.fast.target import FastTarget
+    from blockdraft.fast.static_cache import SLOT_STEP
     from blockdraft.serve.batched import BatchedEngine
 
     target = FastTarget(make_target_model("qwen3"))
@@ -540,7 +540,7 @@ def test_the_sequential_warm_up_warms_every_decode_graph_up_to_its_bound(
         monkeypatch, max_model_len: int | None, bound: int) -> None:
     """A sequential server warms the decode of contexts up to min(--max-model-len, the target's 512 positions,
     WARM_POSITIONS): no capture mid-decode within them."""
-    from blockdraft.models.fast_target import FastTarget
+    from blockdraft.fast.target import FastTarget
     from blockdraft.serve import sequential
 
     target = FastTarget(make_target_model("qwen3"))

@@ -1,4 +1,4 @@
-"""The DDTree tree kernel (decoding/tree_kernel.py) against the host heap and the tensor search it replaces.
+"""The DDTree tree kernel (kernels/tree_search.py) against the host heap and the tensor search it replaces.
 
 It runs on a GPU, or on a CPU under Triton's interpreter (conftest sets `TRITON_INTERPRET=1` there; `make test`
 installs Triton): the tests skip where neither is available. The engine's CPU path keeps the tensor search
@@ -13,9 +13,9 @@ import torch
 from blockdraft.decoding import ddtree
 from blockdraft.decoding.ddtree import DDTreeProposer, best_prefixes, build_trees, trees_on_device
 from blockdraft.decoding.generate import generate
-from blockdraft.decoding.tree_kernel import tree_rows
-from blockdraft.models.fast_target import FastTarget
-from blockdraft.models.skinny_gemm import kernel_available
+from blockdraft.kernels.tree_search import tree_rows
+from blockdraft.fast.target import FastTarget
+from blockdraft.kernels.skinny_gemm import kernel_available
 
 from conftest import make_drafter, make_target_model
 

@@ -60,7 +60,7 @@ def test_the_trees_tau_is_measured_holding_the_lookup_chain() -> None:
     from blockdraft.decoding.generate import generate
     from blockdraft.decoding.lookup import LookupTreeProposer
     from blockdraft.engine.tune import auto_schedule, measure_acceptance
-    from blockdraft.models.fast_target import FastTarget
+    from blockdraft.fast.target import FastTarget
 
     torch.manual_seed(0)
     target, drafter = FastTarget(make_target_model("qwen3")), make_drafter("all_full")
@@ -97,7 +97,7 @@ def test_commit_costs_time_the_servers_commit_work_on_every_sequence() -> None:
     from conftest import make_drafter, make_target_model
 
     from blockdraft.engine.tune import measure_costs
-    from blockdraft.models.fast_target import FastTarget
+    from blockdraft.fast.target import FastTarget
 
     target = FastTarget(make_target_model("qwen3"))
     hooks: list[list[list[int]]] = []
@@ -120,7 +120,7 @@ def test_each_speculative_candidate_gets_its_own_commit_cost(monkeypatch: pytest
 
     from blockdraft.engine import tune
     from blockdraft.engine.batch import BatchDecoder
-    from blockdraft.models.fast_target import FastTarget
+    from blockdraft.fast.target import FastTarget
 
     decoders: list[BatchDecoder] = []
 
@@ -159,7 +159,7 @@ def test_a_speculative_step_splits_into_device_time_and_its_own_commit_cost(monk
 
     from blockdraft.engine import tune
     from blockdraft.engine.batch import BatchDecoder
-    from blockdraft.models.fast_target import FastTarget
+    from blockdraft.fast.target import FastTarget
 
     steps: dict[tuple[str, int], float] = {}
     parts = iter(range(1, 1000))

@@ -9,9 +9,9 @@ import torch
 from blockdraft.bench.report import steadiness_note
 from blockdraft.bench.runner import MethodRun, MethodSpec
 from blockdraft.bench.steady import MAX_ROUNDS, first_uses, warm_until_steady
-from blockdraft.models import warm_costs as costs_mod
-from blockdraft.models.fast_ops import LayerOps, glu
-from blockdraft.models.warm_costs import CAPTURING, COMPILING, TIMING, TUNING, WarmCosts, charge, spent, warm_costs
+from blockdraft.kernels import warm_costs as costs_mod
+from blockdraft.fast.ops import LayerOps, glu
+from blockdraft.kernels.warm_costs import CAPTURING, COMPILING, TIMING, TUNING, WarmCosts, charge, spent, warm_costs
 
 
 class FakeClock:

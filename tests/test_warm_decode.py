@@ -12,8 +12,8 @@ from blockdraft.decoding.methods import build_proposer
 from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.decoding.warm import warm_decode
 from blockdraft.engine.switching import SwitchingProposer
-from blockdraft.models.fast_target import FastTarget
-from blockdraft.models.graphs import graphs_captured
+from blockdraft.fast.target import FastTarget
+from blockdraft.fast.graphs import graphs_captured
 from blockdraft.models.target import Target
 
 
@@ -44,7 +44,8 @@ def test_off_a_gpu_warming_captures_nothing_and_the_decode_is_unchanged() -> Non
 def test_warming_a_tree_times_the_top_k_of_every_slot_count_a_decode_meets(monkeypatch) -> None:
     """The steps near max_new_tokens draft fewer slots, each a top-k shape the kernel chooser times where first met:
     warming meets them all (the chooser spied, as on a GPU, where `top_k_runs` holds), so no decode times one."""
-    from blockdraft.decoding import ddtree, top_k_kernel
+    from blockdraft.decoding import ddtree
+    from blockdraft.kernels import top_k as top_k_kernel
 
     keys: list[tuple[object, ...]] = []
     monkeypatch.setattr(top_k_kernel, "kernel_runs", lambda device, k: True)

@@ -24,7 +24,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from blockdraft.decoding.generate import generate
 from blockdraft.decoding.methods import build_proposer
 from blockdraft.engine.batch import BatchDecoder, Request
-from blockdraft.models.fast_target import FastTarget
+from blockdraft.fast.target import FastTarget
 from blockdraft.models.loading import load_drafter
 from blockdraft.pair import EMBEDDED_DRAFTER
 from blockdraft.numbers import int_list

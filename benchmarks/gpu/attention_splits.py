@@ -24,11 +24,11 @@ import sys
 
 import torch
 
-from blockdraft.models.block_attention import block_attention
-from blockdraft.models.fast_batch import batched_attention_bias
-from blockdraft.models.fast_ops import MORE_PROGRAMS, decode_attention
-from blockdraft.models.flash_decode import BLOCK_KEYS, TARGET_PROGRAMS
-from blockdraft.models.kernel_choice import _milliseconds
+from blockdraft.kernels.block_attention import block_attention
+from blockdraft.fast.batch import batched_attention_bias
+from blockdraft.fast.ops import MORE_PROGRAMS, decode_attention
+from blockdraft.kernels.flash_decode import BLOCK_KEYS, TARGET_PROGRAMS
+from blockdraft.kernels.kernel_choice import _milliseconds
 from blockdraft.numbers import int_list
 
 KV_HEADS, GROUPS, HEAD_DIM = 8, 4, 128

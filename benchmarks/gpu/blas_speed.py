@@ -25,7 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_speed import bandwidth  # noqa: E402  (the copy-bandwidth measure every GPU table states)
 
-from blockdraft.models.skinny_gemm import gemv_linear  # noqa: E402
+from blockdraft.kernels.skinny_gemm import gemv_linear  # noqa: E402
 from blockdraft.numbers import int_list  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288),

@@ -24,7 +24,7 @@ from blockdraft.engine.batch import BatchDecoder, Request  # noqa: E402
 from blockdraft.engine.measured import MeasuredSchedule  # noqa: E402
 from blockdraft.engine.schedule import AR, AcceptanceProfile, Candidate, CostTable, choose  # noqa: E402
 from blockdraft.engine.switching import SwitchingProposer  # noqa: E402
-from blockdraft.models.fast_target import FastTarget  # noqa: E402
+from blockdraft.fast.target import FastTarget  # noqa: E402
 
 
 def main() -> int:

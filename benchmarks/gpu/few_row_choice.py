@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from blockdraft.models import skinny_gemm
-from blockdraft.models.fast_ops import glu, rms_norm
+from blockdraft.kernels import skinny_gemm
+from blockdraft.fast.ops import glu, rms_norm
 from blockdraft.numbers import int_list
 
 ROTATE_BYTES = 200e6  # weights cycled in the cold graph: four times the H200's L2

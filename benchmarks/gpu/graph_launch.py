@@ -44,8 +44,8 @@ from gpu_speed import FUSED_CALLS, SHAPES, HostClock, build_synthetic, fused_cal
 from blockdraft.decoding.generate import generate  # noqa: E402
 from blockdraft.decoding.methods import build_proposer  # noqa: E402
 from blockdraft.decoding.warm import warm_decode  # noqa: E402
-from blockdraft.models import kernel_choice, skinny_gemm  # noqa: E402
-from blockdraft.models.fast_target import FastTarget  # noqa: E402
+from blockdraft.kernels import kernel_choice, skinny_gemm  # noqa: E402
+from blockdraft.fast.target import FastTarget  # noqa: E402
 from blockdraft.numbers import count_list  # noqa: E402
 
 FUSED_UNITS = ("few-row norm linear", "few-row residual linear", "few-row glu linear")  # kinds with a folded epilogue

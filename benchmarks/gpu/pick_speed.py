@@ -1,5 +1,5 @@
 """The decoding tail's pick kernels against the torch calls they replace, per shape: the log-softmax top-k
-(decoding/top_k_kernel.py: DDTree's per-slot scores) and the split argmax (decoding/argmax_kernel.py: the fused
+(kernels/top_k.py: DDTree's per-slot scores) and the split argmax (kernels/argmax.py: the fused
 steps' greedy picks).
 
 Each top-k shape is what a greedy DDTree step scores: the drafter's [slots, V] logits in the model's dtype, top
@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 
-from blockdraft.decoding.argmax_kernel import greedy_picks, kernel_argmax
-from blockdraft.decoding.top_k_kernel import kernel_top_k, library_top_k, log_softmax_top_k
-from blockdraft.models.kernel_choice import choices
+from blockdraft.kernels.argmax import greedy_picks, kernel_argmax
+from blockdraft.kernels.top_k import kernel_top_k, library_top_k, log_softmax_top_k
+from blockdraft.kernels.kernel_choice import choices
 
 
 def shapes(text: str) -> list[tuple[int, int]]:

@@ -24,9 +24,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_speed import build_synthetic  # noqa: E402  (the benchmark's own target, so the numbers line up)
 
-from blockdraft.models.fast_batch import BatchKV, forward_batch  # noqa: E402
-from blockdraft.models.fast_target import FastTarget  # noqa: E402
-from blockdraft.models.kernel_choice import choices  # noqa: E402
+from blockdraft.fast.batch import BatchKV, forward_batch  # noqa: E402
+from blockdraft.fast.target import FastTarget  # noqa: E402
+from blockdraft.kernels.kernel_choice import choices  # noqa: E402
 from blockdraft.numbers import int_list  # noqa: E402
 
 STEPS = 5

@@ -23,9 +23,9 @@ from blockdraft.bench.prompts import load_prompt_set
 from blockdraft.decoding.generate import generate
 from blockdraft.decoding.methods import build_proposer
 from blockdraft.decoding.warm import warm_decode
-from blockdraft.models.fast_target import FastTarget
-from blockdraft.models.graphs import graphs_captured
-from blockdraft.models.kernel_choice import choices
+from blockdraft.fast.target import FastTarget
+from blockdraft.fast.graphs import graphs_captured
+from blockdraft.kernels.kernel_choice import choices
 from blockdraft.models.loading import load_drafter, load_target
 from blockdraft.pair import encode_item
 
@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     device = torch.device("cuda")
-    hf_target, tokenizer = load_target(args.target, device, getattr(torch, args.dtype), engine="hf")
+    hf_target, tokenizer = load_target(args.target, device, getattr(torch, args.dtype))
     drafter = load_drafter(args.drafter, hf_target)
     prompt = encode_item(load_prompt_set("demo", limit=1)[0], tokenizer)
     rows: list[dict[str, Any]] = []

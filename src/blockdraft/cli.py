@@ -447,9 +447,11 @@ def serve(
     if max_queue < 0:
         raise BlockdraftError(f"--max-queue {max_queue} must be >= 0")
     settings = ServeSettings(
-        target, drafter, method, budget, draft_tokens, host, port, api_key, served_model_name, max_model_len,
-        max_queue, max_num_seqs, schedule, device, dtype, engine, self_check, expect, drain_timeout,
-        stream_interval_ms, schedule_adapt, lookup,
+        target=target, drafter=drafter, method=method, budget=budget, draft_tokens=draft_tokens, host=host, port=port,
+        api_key=api_key, served_model_name=served_model_name, max_model_len=max_model_len, max_queue=max_queue,
+        max_num_seqs=max_num_seqs, schedule=schedule, schedule_adapt=schedule_adapt, device=device, dtype=dtype,
+        engine=engine, self_check=self_check, expect=expect, drain_timeout=drain_timeout,
+        stream_interval_ms=stream_interval_ms, lookup=lookup,
     )
     BlockdraftServer(settings, lambda line: err.print(line, markup=False, highlight=False, soft_wrap=True)).run()
 

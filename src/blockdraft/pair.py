@@ -30,13 +30,16 @@ class Loaded:
         from transformers.utils import logging as hf_logging
 
         from blockdraft.config import load_draft_config
+        from blockdraft.fast.engines import check_engine, make_target
         from blockdraft.models.loading import load_drafter, load_target, resolve_device, resolve_dtype
 
         hf_logging.disable_progress_bar()
+        check_engine(engine)
         if drafter:
             load_draft_config(drafter)  # a bad drafter fails before minutes of target loading
         dev = resolve_device(device)
-        self.target, self.tokenizer = load_target(target, dev, resolve_dtype(dtype, dev), engine)
+        hf_target, self.tokenizer = load_target(target, dev, resolve_dtype(dtype, dev))
+        self.target = make_target(hf_target.model, engine)
         self.drafter = load_drafter(drafter, self.target) if drafter else None
         generation = getattr(self.target.model, "generation_config", None)
         self.generation_eos = getattr(generation, "eos_token_id", None)

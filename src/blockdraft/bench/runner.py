@@ -15,7 +15,7 @@ from blockdraft.engine.batch import BatchDecoder, decode_batch, warm_buckets
 from blockdraft.metrics import SpecStats, merge_all
 from blockdraft.models.drafter import DFlashDrafter
 from blockdraft.models.target import Target
-from blockdraft.models.warm_costs import warm_costs
+from blockdraft.kernels.warm_costs import warm_costs
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from blockdraft.models.target import Target
-from blockdraft.models.warm_costs import WarmCosts, warm_costs
+from blockdraft.kernels.warm_costs import WarmCosts, warm_costs
 
 MAX_ROUNDS = 3  # warm-up runs of one configuration at most: each new shape met is met in the first
 CPU_WARM_TOKENS = 8  # a CPU compiles and captures nothing: a short decode warms what it has (allocations)

@@ -14,7 +14,7 @@ Hot path: one `topk` over all depths on the device, one device->host copy of the
 budget x k candidates): V=64, heap 0.04-1.3 ms vs 0.3-7.5 ms; V=152k, the shared `topk` dominates and the heap
 still wins. On an H200 (V=152k, L=15) the heap builder takes 0.19-0.76 ms for budgets 16..512. On a GPU the same
 search runs on the device instead (`trees_on_device`, `best_prefixes_on_device`): the tree kernel
-(decoding/tree_kernel.py, the heap's pops in one program per tree) where Triton runs, else a tensor beam search.
+(kernels/tree_search.py, the heap's pops in one program per tree) where Triton runs, else a tensor beam search.
 """
 
 from __future__ import annotations
@@ -30,13 +30,14 @@ import torch
 
 from blockdraft.decoding.draft import Draft, OverChain
 from blockdraft.decoding.sampling import SamplingParams, probabilities
-from blockdraft.decoding.top_k_kernel import kernel_runs as top_k_runs
-from blockdraft.decoding.top_k_kernel import log_softmax_top_k
-from blockdraft.decoding.tree_kernel import kernel_runs, tree_rows
+from blockdraft.kernels.top_k import kernel_runs as top_k_runs
+from blockdraft.kernels.top_k import log_softmax_top_k
+from blockdraft.kernels.tree_search import kernel_runs, tree_rows
 from blockdraft.decoding.verify import Verdict, walk
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.drafter import DFlashDrafter
-from blockdraft.models.graphs import capture, power_of_two_at_least
+from blockdraft.fast.graphs import capture
+from blockdraft.kernels.sizes import power_of_two_at_least
 from blockdraft.models.host_to_device import long_tensor
 from blockdraft.models.target import Target
 

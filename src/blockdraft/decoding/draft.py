@@ -15,8 +15,8 @@ import torch
 from blockdraft.decoding.sampling import SamplingParams, probabilities, sample
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.drafter import DFlashDrafter, DrafterContextCache
-from blockdraft.models.fast_drafter import FastDrafter, fast_drafter_problem
-from blockdraft.models.fast_target import FastTarget
+from blockdraft.fast.drafter import FastDrafter, fast_drafter_problem
+from blockdraft.fast.target import FastTarget
 from blockdraft.models.host_to_device import long_tensor
 from blockdraft.models.target import Target
 

@@ -30,19 +30,19 @@ from typing import Any
 
 import torch
 
-from blockdraft.decoding.argmax_kernel import greedy_picks
+from blockdraft.kernels.argmax import greedy_picks
 from blockdraft.decoding.ddtree import DDTreeProposer, tree_layout, tree_parent_rows
 from blockdraft.decoding.draft import DFlashProposer
 from blockdraft.decoding.lookup import LookupTreeProposer
 from blockdraft.decoding.lookup_device import compiled_lookup_rows, lookup_rows
-from blockdraft.decoding.walk_kernel import kernel_runs as walk_kernel_runs
-from blockdraft.decoding.walk_kernel import walk_rows
-from blockdraft.models.fast_drafter import FastDrafter
-from blockdraft.models.fast_target import FastTarget
-from blockdraft.models.graphs import capture, graph_pool
+from blockdraft.kernels.walk import kernel_runs as walk_kernel_runs
+from blockdraft.kernels.walk import walk_rows
+from blockdraft.fast.drafter import FastDrafter
+from blockdraft.fast.target import FastTarget
+from blockdraft.fast.graphs import capture, graph_pool
 from blockdraft.models.host_to_device import long_tensor
-from blockdraft.models.kernel_choice import kernel_wins
-from blockdraft.models.static_cache import SLOT_STEP, StaticTargetCache, round_up
+from blockdraft.kernels.kernel_choice import kernel_wins
+from blockdraft.fast.static_cache import SLOT_STEP, StaticTargetCache, round_up
 
 AHEAD = 2  # fused steps in flight at most: the next launched before this one is read
 

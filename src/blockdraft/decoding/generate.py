@@ -22,9 +22,9 @@ from blockdraft.decoding.sampling import SamplingParams, pick
 from blockdraft.decoding.verify import verify
 from blockdraft.errors import BlockdraftError
 from blockdraft.metrics import SpecStats
-from blockdraft.models.fast_target import FastTarget
+from blockdraft.fast.target import FastTarget
 from blockdraft.models.host_to_device import long_tensor
-from blockdraft.models.static_cache import StaticTargetCache
+from blockdraft.fast.static_cache import StaticTargetCache
 from blockdraft.models.target import Target
 
 

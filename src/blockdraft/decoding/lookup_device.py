@@ -11,7 +11,7 @@ import torch
 
 from blockdraft.decoding.ddtree import DeviceTrees, tree_parent_rows
 from blockdraft.decoding.lookup import MAX_NGRAM, MIN_NGRAM
-from blockdraft.models.fast_ops import CompiledOrPlain
+from blockdraft.fast.ops import CompiledOrPlain
 from blockdraft.models.host_to_device import long_tensor
 
 

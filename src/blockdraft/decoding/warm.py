@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from blockdraft.decoding.draft import Proposer
 from blockdraft.decoding.fused_steps import AHEAD, fused_steps
-from blockdraft.models.fast_target import FastTarget, graph_rows
-from blockdraft.models.graphs import graphs_captured
+from blockdraft.fast.target import FastTarget, graph_rows
+from blockdraft.fast.graphs import graphs_captured
 from blockdraft.models.target import Target
 
 

@@ -27,7 +27,8 @@ from blockdraft.doctor.diagnose import HEALTHY
 from blockdraft.doctor.fingerprint import Fingerprint, ProbeResult
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.drafter import DFlashDrafter, DrafterContextCache
-from blockdraft.models.target import Target, TargetCache, TargetOutput
+from blockdraft.models.target import Target, TargetOutput
+from blockdraft.models.target_cache import TargetCache
 
 TAPS_LAYER_INPUT = "taps off by one (layer input, L-1)"
 TAPS_NEXT_LAYER = "taps off by one (next layer, L+1)"

@@ -7,7 +7,7 @@ generator, consumed in the same order (propose, then verify, each step), so a se
 batch-1 ids. The verify step is the engine's (engine/verifiers.py): on the fast engine one forward over [B, R]
 rows, each sequence with its own positions, cache length and tree mask; on the HF engine (any model, hybrid ones
 included) each sequence's own forward in turn. On the fast engine the drafter runs once per step for the whole
-batch too (models/fast_batch_drafter.py: every sequence's drafter context in a slot, one pass over all blocks, one
+batch too (fast/batch_drafter.py: every sequence's drafter context in a slot, one pass over all blocks, one
 context extension for all committed rows; a lone sequence on `generate()`'s batch-1 drafter, as it verifies on
 the target's batch-1 path); each sequence's proposer only turns its slot logits into its chain or tree. Elsewhere
 each proposer drafts its own sequence. A lone greedy sequence on the fast engine runs `generate()`'s fused steps
@@ -42,11 +42,11 @@ from blockdraft.engine.switching import SwitchingProposer
 from blockdraft.engine.verifiers import LoopVerifier, SlotVerifier, Verified
 from blockdraft.errors import BlockdraftError
 from blockdraft.metrics import SpecStats
-from blockdraft.models.fast_batch_drafter import BatchDrafter
-from blockdraft.models.fast_drafter import fast_drafter_problem
-from blockdraft.models.fast_target import PREFILL_ROWS, FastTarget
+from blockdraft.fast.batch_drafter import BatchDrafter
+from blockdraft.fast.drafter import fast_drafter_problem
+from blockdraft.fast.target import PREFILL_ROWS, FastTarget
 from blockdraft.models.host_to_device import long_tensor
-from blockdraft.models.static_cache import StaticTargetCache
+from blockdraft.fast.static_cache import StaticTargetCache
 from blockdraft.models.target import Target
 
 

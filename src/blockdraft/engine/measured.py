@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from blockdraft.engine.schedule import AR, Candidate, Schedule
-from blockdraft.models.graphs import power_of_two_at_least
+from blockdraft.kernels.sizes import power_of_two_at_least
 
 FIRST_PHASE_AT = 32  # a bucket's steps before its first phase: a batch size passed through briefly (requests ending
 # one by one) is served with the nearest measured bucket's choice instead of being spent on measuring

@@ -32,10 +32,10 @@ from blockdraft.engine.batch import BatchDecoder, Request, bucket_sizes
 from blockdraft.engine.schedule import AR, AcceptanceProfile, Candidate, CostTable, Schedule, choose
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.drafter import DFlashDrafter
-from blockdraft.models.fast_batch import BatchForward, BatchKV
-from blockdraft.models.fast_batch_drafter import BatchDrafter
-from blockdraft.models.fast_drafter import fast_drafter_problem
-from blockdraft.models.fast_target import FastTarget
+from blockdraft.fast.batch import BatchForward, BatchKV
+from blockdraft.fast.batch_drafter import BatchDrafter
+from blockdraft.fast.drafter import fast_drafter_problem
+from blockdraft.fast.target import FastTarget
 from blockdraft.models.target import Target
 
 

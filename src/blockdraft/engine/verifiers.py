@@ -1,7 +1,7 @@
 """How a batch's verify step runs, per engine: every sequence's anchor + draft through the target, then each one's
 cache keeps its accepted rows.
 
-- `SlotVerifier` (the fast engine): one forward over [B, R] rows (models/fast_batch.py, CUDA graphs per batch
+- `SlotVerifier` (the fast engine): one forward over [B, R] rows (fast/batch.py, CUDA graphs per batch
   bucket on a GPU), the sequences' K/V in the slots of one BatchKV; a lone sequence runs the batch-1 path (static
   cache, CUDA graphs). The rows are packed with a few whole-batch copies, not per-sequence ones. Prompts joining
   together are prefilled in one packed forward (`fast_target.pack_prompts`), then copied into their slots.
@@ -19,11 +19,12 @@ from dataclasses import dataclass
 import torch
 
 from blockdraft.decoding.draft import Draft
-from blockdraft.models.fast_batch import BatchForward, BatchKV
-from blockdraft.models.fast_target import FastTarget, fixed_mask, pack_prompts
+from blockdraft.fast.batch import BatchForward, BatchKV
+from blockdraft.fast.target import FastTarget, fixed_mask, pack_prompts
 from blockdraft.models.host_to_device import long_tensor
-from blockdraft.models.static_cache import StaticTargetCache
-from blockdraft.models.target import Target, TargetCache
+from blockdraft.fast.static_cache import StaticTargetCache
+from blockdraft.models.target import Target
+from blockdraft.models.target_cache import TargetCache
 
 
 @dataclass

@@ -27,7 +27,7 @@ from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.hybrid_states import DeltaRule, PositionStates, chain_delta_rule
-from blockdraft.models.target import TargetCache
+from blockdraft.models.target_cache import TargetCache
 
 
 STRATEGIES = ("replay", "per_position")

@@ -12,18 +12,15 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import PreTrainedModel
 
 from blockdraft.config import DraftConfig, load_draft_config
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.drafter import DFlashDrafter
-from blockdraft.models.fast_target import FastTarget, fast_engine_problem
 from blockdraft.models.target import Target
 
 # transformers 5 builds an empty tokenizer from the model type when a folder has none: look for real files.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-ENGINES = ("auto", "hf", "fast")
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
 
 
@@ -54,33 +51,11 @@ def _target_location(name: str) -> str:
     return str(resolve_target_path(name))
 
 
-def check_engine(engine: str) -> str:
-    """Refuse an unknown engine before any loading."""
-    if engine not in ENGINES:
-        raise BlockdraftError(f"--engine {engine!r} is not one of {', '.join(ENGINES)}")
-    return engine
-
-
-def make_target(model: PreTrainedModel, engine: str = "hf") -> Target:
-    """Wrap a loaded model: "hf" runs HF's own forward (any model); "fast" our static-cache / CUDA-graph forward
-    (common dense models only); "auto" is fast on CUDA when the model is supported, else hf."""
-    if check_engine(engine) == "hf":
-        return Target(model)
-    problem = fast_engine_problem(model)
-    if problem is None and (engine == "fast" or model.device.type == "cuda"):
-        return FastTarget(model)
-    if engine == "fast":
-        raise BlockdraftError(f"--engine fast does not support this target's {problem}; use --engine hf (or auto)")
-    return Target(model)
-
-
-def load_target(
-    name: str, device: torch.device, dtype: torch.dtype, engine: str = "hf"
-) -> tuple[Target, object | None]:
-    """Load an HF causal LM and its tokenizer (None when the folder has none: --prompt-ids still works)."""
+def load_target(name: str, device: torch.device, dtype: torch.dtype) -> tuple[Target, object | None]:
+    """Load an HF causal LM (HF's own forward: `fast.engines.make_target` picks the engine) and its tokenizer (None
+    when the folder has none: --prompt-ids still works)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    check_engine(engine)
     location = _target_location(name)
     path = Path(location)
     if (location.startswith((".", "/", "~")) or path.exists()) and not (path / "config.json").exists():
@@ -97,7 +72,7 @@ def load_target(
             tokenizer = AutoTokenizer.from_pretrained(location)
         except (OSError, ValueError, TypeError):
             tokenizer = None
-    return make_target(model, engine), tokenizer
+    return Target(model), tokenizer
 
 
 def check_pair(cfg: DraftConfig, target: Target, source: str) -> None:

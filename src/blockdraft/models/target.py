@@ -7,17 +7,17 @@ KV-cache operations the decode loop needs (crop after a rejected chain, gather-c
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from blockdraft.errors import BlockdraftError
+from blockdraft.models.hybrid import HybridCache
+from blockdraft.models.target_cache import TargetCache
 
 # Attention implementations that take an arbitrary (tree) mask; flash-attention kernels only know causal masks.
 TREE_ATTENTION = ("sdpa", "eager")
@@ -31,53 +31,6 @@ class TargetOutput:
 
     logits: torch.Tensor
     taps: torch.Tensor | None
-
-
-class TargetCache:
-    """The target's KV cache with the two edits speculative decoding needs: crop and gather-compact."""
-
-    def __init__(self, model: PreTrainedModel) -> None:
-        self.hf = DynamicCache(config=model.config)
-        self.hf.activate_past_recording()
-
-    def __len__(self) -> int:
-        return self.hf.get_seq_length()
-
-    def settle(self) -> None:
-        """Drop sliding-window entries no later query can see (HF keeps them until a crop, for rollback).
-
-        Called before every forward: HF sizes its sliding masks as if only the last window - 1 were stored.
-        """
-        if len(self):
-            self.hf.crop(0)
-
-    @contextmanager
-    def running(self, input_ids: torch.Tensor, tree_mask: torch.Tensor | None) -> Iterator[None]:
-        """Around every forward that appends `input_ids`: settle first (hybrid caches snapshot and follow trees)."""
-        self.settle()
-        yield
-
-    def crop(self, length: int) -> None:
-        """Keep the first `length` positions."""
-        remove = len(self) - length
-        if remove > 0:
-            self.hf.crop(-remove)
-
-    def compact(self, base: int, keep: torch.Tensor) -> None:
-        """Keep positions [0, base) followed by rows base + keep (in that order); drop everything else.
-
-        A tree verify appends all nodes after `base`; the accepted path is scattered among them and must
-        become contiguous so the next step sees exactly the committed sequence.
-        """
-        for layer in self.hf.layers:
-            if layer.keys is None or layer.keys.numel() == 0:
-                continue
-            offset = layer.keys.shape[-2] - layer.get_seq_length()
-            index = torch.cat([torch.arange(base + offset, device=keep.device), keep + base + offset])
-            layer.keys = layer.keys.index_select(-2, index)
-            layer.values = layer.values.index_select(-2, index)
-            if hasattr(layer, "cumulative_length"):
-                layer.cumulative_length = base + keep.numel()
 
 
 class Target:
@@ -108,8 +61,6 @@ class Target:
         """A cache that can undo rejected rows; hybrid targets roll their linear-attention states back by per-position
         states (default) or snapshot + replay (models/hybrid.py)."""
         if RECURRENT_LAYER_TYPES.intersection(self.layer_types):
-            from blockdraft.models.hybrid import HybridCache  # hybrid builds on TargetCache: import when needed
-
             return HybridCache(self.model)
         return TargetCache(self.model)
 

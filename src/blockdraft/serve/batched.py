@@ -19,7 +19,7 @@ from blockdraft.engine.measured import MeasuredSchedule
 from blockdraft.engine.schedule import Candidate, Schedule
 from blockdraft.engine.switching import SwitchingProposer
 from blockdraft.errors import BlockdraftError
-from blockdraft.models.static_cache import SLOT_STEP
+from blockdraft.fast.static_cache import SLOT_STEP
 from blockdraft.models.target import Target
 from blockdraft.serve.errors import ApiError
 from blockdraft.serve.jobs import Failed, Finished, Job

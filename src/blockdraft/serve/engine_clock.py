@@ -17,8 +17,8 @@ import time
 from collections.abc import Callable
 
 from blockdraft.engine.measured import bucket_of, bucket_range
-from blockdraft.models.graphs import graphs_captured
-from blockdraft.models.warm_costs import compilations
+from blockdraft.fast.graphs import graphs_captured
+from blockdraft.kernels.warm_costs import compilations
 from blockdraft.serve.messages import EngineTime
 
 REPORT_EVERY_S = 1.0  # at most one report a second while busy (and one whenever the thread goes idle)

@@ -26,7 +26,7 @@ from blockdraft.engine.schedule import Schedule
 from blockdraft.engine.switching import SwitchingProposer
 from blockdraft.engine.tune import auto_schedule
 from blockdraft.errors import BlockdraftError
-from blockdraft.models.fast_target import FastTarget
+from blockdraft.fast.target import FastTarget
 from blockdraft.pair import Loaded
 from blockdraft.serve.jobs import Job, JobSpec
 from blockdraft.serve.messages import (

@@ -8,7 +8,7 @@ from pathlib import Path
 from blockdraft.assets import EMBEDDED_TARGET_NAME
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ServeSettings:
     """Every `blockdraft serve` flag; None means "the default for this pair and device"."""
 

@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from blockdraft.models.warm_costs import WarmCosts, warm_costs
+from blockdraft.kernels.warm_costs import WarmCosts, warm_costs
 
 
 class Took:

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from blockdraft.models.graphs import power_of_two_at_least
-from blockdraft.models.kernel_choice import kernel_wins
-from blockdraft.models.skinny_gemm import gpu_kernels, triton
+from blockdraft.kernels.sizes import power_of_two_at_least
+from blockdraft.kernels.kernel_choice import kernel_wins
+from blockdraft.kernels.skinny_gemm import gpu_kernels, triton
 
 CHUNK_RANGE = (256, 4096)  # columns a program reduces ...
 PROGRAMS_A_ROW = 128  # ... sized for about this many programs a row (a lone AR row still spreads over the SMs)

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from blockdraft.models.graphs import power_of_two_at_least
-from blockdraft.models.skinny_gemm import kernel_available, triton
+from blockdraft.kernels.sizes import power_of_two_at_least
+from blockdraft.kernels.skinny_gemm import kernel_available, triton
 
 if triton is not None:
     import triton.language as tl

@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import torch
 
-from blockdraft.models.graphs import power_of_two_at_least
-from blockdraft.models.skinny_gemm import kernel_available, triton
+from blockdraft.kernels.sizes import power_of_two_at_least
+from blockdraft.kernels.skinny_gemm import kernel_available, triton
 
 BLOCK_ROWS = 16  # query rows per program (tl.dot's smallest tile)
 BLOCK_KEYS = 64  # keys per inner step

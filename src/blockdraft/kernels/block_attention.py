@@ -19,16 +19,16 @@ from __future__ import annotations
 
 import torch
 
-from blockdraft.models.flash_decode import (BLOCK_KEYS, BLOCK_ROWS, TARGET_PROGRAMS, Layout, split_and_merge,
+from blockdraft.kernels.flash_decode import (BLOCK_KEYS, BLOCK_ROWS, TARGET_PROGRAMS, Layout, split_and_merge,
                                             split_shape)
-from blockdraft.models.skinny_gemm import kernel_available, triton, zeroed_counters
+from blockdraft.kernels.skinny_gemm import kernel_available, triton, zeroed_counters
 
 if triton is not None:
     import triton.language as tl
 
-    from blockdraft.models.flash_decode import (block_scores, empty_state, keys_per_split, load_block,
+    from blockdraft.kernels.flash_decode import (block_scores, empty_state, keys_per_split, load_block,
                                                 merge_splits, online_softmax_step, store_output)
-    from blockdraft.models.skinny_gemm import last_to_finish
+    from blockdraft.kernels.skinny_gemm import last_to_finish
 
     @triton.jit
     def _block_split_kernel(q_ptr, k_ptr, v_ptr, seq_ptr, length_ptr, own_ptr, pos_ptr, acc_ptr, m_ptr, l_ptr,

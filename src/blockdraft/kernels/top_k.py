@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from blockdraft.models.graphs import power_of_two_at_least
-from blockdraft.models.kernel_choice import kernel_wins
-from blockdraft.models.skinny_gemm import gpu_kernels, triton
+from blockdraft.kernels.sizes import power_of_two_at_least
+from blockdraft.kernels.kernel_choice import kernel_wins
+from blockdraft.kernels.skinny_gemm import gpu_kernels, triton
 
 KERNEL_MAX_K = 128  # each chunk keeps KP >= k keys: beyond this the library's radix select is the better tool
 MERGED_CANDIDATES = 1024  # a row's merge selects from about this many candidates: chunks are sized for it ...

@@ -11,15 +11,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from blockdraft.models.warm_costs import CAPTURING, spent, warm_costs
+from blockdraft.kernels.warm_costs import CAPTURING, spent, warm_costs
 
 T = TypeVar("T")
-
-
-def power_of_two_at_least(n: int) -> int:
-    """The smallest power of two >= n (n >= 1): graph shapes (rows, batch buckets) are padded to these, so a few
-    graphs serve every size."""
-    return 1 << (n - 1).bit_length()
 
 
 def graph_pool(use_graphs: bool) -> Any:

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from blockdraft.models.graphs import power_of_two_at_least
-from blockdraft.models.kernel_choice import fastest, kernel_wins
-from blockdraft.models.warm_costs import TUNING, charge
+from blockdraft.kernels.sizes import power_of_two_at_least
+from blockdraft.kernels.kernel_choice import fastest, kernel_wins
+from blockdraft.kernels.warm_costs import TUNING, charge
 
 MAX_ROWS = 64  # more rows than this are compute, not weight reads: cuBLAS
 WEIGHTS_FIRST_MAX_ROWS = 128  # `_weights_first_kernel`'s rows are its dot's N side, 128 of them a tile at most: a

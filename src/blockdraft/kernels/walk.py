@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from blockdraft.models.graphs import power_of_two_at_least
-from blockdraft.models.skinny_gemm import gpu_kernels, triton
+from blockdraft.kernels.sizes import power_of_two_at_least
+from blockdraft.kernels.skinny_gemm import gpu_kernels, triton
 
 KERNEL_MAX_ROWS = 1024  # a program holds a row of the ancestor mask per tile row: rows beyond keep the tensor walk
 MASK_TILE_ELEMENTS = 4096  # ancestor-mask elements a tile of rows loads at once

@@ -20,10 +20,11 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from blockdraft.models.fast_ops import ACTIVATIONS, CompactMask, LayerOps, sdpa_attention
-from blockdraft.models.graphs import capture, graph_pool, power_of_two_at_least
+from blockdraft.fast.ops import ACTIVATIONS, CompactMask, LayerOps, sdpa_attention
+from blockdraft.fast.graphs import capture, graph_pool
+from blockdraft.kernels.sizes import power_of_two_at_least
 from blockdraft.models.host_to_device import long_tensor
-from blockdraft.models.static_cache import SLOT_STEP, KVStorage, StaticTargetCache, round_up
+from blockdraft.fast.static_cache import SLOT_STEP, KVStorage, StaticTargetCache, round_up
 from blockdraft.models.target import Target, TargetOutput
 
 SUPPORTED_MODEL_TYPES = ("qwen3", "qwen2", "llama", "mistral")

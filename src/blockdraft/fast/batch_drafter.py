@@ -3,7 +3,7 @@ all their blocks and one context extension for all their committed rows.
 
 Why: drafting each sequence in turn cost one pass per sequence (1.25 ms on an 8B-shaped drafter, H200; 80 ms at
 batch 64, more than the verify it feeds), so speculation stopped paying at batch ~32 for want of batching alone.
-The rules are FastDrafter's (models/fast_drafter.py), per sequence: context slot = position; a block's K/V go
+The rules are FastDrafter's (fast/drafter.py), per sequence: context slot = position; a block's K/V go
 after its sequence's context, where the next extension overwrites them; masks are built on the device from
 positions (`batched_context_bias`). Sequences 0..n-1 of a pass are slots 0..n-1 (the batch decoder keeps running
 sequence i in slot i). On CUDA the pass is replayed from a graph per (batch bucket, key capacity), padding
@@ -23,14 +23,14 @@ from typing import Any
 import torch
 
 from blockdraft.models.drafter import DFlashDrafter
-from blockdraft.models.fast_batch import BATCH_GRAPHS, BatchKV, batch_bucket
-from blockdraft.models.fast_drafter import (ContextProjection, FastDrafter, batched_context_bias, fast_drafter_problem,
+from blockdraft.fast.batch import BATCH_GRAPHS, BatchKV, batch_bucket
+from blockdraft.fast.drafter import (ContextProjection, FastDrafter, batched_context_bias, fast_drafter_problem,
                                             packed_layers)
-from blockdraft.models.fast_target import (PREFILL_ROWS, FastTarget, LayerWeights, attend, graph_rows,
+from blockdraft.fast.target import (PREFILL_ROWS, FastTarget, LayerWeights, attend, graph_rows,
                                             kept_rotary_table, layer_mlp, prefill_rows, run_stack)
-from blockdraft.models.graphs import capture, graph_pool
+from blockdraft.fast.graphs import capture, graph_pool
 from blockdraft.models.host_to_device import long_tensor
-from blockdraft.models.static_cache import round_up
+from blockdraft.fast.static_cache import round_up
 
 
 @dataclass

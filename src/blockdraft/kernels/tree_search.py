@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from blockdraft.models.graphs import power_of_two_at_least
-from blockdraft.models.skinny_gemm import gpu_kernels, triton
+from blockdraft.kernels.sizes import power_of_two_at_least
+from blockdraft.kernels.skinny_gemm import gpu_kernels, triton
 
 KERNEL_MAX_BUDGET = 512  # larger trees keep the tensor search: a pop's reductions grow with the frontier
 

@@ -20,14 +20,14 @@ import torch
 import torch.fx.experimental._config as shape_config
 import torch.nn.functional as F
 
-from blockdraft.models.block_attention import block_attention, block_attention_runs
-from blockdraft.models.flash_decode import BLOCK_KEYS, TARGET_PROGRAMS, fits, flash_decode
-from blockdraft.models.graphs import power_of_two_at_least
-from blockdraft.models.kernel_choice import fastest, kernel_wins
-from blockdraft.models.qkv_rope import qkv_rope, qkv_rope_runs
-from blockdraft.models.skinny_gemm import (few_row_glu_linear, few_row_linear, few_row_norm_linear,
+from blockdraft.kernels.block_attention import block_attention, block_attention_runs
+from blockdraft.kernels.flash_decode import BLOCK_KEYS, TARGET_PROGRAMS, fits, flash_decode
+from blockdraft.kernels.sizes import power_of_two_at_least
+from blockdraft.kernels.kernel_choice import fastest, kernel_wins
+from blockdraft.kernels.qkv_rope import qkv_rope, qkv_rope_runs
+from blockdraft.kernels.skinny_gemm import (few_row_glu_linear, few_row_linear, few_row_norm_linear,
                                            few_row_residual_linear, skinny_add_norm_linear, skinny_linear)
-from blockdraft.models.warm_costs import COMPILING, charge, compilations
+from blockdraft.kernels.warm_costs import COMPILING, charge, compilations
 
 LONG_SPLIT_KEYS = 256  # the block-attention variant with longer key splits: 4-5 partial results to merge at 1K keys
 # instead of 17 (the splits of 64 keys lost to the library by 7-14% at 1-16 rows on the H200, RESULTS session 22)

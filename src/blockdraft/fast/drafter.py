@@ -23,12 +23,12 @@ import torch
 import torch.nn.functional as F
 
 from blockdraft.models.drafter import DFlashDrafter, rotate_half, visibility_mask
-from blockdraft.models.fast_ops import ACTIVATIONS, rms_norm
-from blockdraft.models.fast_target import (
+from blockdraft.fast.ops import ACTIVATIONS, rms_norm
+from blockdraft.fast.target import (
     LENGTH_DEPENDENT_ROPE, MAX_GRAPHS, FastTarget, LayerWeights, graph_rows, layer_step, pack_layer, run_stack,
 )
-from blockdraft.models.graphs import capture
-from blockdraft.models.static_cache import SLOT_STEP, KVStorage, round_up
+from blockdraft.fast.graphs import capture
+from blockdraft.fast.static_cache import SLOT_STEP, KVStorage, round_up
 
 
 def fast_drafter_problem(drafter: DFlashDrafter) -> str | None:

@@ -26,11 +26,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from blockdraft.models.fast_target import (FastTarget, LayerWeights, attend, attention_masks, fixed_mask,
+from blockdraft.fast.target import (FastTarget, LayerWeights, attend, attention_masks, fixed_mask,
                                             graph_rows, layer_mlp)
-from blockdraft.models.graphs import capture, graph_pool, power_of_two_at_least
+from blockdraft.fast.graphs import capture, graph_pool
+from blockdraft.kernels.sizes import power_of_two_at_least
 from blockdraft.models.host_to_device import long_tensor
-from blockdraft.models.static_cache import SLOT_STEP, StaticTargetCache, kv_buffer, round_up
+from blockdraft.fast.static_cache import SLOT_STEP, StaticTargetCache, kv_buffer, round_up
 
 GRAPH_MAX_ROWS = 8192  # bucket x rows past this run eagerly (compute-bound there, whatever the model)
 BATCH_GRAPHS = 256  # batched verify graphs kept (least recently used dropped): they share their memory
