@@ -38,27 +38,9 @@ def _milliseconds(run: Callable[[], object], calls: int = CALLS_PER_GRAPH, repla
         run()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    import gc, os, threading, sys as _sys
-    nogc = os.environ.get("BD_NO_GC") == "1"
-    if nogc:
-        gc.disable()
-    try:
-        with torch.cuda.graph(graph, capture_error_mode=os.environ.get("BD_CAPTURE_MODE", "global")):
-            if os.environ.get("BD_SYNC_DEBUG") == "1":
-                torch.cuda.set_sync_debug_mode("error")
-            try:
-                for _ in range(calls):
-                    run()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-    except Exception:
-        import traceback
-        _sys.stderr.write("DIAG threads at failed capture: " + ", ".join(t.name for t in threading.enumerate()) + "\n")
-        traceback.print_exc()
-        raise
-    finally:
-        if nogc:
-            gc.enable()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            run()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     graph.replay()
     start.record()
