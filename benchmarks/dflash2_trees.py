@@ -32,7 +32,7 @@ def main() -> None:
     parser.add_argument("--dtype", default=None)
     args = parser.parse_args()
 
-    from blockdraft.bench.prompts import load_prompt_set
+    from blockdraft.prompt_sets import load_prompt_set
     from blockdraft.decoding.ddtree import DDTreeProposer
     from blockdraft.decoding.dflash2 import DFlash2Proposer, SelectorTreeProposer
     from blockdraft.decoding.draft import DFlashProposer

@@ -413,7 +413,7 @@ def synthetic(args: argparse.Namespace, rec: Recorder) -> None:
 
 def e2e(args: argparse.Namespace, rec: Recorder) -> None:
     """Tokens/s, tau and same-ids on a real pair: HF generate, the reference dflash_generate, ours per engine."""
-    from blockdraft.bench.prompts import load_prompt_set
+    from blockdraft.prompt_sets import load_prompt_set
     from blockdraft.pair import encode_item
     from blockdraft.decoding.generate import generate
     from blockdraft.decoding.methods import build_proposer

@@ -614,7 +614,7 @@ def main() -> None:
                      f"({args.rounds * max(args.concurrency_levels)}): a round would never reach that concurrency "
                      "(session 17's 32 requests in 2 rounds at concurrency 64 ran 16 at once)")
 
-    from blockdraft.bench.prompts import load_prompt_set
+    from blockdraft.prompt_sets import load_prompt_set
 
     items = load_prompt_set(args.prompts)
     prompts = [item.messages or [{"role": "user", "content": item.prompt}] for item in items]

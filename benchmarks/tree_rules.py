@@ -235,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.load is None:
-        from blockdraft.bench.prompts import load_prompt_set
+        from blockdraft.prompt_sets import load_prompt_set
         from blockdraft.pair import Loaded, default_drafter, encode_item
 
         loaded = Loaded(args.target, default_drafter(args.target, args.drafter), "cpu", "float32", "hf")

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from blockdraft.bench.prompts import load_prompt_set
+from blockdraft.prompt_sets import load_prompt_set
 from blockdraft.cli import app
 from blockdraft.decoding.generate import generate
 from blockdraft.decoding.methods import build_proposer

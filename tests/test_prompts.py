@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from blockdraft.bench import prompts
-from blockdraft.bench.prompts import PromptItem, load_prompt_set, read_prompts_file
+from blockdraft import prompt_sets as prompts
+from blockdraft.prompt_sets import PromptItem, load_prompt_set, read_prompts_file
 from blockdraft.errors import BlockdraftError
 
 SPEC_BENCH = Path(__file__).resolve().parents[2] / "shared" / "data" / "spec_bench_question.jsonl"

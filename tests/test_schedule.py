@@ -24,7 +24,6 @@ from blockdraft.engine.schedule import (
     expected_tokens_per_s,
     render,
 )
-from blockdraft.doctor.fingerprint import Fingerprint
 from blockdraft.errors import BlockdraftError
 
 RATES = [0.8, 0.65, 0.5, 0.4, 0.3, 0.2, 0.15]
@@ -231,17 +230,12 @@ def test_unreadable_cost_table_files(tmp_path: Path) -> None:
 # --- acceptance and candidates ---------------------------------------------------------------------------------
 
 
-def test_profile_from_vllm_counters_and_fingerprint() -> None:
+def test_profile_from_vllm_counters() -> None:
     profile = AcceptanceProfile.from_counters(200, [160, 120, 60], "vllm scrape")
     assert profile.per_position == [0.8, 0.6, 0.3]
     assert profile.chain_tau(0) == 1.0 and profile.chain_tau(2) == pytest.approx(2.4)
     with pytest.raises(BlockdraftError, match=r"4-token chain.*per_position has 3"):
         profile.chain_tau(4)
-    fp = Fingerprint.from_counts(drafts=200, draft_tokens=600, accepted=340, accepted_per_position=[160, 120, 60],
-                                 source="probe")
-    from_fp = AcceptanceProfile.from_fingerprint(fp, {32: 4.5})
-    assert from_fp.chain_tau(3) == pytest.approx(fp.tau) and from_fp.tree_tau == {32: 4.5}
-    assert from_fp.source == "probe"
 
 
 @pytest.mark.parametrize(("build", "field"), [

@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from blockdraft.bench.prompts import load_prompt_set
+from blockdraft.prompt_sets import load_prompt_set
 from blockdraft.errors import BlockdraftError
 
 

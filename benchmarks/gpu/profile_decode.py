@@ -27,7 +27,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from blockdraft.bench.prompts import load_prompt_set
+from blockdraft.prompt_sets import load_prompt_set
 from blockdraft.decoding.generate import generate
 from blockdraft.decoding.methods import build_proposer
 from blockdraft.decoding.warm import warm_decode

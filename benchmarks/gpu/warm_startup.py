@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from blockdraft.bench.prompts import load_prompt_set
+from blockdraft.prompt_sets import load_prompt_set
 from blockdraft.decoding.generate import generate
 from blockdraft.decoding.methods import build_proposer
 from blockdraft.decoding.warm import warm_decode

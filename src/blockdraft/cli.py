@@ -26,7 +26,7 @@ def _prompt_items(
     prompt: Optional[str], messages: Optional[str], prompt_ids: Optional[str], prompts: Optional[str], chat: bool
 ) -> list[Any]:
     """Exactly one prompt source -> PromptItems."""
-    from blockdraft.bench.prompts import PromptItem, load_prompt_set
+    from blockdraft.prompt_sets import PromptItem, load_prompt_set
     from blockdraft.prompting import parse_ids
 
     given = [x is not None for x in (prompt, messages, prompt_ids, prompts)]
@@ -213,7 +213,7 @@ def tune(
                                "server run with the same --lookup."),
 ) -> None:
     """Time batched steps on this device and measure acceptance; print and write the speculation schedule."""
-    from blockdraft.bench.prompts import load_prompt_set
+    from blockdraft.prompt_sets import load_prompt_set
     from blockdraft.decoding.lookup import check_lookup
     from blockdraft.engine.schedule import AR, Candidate, choose, render
     from blockdraft.engine.tune import measure_acceptance, measure_costs
@@ -294,7 +294,7 @@ def bench(
     """Methods x prompts -> tau, acceptance, tokens/s and speedup vs AR, overall and per category."""
     from rich.progress import Progress
 
-    from blockdraft.bench.prompts import load_prompt_set
+    from blockdraft.prompt_sets import load_prompt_set
     from blockdraft.bench.report import (
         category_table, exactness_note, plot_acceptance, plot_budget_sweep, speedup_note, steadiness_note,
         summary_table, to_json,
@@ -373,7 +373,7 @@ def demo(
     """The embedded pair (SmolLM2-135M-Instruct + our DFlash drafter) on chat, code and math prompts."""
     from blockdraft.bench.demo import run_demo
     from blockdraft.decoding.methods import device_settings
-    from blockdraft.bench.prompts import load_prompt_set
+    from blockdraft.prompt_sets import load_prompt_set
     from blockdraft.bench.runner import BenchPrompt
 
     items = load_prompt_set(prompts, limit=limit)

@@ -264,7 +264,7 @@ DtypeOpt = Annotated[str | None, typer.Option(help="Our reference's dtype (defau
 
 def _encoded_prompts(loaded: Loaded, prompts: str, limit: int | None) -> list[list[int]]:
     """The prompt set as token ids under the target's own tokenizer and chat template (a server gets the ids)."""
-    from blockdraft.bench.prompts import load_prompt_set
+    from blockdraft.prompt_sets import load_prompt_set
     from blockdraft.pair import encode_item
 
     return [encode_item(item, loaded.tokenizer) for item in load_prompt_set(prompts, limit=limit)]

@@ -16,14 +16,12 @@ import math
 import re
 from dataclasses import InitVar, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich.table import Table
 
 from blockdraft.errors import BlockdraftError
 
-if TYPE_CHECKING:  # doctor sits above decoding; only the type is needed here
-    from blockdraft.doctor.fingerprint import Fingerprint
 
 COST_FORMAT = "blockdraft-cost-table/1"
 SCHEDULE_FORMAT = "blockdraft-schedule/1"
@@ -439,12 +437,6 @@ class AcceptanceProfile:
                 "counters from the same scrape (or take both deltas over the same window)"
             )
         return cls(rates, dict(tree_tau or {}), source)
-
-    @classmethod
-    def from_fingerprint(cls, fp: Fingerprint, tree_tau: dict[int, float], source: str | None = None
-                         ) -> AcceptanceProfile:
-        """From a doctor fingerprint (probe, live server, typed numbers); chains need its per-position rates."""
-        return cls(list(fp.per_position), dict(tree_tau), source or fp.source)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from blockdraft.bench.prompts import load_prompt_set
+from blockdraft.prompt_sets import load_prompt_set
 from blockdraft.decoding.draft import DFlashProposer
 from blockdraft.doctor.diagnose import gain_deficit, typical_causes, verdict
 from blockdraft.doctor.fingerprint import Fingerprint, ProbeResult

@@ -1,6 +1,6 @@
 """Training inputs: prompts (to be answered by the target) or given conversations, as token ids.
 
-Prompt files and built-in sets go through `blockdraft.bench.prompts` (ShareGPT, Spec-Bench `turns`, `prompt`,
+Prompt files and built-in sets go through `blockdraft.prompt_sets` (ShareGPT, Spec-Bench `turns`, `prompt`,
 `messages`, `prompt_ids`); a `.txt` file holds blank-line separated documents. Chat prompts use the target's
 template with thinking off, exactly as `blockdraft generate` encodes them, so the drafter trains on what it will see.
 """
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from blockdraft.bench.prompts import SHAREGPT_ROLES, load_prompt_set
+from blockdraft.prompt_sets import SHAREGPT_ROLES, load_prompt_set
 from blockdraft.errors import BlockdraftError
 from blockdraft.prompting import encode_messages, encode_text
 

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from blockdraft.bench.prompts import BUILTIN_SETS
+from blockdraft.prompt_sets import BUILTIN_SETS
 from blockdraft.errors import BlockdraftError
 from blockdraft.train.self_prompts import SELF_SOURCE
 
