@@ -23,9 +23,11 @@ import torch
 
 from blockdraft.assets import ensure_embedded_target
 from blockdraft.decoding.methods import build_proposer
-from blockdraft.engine.batch import BatchDecoder, Request, Sequence, _Flight
+from blockdraft.engine.batch import BatchDecoder
+from blockdraft.engine.flight import Flight
+from blockdraft.engine.sequence import Request, Sequence
 from blockdraft.engine.measured import RUN_STEPS
-from blockdraft.engine.schedule import AR, Candidate
+from blockdraft.engine.schedule import AR, Candidate, FixedPicks
 from blockdraft.engine.switching import SwitchingProposer
 from blockdraft.models.loading import load_drafter, load_target
 
@@ -35,7 +37,7 @@ QUESTIONS = ["Explain how a hash map works.", "Write a short poem about rivers."
              "Describe the water cycle to a child.", "Why is the sky blue?"]
 
 
-class Rotation:
+class Rotation(FixedPicks):
     """A schedule (what `BatchDecoder` asks of one) that runs `candidates` in turn, RUN_STEPS steps each; one
     candidate alone is held."""
 
@@ -56,7 +58,7 @@ def decode(decoder: BatchDecoder, prompts: list[list[int]], tokens: int
     steps: list[tuple[str, bool, float]] = []
     land = decoder._land
 
-    def timed(flight: _Flight) -> tuple[list[Sequence], list[tuple[Sequence, list[int]]]]:
+    def timed(flight: Flight) -> tuple[list[Sequence], list[tuple[Sequence, list[int]]]]:
         landed = land(flight)
         first = not steps or steps[-1][0] != flight.method
         steps.append((flight.method, first, time.perf_counter() - flight.began))

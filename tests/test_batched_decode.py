@@ -13,7 +13,9 @@ from blockdraft.decoding import lookup as lookup_module
 from blockdraft.decoding.generate import generate
 from blockdraft.decoding.methods import build_proposer
 from blockdraft.decoding.sampling import SamplingParams
-from blockdraft.engine.batch import BatchDecoder, Request, generate_batch
+from blockdraft.engine.batch import BatchDecoder
+from blockdraft.engine.decode_batch import generate_batch
+from blockdraft.engine.sequence import Request
 from blockdraft.errors import BlockdraftError
 from blockdraft.decoding.draft import Draft
 from blockdraft.engine.verifiers import SlotVerifier, pack_rows
@@ -432,12 +434,12 @@ def test_the_measured_schedule_times_a_step_without_the_join_that_ran_while_it_f
 def test_scheduled_ar_steps_leave_the_drafter_context_for_later_and_draft_the_same(monkeypatch, fast: bool) -> None:
     """AR steps of a schedule leave their tokens out of the drafter context (at most PENDING_MAX of them); the next
     drafting step writes them in one extension and drafts what it would have drafted had every step written them."""
-    from blockdraft.engine import batch
-    from blockdraft.engine.schedule import AR, Candidate
+    from blockdraft.engine import deferred_taps
+    from blockdraft.engine.schedule import AR, Candidate, FixedPicks
     from blockdraft.engine.switching import SwitchingProposer
     from blockdraft.fast.batch_drafter import BatchDrafter
 
-    class Script:
+    class Script(FixedPicks):
         """AR for the first 7 steps, then the chain for 3, then AR again."""
 
         def __init__(self) -> None:
@@ -453,7 +455,7 @@ def test_scheduled_ar_steps_leave_the_drafter_context_for_later_and_draft_the_sa
     finish, draft = SwitchingProposer.finish, BatchDrafter.draft
 
     def run(pending_max: int) -> tuple[list, list]:
-        monkeypatch.setattr(batch, "PENDING_MAX", pending_max)
+        monkeypatch.setattr(deferred_taps, "PENDING_MAX", pending_max)
         drafted: list[torch.Tensor] = []
 
         def recording_finish(self, logits, sampling, generator):  # noqa: ANN001, ANN202
@@ -517,7 +519,7 @@ def test_bench_batch_size_gives_the_same_ids_and_the_batch_wall_time(tiny_dirs, 
 
 
 def test_a_batch_whose_kv_cannot_fit_is_refused_with_the_numbers() -> None:
-    from blockdraft.engine.batch import check_kv_room, kv_cache_bytes
+    from blockdraft.engine.batch_sizes import check_kv_room, kv_cache_bytes
 
     target = FastTarget(make_target_model("qwen3"))  # 4 layers, 2 KV heads of 8, float32: 512 bytes a position
     assert kv_cache_bytes(target, 3, 100) == 3 * 100 * 512
@@ -532,7 +534,7 @@ def test_a_batch_whose_kv_cannot_fit_is_refused_with_the_numbers() -> None:
 
 
 def test_the_default_batch_is_what_the_memory_holds_on_the_fast_engine_and_one_elsewhere() -> None:
-    from blockdraft.engine.batch import DEFAULT_MAX_NUM_SEQS, default_max_num_seqs
+    from blockdraft.engine.batch_sizes import DEFAULT_MAX_NUM_SEQS, default_max_num_seqs
 
     target = FastTarget(make_target_model("qwen3"))  # 512 bytes of K/V a position
     assert default_max_num_seqs(target, 100, free_bytes=10**9) == DEFAULT_MAX_NUM_SEQS

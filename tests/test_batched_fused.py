@@ -15,7 +15,7 @@ from blockdraft.decoding.generate import generate
 from blockdraft.decoding.methods import build_proposer
 from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.engine.batch import BatchDecoder
-from blockdraft.engine.schedule import AR, Candidate
+from blockdraft.engine.schedule import AR, Candidate, FixedPicks
 from blockdraft.engine.switching import SwitchingProposer
 from blockdraft.fast.target import FastTarget
 
@@ -169,7 +169,7 @@ def test_a_schedule_switching_methods_alone_runs_each_fused_and_stays_lossless(r
     model, drafter = make_target_model("qwen3"), make_drafter("all_full")
     plan = [Candidate("dflash", draft_tokens=3), Candidate("ddtree", budget=8), AR, Candidate("ddtree", budget=5)]
 
-    class Rotating:
+    class Rotating(FixedPicks):
         def __init__(self) -> None:
             self.steps = 0
 

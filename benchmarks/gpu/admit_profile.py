@@ -23,7 +23,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from blockdraft.decoding.generate import generate
 from blockdraft.decoding.methods import build_proposer
-from blockdraft.engine.batch import BatchDecoder, Request
+from blockdraft.engine.batch import BatchDecoder
+from blockdraft.engine.sequence import Request
 from blockdraft.fast.target import FastTarget
 from blockdraft.models.loading import load_drafter
 from blockdraft.pair import EMBEDDED_DRAFTER

@@ -20,7 +20,8 @@ from conftest import make_drafter, make_target_model  # noqa: E402  (the tests' 
 from blockdraft.decoding.generate import generate  # noqa: E402
 from blockdraft.decoding.methods import build_proposer  # noqa: E402
 from blockdraft.engine import measured  # noqa: E402
-from blockdraft.engine.batch import BatchDecoder, Request  # noqa: E402
+from blockdraft.engine.batch import BatchDecoder  # noqa: E402
+from blockdraft.engine.sequence import Request  # noqa: E402
 from blockdraft.engine.measured import MeasuredSchedule  # noqa: E402
 from blockdraft.engine.schedule import AR, AcceptanceProfile, Candidate, CostTable, choose  # noqa: E402
 from blockdraft.engine.switching import SwitchingProposer  # noqa: E402

@@ -114,7 +114,7 @@ def generate(
     from blockdraft.decoding.lookup import check_lookup_method
     from blockdraft.decoding.methods import build_proposer
     from blockdraft.decoding.sampling import SamplingParams
-    from blockdraft.engine.batch import generate_batch
+    from blockdraft.engine.decode_batch import generate_batch
 
     if batch_size < 1:
         raise BlockdraftError(f"--batch-size {batch_size} must be >= 1 (1: one prompt at a time)")

@@ -11,7 +11,8 @@ from blockdraft.decoding.generate import GenerationResult, generate
 from blockdraft.decoding.methods import build_proposer
 from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.bench.steady import first_uses, warm_tokens, warm_until_steady
-from blockdraft.engine.batch import BatchDecoder, decode_batch, warm_buckets
+from blockdraft.engine.batch import BatchDecoder
+from blockdraft.engine.decode_batch import decode_batch, warm_buckets
 from blockdraft.metrics import SpecStats, merge_all
 from blockdraft.models.drafter import DFlashDrafter
 from blockdraft.models.target import Target

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from blockdraft.decoding.draft import Draft, OverChain
+from blockdraft.decoding.draft import Draft, OverChain, StepShape
 from blockdraft.decoding.sampling import SamplingParams, probabilities
 from blockdraft.kernels.top_k import kernel_runs as top_k_runs
 from blockdraft.kernels.top_k import log_softmax_top_k
@@ -36,6 +36,7 @@ from blockdraft.kernels.tree_search import kernel_runs, tree_rows
 from blockdraft.decoding.verify import Verdict, walk
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.drafter import DFlashDrafter
+from blockdraft.fast.drafter import FastDrafter
 from blockdraft.fast.graphs import capture
 from blockdraft.kernels.sizes import power_of_two_at_least
 from blockdraft.models.host_to_device import long_tensor
@@ -342,6 +343,7 @@ class DDTreeProposer(OverChain):
     """
 
     name = "ddtree"
+    searches_trees_on_device = True
 
     def __init__(self, drafter: DFlashDrafter, target: Target, budget: int, draft_tokens: int | None = None) -> None:
         self.budget = check_budget(budget)
@@ -350,6 +352,30 @@ class DDTreeProposer(OverChain):
 
     def plan(self, max_depth: int) -> tuple[int, int] | None:
         return self.chain.plan(max_depth)
+
+    def step_shape(self, budget: int | None = None) -> StepShape | None:
+        """A whole-depth step's tree of `budget` nodes (default: this proposer's), with the lookup chain's room
+        (`room`); on the chain's static path only."""
+        if self.chain.step_shape() is None:
+            return None
+        budget = self.budget if budget is None else budget
+        slots, visible = self.chain.block_rows(self.chain.block_size)
+        return StepShape(slots, visible, budget, self.room(budget, slots))
+
+    def room(self, budget: int, slots: int) -> int:
+        """The nodes a tree of `budget` nodes over `slots` slots gives a prompt-lookup chain: none here."""
+        return 0
+
+    @property
+    def static_drafter(self) -> FastDrafter | None:
+        return self.chain.static_drafter
+
+    @property
+    def batch_drafter(self) -> DFlashDrafter | None:
+        return self.chain.batch_drafter
+
+    def tree_budget(self) -> int | None:
+        return self.budget
 
     def verify_rows(self) -> tuple[int, ...]:
         """The anchor and a full tree: a smaller tree (built on the host, T > 0) replays its graph

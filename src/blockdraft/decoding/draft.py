@@ -8,7 +8,7 @@ every method.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -16,7 +16,6 @@ from blockdraft.decoding.sampling import SamplingParams, probabilities, sample
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.drafter import DFlashDrafter, DrafterContextCache
 from blockdraft.fast.drafter import FastDrafter, fast_drafter_problem
-from blockdraft.fast.target import FastTarget
 from blockdraft.models.host_to_device import long_tensor
 from blockdraft.models.target import Target
 
@@ -78,8 +77,37 @@ def check_draft_tokens(draft_tokens: int | None, block_size: int) -> int:
     return draft_tokens
 
 
+@dataclass(frozen=True)
+class StepShape:
+    """What a method's fused greedy step (`fused_steps`) is made of: the drafted slots (0: AR), the mask rows the
+    drafter sees, the tree's budget (None: a chain or AR) and the most nodes of its prompt-lookup chain
+    (`lookup.chain_room`; 0: none). Steps of one shape share their graphs, whichever proposer asked."""
+
+    slots: int = 0
+    visible: int = 0
+    budget: int | None = None
+    lookup: int = 0
+
+
+AR_SHAPE = StepShape()
+
+
+class ChainLookup(Protocol):
+    """Trees that also hold a prompt-lookup chain (`lookup.LookupTreeProposer`): what the engines merge in."""
+
+    def room(self, budget: int, slots: int) -> int: ...
+
+    def lookup_chain(self, budget: int, slots: int) -> list[int]: ...
+
+    def merged(self, draft: Draft, budget: int, slots: int) -> Draft: ...
+
+    def history(self) -> list[int]: ...
+
+
 class Proposer(Protocol):
-    """What the decode loop asks of a drafting method."""
+    """What the decode loop asks of a drafting method, and what the engines may ask of it (its capabilities, with
+    their defaults in `ProposerBase`): a new method is its file and its registration in `methods.py`; the engines
+    find what it can do here, never by its type."""
 
     name: str
     tap_layers: tuple[int, ...] | None
@@ -101,6 +129,51 @@ class Proposer(Protocol):
 
     def warm(self, positions: int) -> None: ...
 
+    searches_trees_on_device: bool  # greedy steps search its tree on the device: `propose_on_device`
+
+    def propose_on_device(self, anchor: int, start: int, max_depth: int) -> Any:
+        """A greedy step's tree as verify rows on the device (`ddtree.DeviceTrees`), or None: nothing to draft."""
+
+    def step_shape(self) -> StepShape | None:
+        """The shape of this step's fused greedy step (`fused_steps`); None where fused steps do not run it."""
+
+    @property
+    def static_drafter(self) -> FastDrafter | None:
+        """Its own drafter on the target's static path (what `generate()`'s fused steps draft with), if any."""
+
+    @property
+    def batch_drafter(self) -> DFlashDrafter | None:
+        """The drafter whose batched pass (`fast.batch_drafter`) can draft for it, then `plan` and `finish`."""
+
+    def tree_budget(self) -> int | None:
+        """The budget of the plain DDTree it builds from its slot logits this step, if it builds one."""
+
+    def drafts_plain_chain(self) -> bool:
+        """Whether this step's greedy draft is the DFlash chain: each slot's argmax."""
+
+    def lookup_trees(self) -> ChainLookup | None:
+        """This step's trees' prompt-lookup chain, if they hold one."""
+
+
+class ProposerBase:
+    """The capabilities a proposer has unless it says otherwise (`Proposer`): none of the fast paths."""
+
+    searches_trees_on_device = False
+    static_drafter: FastDrafter | None = None
+    batch_drafter: DFlashDrafter | None = None
+
+    def step_shape(self) -> StepShape | None:
+        return None
+
+    def tree_budget(self) -> int | None:
+        return None
+
+    def drafts_plain_chain(self) -> bool:
+        return False
+
+    def lookup_trees(self) -> ChainLookup | None:
+        return None
+
 
 class DrafterProposer(Proposer, Protocol):
     """A proposer over a DFlash drafter whose pass a batch can run for it: `plan` says which rows this step needs
@@ -113,7 +186,7 @@ class DrafterProposer(Proposer, Protocol):
     def finish(self, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None) -> Draft: ...
 
 
-class DFlashProposer:
+class DFlashProposer(ProposerBase):
     """The DFlash chain: one drafter pass over [anchor, MASK x (B-1)] gives B-1 proposals.
 
     On a FastTarget the drafter runs on the static path (`FastDrafter`: fixed buffers, CUDA graphs), so the
@@ -142,7 +215,7 @@ class DFlashProposer:
         self.depth = check_draft_tokens(draft_tokens, self.block_size)
         self.whole_block = whole_block
         self.cache = DrafterContextCache(drafter)
-        self.static = static and isinstance(target, FastTarget) and fast_drafter_problem(drafter) is None
+        self.static = static and target.static_cache and fast_drafter_problem(drafter) is None
         self._fast: FastDrafter | None = None
 
     @property
@@ -150,9 +223,24 @@ class DFlashProposer:
         """The static drafter path, its buffers allocated on first use: a batched decode drafts every sequence
         through one BatchDrafter and never touches its proposers' own."""
         if self._fast is None and self.static:
-            assert isinstance(self.target, FastTarget)
-            self._fast = FastDrafter(self.drafter, self.target)
+            self._fast = FastDrafter(self.drafter, self.target)  # type: ignore[arg-type]  # a static-cache target
         return self._fast
+
+    def step_shape(self, depth: int | None = None) -> StepShape | None:
+        """A whole-depth chain step of `depth` drafted tokens (default: this proposer's); on the static path only
+        (an eager drafter, one that evicts its context, has no fused steps)."""
+        return StepShape(*self.block_rows(self.block_size, depth)) if self.static else None
+
+    @property
+    def static_drafter(self) -> FastDrafter | None:
+        return self.fast
+
+    @property
+    def batch_drafter(self) -> DFlashDrafter | None:
+        return self.drafter if self.static else None
+
+    def drafts_plain_chain(self) -> bool:
+        return True
 
     def reset(self) -> None:
         self.cache = DrafterContextCache(self.drafter)
@@ -233,7 +321,7 @@ class DFlashProposer:
         return self.finish(self.slot_logits(anchor, start, *planned), sampling, generator)
 
 
-class OverChain:
+class OverChain(ProposerBase):
     """Base of the proposers that draft from a DFlash chain's context and pass (DDTree, DFlash-2's walk and trees,
     DSpark's Markov chain): the context, its reset and the taps it reads are the chain's; `build_s` counts what
     they add on the host."""

@@ -25,24 +25,23 @@ On a CPU the same functions run eagerly (what the tests compare).
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from blockdraft.kernels.argmax import greedy_picks
-from blockdraft.decoding.ddtree import DDTreeProposer, tree_layout, tree_parent_rows
-from blockdraft.decoding.draft import DFlashProposer
-from blockdraft.decoding.lookup import LookupTreeProposer
+from blockdraft.decoding.ddtree import tree_layout, tree_parent_rows
+from blockdraft.decoding.draft import AR_SHAPE, Proposer, StepShape
 from blockdraft.decoding.lookup_device import compiled_lookup_rows, lookup_rows
+from blockdraft.fast.drafter import FastDrafter
+from blockdraft.fast.graphs import capture, graph_pool
+from blockdraft.fast.static_cache import SLOT_STEP, StaticTargetCache, round_up
+from blockdraft.fast.target import FastTarget
+from blockdraft.kernels.argmax import greedy_picks
+from blockdraft.kernels.kernel_choice import kernel_wins
 from blockdraft.kernels.walk import kernel_runs as walk_kernel_runs
 from blockdraft.kernels.walk import walk_rows
-from blockdraft.fast.drafter import FastDrafter
-from blockdraft.fast.target import FastTarget
-from blockdraft.fast.graphs import capture, graph_pool
 from blockdraft.models.host_to_device import long_tensor
-from blockdraft.kernels.kernel_choice import kernel_wins
-from blockdraft.fast.static_cache import SLOT_STEP, StaticTargetCache, round_up
+from blockdraft.models.target import Target
 
 AHEAD = 2  # fused steps in flight at most: the next launched before this one is read
 
@@ -64,33 +63,6 @@ def device_walk(ids: torch.Tensor, picks: torch.Tensor, own: torch.Tensor, paren
     keys = torch.where(own.index_select(0, deepest)[0], rows, rows + ids.shape[0])
     path = keys.sort().values[:commit_rows] % ids.shape[0]
     return depth.gather(0, deepest)[0] + 1, path
-
-
-@dataclass(frozen=True)
-class StepShape:
-    """What a method's fused step is made of: the drafted slots (0: AR), the mask rows the drafter sees, the tree's
-    budget (None: a chain or AR) and the most nodes of its prompt-lookup chain (`lookup.chain_room`; 0: none).
-    Steps of one shape share their graphs, whichever proposer asked."""
-
-    slots: int = 0
-    visible: int = 0
-    budget: int | None = None
-    lookup: int = 0
-
-
-AR_SHAPE = StepShape()
-
-
-def step_shape(proposer: DFlashProposer | DDTreeProposer | None) -> StepShape:
-    """The shape of a whole-depth step of this proposer's method."""
-    if proposer is None:
-        return AR_SHAPE
-    chain = proposer.chain if isinstance(proposer, DDTreeProposer) else proposer
-    slots, visible = chain.block_rows(chain.block_size)
-    if not isinstance(proposer, DDTreeProposer):
-        return StepShape(slots, visible)
-    lookup = proposer.room(proposer.budget, slots) if isinstance(proposer, LookupTreeProposer) else 0
-    return StepShape(slots, visible, proposer.budget, lookup)
 
 
 class FusedSteps:
@@ -359,24 +331,21 @@ class FusedSteps:
         self.nodes.copy_(nodes)
 
 
-def fused_steps(target: Any, proposer: Any) -> FusedSteps | None:
+def fused_steps(target: Target, proposer: Proposer | None) -> FusedSteps | None:
     """The fused steps of this target and method (None: AR), made once per proposer (AR: per target) and kept with
-    their graphs for as long as it lives; None where they do not apply: off the fast engine or with its fused steps
-    off, another proposer (DFlash-2, DSpark, a schedule's), or a drafter off the static path."""
-    if not isinstance(target, FastTarget) or not target.fused:
+    their graphs for as long as it lives; None where they do not apply: a target without them (`Target.fused`), a
+    proposer with no fused step (`Proposer.step_shape`) or no drafter of its own on this target's static path."""
+    if not target.fused:
         return None
-    if proposer is not None:
-        if type(proposer) not in (DFlashProposer, DDTreeProposer, LookupTreeProposer):
-            return None
-        chain = proposer.chain if isinstance(proposer, DDTreeProposer) else proposer
-        if chain.fast is None or chain.target is not target:
-            return None
+    shape = AR_SHAPE if proposer is None else proposer.step_shape()
+    drafter = None if proposer is None else proposer.static_drafter
+    if shape is None or (proposer is not None and (drafter is None or drafter.target is not target)):
+        return None
     owner = target if proposer is None else proposer
     steps = _STEPS.get(owner)
     if steps is None:
-        drafter = None if proposer is None else chain.fast
         tap_layers = None if proposer is None else proposer.tap_layers
-        steps = _STEPS[owner] = FusedSteps(target, drafter, tap_layers, step_shape(proposer))
+        steps = _STEPS[owner] = FusedSteps(target, drafter, tap_layers, shape)  # type: ignore[arg-type]
     return steps
 
 

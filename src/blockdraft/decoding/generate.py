@@ -15,16 +15,13 @@ from typing import Any
 
 import torch
 
-from blockdraft.decoding.ddtree import DDTreeProposer
 from blockdraft.decoding.draft import Draft, Proposer
-from blockdraft.decoding.fused_steps import FusedSteps, fused_steps
+from blockdraft.decoding.fused_steps import fused_steps
 from blockdraft.decoding.sampling import SamplingParams, pick
 from blockdraft.decoding.verify import verify
 from blockdraft.errors import BlockdraftError
 from blockdraft.metrics import SpecStats
-from blockdraft.fast.target import FastTarget
 from blockdraft.models.host_to_device import long_tensor
-from blockdraft.fast.static_cache import StaticTargetCache
 from blockdraft.models.target import Target
 
 
@@ -120,16 +117,6 @@ def check_context(target: Target, prompt_len: int, max_new_tokens: int) -> None:
         )
 
 
-def _launch_fused(fused: FusedSteps, cache: StaticTargetCache, stages: _StageTimer) -> None:
-    """A fused step's two graphs: its verify, then the draft of the step after it (its stages timed)."""
-    t_verify = stages.mark()
-    fused.verify(cache)
-    t_draft = stages.mark()
-    fused.draft(cache)
-    stages.add("verify", t_verify, t_draft)
-    stages.add("draft", t_draft, stages.mark())
-
-
 def until_stop(committed: list[int], depth_left: int, stops: AbstractSet[int]) -> tuple[list[int], int | None]:
     """A step's tokens cut to the `depth_left` still wanted and after the first stop token, and that stop token."""
     committed = committed[:depth_left]
@@ -137,6 +124,92 @@ def until_stop(committed: list[int], depth_left: int, stops: AbstractSet[int]) -
         if token in stops:
             return committed[: i + 1], token
     return committed, None
+
+
+Keep = Callable[[int], None]  # a step's commit of its first n tokens to the cache and the drafter context
+
+
+class _Steps:
+    """The two kinds of decode step `generate()` runs, each returning (tokens drafted, tokens the target would
+    commit, `keep`): the fused greedy step (`fused_steps`: two graph replays and one read; the cache and drafter
+    context already hold its commit) and the step-by-step one (draft, verify forward, walk on the host, then `keep`
+    crops or compacts the cache and extends the drafter context by what the stop rules kept)."""
+
+    def __init__(self, target: Target, proposer: Proposer | None, cache: Any, sampling: SamplingParams,
+                 generator: torch.Generator, stages: _StageTimer) -> None:
+        self.target, self.proposer, self.cache = target, proposer, cache
+        self.sampling, self.generator, self.stages = sampling, generator, stages
+        self.tap_layers = proposer.tap_layers if proposer else None
+        self.fused = fused_steps(target, proposer) if sampling.greedy else None
+        # greedy trees searched on the device, for a target that takes their rows' own mask
+        self.trees_on_device = (proposer is not None and proposer.searches_trees_on_device and sampling.greedy
+                                and target.row_masks)
+        self.begun = False
+
+    def fuses(self, depth_left: int) -> bool:
+        """Whether this step is fused: until a step could commit past the end, and while one is in flight."""
+        return self.fused is not None and (self.fused.pending > 0 or self.fused.whole_step(depth_left))
+
+    def fused_step(self, prompt_ids: list[int], tokens: list[int], depth_left: int) -> tuple[int, list[int], Keep]:
+        """A fused step; the next one is launched before this one's read when it too is whole, so the device never
+        waits on the host."""
+        fused = self.fused
+        assert fused is not None
+        if not self.begun:
+            fused.begin(tokens[-1], self.cache, [*prompt_ids, *tokens])
+            self.begun = True
+        if not fused.pending:
+            self._launch_fused()
+        if fused.whole_step(depth_left, unread=1):
+            self._launch_fused()
+        nodes, committed = fused.read(self.cache)
+        return nodes, committed, lambda produced: None
+
+    def _launch_fused(self) -> None:
+        """A fused step's two graphs: its verify, then the draft of the step after it (its stages timed)."""
+        assert self.fused is not None
+        stages = self.stages
+        t_verify = stages.mark()
+        self.fused.verify(self.cache)
+        t_draft = stages.mark()
+        self.fused.draft(self.cache)
+        stages.add("verify", t_verify, t_draft)
+        stages.add("draft", t_draft, stages.mark())
+
+    def step(self, anchor: int, start: int, depth_left: int) -> tuple[int, list[int], Keep]:
+        """Draft, verify in one forward, walk; `keep` commits what the stop rules leave of it."""
+        target, proposer, cache, stages = self.target, self.proposer, self.cache, self.stages
+        device = target.device
+        t_draft = stages.mark()
+        trees = proposer.propose_on_device(anchor, start, depth_left) if self.trees_on_device else None  # type: ignore[union-attr]
+        if trees is not None:  # the tree stays on the device until the verify's read
+            t_verify = stages.mark()
+            out = target.forward(trees.ids, trees.positions[0], cache, self.tap_layers,
+                                 attention_mask=trees.own[:, None])
+            (draft,), (verdict,) = trees.verdicts(out.logits)
+        else:
+            draft = (proposer.propose(anchor, start, depth_left, self.sampling, self.generator) if proposer
+                     else Draft.empty(device))
+            t_verify = stages.mark()
+            ids = torch.cat([long_tensor([anchor], device), draft.tokens]).unsqueeze(0)
+            mask = None if draft.is_chain else draft.tree_mask(len(cache), device)
+            out = target.forward(ids, draft.positions(start, device), cache, self.tap_layers, attention_mask=mask)
+            verdict = verify(draft, out.logits[0], self.sampling, self.generator)
+        stages.add("draft", t_draft, t_verify)
+        stages.add("verify", t_verify, stages.mark())
+
+        def keep(produced: int) -> None:
+            rows: slice | torch.Tensor
+            if draft.is_chain:  # the committed rows are the first `produced`
+                rows = slice(0, produced)
+                cache.crop(start + produced)
+            else:
+                rows = long_tensor([0] + [node + 1 for node in verdict.accepted][: produced - 1], device)
+                cache.compact(start, rows)
+            if proposer:
+                proposer.add_context(out.taps[:, rows])
+
+        return len(draft), verdict.tokens + [verdict.bonus], keep
 
 
 @torch.inference_mode()
@@ -163,16 +236,14 @@ def generate(
     stages = _StageTimer(device)
     stats = SpecStats(method=proposer.name if proposer else "ar", num_prompts=1, prompt_tokens=len(prompt_ids))
     stops = set(stop_token_ids)
-    tap_layers = proposer.tap_layers if proposer else None
     cache = target.new_cache()
     if proposer:
         proposer.reset()
 
     t0 = clock.now()
     prompt = torch.tensor([prompt_ids], dtype=torch.long, device=device)
-    out = target.forward(
-        prompt, torch.arange(len(prompt_ids), device=device), cache, tap_layers, last_logits_only=True
-    )
+    out = target.forward(prompt, torch.arange(len(prompt_ids), device=device), cache,
+                         proposer.tap_layers if proposer else None, last_logits_only=True)
     first = int(pick(out.logits[0, -1], sampling, generator).item())
     if proposer:
         proposer.add_context(out.taps)
@@ -182,70 +253,24 @@ def generate(
     ended_early = bool(on_commit and on_commit([first]))
     stopped_on = first if first in stops else None
     draft_lengths: list[int] = []
-    # greedy DDTree on the fast engine (which reads a tree mask's own rows only): the tree built on the device
-    trees_on_device = type(proposer) is DDTreeProposer and sampling.greedy and isinstance(target, FastTarget)
-    fused = fused_steps(target, proposer) if sampling.greedy else None
-    begun = False
+    steps = _Steps(target, proposer, cache, sampling, generator, stages)
 
     t_decode = clock.now()
     while len(tokens) < max_new_tokens and stopped_on is None and not ended_early:
         start = len(prompt_ids) + len(tokens) - 1
-        anchor = tokens[-1]
         depth_left = max_new_tokens - len(tokens)
-
-        # fused: until a step could commit past the end, and while one is in flight
-        if fused is not None and (fused.pending or fused.whole_step(depth_left)):
-            if not begun:
-                fused.begin(anchor, cache, [*prompt_ids, *tokens])
-                begun = True
-            if not fused.pending:
-                _launch_fused(fused, cache, stages)
-            if fused.whole_step(depth_left, unread=1):  # the next step is whole too: launched
-                _launch_fused(fused, cache, stages)  # before this one's read, the device never waits on the host
-            nodes, committed = fused.read(cache)
-            stats.drafted_tokens += nodes
-            draft_lengths.append(nodes)
-            committed, stopped_on = until_stop(committed, depth_left, stops)
-            if proposer:
-                proposer.observe(committed)
-            tokens.extend(committed)
-            stats.acceptance_lengths.append(len(committed))
-            ended_early = bool(on_commit and on_commit(committed))
-            continue
-
-        t_draft = stages.mark()
-        trees = proposer.propose_on_device(anchor, start, depth_left) if trees_on_device else None
-        if trees is not None:  # the tree stays on the device until the verify's read
-            t_verify = stages.mark()
-            out = target.forward(trees.ids, trees.positions[0], cache, tap_layers, attention_mask=trees.own[:, None])
-            (draft,), (verdict,) = trees.verdicts(out.logits)
+        if steps.fuses(depth_left):
+            drafted, proposed, keep = steps.fused_step(prompt_ids, tokens, depth_left)
         else:
-            draft = (proposer.propose(anchor, start, depth_left, sampling, generator) if proposer
-                     else Draft.empty(device))
-            t_verify = stages.mark()
-            ids = torch.cat([long_tensor([anchor], device), draft.tokens]).unsqueeze(0)
-            mask = None if draft.is_chain else draft.tree_mask(len(cache), device)
-            out = target.forward(ids, draft.positions(start, device), cache, tap_layers, attention_mask=mask)
-            verdict = verify(draft, out.logits[0], sampling, generator)
-        stages.add("draft", t_draft, t_verify)
-        stages.add("verify", t_verify, stages.mark())
-        stats.drafted_tokens += len(draft)
-        draft_lengths.append(len(draft))
-
-        committed, stopped_on = until_stop(verdict.tokens + [verdict.bonus], depth_left, stops)
-        produced = len(committed)
-        rows: slice | torch.Tensor
-        if draft.is_chain:  # the committed rows are the first `produced`
-            rows = slice(0, produced)
-            cache.crop(start + produced)
-        else:
-            rows = long_tensor([0] + [node + 1 for node in verdict.accepted][: produced - 1], device)
-            cache.compact(start, rows)
+            drafted, proposed, keep = steps.step(tokens[-1], start, depth_left)
+        committed, stopped_on = until_stop(proposed, depth_left, stops)
+        keep(len(committed))
+        stats.drafted_tokens += drafted
+        draft_lengths.append(drafted)
         if proposer:
-            proposer.add_context(out.taps[:, rows])
             proposer.observe(committed)
         tokens.extend(committed)
-        stats.acceptance_lengths.append(produced)
+        stats.acceptance_lengths.append(len(committed))
         ended_early = bool(on_commit and on_commit(committed))
 
     stats.decode_s = clock.now() - t_decode

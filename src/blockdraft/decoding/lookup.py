@@ -127,6 +127,7 @@ class LookupTreeProposer(DDTreeProposer):
     (`lookup_device`)."""
 
     name = "ddtree+lookup"
+    searches_trees_on_device = False  # `generate()`'s steps off the fused path merge the chain on the host
 
     def __init__(self, drafter: DFlashDrafter, target: Target, budget: int, lookup: int,
                  draft_tokens: int | None = None) -> None:
@@ -144,6 +145,13 @@ class LookupTreeProposer(DDTreeProposer):
     def room(self, budget: int, slots: int) -> int:
         """The most tokens the chain of a tree of `budget` nodes over `slots` drafted slots gets (`chain_room`)."""
         return chain_room(self.lookup, budget, slots)
+
+    def lookup_trees(self) -> LookupTreeProposer:
+        return self
+
+    def history(self) -> list[int]:
+        """The tokens the chain is looked up in: the prompt and every committed token."""
+        return self.index.tokens
 
     def lookup_chain(self, budget: int, slots: int) -> list[int]:
         """This step's chain for a tree of `budget` nodes over `slots` drafted slots: `room` tokens at most."""

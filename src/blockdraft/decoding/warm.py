@@ -13,20 +13,20 @@ from __future__ import annotations
 
 from blockdraft.decoding.draft import Proposer
 from blockdraft.decoding.fused_steps import AHEAD, fused_steps
-from blockdraft.fast.target import FastTarget, graph_rows
 from blockdraft.fast.graphs import graphs_captured
+from blockdraft.fast.target import graph_rows
 from blockdraft.models.target import Target
 
 
 def warm_decode(target: Target, proposer: Proposer | None, positions: int) -> int:
     """Capture the graphs of a decode with `proposer` (None: AR) in contexts of up to `positions` positions: the
     verify of each of its row counts at every key capacity, the drafter's, the fused greedy steps' (`fused_steps`)
-    and the prefill's. Returns how many were captured (none off the fast engine or off a GPU). Empties the target's
-    cache and the drafter's context.
+    and the prefill's. Returns how many were captured (none off a static-cache target or off a GPU). Empties the
+    target's cache and the drafter's context.
 
     Every buffer is first reserved for all of them: one that grows drops every graph captured on it (warming the
     prefill after the verify graphs once dropped them)."""
-    if not isinstance(target, FastTarget):
+    if not target.static_cache:
         return 0
     before = graphs_captured()
     rows = proposer.verify_rows() if proposer is not None else (1,)

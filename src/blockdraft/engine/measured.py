@@ -200,6 +200,11 @@ class MeasuredSchedule:
         self.buckets: dict[int, _Bucket] = {}
         self._counted: dict[int, tuple[Candidate, bool]] = {}
 
+    @property
+    def candidates(self) -> list[Candidate]:
+        """Every candidate the table weighed."""
+        return self.table.candidates
+
     def _bucket(self, batch: int) -> tuple[int, _Bucket]:
         key = bucket_of(batch)
         if key not in self.buckets:

@@ -545,8 +545,20 @@ def choose(costs: CostTable, profile: AcceptanceProfile, candidates: list[Candid
                     profile.source)
 
 
+class FixedPicks:
+    """What the batch decoder asks of a schedule besides `pick`, for one that learns nothing from the steps it picks
+    for (a table, a script); `MeasuredSchedule` times its steps instead."""
+
+    def counting(self, batch: int) -> bool:
+        """Whether the step just picked for `batch` sequences is timed for the schedule."""
+        return False
+
+    def observe(self, batch: int, candidate: Candidate, seconds: float, tokens: int) -> None:
+        """A step's time and tokens, which a fixed schedule does not need."""
+
+
 @dataclass
-class Schedule:
+class Schedule(FixedPicks):
     """The method per batch size for one target, drafter and device; `pick` serves any runtime batch size."""
 
     entries: list[ScheduleEntry]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from blockdraft.decoding.ddtree import DDTreeProposer
-from blockdraft.decoding.draft import Draft
+from blockdraft.decoding.draft import ChainLookup, Draft, ProposerBase, StepShape
 from blockdraft.decoding.lookup import LookupTreeProposer
 from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.engine.schedule import AR, Candidate
@@ -19,9 +19,10 @@ from blockdraft.models.drafter import DFlashDrafter
 from blockdraft.models.target import Target
 
 
-class SwitchingProposer:
+class SwitchingProposer(ProposerBase):
     """`use(candidate)` sets the next steps' method; `propose` drafts accordingly. With `lookup` > 0 its trees hold
-    a prompt-lookup chain of up to that many tokens (`lookup.chain_room` of each candidate's budget)."""
+    a prompt-lookup chain of up to that many tokens (`lookup.chain_room` of each candidate's budget). Its
+    capabilities are those of the step's method (a scheduled AR step has no fused steps: its taps wait)."""
 
     name = "scheduled"
 
@@ -39,10 +40,25 @@ class SwitchingProposer:
     def use(self, candidate: Candidate) -> None:
         self.candidate = candidate
 
+    def lookup_trees(self) -> ChainLookup | None:
+        """This step's trees' lookup chain (a DDTree step, lookup asked)."""
+        return self.tree.lookup_trees() if self.candidate.method == "ddtree" else None
+
+    def step_shape(self) -> StepShape | None:
+        method = self.candidate.method
+        if method == "dflash":
+            return self.tree.chain.step_shape(self.candidate.draft_tokens)
+        return self.tree.step_shape(self.candidate.budget) if method == "ddtree" else None
+
     @property
-    def lookup_trees(self) -> LookupTreeProposer | None:
-        """The proposer of this step's trees when they hold a lookup chain (a DDTree step, lookup asked)."""
-        return self.tree if self.candidate.method == "ddtree" and isinstance(self.tree, LookupTreeProposer) else None
+    def batch_drafter(self) -> DFlashDrafter | None:
+        return self.tree.batch_drafter
+
+    def tree_budget(self) -> int | None:
+        return self.candidate.budget if self.candidate.method == "ddtree" else None
+
+    def drafts_plain_chain(self) -> bool:
+        return self.candidate.method == "dflash"
 
     def reset(self) -> None:
         self.tree.reset()

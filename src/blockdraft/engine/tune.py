@@ -28,7 +28,9 @@ from blockdraft.decoding.draft import DFlashProposer
 from blockdraft.decoding.generate import OnCommit, generate
 from blockdraft.decoding.methods import build_proposer
 from blockdraft.decoding.sampling import SamplingParams
-from blockdraft.engine.batch import BatchDecoder, Request, bucket_sizes
+from blockdraft.engine.batch import BatchDecoder
+from blockdraft.engine.batch_sizes import bucket_sizes
+from blockdraft.engine.sequence import Request
 from blockdraft.engine.schedule import AR, AcceptanceProfile, Candidate, CostTable, Schedule, choose
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.drafter import DFlashDrafter
@@ -66,7 +68,7 @@ def measure_costs(target: Target, drafter: DFlashDrafter, target_name: str, draf
     `lookup` tokens the server's trees hold (its search and merge); one whose device work the table cannot cost (its
     rows or budget not measured) is skipped, not failed: without a device time its step cannot be split, and it
     pays AR's host work as tables without commit_by_candidate_s do."""
-    if not isinstance(target, FastTarget):
+    if not target.static_cache:
         raise BlockdraftError("tune times the batched engine, which needs the fast engine; pass --engine fast")
     device = target.device
     verify_s = verify_seconds(target, drafter.cfg.target_layer_ids, batch_sizes, rows, context, repeats)

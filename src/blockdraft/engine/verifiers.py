@@ -56,11 +56,17 @@ class SlotVerifier:
     batch 1's speed. Its K/V move into slot 0 when a second sequence is about to join, and back when it is alone
     again (one copy of one sequence's cache each way)."""
 
+    shares_forward = True  # one forward for the batch: packed prefills, device trees, a lone sequence's fused steps
+
     def __init__(self, target: FastTarget, slots: int) -> None:
         self.target = target
         self.store = BatchKV.for_target(target, slots)
         self.batched = BatchForward(target, self.store)
         self.single: StaticTargetCache | None = None  # the lone sequence's cache, on the batch-1 path
+
+    def reserve(self, positions: int) -> None:
+        """Every slot's K/V room for `positions` positions, now (a buffer that grows later drops its graphs)."""
+        self.store.ensure(positions)
 
     def before_prefill(self) -> None:
         """A prefill is about to reuse the target's static cache: a lone sequence's K/V leave it for slot 0 (all the
@@ -190,9 +196,14 @@ def _keep_one(cache: TargetCache | StaticTargetCache, start: int, rows: torch.Te
 class LoopVerifier:
     """Any target: a cache per sequence and `generate()`'s forward, sequence by sequence."""
 
+    shares_forward = False
+
     def __init__(self, target: Target, slots: int) -> None:
         self.target = target
         self.caches: list[TargetCache | None] = [None] * slots
+
+    def reserve(self, positions: int) -> None:
+        """Each sequence's cache grows with it: nothing to reserve."""
 
     def before_prefill(self) -> None:
         """Every sequence has a cache of its own: nothing to move."""

@@ -247,6 +247,8 @@ class FastTarget(Target):
     """A Target whose forward, cache and (on CUDA) graphs are ours; same interface, same results as HF's."""
 
     engine = "fast"
+    static_cache = True
+    row_masks = True
 
     def __init__(
         self,

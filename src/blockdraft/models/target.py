@@ -37,6 +37,11 @@ class Target:
     """A Hugging Face causal LM seen the way the decode loop needs it."""
 
     engine = "hf"  # which forward runs: HF's own ("hf") or FastTarget's ("fast")
+    # What the engines may ask of a target (HF's forward: none of it; the fast engine's: all of it):
+    static_cache = False  # its cache is fixed buffers: reserved up front, in batch slots, its graphs captured on them
+    use_graphs = False  # its forwards replay CUDA graphs (captured at each new shape)
+    fused = False  # it runs greedy steps as fused graphs (`decoding.fused_steps`)
+    row_masks = False  # a forward's tree mask may be the new rows' own [t, t] (the cache's columns are implied)
 
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model.eval()

@@ -14,7 +14,9 @@ from typing import Any
 import torch
 
 from blockdraft.decoding.draft import Proposer
-from blockdraft.engine.batch import BatchDecoder, Request, Sequence, warm_buckets
+from blockdraft.engine.batch import BatchDecoder
+from blockdraft.engine.decode_batch import warm_buckets
+from blockdraft.engine.sequence import Request, Sequence
 from blockdraft.engine.measured import MeasuredSchedule
 from blockdraft.engine.schedule import Candidate, Schedule
 from blockdraft.engine.switching import SwitchingProposer
@@ -30,8 +32,8 @@ _WARMUP_TOKENS = 4
 
 def _use(candidate: Candidate, seq: Sequence) -> None:
     """A warm-up sequence drafts as the schedule's `candidate`."""
-    assert isinstance(seq.proposer, SwitchingProposer)
-    seq.proposer.use(candidate)
+    switching: SwitchingProposer = seq.proposer  # type: ignore[assignment]  # a schedule's
+    switching.use(candidate)
 
 
 class BatchedEngine:
@@ -72,12 +74,11 @@ class BatchedEngine:
         met, a step the measured schedule leaves out as stalled and the server names when it is slow. The schedule
         hears none of these steps."""
         decoder, schedule = self.decoder, self.decoder.schedule
-        table = schedule.table if isinstance(schedule, MeasuredSchedule) else schedule
         proposer = decoder.new_proposer()
         decoder.target.warm_prefill(proposer.tap_layers if proposer else None)
         prompts, tokens = [prompt_ids], _WARMUP_TOKENS
         drafter = getattr(proposer, "drafter", None)
-        if getattr(decoder.target, "use_graphs", False):
+        if decoder.target.use_graphs:
             if self.max_model_len is not None:
                 try:
                     decoder.reserve(self.max_model_len + SLOT_STEP)  # a verify's rows past the longest context
@@ -91,7 +92,7 @@ class BatchedEngine:
         decoder.schedule = None
         try:
             for prompt in prompts:
-                for candidate in table.candidates if table is not None else [None]:
+                for candidate in schedule.candidates if schedule is not None else [None]:
                     warm_buckets(decoder, prompt, tokens, None if candidate is None else partial(_use, candidate))
         finally:
             decoder.schedule = schedule

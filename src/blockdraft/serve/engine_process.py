@@ -20,13 +20,12 @@ import torch
 from blockdraft.decoding.draft import Proposer, check_draft_tokens
 from blockdraft.decoding.lookup import chain_room
 from blockdraft.decoding.methods import GPU_BUDGET, build_proposer, device_settings
-from blockdraft.engine.batch import check_kv_room, default_max_num_seqs
+from blockdraft.engine.batch_sizes import check_kv_room, default_max_num_seqs
 from blockdraft.engine.measured import MeasuredSchedule
 from blockdraft.engine.schedule import Schedule
 from blockdraft.engine.switching import SwitchingProposer
 from blockdraft.engine.tune import auto_schedule
 from blockdraft.errors import BlockdraftError
-from blockdraft.fast.target import FastTarget
 from blockdraft.pair import Loaded
 from blockdraft.serve.jobs import Job, JobSpec
 from blockdraft.serve.messages import (
@@ -94,7 +93,7 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
     model_len = max_model_len(settings.max_model_len, target.max_positions)
     seqs = settings.max_num_seqs or default_max_num_seqs(target, model_len)
     schedule = None
-    fast_gpu = isinstance(target, FastTarget) and target.device.type == "cuda"
+    fast_gpu = target.static_cache and target.device.type == "cuda"
     plain = loaded.drafter is not None and loaded.drafter.plain
     chosen = schedule_choice(settings, seqs, plain, fast_gpu)
     if chosen != "off":
