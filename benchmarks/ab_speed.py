@@ -1,7 +1,7 @@
 """An old/new A/B of `gpu_speed.py` on one machine, in ABBA order, with the table that judges it.
 
 Across H200 machines the same kernels' AR step moved by ~3% and a 65-row verify by 0.37 ms between two runs
-(benchmarks/RESULTS.md, sessions 25-26), more than most kernel changes move them; only runs of both sides on one
+(benchmarks/RESULTS.md, 2026-12-03), more than most kernel changes move them; only runs of both sides on one
 machine, interleaved, can tell a change from the machine. This runs `gpu_speed.py` four times, old / new / new / old
 (old = another checkout's `src` and `benchmarks`, e.g. a `git archive` of the commit before the change; new = this
 one), each writing its JSON, then prints every numeric row per engine: the four runs and new / old of the means.

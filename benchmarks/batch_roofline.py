@@ -1,4 +1,4 @@
-"""Issue 22's first table: the batched verify step of the fast engine against its roofline, and the tokens/s each
+"""The batched table: the batched verify step of the fast engine against its roofline, and the tokens/s each
 method and the speculation schedule would reach per batch size at the papers' acceptance.
 
 A Qwen3-8B-shaped target (random bf16 weights, gpu_speed.py's builder) with every sequence at `--context` cache
@@ -12,7 +12,7 @@ block) and DDTree's tree build, the CostTable of all of it, and `engine.schedule
 for the largest --budget, capped at 1 + budget; chain per-position rates assumed geometric with that sum).
 
     python benchmarks/batch_roofline.py --json roofline.json            # on the H200
-    python benchmarks/batch_roofline.py --verify-only --batch-sizes 1,4,16,64 --rows 1   # issue 22's AR table alone
+    python benchmarks/batch_roofline.py --verify-only --batch-sizes 1,4,16,64 --rows 1   # the batched AR table alone
     python benchmarks/batch_roofline.py --device cpu --shape tiny --batch-sizes 1,2 --rows 1,4 --context 32  # smoke
 """
 

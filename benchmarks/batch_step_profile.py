@@ -2,14 +2,14 @@
 tokenizer, each commit's text and events through an Outbox into a pipe another process drains), `--steps` steps
 timed, then the same steps under cProfile (host functions by own time).
 
-Why: through the server at concurrency 64, AR on the embedded pair ran ~29 ms per step (H200; benchmarks/RESULTS.md,
-session 15) while `blockdraft tune` times the batched verify itself at 1.6 ms.
+Why: through the server at concurrency 64, AR on the embedded pair ran ~29 ms per step (H200, 2026-12-01) while
+`blockdraft tune` times the batched verify itself at 1.6 ms.
 
     python benchmarks/batch_step_profile.py --device cuda --dtype bfloat16 --method ar --batch 64
 
 `--scheduled` runs the method as a schedule server's steps do (every sequence's proposer a SwitchingProposer held
 on the method; AR steps then tap the target and defer the drafter context): inside the schedule server, AR and
-DDTree@32 steps at batch 1 measured 0.8x and 0.6x the fixed servers' on the H200 (RESULTS, session 18).
+DDTree@32 steps at batch 1 measured 0.8x and 0.6x the fixed servers' on the H200 (2026-12-02).
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def main() -> None:
                                loaded.tokenizer) for i in range(args.batch)]
     limit = 16 * (7 * args.steps + 8)  # no job may finish within the timed steps, whatever it accepts
     # K/V reserved for the longest job, as the server reserves --max-model-len: a buffer that grows in the timed steps
-    # recaptures (session 20's first run had an 11.9 s step from it)
+    # recaptures (a run on the H200 on 2026-12-02 had an 11.9 s step from it)
     engine = BatchedEngine(target, new_proposer, loaded.tokenizer, args.batch,
                            max_model_len=max(len(ids) for ids in prompts) + limit)
     engine.warm_up(prompts[0])

@@ -1,4 +1,4 @@
-"""Issue 25's parity check against vLLM 0.33's own DFlash-2 functions (not in CI: it needs the vLLM wheel's source).
+"""The DFlash-2 parity check against vLLM 0.33's own DFlash-2 functions (not in CI: it needs the vLLM wheel's source).
 
 vLLM's `model_executor/models/qwen3_dflash2.py` holds the CPU reference of the block convolution (`_grouped_conv`,
 the path its Triton kernel replaces on CUDA) and the edge scores (`_score_edges`). Importing the module needs a

@@ -1,4 +1,4 @@
-"""Issue 7's speed table: per-step times of both engines against the weights-read floor, all in one run.
+"""The speed table: per-step times of both engines against the weights-read floor, all in one run.
 
 Part 1 (always): a Qwen3-8B-shaped target and a published-shape DFlash drafter (5 layers, B=16) with random bf16
 weights, batch 1, a 1K context. Per engine (hf = HF forward, fast = FastTarget with compiled ops + CUDA graphs,
@@ -7,7 +7,7 @@ weight products from `kernels/skinny_gemm.py`'s Triton kernel, fast-stepwise = f
 op instead of `decoding/fused_steps.py`'s two graphs and one read; end to end also fast-batched and
 fast-batched-stepwise = each prompt alone through the batch decoder, a server's lone request): AR step, DFlash verify (16 rows),
 drafter pass and context extension (the eager drafter under hf, the static FastDrafter under the fast engines,
-graphed where the engine graphs), DDTree verify per budget, the step ratios against issue 7's goals, and the 8B tokens/s projected at
+graphed where the engine graphs), DDTree verify per budget, the step ratios against their goals, and the 8B tokens/s projected at
 the papers' tau. Part 2 (with --target/--drafter): end-to-end tokens/s, tau and same-ids checks on a real pair.
 
 Every measurement is guarded: a failure prints one line and the run goes on. Progress lines (`#`) are flushed as
@@ -147,7 +147,7 @@ FUSED_CALLS = ("verify", "draft", "read")  # a fused step's host calls: two grap
 def fused_calls_in(scope: Callable[[str], AbstractContextManager[Any]]) -> Iterator[None]:
     """While this lasts each fused step's host calls (`FusedSteps.verify`, `.draft`, `.read`) run inside
     `scope(call)`: a profiler range (gpu/profile_decode.py) or a host clock (the end-to-end rows). Why: the same
-    embedded DDTree@31 row ran at 1,867 tok/s on one H200 and 991 on another (benchmarks/RESULTS.md, session 35), its
+    embedded DDTree@31 row ran at 1,867 tok/s on one H200 and 991 on another (benchmarks/RESULTS.md, 2026-12-04), its
     draft stage (CUDA events) 1.87 ms a step where the drafter graph's kernels take ~0.36: a launch the host was late
     with, in a call these tell apart."""
     originals = {call: getattr(FusedSteps, call) for call in FUSED_CALLS}
@@ -564,8 +564,8 @@ def reference_dflash(args: argparse.Namespace, model: Any, drafter: Any, row: Ca
 
 
 def tree_goals(entries: list[dict[str, Any]]) -> list[str]:
-    """Issue 24's end-to-end goals per engine: DDTree@32 (and @31, one verify row fewer; with or without a lookup
-    chain) against AR, the best DDTree row against the chain."""
+    """The embedded pair's end-to-end goals per engine: DDTree@32 (and @31, one verify row fewer; with or without a
+    lookup chain) against AR, the best DDTree row against the chain."""
     lines = []
     rates = {e["method"]: e["tokens_per_s"] for e in entries}
     for engine in dict.fromkeys(m.split()[1] for m in rates if m.startswith("ours ")):
@@ -633,7 +633,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--limit", type=int, default=None, help="end to end: at most this many prompts (--quick: 2)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="end to end: tokens per prompt (default 128; --quick 32)")
     parser.add_argument("--budget", type=int_list, default="64",
-                        help="end to end: DDTree budgets, one row each (e.g. 32,64,128,256: issue 24's best budget)")
+                        help="end to end: DDTree budgets, one row each (e.g. 32,64,128,256: the best budget)")
     parser.add_argument("--lookup", type=count_list, default="0",
                         help="end to end: prompt-lookup chains of up to N tokens for each DDTree row (0: none; e.g. 0,15)")
     parser.add_argument("--e2e-engines", default="hf,fast", help="end to end: engines for our methods")

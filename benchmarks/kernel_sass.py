@@ -6,7 +6,8 @@ Why: a product of a few rows is a read of its weights only while each SM issues 
 than the weights arrive. An H200 SM receives ~8 bf16 weight elements a cycle (4.29 TB/s of copy bandwidth over 132
 SMs at 1.98 GHz, 2 bytes each) and issues at most 4 warp instructions a cycle (4 schedulers), so a loop that needs
 more than ~0.49 warp instructions per weight element cannot keep up with memory, whatever its tiles. The one-row
-GEMV, which runs the 8B decode step at 1.10x its weights' read (benchmarks/RESULTS.md session 29), needs 0.13-0.15.
+GEMV, which runs the 8B decode step at 1.10x its weights' read (H200, benchmarks/RESULTS.md, 2026-12-03), needs
+0.13-0.15.
 Triton compiles for a target without a driver and ships ptxas and cuobjdump, so this needs no device: it tells
 which configs and row counts are worth a GPU's time before any is spent.
 

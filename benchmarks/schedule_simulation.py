@@ -3,17 +3,17 @@ fixed method, on simulated steps: no GPU, the real MeasuredSchedule.
 
 Each sequence commits a random number of tokens a step (1 + a geometric count around its method's tau, scaled by the
 text's difficulty, which changes every 80 steps, as a new request would) in a step time with +-5% noise. Scenarios
-from the H200 (embedded pair, bf16, benchmarks/RESULTS.md): `c1`, batch 1 as served at concurrency 1 in session 16
+from the H200 (embedded pair, bf16, benchmarks/RESULTS.md): `c1`, batch 1 as served at concurrency 1 on 2026-12-02
 (AR 657 tokens/s, the DFlash chain 860, DDTree@32 769); `c16`, batch 16 at the rates the server's own steps
-measured in session 17 (AR 5,569, DFlash 7,357, DDTree@32 4,280); `c64`, batch 64 at session 21's rates (AR 14,271,
-DFlash 27,111, DDTree@32 9,959) after RAMP_STEPS steps of batch 16 at its rates there (AR 9,273, DFlash 13,707,
-DDTree@32 7,726), the batch-64 steps alone counted; `cold64`, a server started straight into 64 concurrent
-requests (session 26, call E): two rounds of `steps` steps at batch 64, each after a step at each batch of RAMP (the
+measured on 2026-12-02 (AR 5,569, DFlash 7,357, DDTree@32 4,280); `c64`, batch 64 at a later run's rates that
+day (AR 14,271, DFlash 27,111, DDTree@32 9,959) after RAMP_STEPS steps of batch 16 at its rates there (AR 9,273,
+DFlash 13,707, DDTree@32 7,726), the batch-64 steps alone counted; `cold64`, a server started straight into 64
+concurrent requests (2026-12-03): two rounds of `steps` steps at batch 64, each after a step at each batch of RAMP (the
 requests joining) and ending in a drain of DRAIN_STEPS steps from 63 sequences down to 1, every step counted, at
-the rates of session 24 (batch 1: AR 1,030, DFlash 1,940, DDTree@32 1,890; batch 9-16: AR 10,224, DFlash 12,664)
-and session 26 (batch 33-64: AR 18,973, DFlash 31,380, DDTree@32 11,590), interpolated in log2(batch) between them;
+the rates of two load runs on 2026-12-03 (batch 1: AR 1,030, DFlash 1,940, DDTree@32 1,890; batch 9-16: AR 10,224,
+DFlash 12,664; then batch 33-64: AR 18,973, DFlash 31,380, DDTree@32 11,590), interpolated in log2(batch) between them;
 DDTree@32 at 16 at 0.6x DFlash (served at 0.72x there).
-The start-up table prefers the tree (as session 16's tunes did at batch 1), so the schedule has to find the chain.
+The start-up table prefers the tree (as the tunes of 2026-12-02 did at batch 1), so the schedule has to find the chain.
 Short horizons matter: a load level of 32 requests at concurrency 16 is ~100 steps of batch 16.
 
     python benchmarks/schedule_simulation.py --scenario c1,c16,c64 --steps 150,300,1000,4000,16000 --runs 200
@@ -64,7 +64,7 @@ def stages(scenario: str, steps: int) -> list[tuple[int, dict[Candidate, float],
 
 
 def table() -> Schedule:
-    """A start-up table that prefers the tree at batch 1 (as session 16's tunes did)."""
+    """A start-up table that prefers the tree at batch 1 (as the tunes of 2026-12-02 did)."""
     costs = CostTable(device="cuda", dtype="bfloat16", target="t", drafter="d", context_tokens=64,
                       verify_s={1: {1: 1e-3, 16: 1e-3, 33: 1e-3}}, draft_s={1: 1e-4}, trees_s={1: {32: 1e-4}})
     return choose(costs, AcceptanceProfile([0.6, 0.4, 0.3, 0.2, 0.15, 0.1, 0.05] + [0.01] * 8, {32: 3.0}),
@@ -74,7 +74,7 @@ def table() -> Schedule:
 def serve(scenario: str, seed: int, steps: int, fixed: Candidate | None = None, unobserved: float = 0.0
           ) -> tuple[float, Candidate]:
     """Tokens per second over the scenario's counted steps, and the schedule's choice at its largest batch at the
-    end; a step is left unobserved with probability `unobserved` (until session 23 the decoder did not observe a
+    end; a step is left unobserved with probability `unobserved` (until 2026-12-03 the decoder did not observe a
     step during which a request joined: most steps at concurrency 64)."""
     rng = random.Random(seed)
     schedule = MeasuredSchedule(table())
@@ -101,7 +101,7 @@ def main() -> None:
     parser.add_argument("--steps", default="150,300,1000,4000,16000")
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--unobserved", type=float, default=0.0,
-                        help="Chance that a step is not observed (a join ran while it flew, before session 23).")
+                        help="Chance that a step is not observed (a join ran while it flew, before 2026-12-03).")
     args = parser.parse_args()
     print("| scenario | steps | choice at the end: dflash/15 / ddtree@32 / ar | served / DFlash alone: mean (min) |")
     print("|---|---|---|---|")

@@ -1,4 +1,4 @@
-"""Issue 21's load benchmark: `blockdraft serve` under bounded load on 127.0.0.1, against the same methods
+"""The server's load benchmark: `blockdraft serve` under bounded load on 127.0.0.1, against the same methods
 in-process on the same prompts.
 
 For each method: the pair is loaded in this process and `python -m blockdraft serve` starts as its own process with
@@ -14,7 +14,7 @@ committed since), errors, and the server's own account of its decode thread from
 the share of the wall time in decode steps and in admissions (prefill), the steps by method (a schedule's mix), the
 steps over STALL_S, and each batch-size bucket's steps by method with the tokens/s of their step time (what the
 measured schedule compares: at concurrency 64 its steps said DFlash 1.65x AR while the level served 0.92x AR,
-session 26, and a level's totals could not say at which batch sizes the time went). Everything is bounded: levels,
+H200, 2026-12-03, and a level's totals could not say at which batch sizes the time went). Everything is bounded: levels,
 request counts and `--time-cap` per method and level (no new request after it; the run stops by itself).
 
     python benchmarks/serve_load.py --methods ar,dflash,ddtree --concurrency 1,4 --requests 12 --max-tokens 64 \
@@ -143,10 +143,10 @@ class Pins:
     the process that decodes (this process while it decodes in-process, the server's engine process), the server's
     HTTP process on its own, and this process on the last while it is a client, so the paired ratio compares
     decodes on the same cores: on the H200 the same decode moved by up to 15% with the core it landed on
-    (benchmarks/RESULTS.md, session 15). Every thread on both sides: pinning only this thread left the in-process
-    side its helper threads on every core while the server's were confined (session 18). Core lists, not single
-    cores: with every thread of a decode on one core, in-process DFlash fell to AR's rate (764 tok/s both, session
-    19) while the unpinned server served 1,055; and an HTTP process sharing the client's core is a server no
+    (benchmarks/RESULTS.md, 2026-12-01). Every thread on both sides: pinning only this thread left the in-process
+    side its helper threads on every core while the server's were confined (2026-12-02). Core lists, not single
+    cores: with every thread of a decode on one core, in-process DFlash fell to AR's rate (764 tok/s both,
+    2026-12-02) while the unpinned server served 1,055; and an HTTP process sharing the client's core is a server no
     deployment runs (its client is elsewhere)."""
 
     def __init__(self, spec: str | None) -> None:
@@ -218,7 +218,8 @@ def cpu_seconds(pid: int) -> float:
 class CpuShare:
     """CPU seconds of the server's HTTP process and of its children (the engine process), read before and after a
     level: a process near 100% of a core per wall second is what the level waited on (at concurrency 64 the engine
-    was in steps 60-77% of the time, session 20: the rest was admitting, or waiting for the HTTP side)."""
+    was in steps 60-77% of the time on the H200, 2026-12-02: the rest was admitting, or waiting for the HTTP
+    side)."""
 
     http_s: float = 0.0
     engine_s: float = 0.0
@@ -370,7 +371,7 @@ BY_BATCH = ("blockdraft:engine_batch_steps_total", "blockdraft:engine_batch_step
             "blockdraft:engine_batch_step_tokens_total")  # the server's steps, seconds and tokens by method and batch
 OVER_S = (0.005, 0.01, 0.025, 0.1, STALL_S)  # step lengths counted by method: a mean slowed by a few long steps (a
 # graph captured mid-level) from one slowed in every step (the schedule's DDTree steps at batch 1 averaged 2.37 ms
-# against the DDTree server's 2.12 on the H200, session 22, and the sums alone could not say which)
+# against the DDTree server's 2.12 on the H200, 2026-12-02, and the sums alone could not say which)
 
 
 @dataclass
@@ -589,8 +590,8 @@ def main() -> None:
     parser.add_argument("--per-client", type=int, default=1,
                         help="Requests each client makes per round at least (a level runs the larger of --requests "
                              "and this x concurrency x --rounds, within --time-cap): with one request per client a "
-                             "level is its ramp and its tail, not a full batch (session 19: every method served "
-                             "less at 64 than at 16).")
+                             "level is its ramp and its tail, not a full batch (on the H200, 2026-12-02, every "
+                             "method served less at 64 than at 16).")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompts", default="demo", help="A built-in prompt set or JSONL file (chat prompts).")
     parser.add_argument("--time-cap", type=float, default=300,
@@ -612,7 +613,7 @@ def main() -> None:
     if args.requests < args.rounds * max(args.concurrency_levels):
         parser.error(f"--requests {args.requests} is under --rounds x the highest concurrency "
                      f"({args.rounds * max(args.concurrency_levels)}): a round would never reach that concurrency "
-                     "(session 17's 32 requests in 2 rounds at concurrency 64 ran 16 at once)")
+                     "(32 requests in 2 rounds at concurrency 64 ran 16 at once)")
 
     from blockdraft.prompt_sets import load_prompt_set
 
@@ -623,8 +624,8 @@ def main() -> None:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     servers: dict[str, Server] = {}
     pins = Pins(args.pin)
-    # a time limit's SIGTERM (benchmarks/gpu/unmeasured.sh) stops the servers and prints what they said, and the
-    # levels already run are in --json-out (session 26 lost a 64-concurrency level and the schedule's lines to it)
+    # a time limit's SIGTERM (`timeout`) stops the servers and prints what they said, and the levels already run
+    # are in --json-out (a run on the H200 on 2026-12-03 lost a 64-concurrency level and the schedule's lines to it)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         for method in methods:  # every server up first: the levels then rotate between them

@@ -46,7 +46,7 @@ _FAMILIES = {
     "mistral": (MistralConfig, MistralForCausalLM),
 }
 
-# Drafter variants named in the issue: all-full, mixed sliding/full (with a window small enough to matter),
+# Drafter variants the loader must handle: all-full, mixed sliding/full (with a window small enough to matter),
 # and block_size given inside dflash_config instead of at top level.
 DRAFTER_VARIANTS = {
     "all_full": dict(layer_types=["full_attention"] * 2, block_size=6),
@@ -116,7 +116,7 @@ Built = TypeVar("Built")
 
 def built_once(tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], Built]) -> Built:
     """`build(folder)` once per test run, whichever pytest-xdist worker asks first (the others wait on a lock and
-    read its result): the session fixtures that train or convert models would otherwise run once per worker."""
+    read its result): the run-wide fixtures that train or convert models would otherwise run once per worker."""
     base = tmp_path_factory.getbasetemp()
     root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the run's folder, shared by workers
     folder, result = root / f"built-{name}", root / f"built-{name}.pickle"

@@ -1,4 +1,4 @@
-"""The embedded target: one real GGUF -> safetensors conversion per session, and every way it must refuse to run."""
+"""The embedded target: one real GGUF -> safetensors conversion per test run, and every way it must refuse to run."""
 
 from __future__ import annotations
 

@@ -70,7 +70,7 @@ def test_each_sequence_drafts_what_it_drafts_alone(variant: str, padded: bool) -
 def test_dropping_every_graph_takes_a_new_pool(monkeypatch) -> None:
     """When the K/V grows (or the verify's output buffers widen) every graph of a pool is dropped, and later
     captures must go into a new pool: PyTorch asserts when capturing into one whose graphs are all gone while
-    memory taken in it lives on (H200, session 16). Pool handles are counted here, no GPU needed."""
+    memory taken in it lives on (H200, 2026-12-02). Pool handles are counted here, no GPU needed."""
     from itertools import count
 
     from blockdraft.fast import drafter as fast_drafter

@@ -31,7 +31,7 @@ def prompts(count: int) -> list[list[int]]:
     return [[(7 * i + 3 * j + 1) % (VOCAB - 1) for j in range(1 + (5 * i) % 23)] for i in range(count)]
 
 
-def sliding_target(kernels: bool = False) -> FastTarget:
+def sliding_target() -> FastTarget:
     config = Qwen2Config(
         vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=TARGET_LAYERS, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, intermediate_size=64, max_position_embeddings=512,
@@ -42,7 +42,7 @@ def sliding_target(kernels: bool = False) -> FastTarget:
     for p in model.parameters():
         if p.dim() == 2:
             torch.nn.init.normal_(p, std=0.2)
-    return FastTarget(model, kernels=kernels)
+    return FastTarget(model)
 
 
 def hybrid_target() -> Target:

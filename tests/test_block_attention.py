@@ -132,10 +132,10 @@ def test_merged_heads_are_the_output_transposed_as_o_proj_reads_it(t: int, group
 
 @pytest.mark.parametrize("launch", [(8, 3), (4, 2)])
 def test_a_launch_of_other_warps_and_stages_attends_alike(launch: tuple[int, int]) -> None:
-    """The split kernel launched with other warps and pipeline stages than Triton's defaults (what
-    `benchmarks/gpu/attention_splits.py --launches` times): the same attention, sequences of different lengths and a
-    chain's rows. (The interpreter runs one program at a time whatever the launch: there this checks the plumbing; on
-    a GPU, the variants.)"""
+    """The split kernel launched with other warps and pipeline stages than Triton's defaults (the engine's chooser
+    may pick one, `fast_ops.WIDE_LAUNCH`): the same attention, sequences of different lengths and a chain's rows.
+    (The interpreter runs one program at a time whatever the launch: there this checks the plumbing; on a GPU, the
+    variants.)"""
     generator = torch.Generator().manual_seed(sum(launch))
     lengths, kv_heads, groups, t, d = [3, 70, 200], 2, 4, 2, 16
     cache = torch.randn(2, 3, kv_heads, 256, d, generator=generator).to(DEVICE)

@@ -1,4 +1,4 @@
-"""`doctor lossless` and `doctor compare` against `blockdraft serve` as the live deployment (issue 23): a healthy
+"""`doctor lossless` and `doctor compare` against `blockdraft serve` as the live deployment: a healthy
 server, and servers with a planted fault (other target weights; taps read as layer inputs; sliding layers run as
 full attention), each judged from the server's own answers and /metrics."""
 

@@ -1,4 +1,4 @@
-"""Reuse or retrain (issue 23): `doctor probe --base-target` measures a base model's drafter on a fine-tune and
+"""Reuse or retrain: `doctor probe --base-target` measures a base model's drafter on a fine-tune and
 on its base, and says which, with the `train --init` command when retraining pays."""
 
 from __future__ import annotations

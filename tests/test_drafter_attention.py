@@ -1,4 +1,4 @@
-"""Drafter attention semantics as the public references define them (issue 23, defects 6-7).
+"""Drafter attention semantics as the public references define them.
 
 Which layers slide, which are causal and with what window follow vLLM 0.33's `_resolve_layer_attention` table and
 the authors' dflash 0.1.0 (`Qwen3DFlashAttention.__init__`), which agree where both read a field; the variants only

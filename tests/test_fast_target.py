@@ -244,7 +244,7 @@ def test_packed_prompts_prefill_as_each_alone(qwen3_model: torch.nn.Module) -> N
 def test_kv_buffers_give_attention_one_kind_of_key_view() -> None:
     """Both K/V buffers are inference tensors from the start and after growing, and always hold room past what
     attention reads, so its key views are never the whole (contiguous) buffer: each difference recompiled the
-    compiled fusion units in the middle of serving (seconds a step on the H200, session 18)."""
+    compiled fusion units in the middle of serving (seconds a step on the H200, 2026-12-02)."""
     cpu = torch.device("cpu")
     storage, batch = KVStorage(2, 2, 4, 256, torch.float32, cpu), BatchKV(2, 2, 4, 3, torch.float32, cpu)
     for _ in range(2):
@@ -325,7 +325,7 @@ def test_cli_engine_flag(tiny_dirs: tuple[Path, Path]) -> None:
 def test_compiled_units_do_not_recompile_when_equal_sizes_part() -> None:
     """A fusion unit first called by a batch of 16 sequences of 16 rows each (one size twice) then serves 16 x 8 and
     8 x 16 with the same compiled graph: with duck sizing the two were one symbol and each new pair recompiled (an
-    11.9 s step when it fell inside a CUDA-graph capture on the H200, benchmarks/RESULTS.md session 21)."""
+    11.9 s step when it fell inside a CUDA-graph capture on the H200, benchmarks/RESULTS.md, 2026-12-02)."""
     from torch._dynamo.utils import counters
 
     ops = LayerOps(compiled=True)

@@ -1,4 +1,4 @@
-"""The decode loop waits for the device once per step (issue 7): the read of what the verify accepted.
+"""The decode loop waits for the device once per step: the read of what the verify accepted.
 
 Every way a tensor's value reaches Python (`tolist`, `item`, `int()`, `bool()`, `float()`, `.cpu()`, `.numpy()`)
 is a host sync on a GPU. A torch-function mode counts them during whole generations on CPU, where the same code

@@ -16,7 +16,7 @@ from transformers import (
 )
 
 from blockdraft.decoding.ddtree import DDTreeProposer
-from blockdraft.decoding.draft import DFlashProposer, Draft
+from blockdraft.decoding.draft import DFlashProposer, Draft, ProposerBase
 from blockdraft.decoding.generate import generate
 from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.errors import BlockdraftError
@@ -79,7 +79,7 @@ def hybrid(request: pytest.FixtureRequest) -> tuple[torch.nn.Module, Target]:
     return model, with_strategy(Target(model), strategy)
 
 
-class OracleProposer:
+class OracleProposer(ProposerBase):
     """Proposes the target's true continuation with draft `step % (slots + 1)` made wrong (none when that is
     `slots`): the steps cycle through rejection at every depth and the full accept, so every rollback runs."""
 

@@ -1,13 +1,11 @@
-"""The fast engine's Triton kernels against their PyTorch references: the few-row GEMM (kernels/skinny_gemm.py)
-against F.linear, the flash-decoding attention (kernels/flash_decode.py) against fast_ops.decode_attention, and
-targets on the kernels (their forwards' attention from kernels/block_attention.py, tested on its own in
-test_block_attention.py) against targets without, alone and batched.
+"""The fast engine's Triton kernels against their PyTorch references: the few-row products (kernels/skinny_gemm.py)
+against F.linear, and targets on the kernels (their forwards' attention from kernels/block_attention.py, tested on its
+own in test_block_attention.py) against targets without, alone and batched.
 
 The kernels run on a GPU, or on a CPU under Triton's interpreter (conftest sets `TRITON_INTERPRET=1` without CUDA;
 `make test` installs Triton, so CI runs them); those tests skip where Triton is missing. Run them on the GPU machine
-with `python3 -m pytest tests/test_kernels.py` (benchmarks/gpu/unmeasured.sh; benchmarks/RESULTS.md records the
-run). What runs everywhere: the fallbacks are the references exactly, and a fast target built with kernels on gives
-the same ids as one without.
+with `python3 -m pytest tests/test_kernels.py` (benchmarks/RESULTS.md records the run). What runs everywhere: the
+fallbacks are the references exactly, and a fast target on the kernels gives the same ids as one without.
 """
 
 from __future__ import annotations
@@ -20,11 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from blockdraft.decoding.generate import generate
-from blockdraft.fast.ops import LayerOps, attention_bias, decode_attention, glu, kernel_attention
+from blockdraft.fast.ops import LayerOps, glu
 from blockdraft.fast.target import FastTarget
-from blockdraft.kernels.flash_decode import fits
 from blockdraft.kernels.skinny_gemm import (GEMV_MAX_ROWS, WEIGHTS_FIRST_MAX_ROWS, few_row_glu_linear, few_row_linear,
-                                           gemv_linear, kernel_available, skinny_linear, weights_first_linear)
+                                           gemv_linear, kernel_available, weights_first_linear)
 
 from conftest import make_drafter, make_target_model
 
@@ -39,10 +36,10 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rows, n, k", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("product", ["skinny_linear", "weights_first_linear"])
+@pytest.mark.parametrize("product", ["few_row_linear", "weights_first_linear"])
 def test_the_kernel_is_f_linear(rows: int, n: int, k: int, dtype: torch.dtype, bias: bool, product: str) -> None:
-    """The few-row kernel as the engine routes it, and the one with the weights as the dot's M side
-    (`weights_first_linear`, a timed option of `skinny_linear`: K split in parts the last split sums, its counts back
+    """The few-row products as the engine routes them, and the kernel with the weights as the dot's M side
+    (`weights_first_linear`, a timed option of `few_row_linear`: K split in parts the last split sums, its counts back
     at zero after each launch), ragged N and K included."""
     from blockdraft.kernels import skinny_gemm
 
@@ -115,7 +112,7 @@ def test_the_weights_first_kernel_leaves_k_whole_past_split_max_n(monkeypatch: p
 @pytest.mark.parametrize("n, k", [(48, 64), (5, 70), (33, 200)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_one_row_gemv_is_f_linear(n: int, k: int, dtype: torch.dtype, bias: bool) -> None:
-    """The GEMV a single row may choose (`skinny_linear` times it beside the kernel and the library on a GPU), on a
+    """The GEMV a single row may choose (`few_row_linear` times it beside the library on a GPU), on a
     [1, 1, K] row and a row slice of a packed weight, K and N not multiples of its tiles."""
     generator = torch.Generator().manual_seed(n + k)
     x = torch.randn(1, 1, k, generator=generator).to(DEVICE, dtype)
@@ -216,14 +213,13 @@ def test_the_residual_gemv_adds_the_product_as_hf_rounds_it(dtype: torch.dtype, 
 @needs_kernel
 @pytest.mark.parametrize("flags", ["plain", "glu", "norm", "residual", "glu+residual"])
 def test_every_gemv_config_is_its_product(flags: str) -> None:
-    """Each tile of the GEMV's tuning spaces, K whole or split 2-8 ways (the last split to finish sums the parts, the
-    norm's squares included), with each epilogue a decode layer uses, against float64: ragged N and K, bf16 on a GPU
-    (float32 under the interpreter), the counts back at zero."""
+    """Each tile of the GEMV's tuning space, with each epilogue a decode layer uses, against float64: ragged N and a
+    long K, bf16 on a GPU (float32 under the interpreter)."""
     from blockdraft.kernels import skinny_gemm
     from blockdraft.fast.ops import rms_norm
 
     dtype = torch.bfloat16 if DEVICE.type == "cuda" else torch.float32
-    n, k = 40, 1100  # every config's K really split: 2 to 5 parts with work
+    n, k = 40, 1100
     generator = torch.Generator().manual_seed(len(flags))
     glu_row, norm, residual = "glu" in flags, flags == "norm", "residual" in flags
     x = torch.randn(1, (2 if glu_row else 1) * k, generator=generator).to(DEVICE, dtype)
@@ -233,11 +229,10 @@ def test_every_gemv_config_is_its_product(flags: str) -> None:
     r = (4 * torch.randn(1, n, generator=generator)).to(DEVICE, dtype)
     inputs = glu(x, "silu") if glu_row else rms_norm(x.double(), g.double(), 1e-6) if norm else x
     want = F.linear(inputs.double(), w.double(), b.double()) + (r.double() if residual else 0)
-    for config in skinny_gemm.GEMV_CONFIGS + skinny_gemm.SPLIT_GEMV_CONFIGS:
+    for config in skinny_gemm.GEMV_CONFIGS:
         with torch.inference_mode():
             got = gemv_linear(x, w, b, glu=glu_row, norm=(g, 1e-6) if norm else None,
                               residual=r if residual else None, config=config)
-        assert not skinny_gemm.zeroed_counters(DEVICE, 1).any(), config
         assert (got.double() - want).abs().max().item() <= TOLERANCE[dtype] * want.abs().max().item(), config
 
 
@@ -391,39 +386,6 @@ def test_the_few_row_units_fuse_up_to_the_weights_first_rows(shape: tuple[int, i
 
 
 @needs_kernel
-def test_the_kernel_engine_may_split_the_gemv_and_the_fast_engine_does_not(monkeypatch) -> None:
-    """`LayerOps(kernels=True)` offers the one-row products' K-split GEMV as one more timed option (keyed apart, so
-    the fast engine's timings never stand in for it); `LayerOps(few_rows=True)`, the default, does not; neither
-    splits the GEMV of several rows, which both offer."""
-    from blockdraft.kernels import skinny_gemm
-
-    offered: list[list[str]] = []
-
-    def record(kind, key, device, options):  # noqa: ANN001
-        offered.append(list(options))
-        return next(iter(options))
-
-    monkeypatch.setattr(skinny_gemm, "fastest", record)
-    generator = torch.Generator().manual_seed(8)
-    x, attended = (torch.randn(1, 1, 64, generator=generator).to(DEVICE) for _ in range(2))
-    w, g = torch.randn(64, 64, generator=generator).to(DEVICE), torch.ones(64).to(DEVICE)
-    gate_up = torch.randn(1, 1, 128, generator=generator).to(DEVICE)
-    with torch.inference_mode():
-        for ops, split in ((LayerOps(False, few_rows=True), False), (LayerOps(False, kernels=True), True)):
-            offered.clear()
-            ops.residual_linear(x, attended, w, None)
-            ops.norm_linear(x, None, g, 1e-6, w, None)
-            ops.residual_linear(x, gate_up, w, None, "silu")
-            assert offered and all(("gemv, split K" in names) == split for names in offered), offered
-            offered.clear()
-            two = x.expand(2, 1, 64).contiguous()
-            ops.residual_linear(two, attended.expand(2, 1, 64).contiguous(), w, None)
-            ops.norm_linear(two, None, g, 1e-6, w, None)
-            ops.residual_linear(two, gate_up.expand(2, 1, 128).contiguous(), w, None, "silu")
-            assert offered and all("gemv" in names and "gemv, split K" not in names for names in offered), offered
-
-
-@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, WEIGHTS_FIRST_MAX_ROWS + 1])
 def test_few_row_layers_keep_the_residual_whole_and_more_rows_keep_it_pending(rows: int, dtype: torch.dtype) -> None:
@@ -508,17 +470,8 @@ def test_the_kernel_takes_leading_dims_and_a_weight_slice() -> None:
     x = torch.randn(4, 3, 64, generator=generator).to(DEVICE)
     packed = torch.randn(96, 64, generator=generator).to(DEVICE)
     with torch.inference_mode():
-        got = skinny_linear(x, packed[32:])
+        got = few_row_linear(x, packed[32:])
     torch.testing.assert_close(got, F.linear(x, packed[32:]), rtol=1e-5, atol=1e-4)
-
-
-@needs_kernel
-def test_a_target_on_kernels_decodes_the_same_ids_in_float32() -> None:
-    model = make_target_model("qwen3").to(DEVICE)
-    plain, kernels = FastTarget(model), FastTarget(model, kernels=True)
-    assert kernels.ops.linear is skinny_linear
-    ids = [5, 17, 2, 40, 33]
-    assert generate(kernels, ids, None, 12).token_ids == generate(plain, ids, None, 12).token_ids
 
 
 def test_where_the_kernel_does_not_apply_it_is_f_linear_exactly() -> None:
@@ -529,22 +482,30 @@ def test_where_the_kernel_does_not_apply_it_is_f_linear_exactly() -> None:
     cases = [torch.randn(WEIGHTS_FIRST_MAX_ROWS + 1, 32, generator=generator),
              torch.randn(2, 32, generator=generator).double()]
     with torch.inference_mode():
-        assert torch.equal(skinny_linear(cases[0], w), F.linear(cases[0], w))
-        assert torch.equal(skinny_linear(cases[1], w.double()[:, :], None), F.linear(cases[1], w.double()))
+        assert torch.equal(few_row_linear(cases[0], w), F.linear(cases[0], w))
+        assert torch.equal(few_row_linear(cases[1], w.double()[:, :], None), F.linear(cases[1], w.double()))
     x = torch.randn(2, 32, generator=generator, requires_grad=True)
-    out = skinny_linear(x, w)
+    out = few_row_linear(x, w)
     assert out.requires_grad and torch.equal(out, F.linear(x, w))
     if not kernel_available(torch.device("cpu")):
         with torch.inference_mode():
-            assert torch.equal(skinny_linear(x.detach(), w), F.linear(x.detach(), w))
+            assert torch.equal(few_row_linear(x.detach(), w), F.linear(x.detach(), w))
 
 
-def test_a_target_built_with_kernels_decodes_what_one_without_does() -> None:
+def on_kernels(target: FastTarget) -> FastTarget:
+    """`target` with the units the fast engine runs on CUDA (`FastTarget` on a GPU): the few-row products and their
+    fused epilogues, the q|k|v epilogue and the targets' compact-mask attention from our kernels where they run."""
+    target.ops = LayerOps(False, qkv_kernel=True, few_rows=True, attention_kernel=True)
+    target.prefill_ops = target.ops.library_products()
+    return target
+
+
+def test_a_target_on_the_kernels_decodes_what_one_without_does() -> None:
     """On a CPU without the interpreter the kernel path is F.linear; with it, float32 products agree to ~1e-6: the
     greedy ids match either way on the tiny target."""
     model = make_target_model("qwen3")
     ids = [3, 9, 27, 4]
-    assert (generate(FastTarget(model, kernels=True), ids, None, 10).token_ids
+    assert (generate(on_kernels(FastTarget(model)), ids, None, 10).token_ids
             == generate(FastTarget(model), ids, None, 10).token_ids)
 
 
@@ -555,10 +516,10 @@ def test_a_prefill_multiplies_with_the_library_and_a_verify_with_the_kernels(mon
     machine (minutes of warm-up for a forward run once a request): its units take F.linear, a verify's the kernels."""
     from blockdraft.kernels import skinny_gemm
     launched: list[int] = []
-    for name in ("_launch", "weights_first_linear", "gemv_linear"):
+    for name in ("weights_first_linear", "gemv_linear"):
         kernel = getattr(skinny_gemm, name)
         monkeypatch.setattr(skinny_gemm, name, lambda *a, _kernel=kernel, **k: launched.append(1) or _kernel(*a, **k))
-    target = FastTarget(make_target_model("qwen3").to(DEVICE), kernels=True)
+    target = on_kernels(FastTarget(make_target_model("qwen3").to(DEVICE)))
     assert target.prefill_ops.linear is F.linear and not target.prefill_ops.fused_glu
     cache = target.new_cache()
     prompt = torch.arange(1, 21, device=DEVICE).unsqueeze(0)
@@ -566,72 +527,6 @@ def test_a_prefill_multiplies_with_the_library_and_a_verify_with_the_kernels(mon
     assert not launched
     target.forward(prompt[:, :4], torch.arange(20, 24, device=DEVICE), cache)
     assert launched
-
-
-def random_attention(batch: int, heads: int, rows: int, keys: int, dim: int, dtype: torch.dtype, seed: int
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [B, G, R, d] and keys/values [B, G, S, d] as views into a longer cache (the engine's layout)."""
-    generator = torch.Generator().manual_seed(seed)
-    q = torch.randn(batch, heads, rows, dim, generator=generator).to(DEVICE, dtype)
-    cache = torch.randn(2, batch, heads, keys + 9, dim, generator=generator).to(DEVICE, dtype)
-    return q, cache[0, :, :, :keys], cache[1, :, :, :keys]
-
-
-@needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("batch, heads, rows, keys, dim, per_sequence", [
-    (1, 8, 4, 1024, 128, False), (1, 2, 1, 7, 64, False), (3, 2, 20, 300, 32, True), (2, 1, 64, 130, 80, True),
-    (64, 3, 12, 257, 64, True)])
-def test_flash_decoding_is_decode_attention(batch: int, heads: int, rows: int, keys: int, dim: int,
-                                            per_sequence: bool, dtype: torch.dtype) -> None:
-    """Random visibility (every row sees its first key), one mask for the batch or one per sequence."""
-    q, k, v = random_attention(batch, heads, rows, keys, dim, dtype, seed=batch * rows + keys)
-    visible = torch.rand(batch if per_sequence else 1, 1, rows, keys, generator=torch.Generator().manual_seed(7)) < 0.5
-    visible[..., 0] = True
-    bias = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, float("-inf")).to(DEVICE)
-    with torch.inference_mode():
-        assert fits(q, k, v, bias)
-        got = kernel_attention(decode_attention, q, k, v, bias, dim**-0.5)
-        want = decode_attention(q.double(), k.double(), v.double(), bias.double(), dim**-0.5)
-    assert got.dtype == dtype and got.shape == q.shape
-    assert (got.double() - want).abs().max().item() <= TOLERANCE[dtype] * 4
-
-
-@needs_kernel
-@pytest.mark.parametrize("window", [None, 5])
-def test_flash_decoding_under_the_engines_tree_and_window_masks(window: int | None) -> None:
-    """The engine's own mask (`attention_bias`): 40 committed keys, then a 9-node tree's rows (ancestors only), GQA
-    groups folded into rows, with and without a sliding window."""
-    parents = [-1, 0, 0, 1, 1, 2, 3, 3, 6]
-    t, length, groups, dim = len(parents), 40, 3, 64
-    own = torch.eye(t, dtype=torch.bool)
-    depth = [0] * t
-    for node, parent in enumerate(parents):
-        if parent >= 0:
-            own[node] |= own[parent]
-            depth[node] = depth[parent] + 1
-    positions = length + torch.tensor(depth)
-    cap = length + t + 7
-    bias = attention_bias(torch.tensor(length), torch.arange(cap), positions, own, window, groups, torch.float32)
-    q, k, v = random_attention(1, 2, groups * t, cap, dim, torch.float32, seed=11)
-    with torch.inference_mode():
-        got = kernel_attention(decode_attention, q, k, v, bias.to(DEVICE), dim**-0.5)
-        want = decode_attention(q, k, v, bias.to(DEVICE), dim**-0.5)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-
-
-def test_where_flash_decoding_does_not_run_it_is_decode_attention_exactly() -> None:
-    q, k, v = random_attention(1, 2, 4, 50, 32, torch.float32, seed=3)
-    bias = torch.zeros(1, 1, 4, 50, device=DEVICE)
-    with torch.inference_mode():
-        wrong_shape = torch.zeros(1, 1, 4, 49, device=DEVICE)
-        assert not fits(q, k, v, wrong_shape)
-        assert not fits(q.double(), k.double(), v.double(), bias.double())
-        wide = [t.double() for t in (q, k, v, bias)]
-        assert torch.equal(kernel_attention(decode_attention, *wide, 0.2), decode_attention(*wide, 0.2))
-        if not kernel_available(q.device):
-            assert torch.equal(kernel_attention(decode_attention, q, k, v, bias, 0.2),
-                               decode_attention(q, k, v, bias, 0.2))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -686,33 +581,6 @@ def test_a_kernel_runs_a_shape_only_where_it_was_timed_faster(monkeypatch) -> No
         raise RuntimeError("no such target")
 
     assert not kernel_choice.kernel_wins("broken", (1,), gpu, broken, lambda: "library")  # a kernel that cannot run
-
-
-@needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows, n, k, bias", [(1, 48, 64, False), (5, 40, 96, True), (33, 64, 80, False)])
-def test_the_fused_add_norm_product_is_the_engines_composition(rows: int, n: int, k: int, bias: bool,
-                                                               dtype: torch.dtype) -> None:
-    """(x + delta, rms_norm(x + delta) @ W^T) from one kernel against the engine's units (HF's RMSNorm numerics):
-    the new residual exactly on a GPU, the product to the dtype's rounding."""
-    from blockdraft.fast.ops import add_norm_linear, add_rms_norm
-    from blockdraft.kernels.skinny_gemm import skinny_add_norm_linear
-
-    generator = torch.Generator().manual_seed(rows + n + k)
-    x, delta = (torch.randn(rows, k, generator=generator).to(DEVICE, dtype) for _ in range(2))
-    norm_weight = (1 + 0.1 * torch.randn(k, generator=generator)).to(DEVICE, dtype)
-    w = torch.randn(n, k, generator=generator).to(DEVICE, dtype)
-    b = torch.randn(n, generator=generator).to(DEVICE, dtype) if bias else None
-    with torch.inference_mode():
-        residual, product = skinny_add_norm_linear(
-            lambda *args: add_norm_linear(add_rms_norm, F.linear, *args), x, delta, norm_weight, 1e-6, w, b)
-        want_residual, want_product = add_norm_linear(add_rms_norm, F.linear, x, delta, norm_weight, 1e-6, w, b)
-    if DEVICE.type == "cuda":
-        assert torch.equal(residual, want_residual)
-    else:  # the interpreter rounds float32 to bfloat16 toward zero, the GPU (and torch) to nearest
-        torch.testing.assert_close(residual, want_residual, rtol=2 ** -7, atol=0)
-    scale = want_product.abs().max().item()
-    assert (product.double() - want_product.double()).abs().max().item() <= 2 * TOLERANCE[dtype] * scale
 
 
 @needs_kernel
@@ -792,7 +660,7 @@ def test_batched_sequences_on_kernels_decode_their_batch_1_ids(sliding: bool, me
     from blockdraft.decoding.methods import build_proposer
     from blockdraft.engine.batch import BatchDecoder
 
-    target = sliding_target(kernels=True) if sliding else FastTarget(make_target_model("qwen3"), kernels=True)
+    target = on_kernels(sliding_target() if sliding else FastTarget(make_target_model("qwen3")))
     drafter = make_drafter("all_full")
     items = [[3, 9, 27, 4, 11, 40, 2], [5], [8, 1, 30, 30]]
     alone = [generate(target, ids, build_proposer(method, target, drafter, budget), 6).token_ids for ids in items]

@@ -14,7 +14,7 @@ SPEC.loader.exec_module(profile_step)
 
 
 def test_the_kernels_of_an_h200_step_fall_in_their_parts() -> None:
-    """Names from the H200's profiles (benchmarks/RESULTS.md, session 27): Triton's, cuBLAS's, cuDNN's, inductor's."""
+    """Names from the H200's profiles (benchmarks/RESULTS.md, 2026-12-03): Triton's, cuBLAS's, cuDNN's, inductor's."""
     kernels = [("_gemv_kernel", 2000.0), ("nvjet_sm90_tst_64x72_64x12_2x1_v_bz_splitK_TNT", 1000.0),
                ("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>", 100.0),
                ("_weights_first_kernel", 500.0), ("_block_split_kernel", 300.0), ("_combine_kernel", 100.0),

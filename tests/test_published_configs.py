@@ -1,5 +1,5 @@
 """Every published config.json that public sources quote (tests/fixtures/configs/SOURCES.md) parses as the
-references run it, or is refused with its field named (issue 23, defect 9); the DFlash-2 ones: tests/test_dflash2.py."""
+references run it, or is refused with its field named; the DFlash-2 ones: tests/test_dflash2.py."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def test_yarn_rope_reaches_the_drafters_rotary_embedding() -> None:
     assert rotary_embedding(cfg, cfg.hf_config()).rope_type == "yarn"
 
 
-REFUSED = {  # the two DFlash-2 configs parse since issue 25 (tests/test_dflash2.py)
+REFUSED = {  # the two DFlash-2 configs parse (tests/test_dflash2.py)
     "specforge_qwen35_27b_dflash": r"`dflash_config.mask_token_id` is null, as in a training template",
     "specforge_qwen35_35b_a3b_dflash": r"`dflash_config.mask_token_id` is null, as in a training template",
     "specforge_qwen3_8b_dflash": r"^specforge_qwen3_8b_dflash: `mask_token_id` is missing",

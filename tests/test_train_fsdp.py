@@ -110,13 +110,13 @@ def _fsdp_rank(rank: int, port: int, settings: TrainSettings, stop_at: int) -> N
     def stop(step: int) -> None:
         if step == stop_at:  # both ranks past the step's collectives before either tears the group down: one rank
             dist.barrier()  # destroying it while the other's gloo threads still used it aborted that process now
-            raise _Crash  # and then ("terminate called without an active exception", CI, session 28)
+            raise _Crash  # and then ("terminate called without an active exception", CI, 2026-12-03)
     with pytest.raises(_Crash):
         run_training(settings, on_step=stop)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # no interpreter teardown: a rank aborted now and then after the crash ("terminate called without an
-    # active exception", CI, sessions 42 and 44), most likely as finalization freed FSDP objects that outlived the
+    # active exception", CI, twice on 2026-12-05), most likely as finalization freed FSDP objects that outlived the
     # destroyed gloo group (pytorch/pytorch#179291 describes such a teardown abort); not reproduced in 18 local runs
 
 

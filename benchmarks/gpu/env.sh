@@ -8,7 +8,7 @@ export PYTHONPATH=/tmp/site:${BD_SRC:-$PWD/src} PYTHONUNBUFFERED=1
 export BLOCKDRAFT_EMBEDDED_GGUF=/tmp/bd/smollm2.gguf BLOCKDRAFT_CACHE_DIR=/tmp/bd/cache
 # Compiled kernels (Triton's and torch.compile's) under /tmp/bd, so that `save_kernels.sh` can bring them back and a
 # later call on a fresh machine can start from them: a cold machine spent 170-220 s compiling and tuning before the
-# AR table's first figure (benchmarks/RESULTS.md, sessions 43-44). Carried pieces (.gpu/kernels/kernels.tar.xz.*, the
+# AR table's first figure (benchmarks/RESULTS.md, H100, 2026-12-05). Carried pieces (.gpu/kernels/kernels.tar.xz.*, the
 # files save_kernels.sh left in $OUT) are unpacked once a machine; tuning results are not among them (they are
 # timed again on each card).
 export TRITON_CACHE_DIR=/tmp/bd/triton TORCHINDUCTOR_CACHE_DIR=/tmp/bd/inductor

@@ -2,8 +2,8 @@
 replays and eager launches a step, the host's waits on the device, and the host operations that take the most time.
 
 Why: `gpu_speed.py`'s end-to-end rows split a step into draft / verify / rest by CUDA events; on the embedded 135M
-pair (H200, bf16) a DDTree@32 step took 1.97 ms against AR's 0.84 (benchmarks/RESULTS.md, session 28), 1.22x AR's
-tokens/s where issue 24 asks 1.8x. Whether the device is busy for those 1.97 ms (kernels to fuse or make faster) or
+pair (H200, bf16) a DDTree@32 step took 1.97 ms against AR's 0.84 (benchmarks/RESULTS.md, 2026-12-03), 1.22x AR's
+tokens/s where the goal is 1.8x. Whether the device is busy for those 1.97 ms (kernels to fuse or make faster) or
 idles while the host walks the tree, commits and launches (host work to cut or overlap) decides what comes next; the
 stage split cannot tell the two apart. This runs `generate()` as `gpu_speed.py` does (the fast engine, its graphs,
 a whole first prompt as warm-up), under torch's profiler, and counts inside each prompt's decode (after its prefill).

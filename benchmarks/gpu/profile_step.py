@@ -5,8 +5,8 @@ batched.
 engine eagerly (no CUDA graphs: the same kernels, each visible to the profiler) on the same random 8B-shaped
 target, per configuration (plain ops; compiled fusion units), and prints the kernel table (sorted by total
 CUDA time), the kernel count per step and the GPU-busy time per step. `--batch` above 1 profiles the batched
-server's forward (`fast_batch.forward_batch`, every sequence `--context` tokens long), whose AR step issue 22 holds
-to 1.3x its roofline.
+server's forward (`fast_batch.forward_batch`, every sequence `--context` tokens long), whose AR step the batched
+goal holds to 1.3x its roofline.
 
     python3 benchmarks/gpu/profile_step.py --shape 8b --rows 1,16 --configs compiled
     python3 benchmarks/gpu/profile_step.py --rows 1 --batch 4,64 --configs compiled

@@ -1,4 +1,4 @@
-# The embedded drafter's training run (issue 4) on one H200, in 10-minute calls on one warm machine.
+# The embedded drafter's training run on one H200, in 10-minute calls on one warm machine.
 # First call (RESUME unset): needs the GGUF pieces of .gpu/p1 and .gpu/p2 from earlier calls (in /tmp/bd) and .gpu/p3 carried now
 # (and a response cache, .gpu/p4/data.txz, copied to /tmp/bd by an earlier call, when there is one);
 # converts SmolLM2 from its GGUF, regenerates ShareGPT responses with SmolLM2 itself, trains until TRAIN_TIMEOUT.

@@ -45,10 +45,11 @@ from blockdraft.models.target import Target
 
 T = TypeVar("T")
 
-DEVICE_SEARCH_NODES = 1024  # batch x budget from which a GPU searches on the device with tensors (H200, RESULTS
-# session 18, the search replayed from a CUDA graph: 0.69-2.0 ms at batch 1 against the heap's 0.27-0.54; even at
-# 512 nodes; 0.67-0.78x the heap at 1,024 (16 x 64, 64 x 16) but 1.14x at 4 x 256; 0.28-0.52x from 4,096).
-KERNEL_SEARCH_TREES = 4  # with the tree kernel, from this many trees a step (H200, RESULTS session 21: 0.80-0.92x
+DEVICE_SEARCH_NODES = 1024  # batch x budget from which a GPU searches on the device with tensors (H200,
+# benchmarks/RESULTS.md, 2026-12-02, the search replayed from a CUDA graph: 0.69-2.0 ms at batch 1 against the
+# heap's 0.27-0.54; even at 512 nodes; 0.67-0.78x the heap at 1,024 (16 x 64, 64 x 16) but 1.14x at 4 x 256;
+# 0.28-0.52x from 4,096).
+KERNEL_SEARCH_TREES = 4  # with the tree kernel, from this many trees a step (H200, benchmarks/RESULTS.md: 0.80-0.92x
 # the heap at 4 x 32 and 4 x 64, 0.15-0.61x from 16 trees, 1.09x at 4 x 16; 1.20-1.45x at batch 1, every budget)
 
 
@@ -74,7 +75,7 @@ def build_trees(log_probs: torch.Tensor, slots: list[int], budget: int, on_devic
                 ) -> list[Draft]:
     """`build_tree` for each sequence b of a batch's [n, L, V] log-probabilities over its first `slots[b]` slots,
     with one top-k, one read back and one token gather for the whole batch: a read per sequence cost a batch of 64
-    a device round trip each per step (H200, embedded pair: 25 ms DDTree steps at batch 64, session 15). On a GPU
+    a device round trip each per step (H200, embedded pair: 25 ms DDTree steps at batch 64, 2026-12-01). On a GPU
     the search itself runs there too (`best_prefixes_on_device`: no Python heap per sequence, and what is read
     back is the trees' shape, not the [n, L, k] scores) once the batch's trees are a few (KERNEL_SEARCH_TREES, with
     the tree kernel) or its nodes many (DEVICE_SEARCH_NODES, without); elsewhere the host heap is faster (module
@@ -136,7 +137,7 @@ def best_prefixes_on_device(top: torch.return_types.topk, slots: list[int], budg
     sequence b over its first `slots[b]` slots), searched where the scores are, and read back once: by the tree
     kernel where it runs (`tree_kernel`), else with tensors, replayed on a GPU from a CUDA graph per shape
     (`_graphed_search`: eagerly ~100 small launches, 2.2-4.6 ms on the H200 whatever the batch, benchmarks/
-    RESULTS.md, session 17)."""
+    RESULTS.md, 2026-12-02)."""
     values = top.values
     if kernel_runs(values.device, budget):
         host = long_tensor([[count, 0, 0] for count in slots], values.device)
@@ -226,7 +227,7 @@ class DeviceTrees:
     the step launches draft, search and verify without waiting for the device in between. With the trees built on
     the host, each DDTree step waited for the drafter's scores, searched, and only then launched the verify (the
     device idle all the while): on the H200 a batch-1 DDTree@32 step of the embedded pair took ~4.5 ms for ~1.8 ms
-    of device work (benchmarks/RESULTS.md, session 19).
+    of device work (benchmarks/RESULTS.md, 2026-12-02).
 
     ids, positions [n, 1 + m]: the anchor then m = budget node rows (rows past a tree's count are padding, children
     of the anchor that no real row sees); own [n, 1 + m, 1 + m]: each row sees its ancestors and itself; shape
@@ -386,7 +387,7 @@ class DDTreeProposer(OverChain):
         """The chain's graphs, then the top-k's kernel choice at every slot count a step can draft: the steps near
         max_new_tokens draft fewer slots, each count a shape `log_softmax_top_k` times where it first meets it (on
         the H200, 8 such timings inside a timed decode of the demo prompts halved DDTree@31's tokens/s, benchmarks/
-        RESULTS.md session 39)."""
+        RESULTS.md, 2026-12-05)."""
         super().warm(positions)
         target = self.chain.target
         k = min(self.budget, target.vocab_size)

@@ -3,7 +3,7 @@
 Why: on the embedded pair a DDTree@32 step took ~1.9 ms of wall time for ~1.2 ms of device work; the device idled
 while the host read the verify, walked the tree, compacted the cache, extended the drafter's context and launched
 the next draft and tree one op at a time (3 graph replays, ~35 eager launches and ~11 copies a step: benchmarks/
-RESULTS.md, session 29). Here a step is two graphs, replayed back to back:
+RESULTS.md, 2026-12-03). Here a step is two graphs, replayed back to back:
 
 - the verify: the target's forward over the drafted rows, the greedy walk of the draft (`device_walk`, or one
   program of `walk_kernel`), the accepted rows' K/V moved into place, the length moved, the next anchor picked;
@@ -16,7 +16,7 @@ graph is keyed by its key capacity alone and all of them share one memory pool. 
 a host buffer of its own as it lands, so `generate` launches the next step before it reads this one (AHEAD steps
 in flight): the device need not wait on the host's launches between steps (under the profiler the embedded pair's
 device idled 0.37 ms of every AR step and 0.8-1.3 ms of every DDTree step while cudaGraphLaunch averaged 0.19-0.4
-ms on the host, benchmarks/RESULTS.md, session 35). `generate` keeps its step-by-step path for sampling (T > 0),
+ms on the host, benchmarks/RESULTS.md, 2026-12-04). `generate` keeps its step-by-step path for sampling (T > 0),
 the last steps (where a step could commit past max_new_tokens), other proposers and other engines; both give the
 same ids. The batch decoder runs them for a lone greedy sequence (engine/batch.py).
 On a CPU the same functions run eagerly (what the tests compare).

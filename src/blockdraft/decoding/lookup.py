@@ -6,7 +6,7 @@ translation's names and numbers, a RAG answer's quotes), and a prompt-lookup cha
 exactly those. On Spec-Bench (embedded pair, float32, T=0, 2 prompts a category x 256 tokens) a 31-node tree took
 tau from 3.07 to 3.73 with a chain of up to 15 of its nodes, extraction 2.99 -> 5.22, RAG 3.05 -> 5.20, translation
 1.82 -> 3.25; on the demo's chat, code and math prompts, which copy little, 3.19 -> 3.29 (benchmarks/RESULTS.md,
-session 37).
+2026-12-04).
 Any tree is verified like any other, so the output stays the target's own at every temperature.
 """
 
@@ -45,7 +45,7 @@ def check_lookup_method(lookup: int, method: str) -> int:
 
 def chain_room(lookup: int, budget: int, slots: int) -> int:
     """The most tokens a tree's lookup chain gets: `lookup`, at most half the `budget` and the `slots` drafted (the
-    measured split, RESULTS session 37: a 15-node tree giving 7 to the chain, tau 2.92 -> 3.46 on Spec-Bench; all
+    measured split, benchmarks/RESULTS.md: a 15-node tree giving 7 to the chain, tau 2.92 -> 3.46 on Spec-Bench; all
     15, 2.93)."""
     return min(lookup, budget // 2, slots)
 
@@ -79,8 +79,8 @@ class NgramIndex:
     def merged_into(self, draft: Draft, lookup: int, budget: int, slots: int,
                     tree_tokens: list[int] | None = None) -> Draft:
         """`draft` (a tree of `slots` drafted slots) with this sequence's chain of `chain_room` tokens merged in
-        (`merge_chain`): what `LookupTreeProposer` drafts and `benchmarks/tree_rules.py` replays. The tree's tokens
-        are read from the device only when there is a chain, unless given as `tree_tokens`."""
+        (`merge_chain`): what `LookupTreeProposer` drafts. The tree's tokens are read from the device only when there
+        is a chain, unless given as `tree_tokens`."""
         chain = self.chain(chain_room(lookup, budget, slots))
         if not chain:
             return draft

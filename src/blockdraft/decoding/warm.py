@@ -5,7 +5,7 @@ The fast engine captures a graph per shape on first use (the verify per row coun
 block pass per capacity, its context extension per row count, the fused greedy steps per capacity, the prefill
 per row bucket), timing the kernels of each shape it meets first. Met in the middle of a decode, each is a stall of
 tens of ms: a benchmark's rows absorbed them (DDTree@32's draft 1.72 ms a step against 0.41 in steady state,
-benchmarks/RESULTS.md, session 29). `gpu_speed.py` warms each end-to-end row with it, and a sequential server's
+benchmarks/RESULTS.md, 2026-12-03). `gpu_speed.py` warms each end-to-end row with it, and a sequential server's
 warm-up up to a bound (`serve.sequential.WARM_POSITIONS`, from its measured start-up cost).
 """
 

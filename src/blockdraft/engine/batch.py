@@ -137,7 +137,7 @@ class BatchDecoder:
         """Whether the measured schedule counts this step's time: a join while it flies then first waits for its
         device work, so the join's time can be taken out of the step's exactly. At concurrency 64 on the H200
         most steps carried a join; left uncounted, a phase ran DDTree@32 97 steps at 0.4x DFlash before it
-        could drop it (benchmarks/RESULTS.md, session 23)."""
+        could drop it (benchmarks/RESULTS.md, 2026-12-03)."""
         return (self.schedule is not None and flight.candidate is not None
                 and self.schedule.counting(len(flight.seqs)))
 
@@ -249,7 +249,7 @@ class BatchDecoder:
         the sequences that finished (they left).
 
         Why the overlap: on the H200 a served step's device was busy a fifth to two fifths of it, the rest host work
-        (benchmarks/RESULTS.md, session 19). A hook's work (the server's text, stop strings, the outbox) now runs
+        (benchmarks/RESULTS.md, 2026-12-02). A hook's work (the server's text, stop strings, the outbox) now runs
         while the device works, as vLLM's async scheduling does; a hook that ends its sequence (a stop string, a
         client gone) ends it at the next read, and what the step in flight computed for it is dropped. A lone
         sequence's fused steps go one further (`_launch_ahead`): its next step is launched before this one is read."""

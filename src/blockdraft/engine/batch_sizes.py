@@ -35,9 +35,10 @@ DEFAULT_MAX_NUM_SEQS = 64  # serve's continuous batch when not given, on a GPU w
 
 def default_max_num_seqs(target: Target, length: int, free_bytes: int | None = None) -> int:
     """--max-num-seqs when not given: continuous batching where a batch shares one forward (the fast engine on a
-    GPU: on the H200 it served 2-3x the tokens/s of one request at a time from 4 concurrent requests on, session 15),
-    up to DEFAULT_MAX_NUM_SEQS sequences and as many as 90% of the free memory holds at `length` tokens each; one
-    at a time elsewhere (the HF engine interleaves requests without sharing a forward; a CPU gains nothing).
+    GPU: on the H200 it served 2-3x the tokens/s of one request at a time from 4 concurrent requests on,
+    benchmarks/RESULTS.md), up to DEFAULT_MAX_NUM_SEQS sequences and as many as 90% of the free memory holds at
+    `length` tokens each; one at a time elsewhere (the HF engine interleaves requests without sharing a forward; a
+    CPU gains nothing).
     `free_bytes` overrides the device's free memory (tests)."""
     if not target.static_cache:
         return 1

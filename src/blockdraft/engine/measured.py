@@ -2,14 +2,14 @@
 
 A tuned table (`blockdraft tune`, `--schedule auto`) predicts each method's tokens/s from step costs timed apart
 from serving; on the H200 it picked AR at batch 64 where serving DFlash was 1.3x faster, and two
-start-up tunes of the same pair disagreed at batch 16 (benchmarks/RESULTS.md, session 16). So the server measures:
+start-up tunes of the same pair disagreed at batch 16 (benchmarks/RESULTS.md, 2026-12-02). So the server measures:
 for each batch-size bucket (1, 2, 3-4, 5-8, ...), it runs every candidate of the table in turn for a few steps
 (a phase: short runs, alternating, so that all of them see the same requests and the same text), compares the
 tokens each committed per second of step over this and the earlier phases (older ones weighing less), and decodes
 with the fastest until the next phase. A candidate clearly slower than the phase's best (their confidence intervals
 apart, ELIMINATE_Z standard errors each) leaves the phase at the end of its run: on the H200 a full phase at batch
 9-16 spent two thirds of its steps on candidates 24% and 42% slower than DFlash, and a short load level ran inside
-that phase throughout (the schedule served 0.69x DFlash at concurrency 16; RESULTS, session 17). Phases come
+that phase throughout (the schedule served 0.69x DFlash at concurrency 16; benchmarks/RESULTS.md). Phases come
 often at first and then every PHASE_EVERY steps: a step's committed tokens vary so much that one phase picks a
 candidate 10% slower than the best about one time in three (benchmarks/schedule_simulation.py); the running totals
 get that down over the phases. A bucket starts from the choice of the nearest bucket already measured (the table's
@@ -18,7 +18,7 @@ candidates, and leaves out of a bucket's phases those it predicts far slower the
 buckets' measurements those they found clearly slower with as many verify rows or more (OUTGROWN). A candidate
 already measured clearly slower (under OUTGROWN of the best, at this bucket or, before its first phase, the nearest
 measured one) runs once per phase instead of PHASE_ROUNDS times: enough to see it catch up, cheap when it has not
-(AR, always measured, ran 88 of a batch-64 level's 537 steps at 0.53x DFlash; RESULTS session 21).
+(AR, always measured, ran 88 of a batch-64 level's 537 steps at 0.53x DFlash; benchmarks/RESULTS.md).
 
 Measured, not modelled: a step's seconds include the drafter, the tree builds, the verify and every sequence's commit
 (the streaming hook included), which is what the served tokens/s is made of. The first step of each run is not
@@ -49,12 +49,12 @@ ELIMINATE_Z = 2.0  # standard errors each side of two candidates' rates that mus
 ELIMINATE_AFTER = 2  # runs of a candidate before it can be dropped (or drop another)
 PRIOR_FLOOR = 0.5  # a candidate the table predicts under this fraction of its best at a bucket is not measured
 # there (AR always is: the schedule must find it where speculation loses, whatever the table says). The tables have
-# been off by up to 1.3x (session 16), never 2x, while measuring DDTree@32 at batch 33-64 (2,000+ verify rows a
-# step) cost the schedule ~10% of a short level (0.79x the best fixed method, session 19)
+# been off by up to 1.3x (2026-12-02), never 2x, while measuring DDTree@32 at batch 33-64 (2,000+ verify rows a
+# step) cost the schedule ~10% of a short level (0.79x the best fixed method, 2026-12-02)
 OUTGROWN = 0.8  # a candidate measured under this fraction of the best at a smaller bucket, verifying at least as
 # many rows per sequence as that best, is not measured at larger buckets: a bigger batch makes verify rows dearer,
 # never cheaper. At concurrency 64 the schedule ran 136 DDTree@32 steps, measured at 0.56x DFlash at batch 9-16,
-# and 88 AR steps beside 449 DFlash ones, serving 0.71x the DFlash server (H200, RESULTS session 21)
+# and 88 AR steps beside 449 DFlash ones, serving 0.71x the DFlash server (H200, benchmarks/RESULTS.md)
 
 
 def bucket_of(batch: int) -> int:

@@ -9,12 +9,12 @@ sequence's K/V at its own length. Committing is per sequence: a new length (a ch
 decoder stack (taps included) are the batch-1 forward's own (`attend`, `layer_mlp`, `FastTarget.run_layers`).
 
 `BatchForward` runs it from CUDA graphs, one per (batch bucket, rows, key capacity): eagerly, a batched step of an
-8B target was launch-bound at 44-87 ms whatever its size (H200, benchmarks/RESULTS.md, session 14), 8-20x its
+8B target was launch-bound at 44-87 ms whatever its size (H200, benchmarks/RESULTS.md, 2026-12-01), 8-20x its
 roofline. The head runs after the graph, on the real rows only, so no graph holds [bucket x rows x vocab] logits
 (GBs on a 150K vocabulary) and large steps can be graphed too. Every graph writes its states and taps into the same
 two buffers (GRAPH_MAX_ROWS rows), so a graph holds no memory of its own outside the shared pool and a server can
 keep every shape it meets (BATCH_GRAPHS): with 32 graphs, buckets x rows x capacities overflowed the cache and
-steps recaptured graphs while serving (H200, session 15).
+steps recaptured graphs while serving (H200, 2026-12-01).
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ class BatchDrafter:
 
     def alone(self) -> FastDrafter:
         """The lone sequence's drafter: `generate()`'s own batch-1 path (FastDrafter), as the batched verify runs
-        the target's for a lone sequence. The batch's pass at batch 1 cost ~0.3 ms a step more (H200, session 20:
+        the target's for a lone sequence. The batch's pass at batch 1 cost ~0.3 ms a step more (H200, 2026-12-02:
         one sequence of 256 tokens took 1.09-1.13x `generate()`'s time with DFlash and DDTree). Slot 0's context
         moves there when a step drafts for one sequence, and back (`_together`) before any other slot is touched."""
         if self.single is None:
@@ -193,8 +193,8 @@ class BatchDrafter:
     def _extend_packed(self, slots: list[int], taps: list[torch.Tensor], counts: list[int]) -> None:
         """Joins' prompt contexts (longer than a block): every row of every slot packed one after another, in
         graphs of `prefill_rows` rows (chunks of PREFILL_ROWS), each row with its own slot and column. Eagerly, an
-        extension is a few dozen small launches (a DFlash join cost ~2 ms more than an AR one on the H200, session
-        19). Padding rows repeat a chunk's last row (same taps, same slot and column: the same values written
+        extension is a few dozen small launches (a DFlash join cost ~2 ms more than an AR one on the H200,
+        2026-12-02). Padding rows repeat a chunk's last row (same taps, same slot and column: the same values written
         twice), so they need no room past any context."""
         row_slots = [slot for slot, count in zip(slots, counts) for _ in range(count)]
         row_cols = [self.store.lengths[slot] + j for slot, count in zip(slots, counts) for j in range(count)]

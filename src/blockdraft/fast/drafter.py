@@ -2,7 +2,7 @@
 
 The eager path (`DrafterContextCache`) grows each layer's context K/V with torch.cat and builds masks on the host,
 so no two steps have the same shapes and no CUDA graph can capture them; at batch 1 the drafter pass is then
-launch-bound (issue 7: 4.7 ms for a 5-layer drafter next to a 10 ms verify). Here the context K/V live in a
+launch-bound (H200, 2026-11-30: 4.7 ms for a 5-layer drafter next to a 10 ms verify). Here the context K/V live in a
 `KVStorage` (slot = position, written with index_copy_, doubled when full). A draft pass always runs all B block
 rows against the first `cap` slots (cap rounded up): the block's own K/V go to the slots after the context, where
 the next extension overwrites them, and the mask is built on the device from positions. Sliding-window layers
@@ -108,7 +108,7 @@ class ContextProjection:
     from the same projected features, so one matrix of the layers' k|v rows stacked makes all of them at once, and
     one pass norms, rotates and writes them, instead of a product and a dozen small launches per layer (the
     8B-shaped drafter's 16-row extension took 0.33-0.37 ms on an H200, a fifth of its whole pass; the embedded
-    pair's chain step spent 0.18 ms outside its draft and verify: benchmarks/RESULTS.md, session 28)."""
+    pair's chain step spent 0.18 ms outside its draft and verify: benchmarks/RESULTS.md, 2026-12-03)."""
 
     weight: torch.Tensor  # [layers * 2 * kv_heads * head_dim, hidden]: each layer's k rows, then its v rows
     bias: torch.Tensor | None

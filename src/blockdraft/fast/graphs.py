@@ -20,7 +20,7 @@ def graph_pool(use_graphs: bool) -> Any:
     """A new memory pool for graphs that share one (None without graphs). Whoever drops every graph of a pool
     takes a new one: capturing into a pool whose graphs are all gone while memory taken in it lives on (a library's
     workspace allocated during a capture) fails inside PyTorch's allocator (`use_count > 0` INTERNAL ASSERT, torch
-    2.11 on the H200: served batch-16 steps failed after the drafter's K/V grew, benchmarks/RESULTS.md, session 16)."""
+    2.11 on the H200: served batch-16 steps failed after the drafter's K/V grew, benchmarks/RESULTS.md, 2026-12-02)."""
     return torch.cuda.graph_pool_handle() if use_graphs else None
 
 

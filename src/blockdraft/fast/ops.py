@@ -21,12 +21,12 @@ import torch.fx.experimental._config as shape_config
 import torch.nn.functional as F
 
 from blockdraft.kernels.block_attention import block_attention, block_attention_runs
-from blockdraft.kernels.flash_decode import BLOCK_KEYS, TARGET_PROGRAMS, fits, flash_decode
+from blockdraft.kernels.flash_decode import BLOCK_KEYS, TARGET_PROGRAMS
 from blockdraft.kernels.sizes import power_of_two_at_least
 from blockdraft.kernels.kernel_choice import fastest, kernel_wins
 from blockdraft.kernels.qkv_rope import qkv_rope, qkv_rope_runs
 from blockdraft.kernels.skinny_gemm import (few_row_glu_linear, few_row_linear, few_row_norm_linear,
-                                           few_row_residual_linear, skinny_add_norm_linear, skinny_linear)
+                                           few_row_residual_linear)
 from blockdraft.kernels.warm_costs import COMPILING, charge, compilations
 
 LONG_SPLIT_KEYS = 256  # the block-attention variant with longer key splits: 4-5 partial results to merge at 1K keys
@@ -209,21 +209,6 @@ def add_norm_linear(
     return x, linear(h, weight, bias)
 
 
-def kernel_attention(
-    reference: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """`decode_attention` from the flash-decoding kernels where they run (`flash_decode`) and were timed faster at
-    this shape than `reference` (decode_attention as the engine runs it, compiled or not; `kernel_choice`: key
-    lengths by power of two), else `reference`."""
-    if fits(q, k, v, bias):
-        shape = (*q.shape[:3], power_of_two_at_least(k.shape[2]), q.shape[3], q.dtype, bias.shape[0])
-        if kernel_wins("attention", shape, q.device, lambda: flash_decode(q, k, v, bias, scale),
-                       lambda: reference(q, k, v, bias, scale)):
-            return flash_decode(q, k, v, bias, scale)
-    return reference(q, k, v, bias, scale)
-
-
 def kernel_qkv_heads(
     reference: Callable[..., torch.Tensor], qkv: torch.Tensor, q_norm: torch.Tensor | None,
     k_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int, eps: float,
@@ -372,27 +357,22 @@ class CompiledOrPlain:
 
 
 class LayerOps:
-    """The fusion units a FastTarget forward calls; compiled on request; with `kernels`, the weight products, the
-    q|k|v epilogue (`qkv_rope`) and the few-row attention from Triton kernels (`skinny_gemm`; `block_attention` for the
-    target's forwards, which give a CompactMask, `flash_decode` for the drafters') where they run; with `qkv_kernel`
-    the q|k|v epilogue alone (timed at 0.3-0.6x the compiled unit on the H200 at 1-65 rows, RESULTS session 22); with
+    """The fusion units a FastTarget forward calls; compiled on request; with `qkv_kernel` the q|k|v epilogue from
+    its Triton kernel (`qkv_rope`) (timed at 0.3-0.6x the compiled unit on the H200 at 1-65 rows, RESULTS session 22); with
     `few_rows` the products of up to 128 rows from our kernels where timed faster (`few_row_linear`: one row from the
     GEMV, more from the weights-first kernel), with the norms, the residual adds and the down projection's gating
     folded into them (`norm_linear`, `residual_linear`, `glu_linear`); with `attention_kernel` the targets'
     attention alone (up to `fast_target.BLOCK_ATTENTION_MAX_TOKENS` rows a sequence) from `block_attention` where it
     was timed faster (its program budget among the options: the batched steps')."""
 
-    def __init__(self, compiled: bool, kernels: bool = False, qkv_kernel: bool = False, few_rows: bool = False,
+    def __init__(self, compiled: bool, qkv_kernel: bool = False, few_rows: bool = False,
                  attention_kernel: bool = False) -> None:
         wrap: Callable[[Callable[..., object]], Callable[..., object]] = CompiledOrPlain if compiled else (lambda f: f)
         self.compiled = compiled
-        self.kernels = kernels
-        self.compact_masks = kernels or attention_kernel  # the targets' forwards give `block_attention` their masks
-        self.linear: Callable[..., torch.Tensor] = (skinny_linear if kernels else few_row_linear if few_rows
-                                                    else F.linear)
+        self.compact_masks = attention_kernel  # the targets' forwards give `block_attention` their masks
+        self.linear: Callable[..., torch.Tensor] = few_row_linear if few_rows else F.linear
         self.rms_norm = wrap(rms_norm)
         self.add_rms_norm = wrap(add_rms_norm)
-        qkv_kernel = qkv_kernel or kernels
         self.qkv_heads = partial(kernel_qkv_heads, wrap(qkv_heads)) if qkv_kernel else wrap(qkv_heads)
         self.batched_qkv_heads = (partial(kernel_batched_qkv_heads, wrap(batched_qkv_heads)) if qkv_kernel
                                   else wrap(batched_qkv_heads))
@@ -400,12 +380,11 @@ class LayerOps:
         self.glu = wrap(glu)
         self.attention_bias = wrap(attention_bias)
         attention = wrap(decode_attention)
-        self.decode_attention = partial(kernel_attention, attention) if kernels else attention
+        self.decode_attention = attention
         self.block_attention = partial(kernel_block_attention, attention, self.merge_heads)
         self.many_row_block_attention = partial(kernel_block_attention, sdpa_attention, self.merge_heads)
-        composed = partial(add_norm_linear, self.add_rms_norm, self.linear)
-        self.add_norm_linear = partial(skinny_add_norm_linear, composed) if kernels else composed
-        self.fused_glu = few_rows or kernels
+        self.add_norm_linear = partial(add_norm_linear, self.add_rms_norm, self.linear)
+        self.fused_glu = few_rows
 
     def library_products(self) -> LayerOps:
         """These units with every weight product from the library (F.linear, the norms, residual adds and gating
@@ -415,7 +394,7 @@ class LayerOps:
         them when a 7-minute test ran out on the H200, benchmarks/RESULTS.md session 31) for a forward that each
         request runs once."""
         plain = copy.copy(self)
-        plain.kernels = plain.fused_glu = False
+        plain.fused_glu = False
         plain.linear = F.linear
         plain.add_norm_linear = partial(add_norm_linear, self.add_rms_norm, F.linear)
         return plain
@@ -430,7 +409,7 @@ class LayerOps:
 
         if not self.fused_glu:
             return reference()
-        return few_row_glu_linear(reference, gate_up, act, weight, bias, split=self.kernels)
+        return few_row_glu_linear(reference, gate_up, act, weight, bias)
 
     def residual_linear(self, x: torch.Tensor, inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                         act: str | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -444,7 +423,7 @@ class LayerOps:
             return self.glu_linear(inputs, act, weight, bias)
 
         if self.fused_glu and act in (None, "silu", "swish"):
-            added = few_row_residual_linear(product, x, inputs, weight, bias, act is not None, split=self.kernels)
+            added = few_row_residual_linear(product, x, inputs, weight, bias, act is not None)
             if added is not None:
                 return added, None
         return x, product()
@@ -462,4 +441,4 @@ class LayerOps:
 
         if not self.fused_glu:
             return x, reference()
-        return x, few_row_norm_linear(reference, x, norm_weight, eps, weight, bias, split=self.kernels)
+        return x, few_row_norm_linear(reference, x, norm_weight, eps, weight, bias)

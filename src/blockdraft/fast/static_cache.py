@@ -30,8 +30,8 @@ def kv_buffer(shape: tuple[int, ...], positions_dim: int, positions: int, dtype:
     Both so that the compiled attention units see one kind of key view all along: a view of the first `cap`
     positions that were the whole buffer is contiguous and one of a grown buffer is not, and tensors made outside
     inference mode carry other dispatch keys than those made inside (as every grown buffer is); each difference
-    recompiled the units in the middle of serving, 2.5-8.5 s stalls on the H200 (benchmarks/RESULTS.md, session
-    18). One step of room is never read: attention reads at most `positions`."""
+    recompiled the units in the middle of serving, 2.5-8.5 s stalls on the H200 (benchmarks/RESULTS.md,
+    2026-12-02). One step of room is never read: attention reads at most `positions`."""
     with torch.inference_mode():
         sizes = list(shape)
         sizes[positions_dim] = round_up(max(positions, 1)) + SLOT_STEP

@@ -256,7 +256,6 @@ class FastTarget(Target):
         cache_slots: int | None = None,
         graphs: bool | None = None,
         compiled: bool | None = None,
-        kernels: bool = False,
         fused: bool | None = None,
     ) -> None:
         problem = fast_engine_problem(model)
@@ -268,7 +267,7 @@ class FastTarget(Target):
         cuda = self.device.type == "cuda"
         self.use_graphs = cuda if graphs is None else graphs and cuda
         self.fused = cuda if fused is None else fused  # greedy steps as `decoding.fused_steps`; a CPU runs them eagerly
-        self.ops = LayerOps(cuda if compiled is None else compiled, kernels, qkv_kernel=cuda, few_rows=cuda,
+        self.ops = LayerOps(cuda if compiled is None else compiled, qkv_kernel=cuda, few_rows=cuda,
                             attention_kernel=cuda)
         self.prefill_ops = self.ops.library_products()
         self.eps: float = text.rms_norm_eps

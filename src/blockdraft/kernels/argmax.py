@@ -3,7 +3,7 @@ instead of torch's one-block-a-row reduction.
 
 A fused step's verify picks the target's token at every row, and a DFlash chain's draft picks the drafter's at every
 slot. torch's argmax ran 13.3-13.4 us a step on the embedded pair on the H200, for one row (AR) and for 32 (a
-DDTree@31 verify) alike (`profile_decode.py`, benchmarks/RESULTS.md session 36). Its time was the same whatever
+DDTree@31 verify) alike (`profile_decode.py`, benchmarks/RESULTS.md, 2026-12-04). Its time was the same whatever
 the rows: a 49,152-wide row was reduced by one block. Here one program per (row, chunk) finds its chunk's largest
 logit and the first column holding it; one program per block of rows merges the chunks, keeping the first column
 among equal maxima (torch's rule, so the picks are torch's). `torch.argmax` stays the reference and the path where

@@ -2,8 +2,8 @@
 the device: the flash-decoding split kernel of `flash_decode`, without the dense mask.
 
 `flash_decode` reads an additive [rows x key capacity] float mask for every KV head: for a 32-node tree of an 8B
-target that is more bytes than the keys themselves, and its verify took 2x the library's (H200, benchmarks/RESULTS.md
-session 17). Here visibility is computed from what defines it: keys below the sequence's committed length are visible
+target that is more bytes than the keys themselves, and its verify took 2x the library's (H200, benchmarks/RESULTS.md,
+2026-12-02). Here visibility is computed from what defines it: keys below the sequence's committed length are visible
 to every new row, key length + j to new row i when own[i, j] (chains: causal; trees: the ancestors), and a sliding
 window hides keys `window` or more positions behind the query. Each program reads the committed length from the device
 and loops only to it, splitting the sequence's keys over the launch's splits: a batch's short sequences do not read
@@ -110,7 +110,7 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: torc
     gets: more splits, more partial results to merge). With `merged_heads`
     the output is [B, t, heads * d], the heads merged as o_proj reads them (`flash_decode.output_layout`); else q's
     shape. `launch` = (warps, pipeline stages) of the split kernel; by default Triton's 4 and 3, whose 174 registers
-    leave an SM 8 resident warps (benchmarks/RESULTS.md session 41; `fast_ops.WIDE_LAUNCH` is the engine's other)."""
+    leave an SM 8 resident warps (benchmarks/RESULTS.md, 2026-12-05; `fast_ops.WIDE_LAUNCH` is the engine's other)."""
     t = own.shape[-1]
     block_d, row_blocks, splits = split_shape(q, k.shape[2], programs)
     f32 = q.dtype == torch.float32 or not q.is_cuda  # the interpreter's half-precision dot is wrong

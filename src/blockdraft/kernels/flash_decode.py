@@ -1,13 +1,14 @@
-"""Attention for a few query rows (decode, chain verify, small trees) as two Triton kernels instead of three
-library calls: the keys split across programs (flash-decoding), each split's softmax kept online, then one combine.
+"""Flash-decoding's pieces, which the compact-mask attention (`block_attention`) is built of: the keys split across
+programs, each split's softmax kept online (`online_softmax_step`), the splits merged (`merge_splits`: by a combine
+launch, `_combine_kernel`, or by each row block's last split) and the output stored in the layout its reader wants
+(`output_layout`, `store_output`).
 
-`fast_ops.decode_attention` (Q.K^T, a float32 softmax with the additive mask, P.V) cost ~11 us a layer on the H200
-at batch 1 over 1K keys, 0.41 ms of a 5 ms 8B step, for ~2 MB of K/V a layer (benchmarks/RESULTS.md, 2026-11-30
-session 4): launches, not reads. Here one program per (sequence, KV head, block of 16 query rows, split of the keys)
-streams its keys once for all the query heads folded into its rows (GQA), and a second kernel merges the splits.
-Scores stay in float32 from the dot to the softmax (the reference rounds them to the input dtype first), so results
-agree to the input dtype's rounding, not bit for bit. `fast_ops.decode_attention` stays the reference and the path
-wherever the kernels do not run (`fits`).
+A few query rows' attention through the library (Q.K^T, a float32 softmax with the additive mask, P.V) cost ~11 us a
+layer on an H200 at batch 1 over 1K keys, 0.41 ms of a 5 ms 8B step, for ~2 MB of K/V a layer (benchmarks/
+RESULTS.md): launches, not reads. Here one program per (sequence, KV head, block of 16 query rows, split of the keys)
+streams its keys once for all the query heads folded into its rows (GQA). Scores stay in float32 from the dot to the
+softmax (the reference rounds them to the input dtype first), so results agree to the input dtype's rounding, not bit
+for bit.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from blockdraft.kernels.sizes import power_of_two_at_least
-from blockdraft.kernels.skinny_gemm import kernel_available, triton
+from blockdraft.kernels.skinny_gemm import triton
 
 BLOCK_ROWS = 16  # query rows per program (tl.dot's smallest tile)
 BLOCK_KEYS = 64  # keys per inner step
@@ -70,35 +71,6 @@ if triton is not None:
         return tl.maximum(tl.cdiv(tl.cdiv(total, splits), BLOCK_S) * BLOCK_S, MIN_KEYS)
 
     @triton.jit
-    def _split_kernel(q_ptr, k_ptr, v_ptr, bias_ptr, acc_ptr, m_ptr, l_ptr,
-                      R, S, D, heads, keys_per_split, scale,
-                      sq_b, sq_h, sq_r, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sbias_b, sbias_r,
-                      F32_DOT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-        bh, rblock, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        b, h = bh // heads, bh % heads
-        rows = rblock * BLOCK_R + tl.arange(0, BLOCK_R)
-        dims = tl.arange(0, BLOCK_D)
-        q = tl.load(q_ptr + b * sq_b + h * sq_h + rows[:, None] * sq_r + dims[None, :],
-                    mask=(rows[:, None] < R) & (dims[None, :] < D), other=0.0)
-        if F32_DOT:
-            q = q.to(tl.float32)
-        m, l, acc = empty_state(BLOCK_R, BLOCK_D)
-        first = split * keys_per_split
-        last = tl.minimum(first + keys_per_split, S)
-        for start in range(first, last, BLOCK_S):
-            keys = start + tl.arange(0, BLOCK_S)
-            inside = keys < last
-            k = load_block(k_ptr + b * sk_b + h * sk_h, keys, sk_s, dims, inside, D)
-            v = load_block(v_ptr + b * sv_b + h * sv_h, keys, sv_s, dims, inside, D)
-            bias = tl.load(bias_ptr + b * sbias_b + rows[:, None] * sbias_r + keys[None, :],
-                           mask=(rows[:, None] < R) & inside[None, :], other=float("-inf")).to(tl.float32)
-            m, l, acc = online_softmax_step(block_scores(q, k, F32_DOT) * scale + bias, v, m, l, acc, F32_DOT)
-        row_index = (bh * tl.num_programs(2) + split) * R + rows
-        tl.store(m_ptr + row_index, m, mask=rows < R)
-        tl.store(l_ptr + row_index, l, mask=rows < R)
-        tl.store(acc_ptr + row_index[:, None] * BLOCK_D + dims[None, :], acc, mask=(rows[:, None] < R))
-
-    @triton.jit
     def merge_splits(acc_ptr, m_ptr, l_ptr, bh, rows, R, splits, active, BLOCK_R: tl.constexpr,
                      BLOCK_D: tl.constexpr, modifier: tl.constexpr):
         """The attention output of `rows` of (sequence, head) `bh` from its first `active` splits' partial results
@@ -145,38 +117,6 @@ if triton is not None:
             active = splits
         out = merge_splits(acc_ptr, m_ptr, l_ptr, bh, rows, R, splits, active, BLOCK_R, BLOCK_D, "")
         store_output(out_ptr, out, b, h, rows, dims, R, D, so_b, so_h, so_g, so_r, group_rows)
-
-
-def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> bool:
-    """Whether `flash_decode` runs these: the kernels available, one half or float32 dtype, unit last strides, a
-    [B or 1, 1, R, S] bias, no autograd."""
-    rows, keys = q.shape[2], k.shape[2]
-    return (kernel_available(q.device) and q.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and k.dtype == q.dtype == v.dtype and tuple(bias.shape[-2:]) == (rows, keys) and bias.shape[1] == 1
-            and bias.shape[0] in (1, q.shape[0]) and min(q.stride(-1), k.stride(-1), v.stride(-1), bias.stride(-1)) == 1
-            and not torch.is_grad_enabled())
-
-
-def flash_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
-                 ) -> torch.Tensor:
-    """`fast_ops.decode_attention(q, k, v, bias, scale)` from the kernels (the caller checked `fits`): q [B, G, R, d]
-    (query heads folded into rows), keys and values [B, G, S, d] (views of the cache are fine), bias [B or 1, 1, R,
-    S] additive (0 visible, -inf hidden)."""
-    keys = k.shape[2]
-    block_d, row_blocks, splits = split_shape(q, keys)
-    keys_per_split = triton.cdiv(triton.cdiv(keys, BLOCK_KEYS), splits) * BLOCK_KEYS
-    splits = triton.cdiv(keys, keys_per_split)
-    f32 = q.dtype == torch.float32 or not q.is_cuda  # the interpreter's half-precision dot is wrong
-
-    def run_splits(partial: torch.Tensor, m: torch.Tensor, l: torch.Tensor,
-                   out: tuple[torch.Tensor, Layout] | None) -> None:
-        _split_kernel[(q.shape[0] * q.shape[1], row_blocks, splits)](
-            q, k, v, bias, partial, m, l, q.shape[2], keys, q.shape[3], q.shape[1], keys_per_split, scale,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
-            v.stride(2), bias.stride(0) if bias.shape[0] > 1 else 0, bias.stride(2),
-            F32_DOT=f32, BLOCK_R=BLOCK_ROWS, BLOCK_S=BLOCK_KEYS, BLOCK_D=block_d)
-
-    return split_and_merge(q, splits, block_d, run_splits)
 
 
 def split_shape(q: torch.Tensor, keys: int, programs: int = TARGET_PROGRAMS) -> tuple[int, int, int]:

@@ -2,12 +2,12 @@
 
 A kernel is only worth its place where it is faster on the device at hand, and that depends on the shape (cuBLAS
 runs the largest decode GEMMs of an 8B model at 96% of copy bandwidth, the narrow ones at 73%; benchmarks/RESULTS.md,
-2026-11-30 session 4). So each kernel call site asks `kernel_wins` with a key naming the shape; the first time, both
+2026-11-30). So each kernel call site asks `kernel_wins` with a key naming the shape; the first time, both
 run a few times under CUDA events and the faster is kept, so turning kernels on never makes a step slower. Each side
 is timed replaying a CUDA graph of ten calls of it, as the engine's steps run: timed eagerly, the library side also
 paid the CPU cost of launching it (its compiled wrapper's guards, our dispatch), which a captured step does not, and
 the chooser picked the folded kernel for gate|up at 16 rows though in the step it ran 68.7 us against cuBLAS's 48.7
-(H200, benchmarks/RESULTS.md session 17); a graph of one call timed the launch of each replay on small shapes. The
+(H200, benchmarks/RESULTS.md, 2026-12-02); a graph of one call timed the launch of each replay on small shapes. The
 first call comes from a CUDA graph's warm-up, before its capture; a shape first met while capturing keeps the
 library call. Off a GPU (Triton's interpreter, the
 tests) the kernel always runs. `fastest` does the same among several variants of a kernel and the library call. A
@@ -27,7 +27,7 @@ from blockdraft.kernels.warm_costs import TIMING, spent
 _TIMES: dict[tuple[str, Hashable], dict[str, float]] = {}  # each option's milliseconds a call
 CALLS_PER_GRAPH = 10  # calls of an option in one timed graph, as a step's graph runs its kernels: one call a graph
 # timed the host's launch of each replay on the smaller shapes (the embedded 135M pair's options all took 4-8 us a
-# call whatever their kernels, benchmarks/RESULTS.md session 27), not the kernels a step's graph runs back to back
+# call whatever their kernels, benchmarks/RESULTS.md, 2026-12-03), not the kernels a step's graph runs back to back
 REPLAYS = 3  # replays of that graph timed
 
 

@@ -3,7 +3,7 @@ the K/V cache write and the GQA fold of q.
 
 Compiled by torch.compile, `fast_ops.qkv_heads` is four kernels a layer on the H200 (the cache writes are their own),
 5.5 us in all of an 8B decode step's layer, and the ~17 small kernels of a layer (1.3-2 us each) are what stands
-between the AR step and its weights-read floor (benchmarks/RESULTS.md, sessions 4 and 17). Here one program per
+between the AR step and its weights-read floor (benchmarks/RESULTS.md, 2026-11-30 and 2026-12-02). Here one program per
 (new row, head) reads its head's slice of the packed product once, normalises and rotates it in float32 (rounded to
 the input dtype once, as the compiled unit does), and stores it where attention reads it: q into the folded layout
 [B, kv_heads, groups x t, d], k and v into the cache. `fast_ops.qkv_heads` / `batched_qkv_heads` stay the reference

@@ -1,13 +1,12 @@
-"""Few-row matrix products (a decode step, a verify of up to MAX_ROWS rows) as one Triton kernel that reads every
-weight once.
+"""Few-row matrix products (a decode step, a verify of up to WEIGHTS_FIRST_MAX_ROWS rows) as Triton kernels that
+read every weight once, with the norm, the down projection's gating and the residual add folded in.
 
-A decode step of an 8B target is weight reads: on the H200 its GEMMs ran at 3.1-4.2 TB/s through cuBLAS, 1.14x the
-copy-bandwidth floor, with split-K and a reduction kernel for the narrow projections (o, down) (benchmarks/
-RESULTS.md, 2026-11-30 session 4). Here each program owns BLOCK_N output features for every row and walks the whole
-of K, accumulating in float32: no split-K, no reduction pass, one launch; the rows (padded to 16, 32 or 64) ride
-along, so a weight tile loaded once serves all of them. `F.linear` stays the reference and the path everywhere
-else (a CPU, no Triton, more rows, a layout the kernel does not take); `TRITON_INTERPRET=1` runs the kernel on a
-CPU for the tests.
+A decode step of an 8B target is weight reads: on an H200 its GEMMs ran at 3.1-4.2 TB/s through cuBLAS, 1.14x the
+copy-bandwidth floor (benchmarks/RESULTS.md). One row runs the GEMV (`_gemv_kernel`), 2 to GEMV_MAX_ROWS rows the
+GEMV of several rows, more the weights-first kernel (the weights the dot's M side, wgmma on Hopper); each where
+`kernel_choice` timed it faster than the library at that shape. `F.linear` stays the reference and the path
+everywhere else (a CPU, no Triton, more rows, a layout the kernels do not take); `TRITON_INTERPRET=1` runs the
+kernels on a CPU for the tests.
 """
 
 from __future__ import annotations
@@ -22,15 +21,12 @@ import torch
 import torch.nn.functional as F
 
 from blockdraft.kernels.sizes import power_of_two_at_least
-from blockdraft.kernels.kernel_choice import fastest, kernel_wins
+from blockdraft.kernels.kernel_choice import fastest
 from blockdraft.kernels.warm_costs import TUNING, charge
 
-MAX_ROWS = 64  # more rows than this are compute, not weight reads: cuBLAS
 WEIGHTS_FIRST_MAX_ROWS = 128  # `_weights_first_kernel`'s rows are its dot's N side, 128 of them a tile at most: a
 # DDTree@64 verify's 65 rows (an 8B step's 128-row products are 2 ms of tensor-core work, under the weights' 3.6 ms)
 MAX_SPLITS = 4  # the most ways `_weights_first_kernel` splits K (its autotuned configs')
-GEMV_MAX_SPLITS = 8  # the most ways `_gemv_kernel` splits K (SPLIT_GEMV_CONFIGS' configs) ...
-MIN_SPLIT_GEMV_BLOCK_N = 2  # ... and the fewest features a tile of theirs has: what their partials are sized for
 GEMV_MAX_ROWS = 4  # the most rows `_gemv_rows_kernel` takes: at 8 its sm_90 loop issues 0.45-0.89 warp instructions
 # per weight element (4 rows: 0.25-0.50; the one-row GEMV 0.11-0.62, by config and epilogue), and an H200 SM, which
 # issues 4 a cycle while ~8 weight elements arrive, keeps up only under 0.49 (benchmarks/kernel_sass.py, RESULTS.md
@@ -107,47 +103,6 @@ if triton is not None:
         return last
 
     @triton.jit
-    def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, d_ptr, nw_ptr, xo_ptr, M, N, K, eps, stride_xm, stride_wn,
-                       stride_ym, stride_dm, stride_xom, HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-                       F32_DOT: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        rows = tl.arange(0, ROWS)
-        dtype = x_ptr.dtype.element_ty
-        if NORM:  # the input is rms_norm(x + d) * nw, HF's numerics: the sum rounded, normed in float32
-            squares = tl.zeros((ROWS,), dtype=tl.float32)
-            for start in range(0, K, BLOCK_K):
-                ks = start + tl.arange(0, BLOCK_K)
-                inside = (rows[:, None] < M) & (ks[None, :] < K)
-                total = (tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=inside, other=0.0).to(tl.float32)
-                         + tl.load(d_ptr + rows[:, None] * stride_dm + ks[None, :], mask=inside, other=0.0)
-                         .to(tl.float32)).to(dtype)
-                if tl.program_id(0) == 0:  # one program writes the new residual stream
-                    tl.store(xo_ptr + rows[:, None] * stride_xom + ks[None, :], total, mask=inside)
-                squares += tl.sum(total.to(tl.float32) * total.to(tl.float32), axis=1)
-            scale = tl.rsqrt(squares / K + eps)
-        acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-        for start in range(0, K, BLOCK_K):
-            ks = start + tl.arange(0, BLOCK_K)
-            inside = (rows[:, None] < M) & (ks[None, :] < K)
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=inside, other=0.0)
-            if NORM:
-                total = (x.to(tl.float32) + tl.load(d_ptr + rows[:, None] * stride_dm + ks[None, :], mask=inside,
-                                                    other=0.0).to(tl.float32)).to(dtype)
-                normed = (total.to(tl.float32) * scale[:, None]).to(dtype)
-                weight = tl.load(nw_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
-                x = (weight[None, :] * normed.to(tl.float32)).to(dtype)
-            w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :],
-                        mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0)
-            if F32_DOT:  # float32 inputs (full precision, not TF32), and the interpreter, whose bf16 dot is wrong
-                acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-            else:
-                acc += tl.dot(x, tl.trans(w))
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-                 mask=(rows[:, None] < M) & (cols[None, :] < N))
-
-    @triton.jit
     def _gemv_finish(y, squares, cols, b_ptr, y_ptr, r_ptr, N, K, eps, dtype, HAS_BIAS: tl.constexpr,
                      NORM: tl.constexpr, RESIDUAL: tl.constexpr):
         """A GEMV tile's K-sums `y` (float32, BLOCK_N) to its output: the norm's scale from the row's sum of
@@ -161,59 +116,34 @@ if triton is not None:
         tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=cols < N)
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, part_ptr, count_ptr, N, K, eps, stride_wn,
-                     HAS_BIAS: tl.constexpr, GLU: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr,
-                     SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, N, K, eps, stride_wn, HAS_BIAS: tl.constexpr,
+                     GLU: tl.constexpr, NORM: tl.constexpr, RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
         """One row: each program owns BLOCK_N output features, multiplies and adds in registers (no tl.dot, so no
         row padded to 16) and sums across K once at the end. With GLU the row is silu(gate) * up of a packed
-        gate|up row of 2K values, rounded as `fast_ops.glu` rounds it (silu's output, then the product). With NORM
+        gate|up row of 2K values, rounded as `fast.ops.glu` rounds it (silu's output, then the product). With NORM
         the row is rms_norm(x) * g: every program reads the whole row anyway, so it sums its squares on the way and
         scales its K-sum by rsqrt(mean + eps) at the end (no pass over the row before the weights stream in, no norm
         kernel before it). With RESIDUAL the output is r + the product, each rounded as HF's residual add rounds it
-        (the product, then the sum). With SPLITS > 1 each program takes one of SPLITS parts of K (a narrow product's
-        long rows in more, shorter streams) and stores its K-sums (and its part's squares); the last of a tile's
-        splits to finish (an atomic count that resets itself, so graphs replay it) sums them in split order and
-        finishes the tile: the same sums every launch, no second kernel."""
-        tile, split = tl.program_id(0), tl.program_id(1)
-        cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        if SPLITS == 1:  # the whole of K: the loop as measured before K could be split
-            first = 0
-            end = K
-        else:
-            chunk = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLITS) * BLOCK_K
-            first = split * chunk
-            end = tl.minimum(K, first + chunk)
+        (the product, then the sum)."""
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
         dtype = x_ptr.dtype.element_ty
-        for start in range(first, end, BLOCK_K):
+        for start in range(0, K, BLOCK_K):
             ks = start + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + ks, mask=ks < end, other=0.0).to(tl.float32)
+            x = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
             if GLU:
-                up = tl.load(x_ptr + K + ks, mask=ks < end, other=0.0).to(tl.float32)
+                up = tl.load(x_ptr + K + ks, mask=ks < K, other=0.0).to(tl.float32)
                 x = ((x / (1.0 + tl.exp(-x))).to(dtype).to(tl.float32) * up).to(dtype).to(tl.float32)
             if NORM:
                 squares += x * x
-                x = x * tl.load(g_ptr + ks, mask=ks < end, other=0.0).to(tl.float32)
+                x = x * tl.load(g_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + cols[:, None] * stride_wn + ks[None, :],
-                        mask=(cols[:, None] < N) & (ks[None, :] < end), other=0.0)
+                        mask=(cols[:, None] < N) & (ks[None, :] < K), other=0.0)
             acc += w.to(tl.float32) * x[None, :]
-        y = tl.sum(acc, axis=1)
-        total = tl.sum(squares, axis=0)
-        if SPLITS == 1:
-            _gemv_finish(y, total, cols, b_ptr, y_ptr, r_ptr, N, K, eps, dtype, HAS_BIAS, NORM, RESIDUAL)
-        else:
-            tl.store(part_ptr + split * N + cols, y, mask=cols < N)
-            squares_at = part_ptr + SPLITS * N + tile * SPLITS  # each tile's own copy: no tile waits for another
-            tl.store(squares_at + split, total)
-            if last_to_finish(count_ptr + tile, SPLITS):
-                summed = tl.zeros((BLOCK_N,), dtype=tl.float32)
-                summed_squares = tl.sum(tl.zeros((1,), dtype=tl.float32), axis=0)
-                for part in tl.static_range(SPLITS):
-                    summed += tl.load(part_ptr + part * N + cols, mask=cols < N, other=0.0, cache_modifier=".cg")
-                    summed_squares += tl.load(squares_at + part, cache_modifier=".cg")
-                _gemv_finish(summed, summed_squares, cols, b_ptr, y_ptr, r_ptr, N, K, eps, dtype, HAS_BIAS, NORM,
-                             RESIDUAL)
+        _gemv_finish(tl.sum(acc, axis=1), tl.sum(squares, axis=0), cols, b_ptr, y_ptr, r_ptr, N, K, eps, dtype,
+                     HAS_BIAS, NORM, RESIDUAL)
 
     @triton.jit
     def _gemv_rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, g_ptr, r_ptr, M, N, K, eps, stride_xm, stride_wn, stride_ym,
@@ -261,7 +191,7 @@ if triton is not None:
                               stride_wn, stride_ym, stride_rm, HAS_BIAS: tl.constexpr, GLU: tl.constexpr,
                               NORM: tl.constexpr, RESIDUAL: tl.constexpr, F32_DOT: tl.constexpr, ROWS: tl.constexpr,
                               SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """`_skinny_kernel`'s product with the operands swapped: y^T = W x^T, a weight tile of BLOCK_N features the
+        """A few rows' product with the operands swapped: y^T = W x^T, a weight tile of BLOCK_N features the
         dot's M side and the rows its N side. On Hopper a tl.dot whose M side is at least 64 runs as wgmma straight
         from the pipelined shared-memory buffers; with the rows as M (16 or 32 of them) it runs as Ampere's
         mma.sync (compiled for sm_90 ahead of time: benchmarks/RESULTS.md session 25). Tiles of 64+ features leave
@@ -349,7 +279,7 @@ if triton is not None:
     )(_weights_first_kernel))
 
     GEMV_CONFIGS = [  # many small programs: a one-row product is the weights' read and nothing else
-        triton.Config({"BLOCK_N": n, "BLOCK_K": k, "SPLITS": 1}, num_warps=w, num_stages=s)
+        triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
         for n, k, w, s in ((1, 1024, 2, 4), (2, 1024, 4, 3), (2, 2048, 4, 3), (4, 512, 4, 4), (4, 1024, 4, 3),
                            (8, 256, 4, 4), (8, 512, 4, 3), (8, 1024, 8, 3), (16, 256, 4, 4), (16, 512, 8, 3),
                            (32, 256, 8, 3))]
@@ -360,15 +290,6 @@ if triton is not None:
         cache_results=TUNED_ON_DISK,
     )(_gemv_kernel))
 
-    SPLIT_GEMV_CONFIGS = [  # K split 2-8 ways: a narrow product's (o_proj, down, q|k|v) long rows in shorter streams
-        triton.Config({"BLOCK_N": n, "BLOCK_K": k, "SPLITS": splits}, num_warps=w, num_stages=s)
-        for n, k, splits, w, s in ((2, 1024, 2, 4, 3), (4, 512, 2, 4, 4), (4, 512, 4, 4, 4), (8, 256, 2, 4, 4),
-                                   (8, 256, 4, 4, 4), (8, 512, 2, 4, 3), (16, 256, 2, 4, 4), (4, 256, 8, 4, 4))]
-
-    _tuned_split_gemv = Tuning(triton.autotune(
-        configs=SPLIT_GEMV_CONFIGS, key=["N", "K", "GLU", "NORM", "RESIDUAL"], cache_results=TUNED_ON_DISK,
-    )(_gemv_kernel))
-
     GEMV_ROWS_CONFIGS = [  # 8-16 features a tile: a [rows x features x K tile] of running products in registers
         triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
         for n, k, w, s in ((16, 256, 4, 3), (16, 128, 2, 3), (8, 128, 2, 3), (8, 256, 4, 3), (16, 512, 8, 3))]
@@ -377,13 +298,6 @@ if triton is not None:
         configs=GEMV_ROWS_CONFIGS, key=["N", "K", "ROWS", "GLU", "NORM", "RESIDUAL"], cache_results=TUNED_ON_DISK,
     )(_gemv_rows_kernel))
 
-    _tuned_kernel = Tuning(triton.autotune(  # each (N, K, rows) shape picks its tiles on first use (before graph capture)
-        configs=[triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
-                 for n, k, w, s in ((16, 256, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3), (32, 128, 4, 4),
-                                    (64, 128, 4, 3), (16, 1024, 8, 2), (32, 512, 8, 3))],
-        key=["N", "K", "ROWS", "NORM"],
-        cache_results=TUNED_ON_DISK,
-    )(_skinny_kernel))
 
 
 def _rows(x: torch.Tensor) -> int:
@@ -391,8 +305,8 @@ def _rows(x: torch.Tensor) -> int:
     return x.numel() // max(x.shape[-1], 1)
 
 
-def _fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int = MAX_ROWS) -> bool:
-    return (kernel_available(x.device) and 0 < _rows(x) <= max_rows and x.dtype == weight.dtype
+def _fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return (kernel_available(x.device) and 0 < _rows(x) <= WEIGHTS_FIRST_MAX_ROWS and x.dtype == weight.dtype
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32) and weight.dim() == 2
             and weight.stride(1) == 1 and x.shape[-1] == weight.shape[1] and not torch.is_grad_enabled()
             and (bias is None or (bias.dtype == x.dtype and bias.is_contiguous())))
@@ -411,63 +325,46 @@ def _shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return weight.shape[0], weight.shape[1], tile, x.dtype, bias is not None
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for inputs of at most WEIGHTS_FIRST_MAX_ROWS rows, from the kernel where it runs
-    and was timed faster (`kernel_choice`; float32 inputs multiply in full float32, not TF32, as F.linear does by
-    default), the kernel with the rows as its dot's M side (up to MAX_ROWS) or its N side (`weights_first_linear`); a
-    single row also has the GEMV (`gemv_linear`) to choose from, K split or not."""
-    if not _fits(x, weight, bias, WEIGHTS_FIRST_MAX_ROWS):
-        return F.linear(x, weight, bias)
-    options = {"kernel": lambda: _launch(x, weight, bias)[0]} if _rows(x) <= MAX_ROWS else {}
-    options["kernel, weights first"] = lambda: weights_first_linear(x, weight, bias)
-    if _rows(x) <= GEMV_MAX_ROWS:
-        options.update(_gemv_options(functools.partial(gemv_linear, x, weight, bias), weight.shape[0], _rows(x) == 1))
-    options["library"] = lambda: F.linear(x, weight, bias)
-    return options[fastest("linear", _shape(x, weight, bias), x.device, options)]()
-
-
 def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`, from our kernel where it runs and was timed faster at this shape (the fast engine's default on
     CUDA): a single row from the GEMV (it won every one-row product of the 8B step, 3-25% under the library,
     benchmarks/RESULTS.md session 23), 2 to WEIGHTS_FIRST_MAX_ROWS rows from the weights-first kernel (o_proj, down
     and the LM head 4-16% under the library at 16 rows, sessions 25-26) or, up to GEMV_MAX_ROWS, the GEMV of
     several rows. More rows, or a shape the kernels lost, from the library."""
-    if not _fits(x, weight, bias, WEIGHTS_FIRST_MAX_ROWS):
+    if not _fits(x, weight, bias):
         return F.linear(x, weight, bias)
-    options = {**_fused_options(x, weight, False, functools.partial(gemv_linear, x, weight, bias),
+    options = {**_fused_options(x, weight, functools.partial(gemv_linear, x, weight, bias),
                                 lambda: weights_first_linear(x, weight, bias)),
                "library": lambda: F.linear(x, weight, bias)}
     return options[fastest("few-row linear", _shape(x, weight, bias), x.device, options)]()
 
 
 def few_row_glu_linear(reference: Callable[[], torch.Tensor], gate_up: torch.Tensor, act: str, weight: torch.Tensor,
-                       bias: torch.Tensor | None = None, split: bool = False) -> torch.Tensor:
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
     """`reference()` = linear(act(gate) * up, weight, bias) of packed gate|up rows (the down projection of
     `fast_target.layer_mlp`) from a kernel that gates as it loads, where it runs and was timed faster: one launch
     and one pass less a layer (one row from the GEMV, 29.5 against 31.0 us on the 8B shape, H200,
     benchmarks/RESULTS.md session 24; 2 to WEIGHTS_FIRST_MAX_ROWS rows from the weights-first kernel, a verify's).
-    With `split` (the kernel engine's) the one-row GEMV's K-split variant is an option too. More rows, another
-    activation than silu, or a lost shape: the reference."""
+    More rows, another activation than silu, or a lost shape: the reference."""
     gate = gate_up[..., : weight.shape[1]]  # the product's input as the checks and the timing key see it
     if (act not in ("silu", "swish") or gate_up.shape[-1] != 2 * gate.shape[-1]
-            or not _fits(gate, weight, bias, WEIGHTS_FIRST_MAX_ROWS)):
+            or not _fits(gate, weight, bias)):
         return reference()
-    options = {**_fused_options(gate, weight, split, functools.partial(gemv_linear, gate_up, weight, bias, glu=True),
+    options = {**_fused_options(gate, weight, functools.partial(gemv_linear, gate_up, weight, bias, glu=True),
                                 lambda: weights_first_linear(gate_up, weight, bias, glu=True)),
                "library": reference}
-    key = (*_shape(gate, weight, bias), split)
-    return options[fastest("few-row glu linear", key, gate_up.device, options)]()
+    return options[fastest("few-row glu linear", _shape(gate, weight, bias), gate_up.device, options)]()
 
 
 def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, glu: bool = False,
                 norm: tuple[torch.Tensor, float] | None = None, residual: torch.Tensor | None = None,
-                split: bool = False, config: triton.Config | None = None) -> torch.Tensor:
+                config: triton.Config | None = None) -> torch.Tensor:
     """`F.linear` of one row (x [..., K] holding K values; with `glu`, [..., 2K] holding a gate|up row whose
     silu(gate) * up is the input) from `_gemv_kernel`; with `norm` = (norm weight, eps) of rms_norm(x) * weight,
-    with `residual` (shaped as the output) the residual + the product; with `split` K split 2-8 ways
-    (SPLIT_GEMV_CONFIGS, tuned per shape), or one `config` given (the tests run each). Why a kernel of its own: on the
+    with `residual` (shaped as the output) the residual + the product; its tiles tuned per shape, or one `config`
+    given (the tests run each). Why a kernel of its own: on the
     H200 the library's narrow one-row products (q|k|v, o_proj, down) read their weights at 2.6-3.4 TB/s against
-    gate|up's 4.0 (benchmarks/RESULTS.md, session 22), and `_skinny_kernel` pads a row to tl.dot's 16. Two to
+    gate|up's 4.0 (benchmarks/RESULTS.md, session 22), and a tl.dot pads a row to its 16. Two to
     GEMV_MAX_ROWS rows run `_gemv_rows_kernel`, K whole (its `config` one of GEMV_ROWS_CONFIGS)."""
     if _rows(x) > 1:
         return _gemv_rows(x, weight, bias, glu, norm, residual, config)
@@ -478,22 +375,15 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     out = torch.empty(n, dtype=x.dtype, device=x.device)
     norm_weight, eps = norm if norm is not None else (out, 0.0)
     added = residual.reshape(n) if residual is not None else out
-    parts, counts = out, out  # no partials unless K is split
-    if split or (config is not None and config.kwargs["SPLITS"] > 1):
-        tiles = triton.cdiv(n, MIN_SPLIT_GEMV_BLOCK_N)  # the most tiles a split config makes
-        parts = stream_buffer("split partials", x.device, GEMV_MAX_SPLITS * (n + tiles), torch.float32)
-        counts = zeroed_counters(x.device, tiles)
-    args = (flat, weight, bias if bias is not None else out, out, norm_weight, added, parts, counts, n, k, eps,
-            weight.stride(0))
+    args = (flat, weight, bias if bias is not None else out, out, norm_weight, added, n, k, eps, weight.stride(0))
     flags = dict(HAS_BIAS=bias is not None, GLU=glu, NORM=norm is not None, RESIDUAL=residual is not None)
     if config is not None:
         meta = config.all_kwargs()
-        _gemv_kernel[(triton.cdiv(n, meta["BLOCK_N"]), meta["SPLITS"])](*args, **flags, **meta)
+        _gemv_kernel[(triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags, **meta)
     elif x.is_cuda:
-        tuned = _tuned_split_gemv if split else _tuned_gemv
-        tuned[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), meta["SPLITS"])](*args, **flags)
-    else:  # Triton's interpreter (tests): no autotuning there, small tiles, K split in two where asked
-        _gemv_kernel[(triton.cdiv(n, 4), 1 + split)](*args, **flags, SPLITS=1 + split, BLOCK_N=4, BLOCK_K=32)
+        _tuned_gemv[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
+    else:  # Triton's interpreter (tests): no autotuning there, small tiles
+        _gemv_kernel[(triton.cdiv(n, 4),)](*args, **flags, BLOCK_N=4, BLOCK_K=32)
     return out.view(*x.shape[:-1], n)
 
 
@@ -523,66 +413,55 @@ def _gemv_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return out.view(*x.shape[:-1], n)
 
 
-def _gemv_options(run: Callable[..., torch.Tensor], n: int, split: bool) -> dict[str, Callable[[], torch.Tensor]]:
-    """The GEMV's options for a one-row product of `n` features: `run(split=...)` unsplit, and with K split where
-    asked (the kernel engine's) and the product is narrow enough to keep partials for (SPLIT_MAX_N)."""
-    options = {"gemv": lambda: run(split=False)}
-    if split and n <= SPLIT_MAX_N:
-        options["gemv, split K"] = lambda: run(split=True)
-    return options
-
-
-def _fused_options(x: torch.Tensor, weight: torch.Tensor, split: bool, gemv: Callable[..., torch.Tensor],
+def _fused_options(x: torch.Tensor, weight: torch.Tensor, gemv: Callable[[], torch.Tensor],
                    weights_first: Callable[[], torch.Tensor]) -> dict[str, Callable[[], torch.Tensor]]:
     """A unit's kernel options at x's rows (a fused unit's, and `few_row_linear`'s plain product): up to
-    GEMV_MAX_ROWS the GEMV's (`_gemv_options`: it won every one-row product; K split for one row only), more than
-    one row the weights-first kernel with the same epilogue (`weights_first`)."""
+    GEMV_MAX_ROWS the GEMV (it won every one-row product), more than one row the weights-first kernel with the same
+    epilogue (`weights_first`)."""
     rows = _rows(x)
-    options = _gemv_options(gemv, weight.shape[0], split and rows == 1) if rows <= GEMV_MAX_ROWS else {}
+    options: dict[str, Callable[[], torch.Tensor]] = {"gemv": gemv} if rows <= GEMV_MAX_ROWS else {}
     if rows > 1:
         options["kernel, weights first"] = weights_first
     return options
 
 
 def few_row_norm_linear(reference: Callable[[], torch.Tensor], x: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                        weight: torch.Tensor, bias: torch.Tensor | None = None, split: bool = False) -> torch.Tensor:
+                        weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`reference()` = linear(rms_norm(x) * norm_weight, weight, bias) of 1 to WEIGHTS_FIRST_MAX_ROWS rows, from a
     kernel that norms as it loads (one row the GEMV, more the weights-first kernel) where it runs and was timed
     faster: the norm's launch and pass gone (two a layer: the q|k|v and gate|up products). Its sums are not HF's to
     the last bit (the rows are scaled after the product, not normed and rounded to the dtype before it), as no
-    kernel's K-sum is the library's. With `split` the one-row GEMV's K-split variant is an option too. More rows or
-    a lost shape: the reference."""
-    if not (_fits(x, weight, bias, WEIGHTS_FIRST_MAX_ROWS) and norm_weight.dtype == x.dtype
+    kernel's K-sum is the library's. More rows or a lost shape: the reference."""
+    if not (_fits(x, weight, bias) and norm_weight.dtype == x.dtype
             and norm_weight.is_contiguous() and norm_weight.shape == (x.shape[-1],)):
         return reference()
     norm = (norm_weight, eps)
-    options = {**_fused_options(x, weight, split, functools.partial(gemv_linear, x, weight, bias, norm=norm),
+    options = {**_fused_options(x, weight, functools.partial(gemv_linear, x, weight, bias, norm=norm),
                                 lambda: weights_first_linear(x, weight, bias, norm=norm)),
                "library": reference}
-    return options[fastest("few-row norm linear", (*_shape(x, weight, bias), split), x.device, options)]()
+    return options[fastest("few-row norm linear", _shape(x, weight, bias), x.device, options)]()
 
 
 def few_row_residual_linear(product: Callable[[], torch.Tensor], residual: torch.Tensor, x: torch.Tensor,
-                            weight: torch.Tensor, bias: torch.Tensor | None = None, glu: bool = False,
-                            split: bool = False) -> torch.Tensor | None:
+                            weight: torch.Tensor, bias: torch.Tensor | None = None, glu: bool = False
+                            ) -> torch.Tensor | None:
     """residual + `product()` (= linear(x, weight, bias); with `glu`, of silu(gate) * up of packed gate|up rows x)
     for 1 to WEIGHTS_FIRST_MAX_ROWS rows from a kernel that adds the residual as it stores (one row the GEMV, more
     the weights-first kernel), where it runs and was timed faster than the product and a separate add (o_proj's and
     down's: the residual stream then needs no add of its own, and the next product norms it as it loads,
     `few_row_norm_linear`); None where not (more rows, a lost shape): the caller keeps the sum pending for the next
-    add-and-norm unit, which adds it in the norm's pass. With `split` the one-row GEMV's K-split variant is an
-    option too."""
+    add-and-norm unit, which adds it in the norm's pass."""
     row = x[..., : weight.shape[1]] if glu else x
     n = weight.shape[0]
-    if not (_fits(row, weight, bias, WEIGHTS_FIRST_MAX_ROWS) and residual.dtype == x.dtype
+    if not (_fits(row, weight, bias) and residual.dtype == x.dtype
             and residual.shape[-1] == n and residual.numel() == _rows(row) * n
             and x.shape[-1] == (2 if glu else 1) * weight.shape[1]):
         return None
-    options = {**_fused_options(row, weight, split,
+    options = {**_fused_options(row, weight,
                                 functools.partial(gemv_linear, x, weight, bias, glu=glu, residual=residual),
                                 lambda: weights_first_linear(x, weight, bias, glu=glu, residual=residual)),
                "library": lambda: residual + product().view(residual.shape)}
-    chosen = fastest("few-row residual linear", (*_shape(row, weight, bias), glu, split), x.device, options)
+    chosen = fastest("few-row residual linear", (*_shape(row, weight, bias), glu), x.device, options)
     return None if chosen == "library" else options[chosen]().view(residual.shape)
 
 
@@ -654,43 +533,3 @@ def _matrix(x: torch.Tensor, k: int) -> torch.Tensor:
     flat = x.reshape(-1, k)
     return flat if flat.stride(1) == 1 else flat.contiguous()
 
-
-def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel on x [..., K] (with `norm` = (delta, norm weight, eps): on rms_norm(x + delta)); returns the
-    product and the new residual x + delta (x itself without `norm`)."""
-    n, k = weight.shape
-    flat = _matrix(x, k)
-    m = flat.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    delta, norm_weight, eps = norm if norm is not None else (flat, flat, 0.0)
-    delta = delta.reshape(-1, k)
-    residual = torch.empty_like(flat) if norm is not None else flat
-    args = (flat, weight, bias if bias is not None else out, out, delta, norm_weight, residual, m, n, k, eps,
-            flat.stride(0), weight.stride(0), out.stride(0), delta.stride(0), residual.stride(0))
-    flags = dict(HAS_BIAS=bias is not None, NORM=norm is not None, F32_DOT=x.dtype == torch.float32 or not x.is_cuda,
-                 ROWS=_row_tile(m))
-    if x.is_cuda:
-        _tuned_kernel[lambda meta: (triton.cdiv(n, meta["BLOCK_N"]),)](*args, **flags)
-    else:  # Triton's interpreter (tests): no autotuning there, small tiles
-        _skinny_kernel[(triton.cdiv(n, 16),)](*args, **flags, BLOCK_N=16, BLOCK_K=32)
-    return out.view(*x.shape[:-1], n), residual.view(x.shape)
-
-
-def skinny_add_norm_linear(
-    reference: Callable[..., tuple[torch.Tensor, torch.Tensor]], x: torch.Tensor, delta: torch.Tensor,
-    norm_weight: torch.Tensor, eps: float, weight: torch.Tensor, bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`reference(x, delta, norm_weight, eps, weight, bias)` = (x + delta, linear(rms_norm(x + delta) *
-    norm_weight)) (`fast_ops.add_norm_linear`, the engine's own units) from one kernel where it runs and was timed
-    faster: the norm's pass and launch folded into the product's."""
-    args = (x, delta, norm_weight, eps, weight, bias)
-    if not (_fits(x, weight, bias) and delta.shape == x.shape and delta.dtype == x.dtype == norm_weight.dtype
-            and delta.stride(-1) == 1 and norm_weight.is_contiguous()):
-        return reference(*args)
-    norm = (delta, norm_weight, eps)
-    if not kernel_wins("add_norm_linear", _shape(x, weight, bias), x.device, lambda: _launch(x, weight, bias, norm),
-                       lambda: reference(*args)):
-        return reference(*args)
-    product, residual = _launch(x, weight, bias, norm)
-    return residual, product

@@ -2,7 +2,7 @@
 
 A greedy DDTree step scores its tree with the drafter's log-probabilities and keeps each slot's best min(budget, V)
 tokens. torch runs that as a float cast, a log_softmax and a radix top-k: ~16 kernels and ~57 us of device time in
-a 1.5 ms DDTree@31 step of the embedded pair on the H200 (`profile_decode.py`, benchmarks/RESULTS.md session 36),
+a 1.5 ms DDTree@31 step of the embedded pair on the H200 (`profile_decode.py`, benchmarks/RESULTS.md, 2026-12-04),
 where each launch inside the step's graph also costs its gap. Here one program per (row, chunk of the vocabulary)
 takes its chunk's best KP (the power of two at or above k) as packed keys (the logit's bits made order-preserving,
 then the token id: lower ids first among equal logits) with the chunk's softmax partials (max and sum of exp); one
@@ -12,7 +12,7 @@ kernel does not run or was timed slower (`kernel_choice.kernel_wins`).
 
 Each program keeps its best KP with Triton's bitonic top-k (`tl.topk`: runs of KP sorted, then halved by pairwise
 maxima), not a sort of the whole chunk: with whole-chunk sorts the kernels took 66.5 us against the library's 71.0
-at 15 x 49,152 and k = 31 on the H200, and 415 against 119 at a 151,936 vocabulary (session 36, `pick_speed.py`).
+at 15 x 49,152 and k = 31 on the H200, and 415 against 119 at a 151,936 vocabulary (benchmarks/RESULTS.md, 2026-12-04).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ if triton is not None:
         shift = tl.where(peak == float("-inf"), 0.0, peak)
         # a sum of exps, not of products: a product summed contracts into fused multiply-adds in the order each lane
         # meets them, and on the H200 lanes then held log totals an ulp apart, so two tied logits' log-probabilities
-        # came out an ulp apart, out of order (session 40); adds alone give every lane the same bits. A chunk with a
+        # came out an ulp apart, out of order (2026-12-05); adds alone give every lane the same bits. A chunk with a
         # finite max sums at least exp(0) = 1; one without (padding, all -inf) adds exp(-inf) = 0 whatever its total
         log_total = tl.log(tl.sum(tl.exp(most - shift + tl.log(tl.maximum(total, 1.0))), axis=0))
         at = tl.arange(0, CANDIDATES)
@@ -126,7 +126,7 @@ def log_softmax_top_k(logits: torch.Tensor, k: int, kernel: bool | None = None) 
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
     if kernel is None:  # timed once per power of two of rows: a batch's trees meet every count of sequences x
-        # slots, each a pause of ~0.1 s where first timed (session 39), and a server warms its batch buckets only
+        # slots, each a pause of ~0.1 s where first timed (2026-12-05), and a server warms its batch buckets only
         kernel = kernel_runs(logits.device, k) and kernel_wins(
             "log-softmax top-k", (power_of_two_at_least(flat.shape[0]), vocab, k, flat.dtype), flat.device,
             lambda: kernel_top_k(flat, k), lambda: library_top_k(flat, k))

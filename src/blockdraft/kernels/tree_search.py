@@ -3,7 +3,7 @@ from a frontier held in registers, as the host heap does, and writes the rows `d
 
 The tensor search (`ddtree._tree_rows`: a beam per depth, one sort, an ancestor loop) is ~70 small kernels; replayed
 from a CUDA graph it still cost 0.69 ms at batch 1 for a 32-node tree on the H200, half a DDTree step's device
-time on the embedded pair, where the host heap takes 0.3 ms (benchmarks/RESULTS.md, session 20). Here each pop is
+time on the embedded pair, where the host heap takes 0.3 ms (benchmarks/RESULTS.md, 2026-12-02). Here each pop is
 a max over the frontier (ties broken by depth, rank, parent: the heap's tuple order, so the trees are the heap's
 node for node), the popped node's next sibling replaces it and its first child takes a free slot; scores are summed
 in float64 as on the host. The frontier never holds more than budget + 1 entries. Then the ids, positions and shape

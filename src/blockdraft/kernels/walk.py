@@ -3,7 +3,7 @@ result writes in one launch.
 
 In the embedded pair's fused steps on the H200 a kernel costs its run plus ~0.7 us of gap inside the step's graph
 (0.16 ms over 224 kernels an AR step, 0.32 ms over 443 a DDTree@31 step: wall time against summed kernel time,
-benchmarks/RESULTS.md session 36). The walk after the verify's argmax is ~27 launches of 1-2 us each (compares,
+benchmarks/RESULTS.md, 2026-12-04). The walk after the verify's argmax is ~27 launches of 1-2 us each (compares,
 reductions, an argmax, a sort, gathers, a cat and copies) for a few dozen rows. Here one program reads the rows' ids,
 the target's picks, the ancestor mask and the parent rows, finds the deepest accepted row (the first among equal
 depths, as torch's argmax), lays out the path (its ancestors in row order, then the other rows in order: the order

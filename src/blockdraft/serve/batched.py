@@ -66,7 +66,7 @@ class BatchedEngine:
         and capturing its graphs (on the H200 the first batched steps stalled concurrency 4 below concurrency 1
         before this). On a GPU the decodes are long enough for full-depth drafts (a chain's verify of a whole block
         is its usual shape: 4-token decodes left it to be captured by the first requests, ~0.1 s pauses at each
-        batch size and method; session 19 measured ITL p99 111 ms for the schedule at concurrency 4 against 25 ms
+        batch size and method; on 2026-12-02 ITL p99 was 111 ms for the schedule at concurrency 4 against 25 ms
         for DFlash), and run twice: from the prompt repeated to one capacity step, then from the prompt (graphs are
         keyed by capacity, in steps of SLOT_STEP positions), so a context crossing the first step finds its graphs
         too. In that order: a K/V buffer that grows drops every graph captured on it (which is also why the batch's

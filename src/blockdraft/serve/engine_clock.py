@@ -2,7 +2,7 @@
 line for each step that stalls.
 
 Under load the served tokens/s can disagree with the step rates (on the H200 the embedded pair's DFlash steps ran
-1.3x AR's at batch 16 while AR served more: benchmarks/RESULTS.md, session 17), and a stall of seconds in one step
+1.3x AR's at batch 16 while AR served more: benchmarks/RESULTS.md, 2026-12-02), and a stall of seconds in one step
 hides in a level's average (the scheduled server paused ~2.9 s mid-stream at concurrency 4 there, cause unknown).
 So the engine reports its busy time, which /metrics exposes (`blockdraft:engine_step_seconds{method}`,
 `blockdraft:engine_admit_seconds_total`, the steps that captured CUDA graphs:

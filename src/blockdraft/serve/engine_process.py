@@ -2,7 +2,7 @@
 
 Decoding runs in its own process (as vLLM's engine core) so that it never waits for the interpreter lock while the
 HTTP side parses, renders and streams: sharing one process cost the DFlash chain ~12% of its decode time on an
-H200 (benchmarks/RESULTS.md, 2026-12-01, session 13). The process ignores SIGINT/SIGTERM (a Ctrl-C reaches the
+H200 (benchmarks/RESULTS.md, 2026-12-01). The process ignores SIGINT/SIGTERM (a Ctrl-C reaches the
 whole process group; the HTTP process decides how to drain) and exits when told to or when its command pipe
 closes (the HTTP process is gone).
 """
@@ -163,7 +163,7 @@ def schedule_choice(settings: ServeSettings, seqs: int, plain_drafter: bool, fas
     fast engine on a GPU, a plain DFlash drafter (the schedule switches between its chain and its trees; a DFlash-2
     selector or a DSpark head drafts otherwise), and no --method asking for one method (on the H200 it served
     1.02-1.04x the best fixed method and 1.12-1.54x AR at 1-64 concurrent requests, where a fixed DDTree@32 fell to
-    0.66x AR at 64; benchmarks/RESULTS.md session 28). With --lookup its DDTree steps hold the chain. Elsewhere
+    0.66x AR at 64; benchmarks/RESULTS.md, 2026-12-03). With --lookup its DDTree steps hold the chain. Elsewhere
     off: measured on a GPU only, and the start-up tune times the fast engine's batched steps."""
     if settings.schedule is not None:
         return settings.schedule

@@ -9,8 +9,8 @@
   partial UTF-8 character, so a client never sees text that is later taken back.
 - Text is decoded as the ids come by the tokenizers library's `DecodeStream` where the tokenizer has a Rust backend
   and does no space clean-up (one step a token, 2.5-3x faster than two windowed decodes a commit on the embedded
-  tokenizer: `benchmarks/detokenize_speed.py`, benchmarks/RESULTS.md session 25; at batch 64 that work runs for
-  every sequence each step), else by decoding a few ids of context around the new ones.
+  tokenizer: benchmarks/RESULTS.md, 2026-12-03; at batch 64 that work runs for every sequence each step), else by
+  decoding a few ids of context around the new ones.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from blockdraft.serve.job_run import JobRun
 _WARMUP_TOKENS = 4
 WARM_POSITIONS = 4096  # contexts whose every decode graph the warm-up captures: on the H200 the embedded pair warmed
 # a 4K context in 1.6-9 s and 0.3-1.2 GiB, after which a decode reaching it captured nothing (benchmarks/RESULTS.md,
-# sessions 31-32); longer contexts capture each new shape when first met, as before
+# 2026-12-04); longer contexts capture each new shape when first met, as before
 
 
 class SequentialEngine:

@@ -37,5 +37,5 @@ class ServeSettings:
 
     @property
     def served_method(self) -> str:
-        """--method, else DDTree: the fastest for one request at a time on the embedded pair (RESULTS, session 28)."""
+        """--method, else DDTree: the fastest for one request at a time on the embedded pair (benchmarks/RESULTS.md)."""
         return self.method or "ddtree"

@@ -164,7 +164,7 @@ def run_training(settings: TrainSettings, prompts: list[TokenizedPrompt] | None 
         shutdown(ctx)  # no barrier: another rank may be gone
         raise
     ctx.barrier()  # every rank's collectives done before any tears gloo down: a CPU rank destroying the group with
-    # work in flight aborted now and then ("terminate called without an active exception", CI, session 28)
+    # work in flight aborted now and then ("terminate called without an active exception", CI, 2026-12-03)
     shutdown(ctx)
     return summary
 
