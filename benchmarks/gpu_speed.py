@@ -2,9 +2,8 @@
 
 Part 1 (always): a Qwen3-8B-shaped target and a published-shape DFlash drafter (5 layers, B=16) with random bf16
 weights, batch 1, a 1K context. Per engine (hf = HF forward, fast = FastTarget with compiled ops + CUDA graphs,
-fast-graphs = FastTarget without torch.compile, fast-eager = no graphs either, fast-kernels = fast with the
-weight products from `kernels/skinny_gemm.py`'s Triton kernel, fast-stepwise = fast with greedy steps launched op by
-op instead of `decoding/fused_steps.py`'s two graphs and one read; end to end also fast-batched and
+fast-graphs = FastTarget without torch.compile, fast-eager = no graphs either, fast-stepwise = fast with greedy
+steps launched op by op instead of `decoding/fused_steps.py`'s two graphs and one read; end to end also fast-batched and
 fast-batched-stepwise = each prompt alone through the batch decoder, a server's lone request): AR step, DFlash verify (16 rows),
 drafter pass and context extension (the eager drafter under hf, the static FastDrafter under the fast engines,
 graphed where the engine graphs), DDTree verify per budget, the step ratios against their goals, and the 8B tokens/s projected at
@@ -229,7 +228,7 @@ def make_engine(name: str, model: Any) -> Any:
     if name == "hf":
         return Target(model)
     options = {"fast": {}, "fast-graphs": {"compiled": False}, "fast-eager": {"compiled": False, "graphs": False},
-               "fast-kernels": {"kernels": True}, "fast-stepwise": {"fused": False}, "fast-batched": {},
+               "fast-stepwise": {"fused": False}, "fast-batched": {},
                "fast-batched-stepwise": {"fused": False}}
     if name not in options:
         raise ValueError(f"unknown engine {name!r}; use hf, {', '.join(options)}")
@@ -621,7 +620,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="8b", help="synthetic target shape (tiny: smoke)")
     parser.add_argument("--context", type=int, default=1024, help="context length for the per-step rows")
     parser.add_argument("--budgets", type=int_list, default="32,64,128,256,512", help="DDTree budgets for the per-step rows")
-    parser.add_argument("--engines", default=None, help="hf,fast,fast-graphs,fast-eager,fast-kernels,fast-stepwise (default: hf,fast-graphs,fast on CUDA, hf,fast on CPU)")
+    parser.add_argument("--engines", default=None, help="hf,fast,fast-graphs,fast-eager,fast-stepwise (default: hf,fast-graphs,fast on CUDA, hf,fast on CPU)")
     parser.add_argument("--iters", type=int, default=None, help="timed iterations per row (default 20; --quick 5)")
     parser.add_argument("--warmup", type=int, default=None, help="warm-up iterations per row (default 5; --quick 2)")
     parser.add_argument("--bandwidth", type=float, default=None, help="state the bandwidth in B/s instead of measuring")

@@ -15,7 +15,7 @@ which configs and row counts are worth a GPU's time before any is spent.
     python benchmarks/kernel_sass.py --kernel gemv --epilogues norm
     python benchmarks/kernel_sass.py --kernel weights_first --rows 16 --epilogues plain,norm --json sass.json
     python benchmarks/kernel_sass.py --kernel block_attention --epilogues plain,window,merge,one-split
-    python benchmarks/kernel_sass.py --kernel combine --epilogues plain   # also skinny, split, qkv_rope
+    python benchmarks/kernel_sass.py --kernel combine --epilogues plain   # also qkv_rope
 """
 
 from __future__ import annotations
@@ -79,15 +79,15 @@ def _product_aligned(name: str) -> bool:
 TRITON_DEFAULTS = [triton.Config({}, num_warps=4, num_stages=3)]  # as the kernels launched without tuning run
 _PRODUCT_TYPES = {"part_ptr": "*fp32", "count_ptr": "*i32", "eps": "fp32"}
 KERNELS = {
-    "gemv": Spec(skinny_gemm._gemv_kernel, _PRODUCT_TYPES, _product_aligned, skinny_gemm.GEMV_CONFIGS, None,
-                 lambda epilogue: _product_constants(epilogue) | {"SPLITS": 1}, _tile),
+    "gemv": Spec(skinny_gemm._gemv_kernel, {"eps": "fp32"}, _product_aligned, skinny_gemm.GEMV_CONFIGS, None,
+                 _product_constants, _tile),
     "gemv_rows": Spec(skinny_gemm._gemv_rows_kernel, _PRODUCT_TYPES, _product_aligned, skinny_gemm.GEMV_ROWS_CONFIGS,
                       "ROWS", _product_constants, _tile),
     "weights_first": Spec(skinny_gemm._weights_first_kernel, _PRODUCT_TYPES, _product_aligned,
                           skinny_gemm.WEIGHTS_FIRST_CONFIGS, "ROWS",
                           lambda epilogue: _product_constants(epilogue) | {"F32_DOT": False}, _tile),
     "block_attention": Spec(  # as `block_attention` launches it (Triton's default 4 warps, 3 stages; a decode's rows),
-        block_attention._block_split_kernel,  # then the other launches `attention_splits.py --launches` times
+        block_attention._block_split_kernel,  # then the other launches the engine's chooser may pick
         {"seq_ptr": "*i64", "length_ptr": "*i64", "pos_ptr": "*i64", "own_ptr": "*u8", "acc_ptr": "*fp32",
          "m_ptr": "*fp32", "l_ptr": "*fp32", "count_ptr": "*i32", "scale": "fp32"},
         lambda name: name == "D" or name[:3] in ("sq_", "sk_", "sv_", "so_"),
@@ -96,13 +96,6 @@ KERNELS = {
                               MERGE="merge" in epilogue, ONE_SPLIT="one" in epilogue, BLOCK_R=BLOCK_ROWS,
                               BLOCK_S=BLOCK_KEYS, BLOCK_D=HEAD_DIM),
         lambda config: 2 * BLOCK_KEYS * HEAD_DIM),  # a block of keys and its values
-    "skinny": Spec(skinny_gemm._skinny_kernel, {"eps": "fp32"}, _product_aligned, skinny_gemm._tuned_kernel.tuner.configs,
-                   "ROWS", lambda epilogue: dict(HAS_BIAS="bias" in epilogue, NORM="norm" in epilogue, F32_DOT=False),
-                   _tile),
-    "split": Spec(flash_decode._split_kernel, {"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32", "scale": "fp32"},
-                  lambda name: name == "D" or name[:3] in ("sq_", "sk_", "sv_"), TRITON_DEFAULTS, None,
-                  lambda epilogue: dict(F32_DOT=False, BLOCK_R=BLOCK_ROWS, BLOCK_S=BLOCK_KEYS, BLOCK_D=HEAD_DIM),
-                  lambda config: 2 * BLOCK_KEYS * HEAD_DIM),  # flash-decode's, with a dense bias
     "combine": Spec(flash_decode._combine_kernel, {"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32",
                                                    "length_ptr": "*i64"},
                     lambda name: name == "D" or name.startswith("so_"), TRITON_DEFAULTS, None,

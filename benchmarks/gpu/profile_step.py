@@ -30,8 +30,7 @@ from blockdraft.kernels.kernel_choice import choices  # noqa: E402
 from blockdraft.numbers import int_list  # noqa: E402
 
 STEPS = 5
-CONFIGS = {"plain": dict(compiled=False), "compiled": dict(compiled=True),
-           "compiled-kernels": dict(compiled=True, kernels=True)}
+CONFIGS = {"plain": dict(compiled=False), "compiled": dict(compiled=True)}
 
 
 def single_step(target: FastTarget, rows: int, context: int) -> Callable[[], None]:
@@ -68,7 +67,7 @@ def batched_step(target: FastTarget, batch: int, rows: int, context: int) -> Cal
 
 
 CATEGORIES = (  # what a kernel's name says it does, first match wins: the step's GPU time by part
-    ("weight products", ("_gemv_kernel", "_weights_first_kernel", "_skinny_kernel", "nvjet", "gemm", "gemv",
+    ("weight products", ("_gemv_kernel", "_weights_first_kernel", "nvjet", "gemm", "gemv",
                          "splitkreduce", "cutlass", "xmma")),
     ("attention", ("_block_split_kernel", "_combine_kernel", "_split_kernel", "sdpa", "flash", "fmha", "softmax")),
     ("q|k|v epilogue", ("_qkv_rope_kernel",)),
