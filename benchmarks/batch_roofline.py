@@ -59,7 +59,9 @@ def main() -> None:
                         help="Time the verify forward at --rows alone (no drafter, whole steps or schedule): the "
                              "roofline table in a fraction of the time.")
     args = parser.parse_args()
-    from blockdraft.engine.schedule import AR, AcceptanceProfile, Candidate, choose, render
+    from blockdraft.engine.acceptance import AcceptanceProfile
+    from blockdraft.engine.candidate import AR, Candidate
+    from blockdraft.engine.schedule import choose, render
     from blockdraft.engine.tune import measure_costs, verify_seconds
     from blockdraft.fast.target import FastTarget
 

@@ -112,7 +112,7 @@ def main() -> None:
 
     from blockdraft.decoding.methods import build_proposer, device_settings
     from blockdraft.decoding.sampling import SamplingParams
-    from blockdraft.engine.schedule import AR, Candidate
+    from blockdraft.engine.candidate import AR, Candidate
     from blockdraft.engine.switching import SwitchingProposer
     from blockdraft.fast.graphs import graphs_captured
     from blockdraft.pair import Loaded, default_drafter

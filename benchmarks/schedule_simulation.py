@@ -29,7 +29,10 @@ import random
 import statistics
 
 from blockdraft.engine.measured import MeasuredSchedule, bucket_of
-from blockdraft.engine.schedule import AR, AcceptanceProfile, Candidate, CostTable, Schedule, choose
+from blockdraft.engine.acceptance import AcceptanceProfile
+from blockdraft.engine.candidate import AR, Candidate
+from blockdraft.engine.cost_table import CostTable
+from blockdraft.engine.schedule import choose, Schedule
 
 CHAIN, TREE = Candidate("dflash", 15), Candidate("ddtree", budget=32)
 TAU = {AR: 1.0, CHAIN: 2.24, TREE: 3.0}

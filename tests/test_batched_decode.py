@@ -361,7 +361,10 @@ def test_generate_batch_size_prints_what_one_at_a_time_prints(tiny_dirs, tmp_pat
 @pytest.mark.parametrize("lookup", [0, 2])
 def test_a_schedule_switches_the_method_with_the_batch_size_losslessly(lookup: int, found: list[int]) -> None:
     """With a lookup chain in the schedule's trees too (found and merged)."""
-    from blockdraft.engine.schedule import AR, AcceptanceProfile, Candidate, CostTable, choose
+    from blockdraft.engine.acceptance import AcceptanceProfile
+    from blockdraft.engine.candidate import AR, Candidate
+    from blockdraft.engine.cost_table import CostTable
+    from blockdraft.engine.schedule import choose
     from blockdraft.engine.switching import SwitchingProposer
 
     target = FastTarget(make_target_model("qwen3"))
@@ -398,7 +401,10 @@ def test_the_measured_schedule_times_a_step_without_the_join_that_ran_while_it_f
     import time
 
     from blockdraft.engine.measured import MeasuredSchedule
-    from blockdraft.engine.schedule import AR, AcceptanceProfile, Candidate, CostTable, choose
+    from blockdraft.engine.acceptance import AcceptanceProfile
+    from blockdraft.engine.candidate import AR, Candidate
+    from blockdraft.engine.cost_table import CostTable
+    from blockdraft.engine.schedule import choose
     from blockdraft.engine.switching import SwitchingProposer
 
     target = FastTarget(make_target_model("qwen3"))
@@ -435,7 +441,8 @@ def test_scheduled_ar_steps_leave_the_drafter_context_for_later_and_draft_the_sa
     """AR steps of a schedule leave their tokens out of the drafter context (at most PENDING_MAX of them); the next
     drafting step writes them in one extension and drafts what it would have drafted had every step written them."""
     from blockdraft.engine import deferred_taps
-    from blockdraft.engine.schedule import AR, Candidate, FixedPicks
+    from blockdraft.engine.candidate import AR, Candidate
+    from blockdraft.engine.schedule import FixedPicks
     from blockdraft.engine.switching import SwitchingProposer
     from blockdraft.fast.batch_drafter import BatchDrafter
 

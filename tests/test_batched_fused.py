@@ -15,7 +15,8 @@ from blockdraft.decoding.generate import generate
 from blockdraft.decoding.methods import build_proposer
 from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.engine.batch import BatchDecoder
-from blockdraft.engine.schedule import AR, Candidate, FixedPicks
+from blockdraft.engine.candidate import AR, Candidate
+from blockdraft.engine.schedule import FixedPicks
 from blockdraft.engine.switching import SwitchingProposer
 from blockdraft.fast.target import FastTarget
 

@@ -20,7 +20,7 @@ from blockdraft.decoding.generate import generate
 from blockdraft.decoding.methods import build_proposer
 from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.engine.batch import BatchDecoder
-from blockdraft.engine.schedule import Candidate
+from blockdraft.engine.candidate import Candidate
 from blockdraft.engine.switching import SwitchingProposer
 from blockdraft.fast.target import FastTarget
 from blockdraft.models.target import Target

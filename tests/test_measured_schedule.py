@@ -11,7 +11,10 @@ from blockdraft.decoding.generate import generate
 from blockdraft.engine import measured
 from blockdraft.engine.batch import BatchDecoder
 from blockdraft.engine.measured import MeasuredSchedule, bucket_label, bucket_of
-from blockdraft.engine.schedule import AR, AcceptanceProfile, Candidate, CostTable, Schedule, choose
+from blockdraft.engine.acceptance import AcceptanceProfile
+from blockdraft.engine.candidate import AR, Candidate
+from blockdraft.engine.cost_table import CostTable
+from blockdraft.engine.schedule import choose, Schedule
 from blockdraft.engine.switching import SwitchingProposer
 from blockdraft.fast.target import FastTarget
 

@@ -11,19 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rich.console import Console
 
-from blockdraft.engine.schedule import (
-    AR,
-    AcceptanceProfile,
-    Candidate,
-    CostTable,
-    Estimate,
-    Schedule,
-    ScheduleEntry,
-    choose,
-    estimate,
-    expected_tokens_per_s,
-    render,
-)
+from blockdraft.engine.acceptance import AcceptanceProfile
+from blockdraft.engine.candidate import AR, Candidate
+from blockdraft.engine.cost_table import CostTable
+from blockdraft.engine.schedule import Estimate, Schedule, ScheduleEntry, choose, estimate, expected_tokens_per_s, render
 from blockdraft.errors import BlockdraftError
 
 RATES = [0.8, 0.65, 0.5, 0.4, 0.3, 0.2, 0.15]

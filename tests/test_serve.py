@@ -336,7 +336,10 @@ def test_lookup_trees_serve_generates_answers_and_are_refused_off_ddtree(text_pa
     schedule's trees draft the whole block); with another method it is one sentence before loading."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from blockdraft.engine.schedule import AR, AcceptanceProfile, Candidate, CostTable, choose
+    from blockdraft.engine.acceptance import AcceptanceProfile
+    from blockdraft.engine.candidate import AR, Candidate
+    from blockdraft.engine.cost_table import CostTable
+    from blockdraft.engine.schedule import choose
     from blockdraft.errors import BlockdraftError
     from blockdraft.serve.server import BlockdraftServer
 
@@ -452,7 +455,10 @@ def test_stop_strings_end_batched_requests_where_they_end_one_at_a_time(text_pai
 
 
 def test_a_schedule_serves_with_the_method_it_picks_per_batch_size(text_pair, server, tmp_path: Path) -> None:
-    from blockdraft.engine.schedule import AR, AcceptanceProfile, Candidate, CostTable, choose
+    from blockdraft.engine.acceptance import AcceptanceProfile
+    from blockdraft.engine.candidate import AR, Candidate
+    from blockdraft.engine.cost_table import CostTable
+    from blockdraft.engine.schedule import choose
     from blockdraft.errors import BlockdraftError
     from blockdraft.serve.server import BlockdraftServer
 

@@ -10,7 +10,10 @@ import pytest
 from typer.testing import CliRunner
 
 from blockdraft.cli import app
-from blockdraft.engine.schedule import AR, AcceptanceProfile, Candidate, CostTable, Schedule, estimate
+from blockdraft.engine.acceptance import AcceptanceProfile
+from blockdraft.engine.candidate import AR, Candidate
+from blockdraft.engine.cost_table import CostTable
+from blockdraft.engine.schedule import estimate, Schedule
 
 
 def test_tune_writes_costs_and_a_consistent_schedule(trained_pairs: dict[str, tuple[Path, Path]],

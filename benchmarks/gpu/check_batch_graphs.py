@@ -23,7 +23,10 @@ from blockdraft.engine import measured  # noqa: E402
 from blockdraft.engine.batch import BatchDecoder  # noqa: E402
 from blockdraft.engine.sequence import Request  # noqa: E402
 from blockdraft.engine.measured import MeasuredSchedule  # noqa: E402
-from blockdraft.engine.schedule import AR, AcceptanceProfile, Candidate, CostTable, choose  # noqa: E402
+from blockdraft.engine.acceptance import AcceptanceProfile# noqa: E402
+from blockdraft.engine.candidate import AR, Candidate# noqa: E402
+from blockdraft.engine.cost_table import CostTable# noqa: E402
+from blockdraft.engine.schedule import choose# noqa: E402
 from blockdraft.engine.switching import SwitchingProposer  # noqa: E402
 from blockdraft.fast.target import FastTarget  # noqa: E402
 

@@ -215,7 +215,8 @@ def tune(
     """Time batched steps on this device and measure acceptance; print and write the speculation schedule."""
     from blockdraft.prompt_sets import load_prompt_set
     from blockdraft.decoding.lookup import check_lookup
-    from blockdraft.engine.schedule import AR, Candidate, choose, render
+    from blockdraft.engine.candidate import AR, Candidate
+    from blockdraft.engine.schedule import choose, render
     from blockdraft.engine.tune import measure_acceptance, measure_costs
     from blockdraft.prompting import parse_ids
     from blockdraft.serve.output import commit_work

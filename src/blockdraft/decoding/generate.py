@@ -181,7 +181,10 @@ class _Steps:
         target, proposer, cache, stages = self.target, self.proposer, self.cache, self.stages
         device = target.device
         t_draft = stages.mark()
-        trees = proposer.propose_on_device(anchor, start, depth_left) if self.trees_on_device else None  # type: ignore[union-attr]
+        trees = None
+        if self.trees_on_device:
+            assert proposer is not None
+            trees = proposer.propose_on_device(anchor, start, depth_left)
         if trees is not None:  # the tree stays on the device until the verify's read
             t_verify = stages.mark()
             out = target.forward(trees.ids, trees.positions[0], cache, self.tap_layers,

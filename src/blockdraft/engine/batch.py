@@ -37,7 +37,8 @@ from blockdraft.engine.deferred_taps import DeferredTaps
 from blockdraft.engine.flight import Flight, FusedRead
 from blockdraft.engine.lone_steps import LoneSteps
 from blockdraft.engine.measured import MeasuredSchedule
-from blockdraft.engine.schedule import Candidate, Schedule
+from blockdraft.engine.candidate import Candidate
+from blockdraft.engine.schedule import Schedule
 from blockdraft.engine.sequence import Request, Sequence
 from blockdraft.engine.switching import SwitchingProposer
 from blockdraft.engine.verifiers import LoopVerifier, SlotVerifier, Verified
@@ -293,9 +294,11 @@ class BatchDecoder:
         tap_layers = proposer.tap_layers if proposer else None
         trees = None
         if self.drafting is not None and self.verifier.shares_forward:
-            trees = batch_drafts.device_trees(self.drafting, self.running, starts, self.target.ops.compiled)  # type: ignore[attr-defined]
+            compiled = self.target.ops.compiled  # type: ignore[attr-defined]  # a static-cache target's units
+            trees = batch_drafts.device_trees(self.drafting, self.running, starts, compiled)
         if trees is not None:
-            verified = self.verifier.forward_rows(trees.ids, trees.positions, trees.own, tap_layers)  # type: ignore[union-attr]
+            verified = self.verifier.forward_rows(  # type: ignore[union-attr]
+                trees.ids, trees.positions, trees.own, tap_layers)
             assert verified.logits is not None
             return Flight(list(self.running), starts, None, trees, verified, trees.readout(verified.logits),
                           candidate, deferring, method, began)
@@ -329,8 +332,8 @@ class BatchDecoder:
 
     def _launch_fused(self, steps: FusedSteps, candidate: Candidate | None, method: str, began: float) -> Flight:
         """The lone sequence's fused step (`LoneSteps.launch`)."""
-        return self.lone.launch(steps, self.running[0], self.verifier, self.drafting, candidate, method,  # type: ignore[arg-type]
-                                began)
+        verifier: SlotVerifier = self.verifier  # type: ignore[assignment]  # shares its forward: a lone sequence's
+        return self.lone.launch(steps, self.running[0], verifier, self.drafting, candidate, method, began)
 
     def _greedy_read(self, drafts: list[Draft], verified: Verified) -> torch.Tensor | None:
         """The greedy sequences' verdicts as one device tensor to read back (`verify.greedy_read`; one argmax for the

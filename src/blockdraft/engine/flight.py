@@ -10,7 +10,7 @@ import torch
 from blockdraft.decoding.ddtree import DeviceTrees
 from blockdraft.decoding.draft import Draft
 from blockdraft.decoding.fused_steps import FusedSteps
-from blockdraft.engine.schedule import Candidate
+from blockdraft.engine.candidate import Candidate
 from blockdraft.engine.sequence import Sequence
 from blockdraft.engine.verifiers import Verified
 from blockdraft.fast.static_cache import StaticTargetCache

@@ -8,7 +8,7 @@ from __future__ import annotations
 from blockdraft.decoding.draft import AR_SHAPE, StepShape
 from blockdraft.decoding.fused_steps import FusedSteps, fused_steps
 from blockdraft.engine.flight import Flight, FusedRead
-from blockdraft.engine.schedule import Candidate
+from blockdraft.engine.candidate import Candidate
 from blockdraft.engine.sequence import Sequence
 from blockdraft.engine.verifiers import SlotVerifier, Verified
 from blockdraft.fast.batch_drafter import BatchDrafter
@@ -37,7 +37,8 @@ class LoneSteps:
             return None
         else:
             if shape not in self.fused:
-                self.fused[shape] = FusedSteps(self.target, drafting.lone_drafter(), seq.proposer.tap_layers,  # type: ignore[arg-type, union-attr]
+                taps = seq.proposer.tap_layers  # type: ignore[union-attr]  # a drafting proposer's
+                self.fused[shape] = FusedSteps(self.target, drafting.lone_drafter(), taps,  # type: ignore[arg-type]
                                                shape)
             steps = self.fused[shape]
         return steps if steps is not None and steps.whole_step(seq.max_new_tokens - len(seq.tokens)) else None

@@ -33,7 +33,8 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from blockdraft.engine.schedule import AR, Candidate, Schedule
+from blockdraft.engine.candidate import AR, Candidate
+from blockdraft.engine.schedule import Schedule
 from blockdraft.kernels.sizes import power_of_two_at_least
 
 FIRST_PHASE_AT = 32  # a bucket's steps before its first phase: a batch size passed through briefly (requests ending

@@ -14,7 +14,7 @@ from blockdraft.decoding.ddtree import DDTreeProposer
 from blockdraft.decoding.draft import ChainLookup, Draft, ProposerBase, StepShape
 from blockdraft.decoding.lookup import LookupTreeProposer
 from blockdraft.decoding.sampling import SamplingParams
-from blockdraft.engine.schedule import AR, Candidate
+from blockdraft.engine.candidate import AR, Candidate
 from blockdraft.models.drafter import DFlashDrafter
 from blockdraft.models.target import Target
 

@@ -31,7 +31,10 @@ from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.engine.batch import BatchDecoder
 from blockdraft.engine.batch_sizes import bucket_sizes
 from blockdraft.engine.sequence import Request
-from blockdraft.engine.schedule import AR, AcceptanceProfile, Candidate, CostTable, Schedule, choose
+from blockdraft.engine.acceptance import AcceptanceProfile
+from blockdraft.engine.candidate import AR, Candidate
+from blockdraft.engine.cost_table import CostTable
+from blockdraft.engine.schedule import choose, Schedule
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.drafter import DFlashDrafter
 from blockdraft.fast.batch import BatchForward, BatchKV

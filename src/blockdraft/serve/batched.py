@@ -18,7 +18,8 @@ from blockdraft.engine.batch import BatchDecoder
 from blockdraft.engine.decode_batch import warm_buckets
 from blockdraft.engine.sequence import Request, Sequence
 from blockdraft.engine.measured import MeasuredSchedule
-from blockdraft.engine.schedule import Candidate, Schedule
+from blockdraft.engine.candidate import Candidate
+from blockdraft.engine.schedule import Schedule
 from blockdraft.engine.switching import SwitchingProposer
 from blockdraft.errors import BlockdraftError
 from blockdraft.fast.static_cache import SLOT_STEP
