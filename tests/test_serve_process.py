@@ -127,13 +127,13 @@ def test_self_check_judges_against_a_probe_file(trained_pairs, broken_drafter: P
     from blockdraft.doctor.fingerprint import ProbeResult
     from blockdraft.doctor.probes import healthy_deployment, measure
     from blockdraft.pair import Loaded
-    from blockdraft.serve.self_check import check_prompts
+    from blockdraft.pair import demo_prompt_ids
 
     target, drafter = trained_pairs["full"]
     loaded = Loaded(str(target), str(drafter), "cpu", None)
     assert loaded.drafter is not None
     probe = tmp_path / "probe.json"
-    prompts = check_prompts(None, loaded.target.vocab_size)
+    prompts = demo_prompt_ids(None, loaded.target.vocab_size)
     ProbeResult(measure(healthy_deployment(loaded.target, loaded.drafter), prompts, 24)).save(probe)
     said: list[str] = []
     with running(settings(target, drafter, self_check=True, expect=probe), said.append) as server:

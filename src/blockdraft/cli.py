@@ -213,14 +213,14 @@ def tune(
                                "server run with the same --lookup."),
 ) -> None:
     """Time batched steps on this device and measure acceptance; print and write the speculation schedule."""
-    from blockdraft.prompt_sets import load_prompt_set
     from blockdraft.decoding.lookup import check_lookup
-    from blockdraft.engine.candidate import AR, Candidate
-    from blockdraft.engine.schedule import choose, render
-    from blockdraft.engine.tune import measure_acceptance, measure_costs
+    from blockdraft.engine.schedule import render
+    from blockdraft.engine.tune import tune as tune_schedule
+    from blockdraft.engine.tune import tune_candidates
+    from blockdraft.pair import demo_prompt_ids
+    from blockdraft.prompt_sets import load_prompt_set
     from blockdraft.prompting import parse_ids
     from blockdraft.serve.output import commit_work
-    from blockdraft.serve.self_check import check_prompts
 
     sizes = sorted(set(parse_ids(batch_sizes, "--batch-sizes")))
     trees = sorted(set(parse_ids(budgets, "--budget")))
@@ -235,23 +235,15 @@ def tune(
     if not loaded.drafter.plain:
         raise BlockdraftError("tune measures a schedule over a DFlash drafter's plain chain and trees, which this "
                               "drafter's DFlash-2 selector or DSpark head does not draft; serve it with one --method")
-    most = loaded.drafter.cfg.block_size - 1
-    chains = sorted({d for d in (parse_ids(draft_tokens, "--draft-tokens") if draft_tokens else [1, 3, 7]) if d <= most}
-                    | ({most} if draft_tokens is None else set()))
-    if not chains or min(chains) < 1:
-        raise BlockdraftError(f"--draft-tokens {draft_tokens} must list chain lengths between 1 and {most}")
-    candidates = [AR, *(Candidate("dflash", d) for d in chains), *(Candidate("ddtree", budget=b) for b in trees)]
-    err.print(f"timing {len(sizes)} batch sizes x {len({c.rows for c in candidates})} row counts ...")
-    costs = measure_costs(loaded.target, loaded.drafter, target, drafter_dir, sizes, sorted({c.rows for c in candidates}),
-                          trees, context, repeats, commit_work(loaded.tokenizer), candidates=candidates, lookup=lookup)
-    err.print(f"measuring acceptance on {prompts} ...")
+    chains = parse_ids(draft_tokens, "--draft-tokens") if draft_tokens else None
+    candidates = tune_candidates(loaded.drafter.cfg.block_size, chains, trees)
     if prompts == "demo":  # the start-up self-check's prompts: demo's, or counting ids for a target without a template
-        encoded = check_prompts(loaded.tokenizer, loaded.target.vocab_size)
+        encoded = demo_prompt_ids(loaded.tokenizer, loaded.target.vocab_size)
     else:
         encoded = [encode_item(item, loaded.tokenizer) for item in load_prompt_set(prompts)]
-    profile = measure_acceptance(loaded.target, loaded.drafter, encoded, trees, max_new_tokens,
-                                 loaded.stops([], False), f"greedy decodes of {prompts}", lookup)
-    schedule = choose(costs, profile, candidates, sizes)
+    costs, schedule = tune_schedule(loaded.target, loaded.drafter, target, drafter_dir, sizes, candidates, context,
+                                    repeats, encoded, max_new_tokens, loaded.stops([], False), prompts,
+                                    commit_work(loaded.tokenizer), lookup, lambda line: err.print(line))
     out_dir.mkdir(parents=True, exist_ok=True)
     costs.save(out_dir / "costs.json")
     schedule.save(out_dir / "schedule.json")

@@ -62,3 +62,16 @@ def encode_item(item: Any, tokenizer: Any, thinking: bool = False) -> list[int]:
     if item.messages is not None:
         return encode_messages(item.messages, tokenizer, thinking)
     return encode_text(item.prompt, tokenizer)
+
+
+DEMO_ID_LENGTH = 12  # the counting prompts' length, for a target without a chat template
+
+
+def demo_prompt_ids(tokenizer: Any, vocab: int) -> list[list[int]]:
+    """One chat, one code and one math prompt of `blockdraft demo` as ids (what a server's self-check, its warm-up
+    and `tune` decode); without a tokenizer or chat template, three counting sequences."""
+    from blockdraft.prompt_sets import load_prompt_set
+
+    if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+        return [[(start + i) % vocab for i in range(DEMO_ID_LENGTH)] for start in (1, 7, 13)]
+    return [encode_item(item, tokenizer) for item in load_prompt_set("demo", per_category=1)]

@@ -221,3 +221,34 @@ def auto_schedule(target: Target, drafter: DFlashDrafter, target_name: str, draf
                           lookup=lookup)
     profile = measure_acceptance(target, drafter, prompts, [budget], 32, stop_token_ids, "start-up decodes", lookup)
     return choose(costs, profile, candidates, sizes)
+
+
+DEFAULT_CHAINS = (1, 3, 7)  # chain lengths `blockdraft tune` weighs by default, and the drafter's whole block
+
+
+def tune_candidates(block_size: int, chains: list[int] | None, budgets: list[int]) -> list[Candidate]:
+    """AR, the DFlash chains of `chains` drafted tokens (default DEFAULT_CHAINS and the whole block, those the block
+    holds) and the DDTrees of `budgets` nodes: what `blockdraft tune` weighs."""
+    most = block_size - 1
+    lengths = sorted({d for d in (chains or DEFAULT_CHAINS) if d <= most} | ({most} if chains is None else set()))
+    if not lengths or min(lengths) < 1:
+        raise BlockdraftError(f"--draft-tokens {','.join(map(str, chains or []))} must list chain lengths between 1 "
+                              f"and {most}")
+    return [AR, *(Candidate("dflash", d) for d in lengths), *(Candidate("ddtree", budget=b) for b in budgets)]
+
+
+def tune(target: Target, drafter: DFlashDrafter, target_name: str, drafter_name: str, batch_sizes: list[int],
+         candidates: list[Candidate], context: int, repeats: int, prompts: list[list[int]], max_new_tokens: int,
+         stop_token_ids: tuple[int, ...], source: str, commit_work: Callable[[], OnCommit] | None = None,
+         lookup: int = 0, say: Callable[[str], None] = lambda line: None) -> tuple[CostTable, Schedule]:
+    """`blockdraft tune`: the cost table of `candidates` at `batch_sizes` on this device, the acceptance measured on
+    `prompts` (greedy decodes, `source` says of what), and the schedule chosen from both."""
+    budgets = sorted({c.budget for c in candidates if c.budget})
+    rows = sorted({c.rows for c in candidates})
+    say(f"timing {len(batch_sizes)} batch sizes x {len(rows)} row counts ...")
+    costs = measure_costs(target, drafter, target_name, drafter_name, batch_sizes, rows, budgets, context, repeats,
+                          commit_work, candidates=candidates, lookup=lookup)
+    say(f"measuring acceptance on {source} ...")
+    profile = measure_acceptance(target, drafter, prompts, budgets, max_new_tokens, stop_token_ids,
+                                 f"greedy decodes of {source}", lookup)
+    return costs, choose(costs, profile, candidates, batch_sizes)

@@ -26,7 +26,7 @@ from blockdraft.engine.schedule import Schedule
 from blockdraft.engine.switching import SwitchingProposer
 from blockdraft.engine.tune import auto_schedule
 from blockdraft.errors import BlockdraftError
-from blockdraft.pair import Loaded
+from blockdraft.pair import Loaded, demo_prompt_ids
 from blockdraft.serve.jobs import Job, JobSpec
 from blockdraft.serve.messages import (
     Cancel,
@@ -43,7 +43,7 @@ from blockdraft.serve.engine_clock import EngineClock
 from blockdraft.serve.output import commit_work
 from blockdraft.serve.prepare import generation_defaults
 from blockdraft.serve.relay import Outbox
-from blockdraft.serve.self_check import check_prompts, self_check
+from blockdraft.serve.self_check import self_check
 from blockdraft.serve.sequential import SequentialEngine
 from blockdraft.serve.settings import ServeSettings
 from blockdraft.serve.startup_clock import StartupClock
@@ -151,7 +151,7 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
         say(f"continuous batching: up to {seqs} requests decode together (--max-num-seqs)")
     worker = Worker(engine, lambda job: outbox.send(Started(job.spec.job_id)), EngineClock(outbox.send, say))
     with clock.phase("warm-up") as warming:
-        worker.start(warmup_ids=check_prompts(loaded.tokenizer, target.vocab_size)[0])
+        worker.start(warmup_ids=demo_prompt_ids(loaded.tokenizer, target.vocab_size)[0])
     say(f"warmed up in {warming}" + (" (kernels compiled and timed, CUDA graphs captured now, so no request waits "
                                      "for them)" if fast_gpu else ""))
     say(clock.summary())
@@ -178,7 +178,7 @@ def _schedule(choice: str, seqs: int, drafter_dir: str, loaded: Loaded, depth: i
     assert drafter is not None
     if choice == "auto":
         say("--schedule auto: timing batched steps and measuring acceptance ...")
-        prompts = check_prompts(loaded.tokenizer, target.vocab_size)
+        prompts = demo_prompt_ids(loaded.tokenizer, target.vocab_size)
         schedule = auto_schedule(target, drafter, settings.target, drafter_dir, seqs, depth, budget, prompts, stops,
                                  commit_work(loaded.tokenizer), settings.lookup)
         source = "measured at start-up"

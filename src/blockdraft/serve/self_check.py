@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from blockdraft.prompt_sets import load_prompt_set
 from blockdraft.decoding.draft import DFlashProposer
 from blockdraft.doctor.diagnose import gain_deficit, typical_causes, verdict
 from blockdraft.doctor.fingerprint import Fingerprint, ProbeResult
@@ -26,7 +25,7 @@ from blockdraft.doctor.probes import measure as probe_measure
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.drafter import DFlashDrafter
 from blockdraft.models.target import Target
-from blockdraft.pair import encode_item
+from blockdraft.pair import demo_prompt_ids
 
 RECORDED = "probe.json"  # a drafter folder's recorded probe (ProbeResult JSON)
 CHECK_TOKENS = 24
@@ -34,7 +33,6 @@ FAR_BELOW = 0.5  # refuse when the deployment loses more than this share of the 
 # With nothing to compare against: first-position acceptance or tau - 1 under this is a collapse (a broken pair
 # measures ~0.06 here: a wrong mask id, a random drafter; a working one, even poor, 0.3 and up).
 FLOOR = 0.1
-_ID_PROMPT_LENGTH = 12
 
 
 @dataclass(frozen=True)
@@ -44,13 +42,6 @@ class CheckResult:
     observed: Fingerprint
     expected: Fingerprint | None
     summary: str
-
-
-def check_prompts(tokenizer: Any, vocab: int) -> list[list[int]]:
-    """One chat, one code and one math prompt of `blockdraft demo`; without a tokenizer, a counting sequence."""
-    if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
-        return [[(start + i) % vocab for i in range(_ID_PROMPT_LENGTH)] for start in (1, 7, 13)]
-    return [encode_item(item, tokenizer) for item in load_prompt_set("demo", per_category=1)]
 
 
 def measure(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], depth: int,
@@ -112,5 +103,5 @@ def self_check(target: Target, drafter: DFlashDrafter, tokenizer: Any, depth: in
         source = f"the drafter's recorded {drafter_dir / RECORDED}"
     else:
         source = "the floor"
-    observed = measure(target, drafter, check_prompts(tokenizer, target.vocab_size), depth, stop_token_ids)
+    observed = measure(target, drafter, demo_prompt_ids(tokenizer, target.vocab_size), depth, stop_token_ids)
     return judge(observed, probe, depth, source)
