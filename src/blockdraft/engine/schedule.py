@@ -49,7 +49,7 @@ def estimate(costs: CostTable, profile: AcceptanceProfile, candidate: Candidate,
     """Tokens per step and step time: the step's device work (`CostTable.device_time`: verify, the drafter unless
     AR, the trees if DDTree) plus its host work (`commit_time`), the candidate's own where the table measured it.
     Host work is paid per step, so it favours the methods that commit more per step (at batch 64 it was most of an
-    AR step on the H200, benchmarks/RESULTS.md session 15), but it is not the same for every method: a DDTree step
+    AR step on the H200, benchmarks/RESULTS.md), but it is not the same for every method: a DDTree step
     lands far more than an AR one, and counting AR's for it chose DDTree@32 where it ran at 0.84x AR."""
     if batch < 1:
         raise BlockdraftError(f"batch size {batch} must be >= 1")

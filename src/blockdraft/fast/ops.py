@@ -30,12 +30,12 @@ from blockdraft.kernels.skinny_gemm import (few_row_glu_linear, few_row_linear, 
 from blockdraft.kernels.warm_costs import COMPILING, charge, compilations
 
 LONG_SPLIT_KEYS = 256  # the block-attention variant with longer key splits: 4-5 partial results to merge at 1K keys
-# instead of 17 (the splits of 64 keys lost to the library by 7-14% at 1-16 rows on the H200, RESULTS session 22)
+# instead of 17 (the splits of 64 keys lost to the library by 7-14% at 1-16 rows on the H200, benchmarks/RESULTS.md)
 MORE_PROGRAMS = 2 * TARGET_PROGRAMS  # a budget the batched steps may want: at batch 64 x 1 row two splits a sequence
-# ran 80.1 us against 88.2 with one (H200, 8B shape, RESULTS session 24 item 7); batches 4-16 kept 512
+# ran 80.1 us against 88.2 with one (H200, 8B shape, benchmarks/RESULTS.md); batches 4-16 kept 512
 WIDE_LAUNCH = (8, 3)  # the block-attention split kernel on 8 warps (3 stages): 125 registers, so an SM holds 16 warps
-# against the default launch's 8 (4 warps, 174 registers; benchmarks/kernel_sass.py, RESULTS session 41), more loads
-# in flight where batch 16's attention ran at 1.75x its K/V read (session 29)
+# against the default launch's 8 (4 warps, 174 registers; benchmarks/kernel_sass.py, benchmarks/RESULTS.md), more loads
+# in flight where batch 16's attention ran at 1.75x its K/V read
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "swish": F.silu,
@@ -323,13 +323,12 @@ class CompiledOrPlain:
 
     Compiled without duck sizing: by default two dimensions of the same size at the first call (a batch of 16
     sequences verifying 16 rows each) become one symbol, and the first call where they differ recompiles. On the H200
-    that recompile fell inside a CUDA-graph capture in the middle of serving: an 11.9 s step (benchmarks/RESULTS.md,
-    session 21). So while a graph is captured nothing compiles: code compiled for these inputs runs, else the plain
-    function's ops are captured. A compilation there may also benchmark its kernels where the machine's caches are
-    cold (a synchronize: the capture breaks), and its error, swallowed here, would leave only "operation failed due
-    to a previous error during capture" at the capture's end, as session 39's first batched run on a fresh H200 ended
-    (the likely cause there, not confirmed). An error while capturing is raised, not swallowed: the capture is lost
-    either way."""
+    that recompile fell inside a CUDA-graph capture in the middle of serving: an 11.9 s step (benchmarks/RESULTS.md).
+    So while a graph is captured nothing compiles: code compiled for these inputs runs, else the plain function's
+    ops are captured. A compilation there may also benchmark its kernels where the machine's caches are cold (a
+    synchronize: the capture breaks), and its error, swallowed here, would leave only "operation failed due to a
+    previous error during capture" at the capture's end. An error while capturing is raised, not swallowed: the
+    capture is lost either way."""
 
     def __init__(self, fn: Callable[..., object]) -> None:
         self.fn = fn
@@ -358,7 +357,7 @@ class CompiledOrPlain:
 
 class LayerOps:
     """The fusion units a FastTarget forward calls; compiled on request; with `qkv_kernel` the q|k|v epilogue from
-    its Triton kernel (`qkv_rope`) (timed at 0.3-0.6x the compiled unit on the H200 at 1-65 rows, RESULTS session 22); with
+    its Triton kernel (`qkv_rope`: timed at 0.3-0.6x the compiled unit on the H200 at 1-65 rows); with
     `few_rows` the products of up to 128 rows from our kernels where timed faster (`few_row_linear`: one row from the
     GEMV, more from the weights-first kernel), with the norms, the residual adds and the down projection's gating
     folded into them (`norm_linear`, `residual_linear`, `glu_linear`); with `attention_kernel` the targets'
@@ -391,7 +390,7 @@ class LayerOps:
         unfused): a prefill's. Its forwards of 16-128 rows would otherwise time the few-row kernels at each row tile
         they meet, whose first use autotunes and compiles every config of the weights-first kernel per tile and
         epilogue: minutes of a fresh machine's warm-up (a tiny float32 target's `warm_prefill` was still compiling
-        them when a 7-minute test ran out on the H200, benchmarks/RESULTS.md session 31) for a forward that each
+        them when a 7-minute test ran out on the H200, benchmarks/RESULTS.md) for a forward that each
         request runs once."""
         plain = copy.copy(self)
         plain.fused_glu = False

@@ -1,10 +1,10 @@
 """FastTarget: the Target interface for common dense models, run by our own forward over a static KV cache.
 
-HF execution at batch 1 is launch-bound (issue 7: 8x over the weights-read floor on an H200). For Qwen3, Qwen2,
-Llama and Mistral (full or sliding-window attention) this forward reads the HF module's own weights (q|k|v and
-gate|up re-packed into one matrix each, the HF modules keep working on views of them), writes K/V into a
-preallocated cache, and builds every mask on the device from positions. On CUDA each verify shape is captured
-once as a CUDA graph and replayed; on CPU the same code runs eagerly, which is how tests check it against HF.
+HF execution at batch 1 is launch-bound (8x over the weights-read floor on an H200, benchmarks/RESULTS.md). For
+Qwen3, Qwen2, Llama and Mistral (full or sliding-window attention) this forward reads the HF module's own weights
+(q|k|v and gate|up re-packed into one matrix each, the HF modules keep working on views of them), writes K/V into a
+preallocated cache, and builds every mask on the device from positions. On CUDA each verify shape is captured once
+as a CUDA graph and replayed; on CPU the same code runs eagerly, which is how tests check it against HF.
 Anything else stays on the HF `Target`, the general fallback.
 """
 
@@ -40,7 +40,7 @@ PREFILL_GRAPHS = 16  # prefill graphs kept (least recently used dropped): they s
 DECODE_ATTENTION_MAX_TOKENS = 64
 # Forwards of up to this many new tokens give `block_attention` their mask in compact form, where the kernels are on:
 # a DDTree@64 verify's 65 rows ran cuDNN's SDPA at 36 us a layer, 21% of that verify on the 8B shape, against
-# 22 us for the kernel at 33 rows (H200, benchmarks/RESULTS.md session 27); past 64 rows it is timed against SDPA
+# 22 us for the kernel at 33 rows (H200, benchmarks/RESULTS.md); past 64 rows it is timed against SDPA
 BLOCK_ATTENTION_MAX_TOKENS = 512
 
 
@@ -364,7 +364,7 @@ class FastTarget(Target):
         the rows it needs, so no graph holds logits) and the taps. `own` [t, t] (t <= PREFILL_ROWS) is how the rows
         see each other, causal when None: `pack_prompts` packs several prompts into one forward with it. Run
         eagerly, a prefill was launch-bound: ~30 ms for the embedded 135M target on the H200 whatever the prompt's
-        length, 25x its GPU time (benchmarks/RESULTS.md, session 18)."""
+        length, 25x its GPU time (benchmarks/RESULTS.md)."""
         t = input_ids.shape[1]
         if own is not None and t > PREFILL_ROWS:
             raise ValueError(f"a prefill with its own mask takes at most {PREFILL_ROWS} rows, not {t}")
@@ -532,7 +532,7 @@ class FastTarget(Target):
         """Capture the verify graph of each row count in `rows` at every key capacity a context of up to
         `positions` positions meets (a server's warm-up, a benchmark's), so that no step of a decode within them
         captures: a capture mid-decode also times every kernel shape it meets first, and a benchmark's rows
-        absorbed those stalls (benchmarks/RESULTS.md, session 29). Empties the target's cache; the graph limit
+        absorbed those stalls (benchmarks/RESULTS.md). Empties the target's cache; the graph limit
         grows to keep every graph warmed here."""
         counts = sorted({graph_rows(r) for r in rows})
         if not self.use_graphs or not counts:
@@ -567,7 +567,7 @@ def pack_prompts(prompts: list[list[int]], device: torch.device) -> tuple[torch.
     """Several prompts as one prefill (`FastTarget.prefill`): ids [1, total], positions (each prompt's from 0),
     the block-causal mask [total, total] (each prompt sees only its own earlier rows) and each prompt's first row.
     Prompts prefilled one per forward queued behind each other (H200, embedded pair: TTFT p50 662 ms at
-    concurrency 64, session 14); packed, k prompts cost one forward."""
+    concurrency 64); packed, k prompts cost one forward."""
     lengths = [len(prompt) for prompt in prompts]
     firsts = [sum(lengths[:b]) for b in range(len(prompts))]
     host = long_tensor([[token for prompt in prompts for token in prompt], [j for n in lengths for j in range(n)],

@@ -136,7 +136,7 @@ def output_layout(q: torch.Tensor, merged_heads_of: int | None = None) -> tuple[
     h) at b * so_b + h * so_h + (r // group_rows) * so_g + (r % group_rows) * so_r. q's own layout; or, with
     `merged_heads_of` = t (R = groups x t, group-major), the heads merged as the layer's o_proj reads them, [B, t,
     heads * d] with query head h * groups + g: no transpose kernel after the attention (one a layer of a
-    multi-row verify, 1.7 us each on the embedded pair's 33-row verify, benchmarks/RESULTS.md session 34)."""
+    multi-row verify, 1.7 us each on the embedded pair's 33-row verify, benchmarks/RESULTS.md)."""
     batch, kv_heads, rows, dim = q.shape
     if merged_heads_of is None:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)

@@ -29,8 +29,8 @@ WEIGHTS_FIRST_MAX_ROWS = 128  # `_weights_first_kernel`'s rows are its dot's N s
 MAX_SPLITS = 4  # the most ways `_weights_first_kernel` splits K (its autotuned configs')
 GEMV_MAX_ROWS = 4  # the most rows `_gemv_rows_kernel` takes: at 8 its sm_90 loop issues 0.45-0.89 warp instructions
 # per weight element (4 rows: 0.25-0.50; the one-row GEMV 0.11-0.62, by config and epilogue), and an H200 SM, which
-# issues 4 a cycle while ~8 weight elements arrive, keeps up only under 0.49 (benchmarks/kernel_sass.py, RESULTS.md
-# session 41)
+# issues 4 a cycle while ~8 weight elements arrive, keeps up only under 0.49 (benchmarks/kernel_sass.py, benchmarks/
+# RESULTS.md)
 TUNED_ON_DISK = True  # each shape's tuned tiles kept in Triton's cache (TRITON_CACHE_DIR, by default ~/.triton): a
 # server's warm-up tunes every product at every row tile (4 row tiles x 5 products x the drafter's), which a restart,
 # the next server of a benchmark or the next test process then reads instead of timing every config again
@@ -154,7 +154,7 @@ if triton is not None:
         K wait for the end, as the one-row GEMV's do, with its epilogues per row and its roundings. Why: a batch of
         4 sequences otherwise runs its products on the weights-first kernel, whose rows are tl.dot's 16-row tile
         and whose norm epilogue lost to a norm kernel of its own at the 8B shape (two launches a layer the batch-1
-        step does not make: benchmarks/RESULTS.md session 29); here the input's transforms (gating, norming) stay
+        step does not make: benchmarks/RESULTS.md); here the input's transforms (gating, norming) stay
         off the tensor-core path, as in the GEMV."""
         cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.arange(0, ROWS)
@@ -194,7 +194,7 @@ if triton is not None:
         """A few rows' product with the operands swapped: y^T = W x^T, a weight tile of BLOCK_N features the
         dot's M side and the rows its N side. On Hopper a tl.dot whose M side is at least 64 runs as wgmma straight
         from the pipelined shared-memory buffers; with the rows as M (16 or 32 of them) it runs as Ampere's
-        mma.sync (compiled for sm_90 ahead of time: benchmarks/RESULTS.md session 25). Tiles of 64+ features leave
+        mma.sync (compiled for sm_90 ahead of time: benchmarks/RESULTS.md). Tiles of 64+ features leave
         a narrow product (o_proj, down: 64 tiles) too few programs for 132 SMs, so K may be split SPLITS ways: each
         split stores its float32 partial, and the last of a tile's splits to finish (an atomic count that resets
         itself, so graphs replay it) sums them in split order, the same sum every launch. GLU, NORM and RESIDUAL
@@ -328,8 +328,8 @@ def _shape(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear`, from our kernel where it runs and was timed faster at this shape (the fast engine's default on
     CUDA): a single row from the GEMV (it won every one-row product of the 8B step, 3-25% under the library,
-    benchmarks/RESULTS.md session 23), 2 to WEIGHTS_FIRST_MAX_ROWS rows from the weights-first kernel (o_proj, down
-    and the LM head 4-16% under the library at 16 rows, sessions 25-26) or, up to GEMV_MAX_ROWS, the GEMV of
+    benchmarks/RESULTS.md), 2 to WEIGHTS_FIRST_MAX_ROWS rows from the weights-first kernel (o_proj, down
+    and the LM head 4-16% under the library at 16 rows) or, up to GEMV_MAX_ROWS, the GEMV of
     several rows. More rows, or a shape the kernels lost, from the library."""
     if not _fits(x, weight, bias):
         return F.linear(x, weight, bias)
@@ -344,7 +344,7 @@ def few_row_glu_linear(reference: Callable[[], torch.Tensor], gate_up: torch.Ten
     """`reference()` = linear(act(gate) * up, weight, bias) of packed gate|up rows (the down projection of
     `fast_target.layer_mlp`) from a kernel that gates as it loads, where it runs and was timed faster: one launch
     and one pass less a layer (one row from the GEMV, 29.5 against 31.0 us on the 8B shape, H200,
-    benchmarks/RESULTS.md session 24; 2 to WEIGHTS_FIRST_MAX_ROWS rows from the weights-first kernel, a verify's).
+    benchmarks/RESULTS.md; 2 to WEIGHTS_FIRST_MAX_ROWS rows from the weights-first kernel, a verify's).
     More rows, another activation than silu, or a lost shape: the reference."""
     gate = gate_up[..., : weight.shape[1]]  # the product's input as the checks and the timing key see it
     if (act not in ("silu", "swish") or gate_up.shape[-1] != 2 * gate.shape[-1]
@@ -364,7 +364,7 @@ def gemv_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     with `residual` (shaped as the output) the residual + the product; its tiles tuned per shape, or one `config`
     given (the tests run each). Why a kernel of its own: on the
     H200 the library's narrow one-row products (q|k|v, o_proj, down) read their weights at 2.6-3.4 TB/s against
-    gate|up's 4.0 (benchmarks/RESULTS.md, session 22), and a tl.dot pads a row to its 16. Two to
+    gate|up's 4.0 (benchmarks/RESULTS.md), and a tl.dot pads a row to its 16. Two to
     GEMV_MAX_ROWS rows run `_gemv_rows_kernel`, K whole (its `config` one of GEMV_ROWS_CONFIGS)."""
     if _rows(x) > 1:
         return _gemv_rows(x, weight, bias, glu, norm, residual, config)
