@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from blockdraft.kernels.capture import capturing
 from blockdraft.kernels.warm_costs import CAPTURING, spent, warm_costs
 
 T = TypeVar("T")
@@ -41,6 +42,6 @@ def capture(run: Callable[[], T], device: torch.device, pool: Any = None) -> tup
                 run()
         torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        with capturing(graph, pool):
             out = run()
     return graph, out

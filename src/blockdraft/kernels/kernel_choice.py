@@ -22,6 +22,7 @@ from collections.abc import Callable, Hashable
 
 import torch
 
+from blockdraft.kernels.capture import capturing
 from blockdraft.kernels.warm_costs import TIMING, spent
 
 _TIMES: dict[tuple[str, Hashable], dict[str, float]] = {}  # each option's milliseconds a call
@@ -38,7 +39,7 @@ def _milliseconds(run: Callable[[], object], calls: int = CALLS_PER_GRAPH, repla
         run()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with capturing(graph):
         for _ in range(calls):
             run()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
