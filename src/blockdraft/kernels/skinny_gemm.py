@@ -27,10 +27,10 @@ from blockdraft.kernels.warm_costs import TUNING, charge
 WEIGHTS_FIRST_MAX_ROWS = 128  # `_weights_first_kernel`'s rows are its dot's N side, 128 of them a tile at most: a
 # DDTree@64 verify's 65 rows (an 8B step's 128-row products are 2 ms of tensor-core work, under the weights' 3.6 ms)
 MAX_SPLITS = 4  # the most ways `_weights_first_kernel` splits K (its autotuned configs')
-GEMV_MAX_ROWS = 4  # the most rows `_gemv_rows_kernel` takes: at 8 its sm_90 loop issues 0.45-0.89 warp instructions
+GEMV_MAX_ROWS = 4  # the most rows `_gemv_rows_kernel` takes: at 8 its sm_90 loop has 0.45-0.89 warp instructions
 # per weight element (4 rows: 0.25-0.50; the one-row GEMV 0.11-0.62, by config and epilogue), and an H200 SM, which
-# issues 4 a cycle while ~8 weight elements arrive, keeps up only under 0.49 (benchmarks/kernel_sass.py, benchmarks/
-# RESULTS.md)
+# can start 4 a cycle while ~8 weight elements arrive, keeps up only under 0.49 (benchmarks/kernel_sass.py,
+# benchmarks/RESULTS.md)
 TUNED_ON_DISK = True  # each shape's tuned tiles kept in Triton's cache (TRITON_CACHE_DIR, by default ~/.triton): a
 # server's warm-up tunes every product at every row tile (4 row tiles x 5 products x the drafter's), which a restart,
 # the next server of a benchmark or the next test process then reads instead of timing every config again
