@@ -23,6 +23,7 @@ import json
 import os
 import queue
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -59,8 +60,8 @@ def fresh_env(root: Path, name: str, empty: bool) -> dict[str, str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     for variable, folder in (("TRITON_CACHE_DIR", "triton"), ("TORCHINDUCTOR_CACHE_DIR", "inductor")):
         path = root / name / folder
-        if empty and path.exists():
-            subprocess.run(["rm", "-rf", str(path)], check=True)
+        if empty:
+            shutil.rmtree(path, ignore_errors=True)
         path.mkdir(parents=True, exist_ok=True)
         env[variable] = str(path)
     return env

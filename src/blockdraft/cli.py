@@ -242,7 +242,8 @@ def tune(
     else:
         encoded = [encode_item(item, loaded.tokenizer) for item in load_prompt_set(prompts)]
     costs, schedule = tune_schedule(loaded.target, loaded.drafter, target, drafter_dir, sizes, candidates, context,
-                                    repeats, encoded, max_new_tokens, loaded.stops([], False), prompts,
+                                    repeats, encoded, max_new_tokens, loaded.stops([], False),
+                                    f"greedy decodes of {prompts}",
                                     commit_work(loaded.tokenizer), lookup, lambda line: err.print(line))
     out_dir.mkdir(parents=True, exist_ok=True)
     costs.save(out_dir / "costs.json")

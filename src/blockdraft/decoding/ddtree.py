@@ -357,7 +357,7 @@ class DDTreeProposer(OverChain):
     def step_shape(self, budget: int | None = None) -> StepShape | None:
         """A whole-depth step's tree of `budget` nodes (default: this proposer's), with the lookup chain's room
         (`room`); on the chain's static path only."""
-        if self.chain.step_shape() is None:
+        if not self.chain.static:
             return None
         budget = self.budget if budget is None else budget
         slots, visible = self.chain.block_rows(self.chain.block_size)

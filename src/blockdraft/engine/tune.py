@@ -211,17 +211,12 @@ def measure_acceptance(target: Target, drafter: DFlashDrafter, prompts: list[lis
 def auto_schedule(target: Target, drafter: DFlashDrafter, target_name: str, drafter_name: str, max_num_seqs: int,
                   depth: int, budget: int, prompts: list[list[int]], stop_token_ids: tuple[int, ...],
                   commit_work: Callable[[], OnCommit] | None = None, lookup: int = 0) -> Schedule:
-    """`--schedule auto`: a short tune at start-up over the served sizes (AR, the chain of `depth`, the tree of
+    """`--schedule auto`: a short `tune` at start-up over the served sizes (AR, the chain of `depth`, the tree of
     `budget`, holding a prompt-lookup chain of up to `lookup` tokens) at batch sizes 1, 2, 4, ... up to
     `max_num_seqs`."""
-    sizes = bucket_sizes(max_num_seqs)
     candidates = [AR, Candidate("dflash", depth), Candidate("ddtree", budget=budget)]
-    costs = measure_costs(target, drafter, target_name, drafter_name, sizes, sorted({c.rows for c in candidates}),
-                          [budget], context=128, repeats=3, commit_work=commit_work, candidates=candidates,
-                          lookup=lookup)
-    profile = measure_acceptance(target, drafter, prompts, [budget], 32, stop_token_ids, "start-up decodes", lookup)
-    return choose(costs, profile, candidates, sizes)
-
+    return tune(target, drafter, target_name, drafter_name, bucket_sizes(max_num_seqs), candidates, 128, 3, prompts,
+                32, stop_token_ids, "start-up decodes", commit_work, lookup)[1]
 
 DEFAULT_CHAINS = (1, 3, 7)  # chain lengths `blockdraft tune` weighs by default, and the drafter's whole block
 
@@ -242,13 +237,12 @@ def tune(target: Target, drafter: DFlashDrafter, target_name: str, drafter_name:
          stop_token_ids: tuple[int, ...], source: str, commit_work: Callable[[], OnCommit] | None = None,
          lookup: int = 0, say: Callable[[str], None] = lambda line: None) -> tuple[CostTable, Schedule]:
     """`blockdraft tune`: the cost table of `candidates` at `batch_sizes` on this device, the acceptance measured on
-    `prompts` (greedy decodes, `source` says of what), and the schedule chosen from both."""
+    `prompts` (greedy decodes; `source` names them in the profile), and the schedule chosen from both."""
     budgets = sorted({c.budget for c in candidates if c.budget})
     rows = sorted({c.rows for c in candidates})
     say(f"timing {len(batch_sizes)} batch sizes x {len(rows)} row counts ...")
     costs = measure_costs(target, drafter, target_name, drafter_name, batch_sizes, rows, budgets, context, repeats,
                           commit_work, candidates=candidates, lookup=lookup)
-    say(f"measuring acceptance on {source} ...")
-    profile = measure_acceptance(target, drafter, prompts, budgets, max_new_tokens, stop_token_ids,
-                                 f"greedy decodes of {source}", lookup)
+    say(f"measuring acceptance: {source} ...")
+    profile = measure_acceptance(target, drafter, prompts, budgets, max_new_tokens, stop_token_ids, source, lookup)
     return costs, choose(costs, profile, candidates, batch_sizes)
