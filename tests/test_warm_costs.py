@@ -47,7 +47,9 @@ def test_each_second_counts_once_under_the_innermost_kind(monkeypatch: pytest.Mo
 
 def test_a_unit_that_compiles_is_charged_for_it() -> None:
     """A compiled unit's first call is a compilation, counted with its seconds; its next call with the same shapes
-    compiles nothing and adds nothing."""
+    compiles nothing and adds nothing. Dynamo's caches are emptied first: they are per function, so another test in
+    this process may have compiled the same unit already."""
+    torch._dynamo.reset()
     ops = LayerOps(compiled=True)
     gate_up = torch.randn(2, 3, 10)
     before = warm_costs()
