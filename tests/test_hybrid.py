@@ -34,12 +34,13 @@ LAYER_TYPES = ["linear_attention", "linear_attention", "full_attention", "linear
 PROMPTS = [[3, 14, 15, 9, 26], [7], [40, 2, 2, 71, 5, 33, 90, 12, 8, 61, 19]]
 
 
-def make_hybrid(family: str, seed: int = 0, vocab: int = VOCAB) -> torch.nn.Module:
+def make_hybrid(family: str, seed: int = 0, vocab: int = VOCAB, layer_types: list[str] = LAYER_TYPES
+                ) -> torch.nn.Module:
     """A tiny random hybrid target with the conftest sizes, so conftest's drafters fit it."""
     common = dict(
         vocab_size=vocab, hidden_size=HIDDEN, num_hidden_layers=TARGET_LAYERS, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, intermediate_size=64, max_position_embeddings=512,
-        tie_word_embeddings=False, layer_types=LAYER_TYPES, linear_conv_kernel_dim=4, linear_key_head_dim=8,
+        tie_word_embeddings=False, layer_types=layer_types, linear_conv_kernel_dim=4, linear_key_head_dim=8,
         linear_num_key_heads=2, linear_value_head_dim=8, linear_num_value_heads=4,
     )
     moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)

@@ -58,12 +58,16 @@ class BatchDecoder:
                  schedule: Schedule | MeasuredSchedule | None = None) -> None:
         if max_seqs < 1:
             raise BlockdraftError(f"--batch-size {max_seqs} must be >= 1")
+        if max_seqs > 1 and target.static_cache and not target.batch_slots:
+            raise BlockdraftError(f"--batch-size / --max-num-seqs {max_seqs}: the fast engine runs this hybrid target one "
+                                  "sequence at a time (its batched slots are the dense targets' so far); pass 1, or "
+                                  "--engine hf to interleave requests")
         self.target = target
         self.new_proposer = new_proposer
         self.max_seqs = max_seqs
         self.schedule = schedule
         self.verifier: SlotVerifier | LoopVerifier = (
-            SlotVerifier(target, max_seqs) if target.static_cache else LoopVerifier(target, max_seqs))
+            SlotVerifier(target, max_seqs) if target.batch_slots else LoopVerifier(target, max_seqs))
         self.running: list[Sequence] = []  # sequence i lives in cache slot i (and drafter slot i)
         self.drafting: BatchDrafter | None = None  # made by the first sequence that drafts on the fast engine
         self.last_method = ""  # the method of the last step read ("ar", "dflash", "ddtree", or a schedule's label)
@@ -76,7 +80,7 @@ class BatchDecoder:
         """The batch's drafter, when the proposers draft with a drafter the batched pass can run
         (`Proposer.batch_drafter`) on a target whose slots hold it."""
         drafter = proposer.batch_drafter if proposer is not None else None
-        if self.drafting is None and self.target.static_cache and drafter is not None:
+        if self.drafting is None and self.target.batch_slots and drafter is not None:
             self.drafting = BatchDrafter(drafter, self.target, self.max_seqs)  # type: ignore[arg-type]
         return self.drafting
 

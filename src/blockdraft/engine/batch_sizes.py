@@ -40,7 +40,7 @@ def default_max_num_seqs(target: Target, length: int, free_bytes: int | None = N
     `length` tokens each; one at a time elsewhere (the HF engine interleaves requests without sharing a forward; a
     CPU gains nothing).
     `free_bytes` overrides the device's free memory (tests)."""
-    if not target.static_cache:
+    if not target.batch_slots:
         return 1
     if free_bytes is None:
         if target.device.type != "cuda":

@@ -61,7 +61,7 @@ def fast_engine_problem(model: PreTrainedModel) -> str | None:
     return None
 
 
-def _pack(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def pack_linears(linears: list[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) for several projections of the same input; the modules become views of it."""
     weight = torch.cat([m.weight.detach() for m in linears])
     bias = None
@@ -101,8 +101,8 @@ def pack_layer(layer: nn.Module, window: int | None) -> LayerWeights:
     """A pre-norm attention + gated-MLP layer (HF names: self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj, the
     two layernorms) with q|k|v and gate|up packed, so each is one matrix read per step."""
     attn, mlp = layer.self_attn, layer.mlp
-    qkv, qkv_bias = _pack([attn.q_proj, attn.k_proj, attn.v_proj])
-    gate_up, gate_up_bias = _pack([mlp.gate_proj, mlp.up_proj])
+    qkv, qkv_bias = pack_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+    gate_up, gate_up_bias = pack_linears([mlp.gate_proj, mlp.up_proj])
     q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
     return LayerWeights(
         norm_in=layer.input_layernorm.weight, qkv=qkv, qkv_bias=qkv_bias,
@@ -248,6 +248,7 @@ class FastTarget(Target):
 
     engine = "fast"
     static_cache = True
+    batch_slots = True
     row_masks = True
 
     def __init__(
@@ -284,6 +285,10 @@ class FastTarget(Target):
         ]
         slots = cache_slots or min(self.max_positions or 4096, 4096)
         self.storage = KVStorage(self.num_layers, self.kv_heads, self.head_dim, slots, self.dtype, self.device)
+        self._init_graphs()
+
+    def _init_graphs(self) -> None:
+        """No rope tables and no graphs yet, for the storage just made."""
         self._tables_for = -1
         self._rope_tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()

@@ -38,7 +38,8 @@ class Target:
 
     engine = "hf"  # which forward runs: HF's own ("hf") or FastTarget's ("fast")
     # What the engines may ask of a target (HF's forward: none of it; the fast engine's: all of it):
-    static_cache = False  # its cache is fixed buffers: reserved up front, in batch slots, its graphs captured on them
+    static_cache = False  # its cache is fixed buffers: reserved up front, its graphs captured on them
+    batch_slots = False  # its sequences' caches live in the slots of one batch store (`engine.verifiers.SlotVerifier`)
     use_graphs = False  # its forwards replay CUDA graphs (captured at each new shape)
     fused = False  # it runs greedy steps as fused graphs (`decoding.fused_steps`)
     row_masks = False  # a forward's tree mask may be the new rows' own [t, t] (the cache's columns are implied)

@@ -25,6 +25,7 @@ from blockdraft.engine.measured import MeasuredSchedule
 from blockdraft.engine.schedule import Schedule
 from blockdraft.engine.switching import SwitchingProposer
 from blockdraft.engine.tune import auto_schedule
+from blockdraft.fast.engines import engine_note
 from blockdraft.errors import BlockdraftError
 from blockdraft.pair import Loaded, demo_prompt_ids
 from blockdraft.serve.jobs import Job, JobSpec
@@ -93,7 +94,7 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
     model_len = max_model_len(settings.max_model_len, target.max_positions)
     seqs = settings.max_num_seqs or default_max_num_seqs(target, model_len)
     schedule = None
-    fast_gpu = target.static_cache and target.device.type == "cuda"
+    fast_gpu = target.batch_slots and target.device.type == "cuda"
     plain = loaded.drafter is not None and loaded.drafter.plain
     chosen = schedule_choice(settings, seqs, plain, fast_gpu)
     if chosen != "off":
@@ -127,6 +128,9 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
         sizes += f", each holding a prompt-lookup chain of up to {chain_room(settings.lookup, budget, depth)} tokens"
     say(f"method {method}{sizes} on {target.device.type} ({dtype}, engine {target.engine}); --method, --budget "
         f"and --draft-tokens change it (loaded in {loading})")
+    note = engine_note(target)
+    if note is not None:
+        say(note)
     if settings.self_check and loaded.drafter is not None and depth is not None:
         with clock.phase("self-check") as checking:
             check = self_check(target, loaded.drafter, loaded.tokenizer, depth, stops, settings.expect,

@@ -1,0 +1,304 @@
+"""HybridFastTarget: the fast engine for Qwen3.5 / Qwen3.6 dense text targets, Gated DeltaNet linear attention
+interleaved with gated full attention.
+
+The attention layers (an output gate on q_proj, zero-centred q/k norms, partial rotary) run on FastTarget's static
+KV cache and attention path; the linear-attention layers (`fast.delta_net`) keep their conv windows and recurrent
+states in static buffers (`fast.linear_states`). A verify keeps every row's state along its own path, so the commit
+after acceptance (a chain's crop, a tree's compact) takes the accepted row's state without running anything again,
+and a DDTree step is one verify forward (one graph on CUDA). Prefills run the chunked delta rule.
+Qwen3.5's zero-centred norms scale by 1 + w: those weights are taken as 1 + w once, so every fused norm unit of the
+engine reads them unchanged (exact in float32; in bf16 the scale is rounded once, as the norm's output is).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+
+from blockdraft.fast.delta_net import (DeltaNetWeights, chunked_delta_rule, conv_channels, conv_prefill, conv_rows,
+                                       gated_norm, path_delta_rule, path_layout, split_heads)
+from blockdraft.fast.linear_states import LinearStates
+from blockdraft.fast.ops import ACTIVATIONS, LayerOps, rms_norm, rope_rotate
+from blockdraft.fast.static_cache import KVStorage, StaticTargetCache
+from blockdraft.fast.target import (FastTarget, LayerWeights, attend, attention_masks, layer_mlp, pack_linears,
+                                    run_stack)
+from blockdraft.models.target import Target
+
+HYBRID_MODEL_TYPES = ("qwen3_5_text",)
+MIXTURE_MODEL_TYPES = ("qwen3_5_moe_text", "qwen3_next")
+
+
+def hybrid_engine_problem(model: PreTrainedModel) -> str | None:
+    """Why HybridFastTarget cannot run this model (one phrase), or None when it can."""
+    text = model.config.get_text_config(decoder=True)
+    model_type = getattr(text, "model_type", None)
+    if model_type in MIXTURE_MODEL_TYPES:
+        return f"model_type {model_type!r}: its mixture-of-experts layers run on the HF engine"
+    if model_type not in HYBRID_MODEL_TYPES:
+        return f"model_type {model_type!r} (hybrid targets supported: {', '.join(HYBRID_MODEL_TYPES)})"
+    kinds = set(text.layer_types) - {"linear_attention", "full_attention"}
+    if kinds:
+        return f"{sorted(kinds)[0]!r} layers (supported: linear_attention and full_attention)"
+    if text.hidden_act not in ACTIVATIONS:
+        return f"hidden_act {text.hidden_act!r}"
+    return None
+
+
+def _one_plus(weight: torch.Tensor) -> torch.Tensor:
+    """A zero-centred norm's scale (HF: x * (1 + w)) as the plain scale the engine's norm units multiply by."""
+    return (1.0 + weight.detach().float()).to(weight.dtype)
+
+
+def pack_gated_attention(layer: nn.Module) -> LayerWeights:
+    """A gated attention layer: q_proj's rows (each head's query then its gate) | k | v packed into one matrix."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv, qkv_bias = pack_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+    gate_up, gate_up_bias = pack_linears([mlp.gate_proj, mlp.up_proj])
+    return LayerWeights(
+        norm_in=_one_plus(layer.input_layernorm.weight), qkv=qkv, qkv_bias=qkv_bias,
+        q_norm=_one_plus(attn.q_norm.weight), k_norm=_one_plus(attn.k_norm.weight), o_proj=attn.o_proj,
+        norm_post=_one_plus(layer.post_attention_layernorm.weight), gate_up=gate_up, gate_up_bias=gate_up_bias,
+        down=mlp.down_proj, scaling=attn.scaling, window=None,
+    )
+
+
+def pack_delta_net(layer: nn.Module) -> DeltaNetWeights:
+    """A Gated DeltaNet layer: in_proj_qkv | in_proj_z | in_proj_b | in_proj_a packed into one matrix."""
+    net, mlp = layer.linear_attn, layer.mlp
+    qkv, qkv_bias = pack_linears([net.in_proj_qkv, net.in_proj_z, net.in_proj_b, net.in_proj_a])
+    gate_up, gate_up_bias = pack_linears([mlp.gate_proj, mlp.up_proj])
+    with torch.no_grad():
+        neg_decay = -net.A_log.float().exp()
+    return DeltaNetWeights(
+        norm_in=_one_plus(layer.input_layernorm.weight), qkv=qkv, qkv_bias=qkv_bias,
+        conv=net.conv1d.weight.detach().squeeze(1), neg_decay=neg_decay, dt_bias=net.dt_bias.detach(),
+        gated_norm=net.norm.weight.detach(), o_proj=net.out_proj,
+        norm_post=_one_plus(layer.post_attention_layernorm.weight), gate_up=gate_up, gate_up_bias=gate_up_bias,
+        down=mlp.down_proj, key_heads=net.num_k_heads, value_heads=net.num_v_heads, key_dim=net.head_k_dim,
+        value_dim=net.head_v_dim, act=net.activation,
+    )
+
+
+class HybridStaticCache(StaticTargetCache):
+    """StaticTargetCache whose commits also roll the linear-attention states forward to exactly the kept rows.
+
+    A verify leaves its rows pending: a crop keeps a prefix of its chain, a compact a path of its tree, and the next
+    forward keeps a chain whole (a decode step's one row, a fully accepted draft). A prefill updates the states in
+    place and leaves nothing pending; a tree left uncommitted is a bug and raises."""
+
+    def __init__(self, storage: KVStorage, states: LinearStates) -> None:
+        super().__init__(storage)
+        self.states = states
+        states.reset()
+        self.pending: tuple[int, int, bool] | None = None  # the last verify's (base, rows, chain)
+
+    @contextmanager
+    def prefilling(self) -> Iterator[None]:
+        """Forwards inside are a prefill's: the states advance in place (`HybridFastTarget` reads the flag)."""
+        self._settle_pending()
+        self.states.prefilling = True
+        try:
+            yield
+        finally:
+            self.states.prefilling = False
+
+    def reserve(self, rows: int, unread: int = 0) -> None:
+        super().reserve(rows, unread)
+        before = self.states.version
+        self.states.ensure_rows(rows)
+        if self.states.version != before:
+            self.storage.version += 1  # graphs captured on the old row buffers are dropped with the KV's
+
+    @contextmanager
+    def running(self, input_ids: torch.Tensor, tree_mask: torch.Tensor | None) -> Iterator[None]:
+        self._settle_pending()
+        base = self.length
+        with super().running(input_ids, tree_mask):
+            yield
+        if not self.states.prefilling:
+            self.pending = (base, input_ids.shape[1], tree_mask is None)
+
+    def _settle_pending(self) -> None:
+        """Keep the last verify's rows whole (it was a chain nobody cropped)."""
+        if self.pending is None:
+            return
+        base, rows, chain = self.pending
+        if not chain:
+            raise RuntimeError("a tree verify was not compacted before the next forward")
+        self._commit(base, torch.arange(rows, device=self.storage.kv.device))
+
+    def _commit(self, base: int, rows: torch.Tensor) -> None:
+        self.pending = None
+        self.states.commit(rows)
+
+    def _last_verify(self, base: int) -> tuple[int, int, bool]:
+        if self.pending is None or base < self.pending[0]:
+            raise ValueError(f"cannot roll a hybrid cache back to {base}: only the last verify's rows can be dropped")
+        return self.pending
+
+    def crop(self, length: int) -> None:
+        """Keep the first `length` positions: a prefix of the last verify's chain."""
+        if length >= self.length:
+            return
+        base, _, _ = self._last_verify(length)
+        self._commit(base, torch.arange(length - base, device=self.storage.kv.device))
+        super().crop(length)
+
+    def compact(self, base: int, keep: torch.Tensor) -> None:
+        """Keep positions [0, base) followed by the last verify's rows `keep`, one path of its tree."""
+        self._last_verify(base)
+        if self.pending[0] != base:
+            raise ValueError(f"a compact at {base} must start where the last verify did ({self.pending[0]})")
+        self._commit(base, keep)
+        super().compact(base, keep)
+
+
+class HybridFastTarget(FastTarget):
+    """A FastTarget for Qwen3.5-style hybrid stacks: gated attention on the static KV cache, Gated DeltaNet on static
+    linear states; same interface, same results as HF's forward. One sequence at a time: batched slots and fused
+    greedy steps are the dense engine's so far (`batch_slots`, `fused`)."""
+
+    batch_slots = False
+
+    def __init__(self, model: PreTrainedModel, cache_slots: int | None = None, graphs: bool | None = None,
+                 compiled: bool | None = None) -> None:
+        problem = hybrid_engine_problem(model)
+        if problem is not None:
+            raise ValueError(f"the fast engine does not support {problem}")
+        Target.__init__(self, model)
+        text = model.config.get_text_config(decoder=True)
+        decoder = model.get_decoder()
+        cuda = self.device.type == "cuda"
+        self.use_graphs = cuda if graphs is None else graphs and cuda
+        self.fused = False
+        self.ops = LayerOps(cuda if compiled is None else compiled, few_rows=cuda)
+        self.prefill_ops = self.ops.library_products()
+        self.eps: float = text.rms_norm_eps
+        self.act: str = text.hidden_act
+        self.heads: int = text.num_attention_heads
+        self.kv_heads: int = text.num_key_value_heads
+        self.head_dim: int = text.head_dim
+        self.final_norm = _one_plus(decoder.norm.weight)
+        rotary = decoder.rotary_emb
+        self.rotary = lambda x, positions: rotary(x, positions.expand(3, *positions.shape))  # text: one position
+        self.layers: list[LayerWeights | DeltaNetWeights] = [  # type: ignore[assignment]
+            pack_delta_net(layer) if kind == "linear_attention" else pack_gated_attention(layer)
+            for layer, kind in zip(decoder.layers, self.layer_types)
+        ]
+        self.kv_index = {i: n for n, i in enumerate(i for i, k in enumerate(self.layer_types) if k != "linear_attention")}
+        self.linear_index = {i: n for n, i in enumerate(i for i, k in enumerate(self.layer_types)
+                                                         if k == "linear_attention")}
+        net = next(layer for layer in self.layers if isinstance(layer, DeltaNetWeights))
+        self.states = LinearStates(len(self.linear_index), conv_channels(net), net.conv.shape[-1], net.value_heads,
+                                   net.key_dim, net.value_dim, self.dtype, self.device)
+        slots = cache_slots or min(self.max_positions or 4096, 4096)
+        self.storage = KVStorage(len(self.kv_index), self.kv_heads, self.head_dim, slots, self.dtype, self.device)
+        self._init_graphs()
+
+    def new_cache(self) -> HybridStaticCache:
+        """The target's one static cache and state, emptied."""
+        return HybridStaticCache(self.storage, self.states)
+
+    def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, own: torch.Tensor | None,
+                cache: StaticTargetCache, tap_layers: tuple[int, ...] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """FastTarget's prefill with the linear states advancing in place; one prompt per forward (linear attention
+        would run packed prompts into each other)."""
+        if own is not None:
+            raise ValueError("a hybrid target prefills one prompt per forward (no packed prompts)")
+        assert isinstance(cache, HybridStaticCache)
+        with cache.prefilling():
+            return super().prefill(input_ids, positions, own, cache, tap_layers)
+
+    def _capture(self, rows: int, cap: int, tap_layers: tuple[int, ...] | None, head: bool) -> object:
+        """FastTarget's capture, the committed linear states kept: a prefill's warm-up runs advance them."""
+        saved = (self.states.window.clone(), self.states.state.clone())
+        try:
+            return super()._capture(rows, cap, tap_layers, head)
+        finally:
+            with torch.inference_mode():
+                self.states.window.copy_(saved[0])
+                self.states.state.copy_(saved[1])
+
+    def _run(self, ids: torch.Tensor, positions: torch.Tensor, own: torch.Tensor, cap: int,
+             tap_layers: tuple[int, ...] | None, ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The forward up to the final norm, device work only (a CUDA graph captures it): attention layers as
+        FastTarget's with the output gate, linear layers from the committed states, a verify's rows along their
+        paths (`own`) with every row's state kept, a prefill's in one causal run."""
+        kv = self.storage.kv
+        t = ids.shape[1]
+        slots = self.storage.length + self.slot_ids[:t]
+        cos, sin = self.cos[positions][None, None], self.sin[positions][None, None]
+        groups = self.heads // self.kv_heads
+        prefill = self.states.prefilling
+        layout = None if prefill else path_layout(own.unsqueeze(0), self.states.window.shape[-1] + 1)
+
+        def dense(window: int | None) -> torch.Tensor:
+            return ops.attention_bias(self.storage.length, self.slot_ids[:cap], positions, own, window, groups,
+                                      self.dtype)
+
+        mask, biases = attention_masks(ops, self.slot_ids[:1], self.storage.length.view(1), own.unsqueeze(0),
+                                       positions.unsqueeze(0), dense, {None})
+
+        def step(i: int, layer: LayerWeights | DeltaNetWeights, x: torch.Tensor, proj: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+            if isinstance(layer, DeltaNetWeights):
+                mixed = self._delta_net(self.linear_index[i], layer, proj, layout)
+            else:
+                mixed = self._gated_attention(ops, layer, proj, cos, sin, kv[self.kv_index[i]], slots, cap,
+                                              biases.get(None), mask)
+            return layer_mlp(ops, layer, x, mixed, self.eps, self.act)  # type: ignore[arg-type]
+
+        return run_stack(ops, self.layers, F.embedding(ids, self.embedding_weight), step,  # type: ignore[arg-type]
+                         self.final_norm, self.eps, tap_layers)
+
+    def _gated_attention(self, ops: LayerOps, layer: LayerWeights, proj: torch.Tensor, cos: torch.Tensor,
+                         sin: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, cap: int, bias: torch.Tensor | None,
+                         mask: object) -> torch.Tensor:
+        """q|gate, k, v from the packed product; q/k normed, the first rotary dims rotated, K/V written at `slots`;
+        attention over the first `cap` slots, then the output gate: [1, t, heads * d] for o_proj."""
+        batch, t = proj.shape[:2]
+        d, heads, kv_heads = self.head_dim, self.heads, self.kv_heads
+        qg, k, v = proj.split([heads * 2 * d, kv_heads * d, kv_heads * d], dim=-1)
+        qg = qg.view(batch, t, heads, 2 * d)
+        q, gate = qg[..., :d], qg[..., d:].reshape(batch, t, heads * d)
+        q = rms_norm(q, layer.q_norm, self.eps).transpose(1, 2)
+        k = rms_norm(k.view(batch, t, kv_heads, d), layer.k_norm, self.eps).transpose(1, 2)
+        rot = cos.shape[-1]
+        q = torch.cat([rope_rotate(q[..., :rot], cos, sin), q[..., rot:]], dim=-1)
+        k = torch.cat([rope_rotate(k[..., :rot], cos, sin), k[..., rot:]], dim=-1)
+        kv[0][:, slots] = k[0]
+        kv[1][:, slots] = v.view(batch, t, kv_heads, d).transpose(1, 2)[0]
+        q = q.reshape(batch, kv_heads, (heads // kv_heads) * t, d)
+        out = attend(ops, layer, q, kv[0, :, :cap].unsqueeze(0), kv[1, :, :cap].unsqueeze(0), bias, t, heads,
+                     mask)  # type: ignore[arg-type]
+        return out * torch.sigmoid(gate)
+
+    def _delta_net(self, n: int, layer: DeltaNetWeights, proj: torch.Tensor,
+                   layout: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """Linear layer n's mixer output [1, t, value heads * dv] for out_proj: a prefill (`layout` None) advances
+        its window and state in place; a verify reads them and keeps each row's conv input and state."""
+        states = self.states
+        channels = conv_channels(layer)
+        inputs = proj[..., :channels]
+        window, state = states.window[n], states.state[n]
+        if layout is None:
+            mixed = conv_prefill(window, inputs, layer.conv, layer.act)
+            q, k, v, g, beta, z = split_heads(layer, proj, mixed)
+            out, final = chunked_delta_rule(q, k, v, g, beta, state)
+            appended = torch.cat([window, inputs.transpose(1, 2)], dim=-1)
+            window.copy_(appended[..., appended.shape[-1] - window.shape[-1]:])
+            state.copy_(final)
+        else:
+            parents, columns = layout
+            t = proj.shape[1]
+            states.inputs[n, :, :t] = inputs
+            mixed = conv_rows(window, inputs, layer.conv, columns, layer.act)
+            q, k, v, g, beta, z = split_heads(layer, proj, mixed)
+            out = path_delta_rule(q, k, v, g, beta, state, parents, states.kept[n])
+        return gated_norm(out.transpose(1, 2).to(proj.dtype), z, layer.gated_norm, self.eps)

@@ -1,0 +1,212 @@
+"""Hybrid targets (Qwen3.5: Gated DeltaNet + gated attention) on the fast engine: the same logits, taps and states
+as Hugging Face's forward; AR, DFlash and DDTree ids identical to HF's greedy decode in float32 on both layer orders;
+sampled decoding keeps the target's distribution; rollbacks leave exactly the committed sequence's states."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockdraft.decoding.ddtree import DDTreeProposer
+from blockdraft.decoding.draft import DFlashProposer
+from blockdraft.decoding.generate import generate
+from blockdraft.decoding.sampling import SamplingParams
+from blockdraft.engine.batch import BatchDecoder
+from blockdraft.engine.batch_sizes import default_max_num_seqs
+from blockdraft.engine.decode_batch import generate_batch
+from blockdraft.errors import BlockdraftError
+from blockdraft.fast.delta_net import CHUNK, chunked_delta_rule, path_delta_rule, path_layout
+from blockdraft.fast.engines import engine_note, make_target
+from blockdraft.fast.hybrid_target import HybridFastTarget, HybridStaticCache
+from blockdraft.models.target import Target
+
+from conftest import make_drafter
+from test_ddtree import scattered_path_tree
+from test_hybrid import LAYER_TYPES, PROMPTS, OracleProposer, make_hybrid
+from test_lossless import hf_greedy
+
+ORDERS = {"linear-first": LAYER_TYPES,
+          "attention-first": ["full_attention", "linear_attention", "linear_attention", "full_attention"]}
+TAPS = (0, 2, 3)
+
+
+@pytest.fixture(scope="module", params=sorted(ORDERS))
+def pair(request: pytest.FixtureRequest) -> tuple[torch.nn.Module, HybridFastTarget]:
+    model = make_hybrid("qwen3_5", layer_types=ORDERS[request.param])
+    return model, HybridFastTarget(model)
+
+
+def close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-4) -> bool:
+    return a.shape == b.shape and (a - b).abs().max().item() < tol
+
+
+def test_forwards_match_hf(pair) -> None:
+    """A prefill longer than one chunk of the delta rule, a chain verify, its crop, the next step and a second
+    prefill on top (a next turn): logits and taps as HF's forward over the same committed tokens."""
+    model, fast = pair
+    hf = Target(model)
+    torch.manual_seed(1)
+    prompt = torch.randint(0, 90, (1, CHUNK * 2 + 13))
+    n = prompt.shape[1]
+    ours, theirs = fast.new_cache(), hf.new_cache()
+    for target, cache in ((fast, ours), (hf, theirs)):
+        out = target.forward(prompt, torch.arange(n), cache, TAPS, last_logits_only=True)
+        if target is fast:
+            first = out
+    ref = model(prompt, output_hidden_states=True)
+    assert close(first.logits[0, -1], ref.logits[0, -1])
+    assert close(first.taps, torch.cat([ref.hidden_states[layer + 1] for layer in TAPS], dim=-1))
+    steps = [(torch.tensor([[11, 12, 13, 14, 15]]), n + 2), (torch.tensor([[21, 22]]), None),
+             (torch.tensor([[31]]), None)]
+    at = n
+    for ids, crop in steps:
+        pos = torch.arange(at, at + ids.shape[1])
+        got, want = fast.forward(ids, pos, ours, TAPS), hf.forward(ids, pos, theirs, TAPS)
+        assert close(got.logits, want.logits) and close(got.taps, want.taps)
+        if crop is not None:
+            ours.crop(crop)
+            theirs.crop(crop)
+        at = len(ours)
+    turn = torch.tensor([[40, 41, 42, 43, 44, 45, 46]])
+    pos = torch.arange(at, at + turn.shape[1])
+    got = fast.forward(turn, pos, ours, TAPS, last_logits_only=True)
+    want = hf.forward(turn, pos, theirs, TAPS, last_logits_only=True)
+    assert close(got.logits, want.logits) and close(got.taps, want.taps)
+
+
+def test_tree_step_equals_ar(pair) -> None:
+    """A tree with the greedy path scattered among wrong branches is one verify: the path rows' logits and taps
+    equal a clean forward over the committed tokens, and after the compact so does the next step."""
+    model, fast = pair
+    prompt = PROMPTS[2]
+    seq = hf_greedy(model, prompt, 6)  # anchor, 4 path tokens, bonus
+    draft = scattered_path_tree(seq)
+    start = len(prompt)
+    cache = fast.new_cache()
+    fast.forward(torch.tensor([prompt]), torch.arange(start), cache, TAPS, last_logits_only=True)
+    ids = torch.cat([torch.tensor([seq[0]]), draft.tokens]).unsqueeze(0)
+    out = fast.forward(ids, draft.positions(start, fast.device), cache, TAPS,
+                       attention_mask=draft.tree_mask(len(cache), fast.device))
+    rows = torch.tensor([0, 2, 5, 6, 9])
+    assert out.logits[0, rows[:-1]].argmax(-1).tolist() == seq[1:5]
+    with pytest.raises(ValueError, match="must start where the last verify did"):
+        cache.compact(start + 1, rows)
+    cache.compact(start, rows)
+    committed = prompt + seq[:5]
+    ref = model(torch.tensor([committed]), output_hidden_states=True)
+    assert close(out.logits[0, rows], ref.logits[0, start:])
+    assert close(out.taps[0, rows], torch.cat([ref.hidden_states[layer + 1] for layer in TAPS], dim=-1)[0, start:])
+    after = fast.forward(torch.tensor([[seq[5]]]), torch.tensor([len(committed)]), cache)
+    full = model(torch.tensor([committed + [seq[5]]]))
+    assert close(after.logits[0, -1], full.logits[0, -1])
+
+
+def test_a_tree_must_be_compacted(pair) -> None:
+    """Only a chain is kept whole by the next forward; an uncompacted tree is a bug, and a rollback past the last
+    verify is refused."""
+    _, fast = pair
+    cache = fast.new_cache()
+    fast.forward(torch.tensor([PROMPTS[0]]), torch.arange(5), cache, last_logits_only=True)
+    with pytest.raises(ValueError, match="cannot roll a hybrid cache back"):
+        cache.crop(3)
+    mask = torch.tensor([[[[True] * 5 + [True, False, False], [True] * 5 + [True, True, False],
+                           [True] * 5 + [True, False, True]]]])
+    fast.forward(torch.tensor([[1, 2, 3]]), torch.tensor([5, 6, 6]), cache, attention_mask=mask)
+    with pytest.raises(RuntimeError, match="not compacted"):
+        fast.forward(torch.tensor([[4]]), torch.tensor([6]), cache)
+
+
+def test_generation_equals_hf_greedy(pair) -> None:
+    """AR, DFlash with a random drafter, an oracle cycling through every acceptance length, and DDTree at two
+    budgets: every id equals HF's own greedy decode."""
+    model, fast = pair
+    drafter = make_drafter("all_full")
+    for prompt in PROMPTS:
+        truth = hf_greedy(model, prompt, 24)
+        assert generate(fast, prompt, None, max_new_tokens=24).token_ids == truth
+        oracle = OracleProposer(prompt + truth, slots=5)
+        proposers = [DFlashProposer(drafter, fast), oracle, DDTreeProposer(drafter, fast, 3),
+                     DDTreeProposer(drafter, fast, 12)]
+        for proposer in proposers:
+            assert generate(fast, prompt, proposer, max_new_tokens=24).token_ids == truth, proposer.name
+        assert generate(fast, prompt, oracle, max_new_tokens=24).acceptance_lengths[:6] == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize("method", ["dflash", "ddtree"])
+def test_sampling_matches_the_target(method: str) -> None:
+    """T=1 on a 5-token vocabulary: the fast hybrid's rollbacks keep the joint distribution of 3 generated tokens."""
+    from test_sampling import V, exact_joint, p_value, sample_counts
+
+    model = make_hybrid("qwen3_5", seed=3, vocab=V)
+    target = HybridFastTarget(model)
+    drafter = make_drafter("all_full", seed=3, vocab=V)
+    proposer = DFlashProposer(drafter, target) if method == "dflash" else DDTreeProposer(drafter, target, 8)
+    params = SamplingParams(1.0)
+    assert p_value(sample_counts(target, proposer, params, 3), exact_joint(model, params, 3)) > 1e-3
+
+
+def test_requests_run_one_at_a_time(pair) -> None:
+    """The batched decoder serves a hybrid fast target one sequence at a time (each prompt's ids as alone), and
+    refuses a batch it cannot hold with the fix named."""
+    model, fast = pair
+    drafter = make_drafter("all_full")
+    results = dict(generate_batch(fast, PROMPTS, lambda: DDTreeProposer(drafter, fast, 6), 1, max_new_tokens=12))
+    assert [results[i].token_ids for i in range(len(PROMPTS))] == [hf_greedy(model, p, 12) for p in PROMPTS]
+    with pytest.raises(BlockdraftError, match="one sequence at a time.*--engine hf"):
+        BatchDecoder(fast, lambda: None, 4)
+    assert default_max_num_seqs(fast, 512) == 1
+    assert "one request at a time" in (engine_note(fast) or "")
+
+
+def test_engine_choice() -> None:
+    """--engine fast takes a dense Qwen3.5 hybrid; a mixture-of-experts hybrid is refused with the fix; auto keeps
+    the HF engine off a GPU."""
+    dense = make_hybrid("qwen3_5")
+    assert isinstance(make_target(dense, "fast"), HybridFastTarget)
+    assert isinstance(make_target(dense, "fast").new_cache(), HybridStaticCache)
+    assert type(make_target(dense, "auto")) is Target
+    for family in ("qwen3_5_moe", "qwen3_next"):
+        with pytest.raises(BlockdraftError, match="mixture-of-experts.*use --engine hf"):
+            make_target(make_hybrid(family), "fast")
+    assert engine_note(Target(dense)) is None  # on a CPU the HF engine needs no word
+
+
+def test_chunked_rule_equals_the_per_token_rule() -> None:
+    """The prefill's chunked delta rule (across a chunk boundary, from a non-zero state) equals the per-token rule
+    the verifies run."""
+    torch.manual_seed(0)
+    b, h, t, dk, dv = 1, 3, CHUNK + 21, 8, 6
+    q, k = (torch.nn.functional.normalize(torch.randn(b, h, t, dk), dim=-1) for _ in range(2))
+    v = torch.randn(b, h, t, dv)
+    g, beta = -torch.rand(b, h, t), torch.rand(b, h, t)
+    state = torch.randn(b, h, dk, dv)
+    out, final = chunked_delta_rule(q, k, v, g, beta, state)
+    parents, _ = path_layout(torch.ones(t, t, dtype=torch.bool).tril().unsqueeze(0), 4)
+    kept = torch.empty(b, t, h, dk, dv)
+    assert close(out, path_delta_rule(q, k, v, g, beta, state, parents, kept))
+    assert close(final, kept[:, -1])
+
+
+def test_path_layout_follows_each_branch() -> None:
+    """Each row's parent and conv window come from the ancestor mask alone: a node's window is its own ancestors,
+    then the committed inputs (columns 0..K-2) before the root."""
+    parents_list = [-1, 0, 0, 1, 3]  # row 2 branches off the root's child 0 ... as a sibling of row 1
+    t, kernel = len(parents_list), 4
+    own = torch.eye(t, dtype=torch.bool)
+    for i, p in enumerate(parents_list):
+        while p >= 0:
+            own[i, p] = True
+            p = parents_list[p]
+    parents, columns = path_layout(own.unsqueeze(0), kernel)
+    assert parents[0].tolist() == parents_list
+    window = kernel - 1
+    assert columns[0, 0].tolist() == [0, 1, 2, window + 0]
+    assert columns[0, 2].tolist() == [1, 2, window + 0, window + 2]
+    assert columns[0, 4].tolist() == [window + 0, window + 1, window + 3, window + 4]
+
+
+def test_memory_per_verified_row_is_stated(pair) -> None:
+    _, fast = pair
+    states = fast.states
+    layers = sum(kind == "linear_attention" for kind in fast.layer_types)
+    assert states.row_bytes() == layers * (4 * 8 * 8 * 4 + (2 * 2 * 8 + 4 * 8) * 4)
