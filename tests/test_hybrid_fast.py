@@ -210,3 +210,18 @@ def test_memory_per_verified_row_is_stated(pair) -> None:
     states = fast.states
     layers = sum(kind == "linear_attention" for kind in fast.layer_types)
     assert states.row_bytes() == layers * (4 * 8 * 8 * 4 + (2 * 2 * 8 + 4 * 8) * 4)
+
+
+def test_compiled_units_and_the_rule_kernel_stay_lossless() -> None:
+    """The GPU's configuration on a CPU: every hybrid unit compiled and the verify's delta rule from its Triton
+    kernel (under the interpreter where there is no GPU); DFlash and DDTree ids still equal HF's greedy decode."""
+    from blockdraft.kernels.skinny_gemm import kernel_available
+
+    model = make_hybrid("qwen3_5", seed=1)
+    fast = HybridFastTarget(model, compiled=True)
+    fast.units.rule_kernel = kernel_available(fast.device)
+    drafter = make_drafter("all_full")
+    prompt = PROMPTS[0]
+    truth = hf_greedy(model, prompt, 10)
+    for proposer in (DFlashProposer(drafter, fast), DDTreeProposer(drafter, fast, 6)):
+        assert generate(fast, prompt, proposer, max_new_tokens=10).token_ids == truth, proposer.name

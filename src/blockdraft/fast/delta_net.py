@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockdraft.fast.ops import ACTIVATIONS
+from blockdraft.fast.ops import ACTIVATIONS, rms_norm, rope_rotate
 
 CHUNK = 64  # rows per chunk of the chunked delta rule (HF's and flash-linear-attention's size)
 
@@ -94,24 +94,44 @@ def l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
 
 
-def split_heads(layer: DeltaNetWeights, proj: torch.Tensor, mixed: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+Heads = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def split_heads(proj: torch.Tensor, mixed: torch.Tensor, neg_decay: torch.Tensor, dt_bias: torch.Tensor,
+                key_heads: int, value_heads: int, key_dim: int, value_dim: int) -> Heads:
     """The packed projection [B, t, *] and the conv's output [B, t, C] -> q, k, v [B, H, t, d] in float32 (q and k
     l2-normed, q scaled, both repeated to the value heads), the decay g and beta [B, H, t] and the gate z
     [B, t, H, value dim]."""
     batch, t = proj.shape[:2]
-    heads, kd, vd = layer.value_heads, layer.key_dim, layer.value_dim
-    channels = conv_channels(layer)
-    z, b, a = proj[..., channels:].split([heads * vd, heads, heads], dim=-1)
-    q, k, v = mixed.split([layer.key_heads * kd, layer.key_heads * kd, heads * vd], dim=-1)
-    repeat = heads // layer.key_heads
-    q, k = (x.view(batch, t, layer.key_heads, kd).repeat_interleave(repeat, dim=2) for x in (q, k))
-    v = v.reshape(batch, t, heads, vd)
+    channels = 2 * key_heads * key_dim + value_heads * value_dim
+    z, b, a = proj[..., channels:].split([value_heads * value_dim, value_heads, value_heads], dim=-1)
+    q, k, v = mixed.split([key_heads * key_dim, key_heads * key_dim, value_heads * value_dim], dim=-1)
+    repeat = value_heads // key_heads
+    q, k = (x.reshape(batch, t, key_heads, key_dim).repeat_interleave(repeat, dim=2) for x in (q, k))
+    v = v.reshape(batch, t, value_heads, value_dim)
     beta = b.sigmoid()
-    g = layer.neg_decay * F.softplus(a.float() + layer.dt_bias)
+    g = neg_decay * F.softplus(a.float() + dt_bias)
     q, k, v, beta, g = (x.transpose(1, 2).to(torch.float32) for x in (q, k, v, beta, g))
     q, k = l2norm(q), l2norm(k)
-    return q / (kd ** 0.5), k, v, g, beta, z.reshape(batch, t, heads, vd)
+    return q / (key_dim ** 0.5), k, v, g, beta, z.reshape(batch, t, value_heads, value_dim)
+
+
+def verify_heads(window: torch.Tensor, proj: torch.Tensor, conv: torch.Tensor, columns: torch.Tensor,
+                 neg_decay: torch.Tensor, dt_bias: torch.Tensor, key_heads: int, value_heads: int, key_dim: int,
+                 value_dim: int, act: str) -> Heads:
+    """A verify's inputs to the rule (one fusion unit): each row's conv over its own path, then `split_heads`."""
+    channels = 2 * key_heads * key_dim + value_heads * value_dim
+    mixed = conv_rows(window, proj[..., :channels], conv, columns, act)
+    return split_heads(proj, mixed, neg_decay, dt_bias, key_heads, value_heads, key_dim, value_dim)
+
+
+def prefill_heads(window: torch.Tensor, proj: torch.Tensor, conv: torch.Tensor, neg_decay: torch.Tensor,
+                  dt_bias: torch.Tensor, key_heads: int, value_heads: int, key_dim: int, value_dim: int, act: str
+                  ) -> Heads:
+    """A prefill's inputs to the rule (one fusion unit): the causal conv, then `split_heads`."""
+    channels = 2 * key_heads * key_dim + value_heads * value_dim
+    mixed = conv_prefill(window, proj[..., :channels], conv, act)
+    return split_heads(proj, mixed, neg_decay, dt_bias, key_heads, value_heads, key_dim, value_dim)
 
 
 def path_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -171,3 +191,26 @@ def gated_norm(out: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: fl
     h = weight * h.to(dtype)
     h = h * F.silu(z.float())
     return h.to(dtype).flatten(2)
+
+
+def gated_attention_heads(proj: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor,
+                          sin: torch.Tensor, heads: int, kv_heads: int, head_dim: int, eps: float,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A gated attention layer's packed q|gate, k, v [1, t, *] (q_proj's rows: each head's query, then its gate) ->
+    q [1, kv_heads, groups * t, d] (normed, its first rotary dims rotated, GQA folded into rows as `fast.ops.qkv_heads`
+    does) and the gate [1, t, heads * d]; k (normed, rotated) and v written into the caches ([kv_heads, slots, d]) at
+    `slots`. One fusion unit."""
+    batch, t = proj.shape[:2]
+    d = head_dim
+    qg, k, v = proj.split([heads * 2 * d, kv_heads * d, kv_heads * d], dim=-1)
+    qg = qg.view(batch, t, heads, 2 * d)
+    q, gate = qg[..., :d], qg[..., d:].reshape(batch, t, heads * d)
+    q = rms_norm(q, q_norm, eps).transpose(1, 2)
+    k = rms_norm(k.view(batch, t, kv_heads, d), k_norm, eps).transpose(1, 2)
+    rot = cos.shape[-1]
+    q = torch.cat([rope_rotate(q[..., :rot], cos, sin), q[..., rot:]], dim=-1)
+    k = torch.cat([rope_rotate(k[..., :rot], cos, sin), k[..., rot:]], dim=-1)
+    k_cache[:, slots] = k[0]
+    v_cache[:, slots] = v.view(batch, t, kv_heads, d).transpose(1, 2)[0]
+    return q.reshape(batch, kv_heads, (heads // kv_heads) * t, d), gate

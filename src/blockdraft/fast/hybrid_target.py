@@ -12,7 +12,7 @@ engine reads them unchanged (exact in float32; in bf16 the scale is rounded once
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -20,10 +20,11 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from blockdraft.fast.delta_net import (DeltaNetWeights, chunked_delta_rule, conv_channels, conv_prefill, conv_rows,
-                                       gated_norm, path_delta_rule, path_layout, split_heads)
+from blockdraft.fast.delta_net import (DeltaNetWeights, chunked_delta_rule, conv_channels, gated_attention_heads,
+                                       gated_norm, path_delta_rule, path_layout, prefill_heads, verify_heads)
 from blockdraft.fast.linear_states import LinearStates
-from blockdraft.fast.ops import ACTIVATIONS, LayerOps, rms_norm, rope_rotate
+from blockdraft.fast.ops import ACTIVATIONS, CompiledOrPlain, LayerOps
+from blockdraft.kernels.delta_rule import path_delta_rule_kernel, path_delta_rule_runs
 from blockdraft.fast.static_cache import KVStorage, StaticTargetCache
 from blockdraft.fast.target import (FastTarget, LayerWeights, attend, attention_masks, layer_mlp, pack_linears,
                                     run_stack)
@@ -82,6 +83,26 @@ def pack_delta_net(layer: nn.Module) -> DeltaNetWeights:
         down=mlp.down_proj, key_heads=net.num_k_heads, value_heads=net.num_v_heads, key_dim=net.head_k_dim,
         value_dim=net.head_v_dim, act=net.activation,
     )
+
+
+class HybridUnits:
+    """The hybrid layers' fusion units, compiled on request as `LayerOps`'s are, and the verify's delta rule from
+    its Triton kernel where asked and it runs (`kernels.delta_rule`: one launch a layer instead of ten a row)."""
+
+    def __init__(self, compiled: bool, rule_kernel: bool) -> None:
+        wrap: Callable[[Callable[..., object]], Callable[..., object]] = CompiledOrPlain if compiled else (lambda f: f)
+        self.verify_heads = wrap(verify_heads)
+        self.prefill_heads = wrap(prefill_heads)
+        self.gated_norm = wrap(gated_norm)
+        self.gated_attention_heads = wrap(gated_attention_heads)
+        self.rule_kernel = rule_kernel
+
+    def path_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                  state: torch.Tensor, parents: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+        """`fast.delta_net.path_delta_rule`, from the kernel where it runs."""
+        if self.rule_kernel and path_delta_rule_runs(q, kept):
+            return path_delta_rule_kernel(q, k, v, g, beta, state, parents, kept)
+        return path_delta_rule(q, k, v, g, beta, state, parents, kept)
 
 
 class HybridStaticCache(StaticTargetCache):
@@ -177,6 +198,7 @@ class HybridFastTarget(FastTarget):
         self.use_graphs = cuda if graphs is None else graphs and cuda
         self.fused = False
         self.ops = LayerOps(cuda if compiled is None else compiled, few_rows=cuda)
+        self.units = HybridUnits(self.ops.compiled, rule_kernel=cuda)
         self.prefill_ops = self.ops.library_products()
         self.eps: float = text.rms_norm_eps
         self.act: str = text.hidden_act
@@ -260,22 +282,12 @@ class HybridFastTarget(FastTarget):
     def _gated_attention(self, ops: LayerOps, layer: LayerWeights, proj: torch.Tensor, cos: torch.Tensor,
                          sin: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, cap: int, bias: torch.Tensor | None,
                          mask: object) -> torch.Tensor:
-        """q|gate, k, v from the packed product; q/k normed, the first rotary dims rotated, K/V written at `slots`;
-        attention over the first `cap` slots, then the output gate: [1, t, heads * d] for o_proj."""
-        batch, t = proj.shape[:2]
-        d, heads, kv_heads = self.head_dim, self.heads, self.kv_heads
-        qg, k, v = proj.split([heads * 2 * d, kv_heads * d, kv_heads * d], dim=-1)
-        qg = qg.view(batch, t, heads, 2 * d)
-        q, gate = qg[..., :d], qg[..., d:].reshape(batch, t, heads * d)
-        q = rms_norm(q, layer.q_norm, self.eps).transpose(1, 2)
-        k = rms_norm(k.view(batch, t, kv_heads, d), layer.k_norm, self.eps).transpose(1, 2)
-        rot = cos.shape[-1]
-        q = torch.cat([rope_rotate(q[..., :rot], cos, sin), q[..., rot:]], dim=-1)
-        k = torch.cat([rope_rotate(k[..., :rot], cos, sin), k[..., rot:]], dim=-1)
-        kv[0][:, slots] = k[0]
-        kv[1][:, slots] = v.view(batch, t, kv_heads, d).transpose(1, 2)[0]
-        q = q.reshape(batch, kv_heads, (heads // kv_heads) * t, d)
-        out = attend(ops, layer, q, kv[0, :, :cap].unsqueeze(0), kv[1, :, :cap].unsqueeze(0), bias, t, heads,
+        """Attention over the first `cap` slots after `gated_attention_heads` wrote the rows' K/V at `slots`, then the
+        output gate: [1, t, heads * d] for o_proj."""
+        t = proj.shape[1]
+        q, gate = self.units.gated_attention_heads(proj, layer.q_norm, layer.k_norm, cos, sin, self.heads,
+                                                   self.kv_heads, self.head_dim, self.eps, kv[0], kv[1], slots)
+        out = attend(ops, layer, q, kv[0, :, :cap].unsqueeze(0), kv[1, :, :cap].unsqueeze(0), bias, t, self.heads,
                      mask)  # type: ignore[arg-type]
         return out * torch.sigmoid(gate)
 
@@ -283,22 +295,20 @@ class HybridFastTarget(FastTarget):
                    layout: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """Linear layer n's mixer output [1, t, value heads * dv] for out_proj: a prefill (`layout` None) advances
         its window and state in place; a verify reads them and keeps each row's conv input and state."""
-        states = self.states
-        channels = conv_channels(layer)
-        inputs = proj[..., :channels]
+        states, units = self.states, self.units
+        sizes = (layer.key_heads, layer.value_heads, layer.key_dim, layer.value_dim, layer.act)
+        inputs = proj[..., :conv_channels(layer)]
         window, state = states.window[n], states.state[n]
         if layout is None:
-            mixed = conv_prefill(window, inputs, layer.conv, layer.act)
-            q, k, v, g, beta, z = split_heads(layer, proj, mixed)
+            q, k, v, g, beta, z = units.prefill_heads(window, proj, layer.conv, layer.neg_decay, layer.dt_bias, *sizes)
             out, final = chunked_delta_rule(q, k, v, g, beta, state)
             appended = torch.cat([window, inputs.transpose(1, 2)], dim=-1)
             window.copy_(appended[..., appended.shape[-1] - window.shape[-1]:])
             state.copy_(final)
         else:
             parents, columns = layout
-            t = proj.shape[1]
-            states.inputs[n, :, :t] = inputs
-            mixed = conv_rows(window, inputs, layer.conv, columns, layer.act)
-            q, k, v, g, beta, z = split_heads(layer, proj, mixed)
-            out = path_delta_rule(q, k, v, g, beta, state, parents, states.kept[n])
-        return gated_norm(out.transpose(1, 2).to(proj.dtype), z, layer.gated_norm, self.eps)
+            states.inputs[n, :, :proj.shape[1]] = inputs
+            q, k, v, g, beta, z = units.verify_heads(window, proj, layer.conv, columns, layer.neg_decay, layer.dt_bias,
+                                                     *sizes)
+            out = units.path_rule(q, k, v, g, beta, state, parents, states.kept[n])
+        return units.gated_norm(out.transpose(1, 2).to(proj.dtype), z, layer.gated_norm, self.eps)
