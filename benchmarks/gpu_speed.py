@@ -7,7 +7,9 @@ steps launched op by op instead of `decoding/fused_steps.py`'s two graphs and on
 fast-batched-stepwise = each prompt alone through the batch decoder, a server's lone request): AR step, DFlash verify (16 rows),
 drafter pass and context extension (the eager drafter under hf, the static FastDrafter under the fast engines,
 graphed where the engine graphs), DDTree verify per budget, the step ratios against their goals, and the 8B tokens/s projected at
-the papers' tau. Part 2 (with --target/--drafter): end-to-end tokens/s, tau and same-ids checks on a real pair.
+the papers' tau. `--shape qwen3.6-27b` (or qwen3.5-4b) runs the same rows on a hybrid target of that shape
+(Gated DeltaNet + gated attention; fast = HybridFastTarget) with the published Qwen3.6-27B-DFlash drafter's layers (4
+sliding + 1 full). Part 2 (with --target/--drafter): end-to-end tokens/s, tau and same-ids checks on a real pair.
 
 Every measurement is guarded: a failure prints one line and the run goes on. Progress lines (`#`) are flushed as
 they come; the tables follow at the end; --json OUT is rewritten after every measurement.
@@ -15,6 +17,7 @@ they come; the tables follow at the end; --json OUT is rewritten after every mea
     python benchmarks/gpu_speed.py --json speed.json
     python benchmarks/gpu_speed.py --target smollm2-135m-instruct \
         --drafter src/blockdraft/drafters/smollm2-135m-instruct-dflash --prompts demo --max-new-tokens 128
+    python benchmarks/gpu_speed.py --shape qwen3.6-27b --budgets 32,64 --tau-dflash 6.5 --engines hf,fast
     python benchmarks/gpu_speed.py --device cpu --quick --shape tiny --context 48 --budgets 4,8   # smoke
 """
 
@@ -56,6 +59,37 @@ SHAPES: dict[str, dict[str, Any]] = {
         target=dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=16, intermediate_size=128, max_position_embeddings=4096),
         drafter_layers=1, taps=[1, 3], mask_token_id=511,
+    ),
+    # Hybrid targets (Qwen3.5 architecture: Gated DeltaNet, every fourth layer gated full attention); the drafter of
+    # the published Qwen3.6-27B-DFlash (5 layers: 4 sliding, window 2048, then 1 full), its heads Qwen3's
+    "qwen3.6-27b": dict(
+        hybrid=True,
+        target=dict(vocab_size=248320, hidden_size=5120, num_hidden_layers=64, num_attention_heads=24,
+                    num_key_value_heads=4, head_dim=256, intermediate_size=17408, max_position_embeddings=40960,
+                    linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+                    linear_value_head_dim=128, linear_conv_kernel_dim=4),
+        drafter=dict(num_attention_heads=32, num_key_value_heads=8, head_dim=128, sliding_window=2048,
+                     use_sliding_window=True, layer_types=["sliding_attention"] * 4 + ["full_attention"]),
+        drafter_layers=5, taps=[1, 16, 31, 46, 61], mask_token_id=248070,
+    ),
+    "qwen3.5-4b": dict(
+        hybrid=True,
+        target=dict(vocab_size=248320, hidden_size=2560, num_hidden_layers=32, num_attention_heads=16,
+                    num_key_value_heads=4, head_dim=256, intermediate_size=9216, max_position_embeddings=40960,
+                    linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                    linear_value_head_dim=128, linear_conv_kernel_dim=4),
+        drafter=dict(num_attention_heads=32, num_key_value_heads=8, head_dim=128, sliding_window=2048,
+                     use_sliding_window=True, layer_types=["sliding_attention"] * 4 + ["full_attention"]),
+        drafter_layers=5, taps=[1, 8, 15, 22, 29], mask_token_id=248070,
+    ),
+    "tiny-hybrid": dict(
+        hybrid=True,
+        target=dict(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, intermediate_size=128, max_position_embeddings=4096,
+                    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                    linear_value_head_dim=16, linear_conv_kernel_dim=4),
+        drafter=dict(sliding_window=32, use_sliding_window=True, layer_types=["sliding_attention", "full_attention"]),
+        drafter_layers=2, taps=[1, 3], mask_token_id=511,
     ),
 }
 PAPER_TAU = {"dflash": 7.87, "ddtree": 10.73}  # Qwen3-8B MATH-500 T=0: DFlash b16, DDTree best budget (REFERENCE.md)
@@ -191,20 +225,25 @@ def bandwidth(device: torch.device, quick: bool) -> float:
 
 
 def build_synthetic(shape: str, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any]:
-    """Random-weight target (Qwen3 architecture) and DFlash drafter of the given shape, built on the device."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    """Random-weight target (Qwen3 architecture, or Qwen3.5's hybrid one) and DFlash drafter of the given shape, built
+    on the device."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig, Qwen3Config, Qwen3ForCausalLM
 
     from blockdraft.config import parse_draft_config
     from blockdraft.models.drafter import DFlashDrafter
 
     spec = SHAPES[shape]
-    config = Qwen3Config(**spec["target"], tie_word_embeddings=False, attn_implementation="sdpa")
+    hybrid = spec.get("hybrid", False)
+    if hybrid:
+        config = Qwen3_5TextConfig(**spec["target"], tie_word_embeddings=False, attn_implementation="sdpa")
+    else:
+        config = Qwen3Config(**spec["target"], tie_word_embeddings=False, attn_implementation="sdpa")
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
             torch.manual_seed(0)
-            model = Qwen3ForCausalLM(config).eval()
+            model = (Qwen3_5ForCausalLM if hybrid else Qwen3ForCausalLM)(config).eval()
             t = spec["target"]
             raw = dict(
                 architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=t["hidden_size"],
@@ -215,6 +254,7 @@ def build_synthetic(shape: str, device: torch.device, dtype: torch.dtype) -> tup
                 rms_norm_eps=1e-6, num_target_layers=t["num_hidden_layers"], block_size=16,
                 dflash_config={"mask_token_id": spec["mask_token_id"], "target_layer_ids": spec["taps"]},
             )
+            raw.update(spec.get("drafter", {}))
             drafter = DFlashDrafter(parse_draft_config(raw)).eval()
     finally:
         torch.set_default_dtype(previous)
@@ -222,6 +262,7 @@ def build_synthetic(shape: str, device: torch.device, dtype: torch.dtype) -> tup
 
 
 def make_engine(name: str, model: Any) -> Any:
+    from blockdraft.fast.hybrid_target import HybridFastTarget, hybrid_engine_problem
     from blockdraft.fast.target import FastTarget
     from blockdraft.models.target import Target
 
@@ -232,6 +273,8 @@ def make_engine(name: str, model: Any) -> Any:
                "fast-batched-stepwise": {"fused": False}}
     if name not in options:
         raise ValueError(f"unknown engine {name!r}; use hf, {', '.join(options)}")
+    if hybrid_engine_problem(model) is None:  # a hybrid target: no fused steps to turn off
+        return HybridFastTarget(model, **{k: v for k, v in options[name].items() if k != "fused"})
     return FastTarget(model, **options[name])
 
 

@@ -94,3 +94,20 @@ def test_tree_goals_name_ddtree32_against_ar_and_the_best_budget_against_the_cha
     assert gpu_speed.tree_goals(entries) == ["ours fast ddtree@32 / ar: 1.50x (goal >= 1.8x)",
                                              "ours fast ddtree@31+lookup15 / ar: 1.90x (goal >= 1.8x)",
                                              "ours fast best ddtree (@31+lookup15) / dflash: 1.58x (goal >= 1.3x)"]
+
+
+def test_hybrid_shape_smoke_run(tmp_path: Path) -> None:
+    """The hybrid rows (a Qwen3.5-architecture target, HybridFastTarget as fast, a sliding + full drafter) run and
+    agree with the HF engine's verify."""
+    out = tmp_path / "speed.json"
+    res = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--quick", "--shape", "tiny-hybrid", "--context", "40",
+         "--budgets", "4,8", "--iters", "2", "--warmup", "1", "--engines", "hf,fast", "--json", str(out)],
+        capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert not data["errors"], data["errors"]
+    assert set(data["rows"]["DDTree verify @8 (ms)"]) == {"hf", "fast"}
+    assert data["rows"][AGREEMENT_ROW]["fast"].startswith("1.00")
+    assert data["rows"]["drafter path"]["fast"] != data["rows"]["drafter path"]["hf"]  # the static drafter on fast
