@@ -205,11 +205,20 @@ def test_path_layout_follows_each_branch() -> None:
     assert columns[0, 4].tolist() == [window + 0, window + 1, window + 3, window + 4]
 
 
-def test_memory_per_verified_row_is_stated(pair) -> None:
-    _, fast = pair
+def test_memory_per_verified_row_is_stated_and_bounded() -> None:
+    """Each verified row holds one float32 state and one conv input per linear layer, for the rows of the largest
+    verify met only (not the context's positions: a prefill keeps no rows)."""
+    fast = HybridFastTarget(make_hybrid("qwen3_5"))
     states = fast.states
     layers = sum(kind == "linear_attention" for kind in fast.layer_types)
     assert states.row_bytes() == layers * (4 * 8 * 8 * 4 + (2 * 2 * 8 + 4 * 8) * 4)
+    cache = fast.new_cache()
+    fast.forward(torch.arange(90).unsqueeze(0), torch.arange(90), cache, last_logits_only=True)
+    assert states.rows == 0
+    fast.forward(torch.tensor([[1, 2, 3, 4, 5]]), torch.arange(90, 95), cache)
+    cache.crop(92)
+    fast.forward(torch.tensor([[6, 7]]), torch.arange(92, 94), cache)
+    assert states.rows == 5
 
 
 def test_compiled_units_and_the_rule_kernel_stay_lossless() -> None:

@@ -12,7 +12,7 @@ engine reads them unchanged (exact in float32; in bf16 the scale is rounded once
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
@@ -26,8 +26,8 @@ from blockdraft.fast.linear_states import LinearStates
 from blockdraft.fast.ops import ACTIVATIONS, CompiledOrPlain, LayerOps
 from blockdraft.kernels.delta_rule import path_delta_rule_kernel, path_delta_rule_runs
 from blockdraft.fast.static_cache import KVStorage, StaticTargetCache
-from blockdraft.fast.target import (FastTarget, LayerWeights, attend, attention_masks, layer_mlp, pack_linears,
-                                    run_stack)
+from blockdraft.fast.target import (FastTarget, LayerWeights, attend, attention_masks, graph_rows, layer_mlp,
+                                    pack_linears, run_stack)
 from blockdraft.models.target import Target
 
 HYBRID_MODEL_TYPES = ("qwen3_5_text",)
@@ -127,13 +127,6 @@ class HybridStaticCache(StaticTargetCache):
             yield
         finally:
             self.states.prefilling = False
-
-    def reserve(self, rows: int, unread: int = 0) -> None:
-        super().reserve(rows, unread)
-        before = self.states.version
-        self.states.ensure_rows(rows)
-        if self.states.version != before:
-            self.storage.version += 1  # graphs captured on the old row buffers are dropped with the KV's
 
     @contextmanager
     def running(self, input_ids: torch.Tensor, tree_mask: torch.Tensor | None) -> Iterator[None]:
@@ -236,6 +229,35 @@ class HybridFastTarget(FastTarget):
         assert isinstance(cache, HybridStaticCache)
         with cache.prefilling():
             return super().prefill(input_ids, positions, own, cache, tap_layers)
+
+    def _room_for_rows(self, rows: int) -> None:
+        """Row buffers for a verify of `rows` rows (a prefill keeps none); growing them drops the graphs captured on
+        the old ones, as a grown KV buffer does."""
+        if self.states.prefilling:
+            return
+        before = self.states.version
+        self.states.ensure_rows(rows)
+        if self.states.version != before:
+            self.storage.version += 1
+
+    def _eager(self, ids: torch.Tensor, positions: torch.Tensor, own: torch.Tensor | None, cache: StaticTargetCache,
+               tap_layers: tuple[int, ...] | None, ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self._room_for_rows(ids.shape[1])
+        return super()._eager(ids, positions, own, cache, tap_layers, ops)
+
+    def _replay(self, input_ids: torch.Tensor, positions: torch.Tensor, own: torch.Tensor | None,
+                cache: StaticTargetCache, tap_layers: tuple[int, ...] | None, rows: int, head: bool
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        self._room_for_rows(rows)
+        return super()._replay(input_ids, positions, own, cache, tap_layers, rows, head)
+
+    def warm_verify(self, rows: Iterable[int], positions: int, tap_layers: tuple[int, ...] | None) -> None:
+        """FastTarget's, with the row buffers sized for the largest verify first (growing them later would drop the
+        graphs captured before)."""
+        counts = [graph_rows(r) for r in rows]
+        if counts:
+            self._room_for_rows(max(counts))
+        super().warm_verify(counts, positions, tap_layers)
 
     def _capture(self, rows: int, cap: int, tap_layers: tuple[int, ...] | None, head: bool) -> object:
         """FastTarget's capture, the committed linear states kept: a prefill's warm-up runs advance them."""
