@@ -234,3 +234,26 @@ def test_compiled_units_and_the_rule_kernel_stay_lossless() -> None:
     truth = hf_greedy(model, prompt, 10)
     for proposer in (DFlashProposer(drafter, fast), DDTreeProposer(drafter, fast, 6)):
         assert generate(fast, prompt, proposer, max_new_tokens=10).token_ids == truth, proposer.name
+
+
+def test_serve_runs_a_hybrid_target_on_the_fast_engine(tmp_path) -> None:
+    """`blockdraft serve --engine fast --method ddtree` on a saved hybrid target: it starts, says why it serves one
+    request at a time, and answers a chat request with HF's greedy continuation."""
+    import openai
+    from serve_support import add_char_tokenizer, running, settings
+
+    from blockdraft.models.loading import save_drafter
+
+    model = make_hybrid("qwen3_5")
+    model.save_pretrained(tmp_path / "target")
+    add_char_tokenizer(tmp_path / "target")
+    save_drafter(make_drafter("all_full"), tmp_path / "drafter", dtype=torch.float32)
+    said: list[str] = []
+    with running(settings(tmp_path / "target", tmp_path / "drafter", engine="fast", method="ddtree", budget=4),
+                 said.append) as server:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+        reply = client.completions.create(model=client.models.list().data[0].id, prompt="Hello", max_tokens=8,
+                                          temperature=0)
+    assert reply.usage.completion_tokens == 8
+    assert any("engine fast" in line for line in said)
+    assert any("one request at a time" in line for line in said)
