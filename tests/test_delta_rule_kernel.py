@@ -1,14 +1,14 @@
-"""The verify's delta-rule kernel (`kernels.delta_rule`) against the PyTorch rule it replaces
-(`fast.delta_net.path_delta_rule`): the same outputs and the same kept state per row, for chains and trees, from a
-committed state. On a CPU it runs under Triton's interpreter (TRITON_INTERPRET=1, set by conftest.py)."""
+"""The delta-rule kernels (`kernels.delta_rule`) against the PyTorch rule they replace (`fast.delta_net`): a
+verify's outputs along each row's path (chains and trees, from a committed state) and a commit's state after the
+accepted path. On a CPU they run under Triton's interpreter (TRITON_INTERPRET=1, set by conftest.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from blockdraft.fast.delta_net import path_delta_rule, path_layout
-from blockdraft.kernels.delta_rule import path_delta_rule_kernel, path_delta_rule_runs
+from blockdraft.fast.delta_net import advance_state, path_delta_rule, path_layout
+from blockdraft.kernels.delta_rule import advance_state_kernel, delta_rule_runs, path_delta_rule_kernel
 from blockdraft.kernels.skinny_gemm import kernel_available
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -37,11 +37,14 @@ def test_kernel_matches_the_rule(shape: list[int]) -> None:
     g, beta = -torch.rand(batch, heads, t, generator=generator), torch.rand(batch, heads, t, generator=generator)
     state = torch.randn(batch, heads, dk, dv, generator=generator)
     args = [x.to(DEVICE) for x in (q, k, v, g, beta, state, parents)]
-    want_kept = torch.full((batch, t + 2, heads, dk, dv), float("nan"), device=DEVICE)
-    got_kept = want_kept.clone()
     with torch.inference_mode():
-        assert path_delta_rule_runs(args[0], got_kept)
-        want = path_delta_rule(*args, want_kept)
-        got = path_delta_rule_kernel(*args, got_kept)
+        assert delta_rule_runs(args[1], args[5])
+        want = path_delta_rule(*args)
+        got = path_delta_rule_kernel(*args, own.to(DEVICE))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got_kept, want_kept, rtol=1e-5, atol=1e-5, equal_nan=True)
+    path = torch.tensor([0, 1, 3], device=DEVICE)  # a root-to-node path of both shapes
+    parts = [x[:, :, path] for x in args[1:5]]
+    with torch.inference_mode():
+        want_state = advance_state(*parts, args[5])
+        got_state = advance_state_kernel(*parts, args[5].clone())
+    torch.testing.assert_close(got_state, want_state, rtol=1e-5, atol=1e-5)

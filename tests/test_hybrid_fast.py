@@ -15,7 +15,7 @@ from blockdraft.engine.batch import BatchDecoder
 from blockdraft.engine.batch_sizes import default_max_num_seqs
 from blockdraft.engine.decode_batch import generate_batch
 from blockdraft.errors import BlockdraftError
-from blockdraft.fast.delta_net import CHUNK, chunked_delta_rule, path_delta_rule, path_layout
+from blockdraft.fast.delta_net import CHUNK, advance_state, chunked_delta_rule, path_delta_rule, path_layout
 from blockdraft.fast.engines import engine_note, make_target
 from blockdraft.fast.hybrid_target import HybridFastTarget, HybridStaticCache
 from blockdraft.models.target import Target
@@ -182,9 +182,8 @@ def test_chunked_rule_equals_the_per_token_rule() -> None:
     state = torch.randn(b, h, dk, dv)
     out, final = chunked_delta_rule(q, k, v, g, beta, state)
     parents, _ = path_layout(torch.ones(t, t, dtype=torch.bool).tril().unsqueeze(0), 4)
-    kept = torch.empty(b, t, h, dk, dv)
-    assert close(out, path_delta_rule(q, k, v, g, beta, state, parents, kept))
-    assert close(final, kept[:, -1])
+    assert close(out, path_delta_rule(q, k, v, g, beta, state, parents))
+    assert close(final, advance_state(k, v, g, beta, state))
 
 
 def test_path_layout_follows_each_branch() -> None:
@@ -206,12 +205,12 @@ def test_path_layout_follows_each_branch() -> None:
 
 
 def test_memory_per_verified_row_is_stated_and_bounded() -> None:
-    """Each verified row holds one float32 state and one conv input per linear layer, for the rows of the largest
-    verify met only (not the context's positions: a prefill keeps no rows)."""
+    """Each verified row holds, per linear layer, its conv input and its k, v, decay and beta (float32, per value
+    head), for the rows of the largest verify met only (not the context's positions: a prefill keeps no rows)."""
     fast = HybridFastTarget(make_hybrid("qwen3_5"))
     states = fast.states
     layers = sum(kind == "linear_attention" for kind in fast.layer_types)
-    assert states.row_bytes() == layers * (4 * 8 * 8 * 4 + (2 * 2 * 8 + 4 * 8) * 4)
+    assert states.row_bytes() == layers * ((2 * 2 * 8 + 4 * 8) * 4 + 4 * (8 + 8 + 2) * 4)
     cache = fast.new_cache()
     fast.forward(torch.arange(90).unsqueeze(0), torch.arange(90), cache, last_logits_only=True)
     assert states.rows == 0

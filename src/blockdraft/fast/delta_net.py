@@ -134,24 +134,41 @@ def prefill_heads(window: torch.Tensor, proj: torch.Tensor, conv: torch.Tensor, 
     return split_heads(proj, mixed, neg_decay, dt_bias, key_heads, value_heads, key_dim, value_dim)
 
 
+def delta_step(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+               ) -> torch.Tensor:
+    """One row of HF's per-token rule: state [..., H, dk, dv] decayed by e^g, then corrected towards v along k."""
+    state = state * g.exp()[..., None, None]
+    delta = (v - (state * k.unsqueeze(-1)).sum(dim=-2)) * beta.unsqueeze(-1)
+    return state + k.unsqueeze(-1) * delta.unsqueeze(-2)
+
+
 def path_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                    state: torch.Tensor, parents: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-    """HF's per-token delta rule (what its decode runs) along each row's path: row i starts from its parent's state
-    (the committed `state` [B, H, dk, dv] for a root) and the rows go in order, parents first. Every row's state
-    lands in `kept` [B, >= t, H, dk, dv], which the commit reads; returns the outputs [B, H, t, dv]."""
+                    state: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+    """HF's per-token delta rule (what its decode runs) along each row's path: row i continues its parent's state
+    (the committed `state` [B, H, dk, dv] for a root), rows in order, parents first; the outputs [B, H, t, dv].
+    The rows' states live only while this runs (the kernel holds one path's in registers); the commit recomputes
+    the accepted path's from the rows' k, v, g and beta (`advance_state`)."""
     batch, _, t, _ = q.shape
     out = torch.empty_like(v)
+    states = state.new_empty((batch, t, *state.shape[1:]))
     seqs = torch.arange(batch, device=q.device)
     for i in range(t):
         parent = parents[:, i]
         current = state if i == 0 else torch.where(
-            (parent >= 0)[:, None, None, None], kept[seqs, parent.clamp(min=0)], state)
-        current = current * g[:, :, i].exp()[..., None, None]
-        delta = (v[:, :, i] - (current * k[:, :, i].unsqueeze(-1)).sum(dim=-2)) * beta[:, :, i].unsqueeze(-1)
-        current = current + k[:, :, i].unsqueeze(-1) * delta.unsqueeze(-2)
+            (parent >= 0)[:, None, None, None], states[seqs, parent.clamp(min=0)], state)
+        current = delta_step(current, k[:, :, i], v[:, :, i], g[:, :, i], beta[:, :, i])
         out[:, :, i] = (current * q[:, :, i].unsqueeze(-1)).sum(dim=-2)
-        kept[:, i] = current
+        states[:, i] = current
     return out
+
+
+def advance_state(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+                  ) -> torch.Tensor:
+    """`state` [B, H, dk, dv] after the rows k [B, H, n, dk], v [B, H, n, dv], g and beta [B, H, n] in order: a
+    commit's accepted path."""
+    for i in range(k.shape[2]):
+        state = delta_step(state, k[:, :, i], v[:, :, i], g[:, :, i], beta[:, :, i])
+    return state
 
 
 def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

@@ -3,9 +3,9 @@ interleaved with gated full attention.
 
 The attention layers (an output gate on q_proj, zero-centred q/k norms, partial rotary) run on FastTarget's static
 KV cache and attention path; the linear-attention layers (`fast.delta_net`) keep their conv windows and recurrent
-states in static buffers (`fast.linear_states`). A verify keeps every row's state along its own path, so the commit
-after acceptance (a chain's crop, a tree's compact) takes the accepted row's state without running anything again,
-and a DDTree step is one verify forward (one graph on CUDA). Prefills run the chunked delta rule.
+states in static buffers (`fast.linear_states`). A verify runs each row along its own path and keeps what the rule
+read per row, so the commit after acceptance (a chain's crop, a tree's compact) advances the state over the accepted
+path alone, without another target forward, and a DDTree step is one verify forward (one graph on CUDA). Prefills run the chunked delta rule.
 Qwen3.5's zero-centred norms scale by 1 + w: those weights are taken as 1 + w once, so every fused norm unit of the
 engine reads them unchanged (exact in float32; in bf16 the scale is rounded once, as the norm's output is).
 """
@@ -20,11 +20,12 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from blockdraft.fast.delta_net import (DeltaNetWeights, chunked_delta_rule, conv_channels, gated_attention_heads,
-                                       gated_norm, path_delta_rule, path_layout, prefill_heads, verify_heads)
-from blockdraft.fast.linear_states import LinearStates
+from blockdraft.fast.delta_net import (DeltaNetWeights, advance_state, chunked_delta_rule, conv_channels,
+                                       gated_attention_heads, gated_norm, path_delta_rule, path_layout, prefill_heads,
+                                       verify_heads)
+from blockdraft.fast.linear_states import Advance, LinearStates
 from blockdraft.fast.ops import ACTIVATIONS, CompiledOrPlain, LayerOps
-from blockdraft.kernels.delta_rule import path_delta_rule_kernel, path_delta_rule_runs
+from blockdraft.kernels.delta_rule import advance_state_kernel, delta_rule_runs, path_delta_rule_kernel
 from blockdraft.fast.static_cache import KVStorage, StaticTargetCache
 from blockdraft.fast.target import (FastTarget, LayerWeights, attend, attention_masks, graph_rows, layer_mlp,
                                     pack_linears, run_stack)
@@ -98,11 +99,18 @@ class HybridUnits:
         self.rule_kernel = rule_kernel
 
     def path_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                  state: torch.Tensor, parents: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
-        """`fast.delta_net.path_delta_rule`, from the kernel where it runs."""
-        if self.rule_kernel and path_delta_rule_runs(q, kept):
-            return path_delta_rule_kernel(q, k, v, g, beta, state, parents, kept)
-        return path_delta_rule(q, k, v, g, beta, state, parents, kept)
+                  state: torch.Tensor, parents: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+        """`fast.delta_net.path_delta_rule`, from the kernel where it runs (which reads each row's ancestors `own`)."""
+        if self.rule_kernel and delta_rule_runs(k, state):
+            return path_delta_rule_kernel(q, k, v, g, beta, state, parents, own)
+        return path_delta_rule(q, k, v, g, beta, state, parents)
+
+    def advance(self, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+                ) -> torch.Tensor:
+        """`fast.delta_net.advance_state`, from the kernel where it runs (in place there)."""
+        if self.rule_kernel and delta_rule_runs(k, state):
+            return advance_state_kernel(k, v, g, beta, state)
+        return advance_state(k, v, g, beta, state)
 
 
 class HybridStaticCache(StaticTargetCache):
@@ -112,9 +120,10 @@ class HybridStaticCache(StaticTargetCache):
     forward keeps a chain whole (a decode step's one row, a fully accepted draft). A prefill updates the states in
     place and leaves nothing pending; a tree left uncommitted is a bug and raises."""
 
-    def __init__(self, storage: KVStorage, states: LinearStates) -> None:
+    def __init__(self, storage: KVStorage, states: LinearStates, advance: Advance) -> None:
         super().__init__(storage)
         self.states = states
+        self.advance = advance
         states.reset()
         self.pending: tuple[int, int, bool] | None = None  # the last verify's (base, rows, chain)
 
@@ -148,7 +157,7 @@ class HybridStaticCache(StaticTargetCache):
 
     def _commit(self, base: int, rows: torch.Tensor) -> None:
         self.pending = None
-        self.states.commit(rows)
+        self.states.commit(rows, self.advance)
 
     def _last_verify(self, base: int) -> tuple[int, int, bool]:
         if self.pending is None or base < self.pending[0]:
@@ -217,7 +226,7 @@ class HybridFastTarget(FastTarget):
 
     def new_cache(self) -> HybridStaticCache:
         """The target's one static cache and state, emptied."""
-        return HybridStaticCache(self.storage, self.states)
+        return HybridStaticCache(self.storage, self.states, self.units.advance)
 
     def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, own: torch.Tensor | None,
                 cache: StaticTargetCache, tap_layers: tuple[int, ...] | None = None
@@ -273,14 +282,15 @@ class HybridFastTarget(FastTarget):
              tap_layers: tuple[int, ...] | None, ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The forward up to the final norm, device work only (a CUDA graph captures it): attention layers as
         FastTarget's with the output gate, linear layers from the committed states, a verify's rows along their
-        paths (`own`) with every row's state kept, a prefill's in one causal run."""
+        paths (`own`), what their commit needs kept, a prefill's in one causal run."""
         kv = self.storage.kv
         t = ids.shape[1]
         slots = self.storage.length + self.slot_ids[:t]
         cos, sin = self.cos[positions][None, None], self.sin[positions][None, None]
         groups = self.heads // self.kv_heads
         prefill = self.states.prefilling
-        layout = None if prefill else path_layout(own.unsqueeze(0), self.states.window.shape[-1] + 1)
+        layout = None if prefill else (*path_layout(own.unsqueeze(0), self.states.window.shape[-1] + 1),
+                                       own.unsqueeze(0))
 
         def dense(window: int | None) -> torch.Tensor:
             return ops.attention_bias(self.storage.length, self.slot_ids[:cap], positions, own, window, groups,
@@ -314,9 +324,9 @@ class HybridFastTarget(FastTarget):
         return out * torch.sigmoid(gate)
 
     def _delta_net(self, n: int, layer: DeltaNetWeights, proj: torch.Tensor,
-                   layout: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+                   layout: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         """Linear layer n's mixer output [1, t, value heads * dv] for out_proj: a prefill (`layout` None) advances
-        its window and state in place; a verify reads them and keeps each row's conv input and state."""
+        its window and state in place; a verify reads them and keeps what each row's commit needs."""
         states, units = self.states, self.units
         sizes = (layer.key_heads, layer.value_heads, layer.key_dim, layer.value_dim, layer.act)
         inputs = proj[..., :conv_channels(layer)]
@@ -328,9 +338,9 @@ class HybridFastTarget(FastTarget):
             window.copy_(appended[..., appended.shape[-1] - window.shape[-1]:])
             state.copy_(final)
         else:
-            parents, columns = layout
-            states.inputs[n, :, :proj.shape[1]] = inputs
+            parents, columns, own = layout
             q, k, v, g, beta, z = units.verify_heads(window, proj, layer.conv, columns, layer.neg_decay, layer.dt_bias,
                                                      *sizes)
-            out = units.path_rule(q, k, v, g, beta, state, parents, states.kept[n])
+            states.keep_rows(n, inputs, k, v, g, beta)
+            out = units.path_rule(q, k, v, g, beta, state, parents, own)
         return units.gated_norm(out.transpose(1, 2).to(proj.dtype), z, layer.gated_norm, self.eps)
