@@ -536,8 +536,17 @@ def test_a_batch_whose_kv_cannot_fit_is_refused_with_the_numbers() -> None:
     check_kv_room(target, 10**6, 10**6)  # a CPU: free memory unknown, no refusal
     from test_hybrid import make_hybrid
 
+    from blockdraft.engine.batch_sizes import linear_state_bytes, sequence_bytes
+    from blockdraft.fast.hybrid_target import HybridFastTarget
+
     hybrid = Target(make_hybrid("qwen3_5"))  # one attention layer of four
     assert kv_cache_bytes(hybrid, 1, 10) == 10 * 1 * 2 * 2 * 8 * 4
+    fast = HybridFastTarget(hybrid.model)  # three linear layers: 4 value heads of 8 x 8, 64 conv channels, kernel 4
+    per_row = fast.batch_states(1).row_bytes() // 3
+    assert linear_state_bytes(hybrid) == 3 * (4 * 8 * 8 * 4 + 64 * 3 * 4 + 17 * per_row)
+    assert sequence_bytes(hybrid, 2, 10) == kv_cache_bytes(hybrid, 2, 10) + 2 * linear_state_bytes(hybrid)
+    with pytest.raises(BlockdraftError, match="linear-attention states"):
+        check_kv_room(hybrid, 2, 10, free_bytes=sequence_bytes(hybrid, 2, 10) - 1)
 
 
 def test_the_default_batch_is_what_the_memory_holds_on_the_fast_engine_and_one_elsewhere() -> None:

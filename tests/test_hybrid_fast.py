@@ -4,6 +4,8 @@ sampled decoding keeps the target's distribution; rollbacks leave exactly the co
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 
@@ -13,7 +15,7 @@ from blockdraft.decoding.generate import generate
 from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.engine.batch import BatchDecoder
 from blockdraft.engine.batch_sizes import default_max_num_seqs
-from blockdraft.engine.decode_batch import generate_batch
+from blockdraft.engine.sequence import Request
 from blockdraft.errors import BlockdraftError
 from blockdraft.fast.delta_net import CHUNK, advance_state, chunked_delta_rule, path_delta_rule, path_layout
 from blockdraft.fast.engines import engine_note, make_target
@@ -145,17 +147,69 @@ def test_sampling_matches_the_target(method: str) -> None:
     assert p_value(sample_counts(target, proposer, params, 3), exact_joint(model, params, 3)) > 1e-3
 
 
-def test_requests_run_one_at_a_time(pair) -> None:
-    """The batched decoder serves a hybrid fast target one sequence at a time (each prompt's ids as alone), and
-    refuses a batch it cannot hold with the fix named."""
+@pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])
+def test_batched_decode_equals_each_alone(pair, method: str) -> None:
+    """Continuous batching on the hybrid's slots (each slot its own linear states; sequences joining, leaving and
+    moving between slots, a lone one back on the batch-1 path): every prompt's ids equal HF's greedy decode."""
     model, fast = pair
     drafter = make_drafter("all_full")
-    results = dict(generate_batch(fast, PROMPTS, lambda: DDTreeProposer(drafter, fast, 6), 1, max_new_tokens=12))
-    assert [results[i].token_ids for i in range(len(PROMPTS))] == [hf_greedy(model, p, 12) for p in PROMPTS]
-    with pytest.raises(BlockdraftError, match="one sequence at a time.*--engine hf"):
-        BatchDecoder(fast, lambda: None, 4)
-    assert default_max_num_seqs(fast, 512) == 1
-    assert "one request at a time" in (engine_note(fast) or "")
+    prompts = PROMPTS + [[5, 6, 7, 8], [90, 3]]
+    lengths = [12, 5, 9, 16, 3]
+
+    def proposer() -> DFlashProposer | DDTreeProposer | None:
+        return {"ar": None, "dflash": DFlashProposer(drafter, fast), "ddtree": DDTreeProposer(drafter, fast, 6)}[method]
+
+    decoder = BatchDecoder(fast, proposer, 3)
+    results: dict[int, list[int]] = {}
+    owner: dict[int, int] = {}
+    pending = list(enumerate(prompts))
+    while pending or decoder.running:
+        joining, pending = pending[: decoder.free], pending[decoder.free :]
+        for (index, _), seq in zip(joining, decoder.join_many([Request(p, lengths[i]) for i, p in joining])):
+            owner[id(seq)] = index
+        for seq in decoder.step():
+            results[owner[id(seq)]] = seq.result().token_ids
+    assert [results[i] for i in range(len(prompts))] == [hf_greedy(model, p, n) for p, n in zip(prompts, lengths)]
+
+
+def test_padded_batched_forward_matches_each_sequence(pair) -> None:
+    """The batched forward padded to a graph's shape (padding sequences in free slots, padding rows seeing only
+    themselves) gives each sequence the logits of its own batch-1 forward, trees included."""
+    from blockdraft.fast.batch import BatchForward, BatchKV
+
+    model, fast = pair
+    store = BatchKV.for_target(fast, 4)
+    forward = BatchForward(fast, store, pad=True)
+    alone = []
+    for slot, prompt in enumerate(PROMPTS[:3]):
+        cache = fast.new_cache()
+        fast.forward(torch.tensor([prompt]), torch.arange(len(prompt)), cache, last_logits_only=True)
+        store.load(slot, cache)
+        alone.append((prompt, len(prompt)))
+    draft = scattered_path_tree(hf_greedy(model, PROMPTS[2], 6))
+    rows = 1 + len(draft)
+    own = torch.zeros(3, rows, rows, dtype=torch.bool)
+    ids = torch.zeros(3, rows, dtype=torch.long)
+    positions = torch.zeros(3, rows, dtype=torch.long)
+    tree_own = draft.tree_mask(0, fast.device)[0, 0]
+    for b, (prompt, n) in enumerate(alone):
+        if b == 2:  # a tree
+            own[b], ids[b] = tree_own, torch.cat([torch.tensor([7]), draft.tokens])
+            positions[b] = draft.positions(n, fast.device)
+        else:  # a chain of 3 rows, then padding rows seeing only themselves
+            own[b] = torch.eye(rows, dtype=torch.bool)
+            own[b, :3, :3] = torch.ones(3, 3, dtype=torch.bool).tril()
+            ids[b, :3] = torch.tensor([7, 8, 9])
+            positions[b, :3] = torch.arange(n, n + 3)
+            positions[b, 3:] = n
+    logits, taps = forward(ids, positions, own, TAPS)
+    for b, (prompt, n) in enumerate(alone):
+        cache = fast.new_cache()
+        fast.forward(torch.tensor([prompt]), torch.arange(n), cache, last_logits_only=True)
+        real = rows if b == 2 else 3
+        mask = None if b != 2 else draft.tree_mask(n, fast.device)
+        want = fast.forward(ids[b : b + 1, :real], positions[b, :real], cache, TAPS, attention_mask=mask)
+        assert close(logits[b, :real], want.logits[0]) and close(taps[b, :real], want.taps[0])
 
 
 def test_engine_choice() -> None:
@@ -169,6 +223,7 @@ def test_engine_choice() -> None:
         with pytest.raises(BlockdraftError, match="mixture-of-experts.*use --engine hf"):
             make_target(make_hybrid(family), "fast")
     assert engine_note(Target(dense)) is None  # on a CPU the HF engine needs no word
+    assert default_max_num_seqs(HybridFastTarget(dense), 512, free_bytes=2**30) > 1  # batched on a GPU
 
 
 def test_chunked_rule_equals_the_per_token_rule() -> None:
@@ -236,8 +291,8 @@ def test_compiled_units_and_the_rule_kernel_stay_lossless() -> None:
 
 
 def test_serve_runs_a_hybrid_target_on_the_fast_engine(tmp_path) -> None:
-    """`blockdraft serve --engine fast --method ddtree` on a saved hybrid target: it starts, says why it serves one
-    request at a time, and answers a chat request with HF's greedy continuation."""
+    """`blockdraft serve --engine fast --method ddtree --max-num-seqs 2` on a saved hybrid target: it starts on the
+    fast engine and answers two concurrent requests."""
     import openai
     from serve_support import add_char_tokenizer, running, settings
 
@@ -248,11 +303,12 @@ def test_serve_runs_a_hybrid_target_on_the_fast_engine(tmp_path) -> None:
     add_char_tokenizer(tmp_path / "target")
     save_drafter(make_drafter("all_full"), tmp_path / "drafter", dtype=torch.float32)
     said: list[str] = []
-    with running(settings(tmp_path / "target", tmp_path / "drafter", engine="fast", method="ddtree", budget=4),
-                 said.append) as server:
+    with running(settings(tmp_path / "target", tmp_path / "drafter", engine="fast", method="ddtree", budget=4,
+                          max_num_seqs=2), said.append) as server:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
-        reply = client.completions.create(model=client.models.list().data[0].id, prompt="Hello", max_tokens=8,
-                                          temperature=0)
-    assert reply.usage.completion_tokens == 8
+        model_id = client.models.list().data[0].id
+        with ThreadPoolExecutor(2) as pool:
+            replies = list(pool.map(lambda prompt: client.completions.create(
+                model=model_id, prompt=prompt, max_tokens=8, temperature=0), ["Hello", "How are you"]))
+    assert [reply.usage.completion_tokens for reply in replies] == [8, 8]
     assert any("engine fast" in line for line in said)
-    assert any("one request at a time" in line for line in said)

@@ -749,7 +749,6 @@ def test_a_forward_builds_its_dense_bias_only_where_the_library_attends(attentio
     (the sliding target has two: full and windowed layers), never where the kernel runs every layer."""
     from test_batched_decode import sliding_target
 
-    from blockdraft.fast import batch as fast_batch
     from blockdraft.fast import ops as fast_ops
     from blockdraft.fast.batch import BatchKV, forward_batch
 
@@ -770,7 +769,7 @@ def test_a_forward_builds_its_dense_bias_only_where_the_library_attends(attentio
         return count
 
     target.ops.attention_bias = counted(target.ops.attention_bias)
-    monkeypatch.setattr(fast_batch, "batched_attention_bias", counted(fast_batch.batched_attention_bias))
+    target.ops.batched_attention_bias = counted(target.ops.batched_attention_bias)
     cache = target.new_cache()
     with torch.inference_mode():
         target.forward(torch.tensor([[3, 9, 27, 4, 11, 40]], device=DEVICE), torch.arange(6, device=DEVICE), cache)

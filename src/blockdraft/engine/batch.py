@@ -58,10 +58,6 @@ class BatchDecoder:
                  schedule: Schedule | MeasuredSchedule | None = None) -> None:
         if max_seqs < 1:
             raise BlockdraftError(f"--batch-size {max_seqs} must be >= 1")
-        if max_seqs > 1 and target.static_cache and not target.batch_slots:
-            raise BlockdraftError(f"--batch-size / --max-num-seqs {max_seqs}: the fast engine runs this hybrid target one "
-                                  "sequence at a time (its batched slots are the dense targets' so far); pass 1, or "
-                                  "--engine hf to interleave requests")
         self.target = target
         self.new_proposer = new_proposer
         self.max_seqs = max_seqs

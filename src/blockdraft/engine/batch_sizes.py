@@ -21,6 +21,28 @@ def kv_cache_bytes(target: Target, sequences: int, length: int) -> int:
     return sequences * length * attention * 2 * kv_heads * head_dim * element
 
 
+def linear_state_bytes(target: Target, rows: int = 17) -> int:
+    """A hybrid target's per-sequence linear-attention memory, whatever the length: each linear layer's float32
+    recurrent state and conv window, and the row buffers of a `rows`-row verify (what its commit reads,
+    `fast.linear_states`); 0 for other targets."""
+    config = target.model.config.get_text_config(decoder=True)
+    layers = sum(kind == "linear_attention" for kind in target.layer_types)
+    if not layers:
+        return 0
+    heads, key_dim = config.linear_num_value_heads, config.linear_key_head_dim
+    value_dim, key_heads = config.linear_value_head_dim, config.linear_num_key_heads
+    channels = 2 * key_heads * key_dim + heads * value_dim
+    element = torch.finfo(target.dtype).bits // 8
+    window = channels * (config.linear_conv_kernel_dim - 1) * element
+    row = channels * element + heads * (key_dim + value_dim + 2) * 4
+    return layers * (heads * key_dim * value_dim * 4 + window + rows * row)
+
+
+def sequence_bytes(target: Target, sequences: int, length: int) -> int:
+    """The memory `sequences` sequences of `length` tokens hold: their K/V and a hybrid's linear states."""
+    return kv_cache_bytes(target, sequences, length) + sequences * linear_state_bytes(target)
+
+
 def bucket_sizes(most: int) -> list[int]:
     """1, 2, 4, ... up to `most` (which ends the list whether a power of two or not): the batch sizes the batched
     engine's graphs are captured for, and those a schedule is tuned at."""
@@ -46,7 +68,7 @@ def default_max_num_seqs(target: Target, length: int, free_bytes: int | None = N
         if target.device.type != "cuda":
             return 1
         free_bytes = torch.cuda.mem_get_info(target.device)[0]
-    fits = int(0.9 * free_bytes) // max(kv_cache_bytes(target, 1, length), 1)
+    fits = int(0.9 * free_bytes) // max(sequence_bytes(target, 1, length), 1)
     seqs = min(DEFAULT_MAX_NUM_SEQS, fits)
     return seqs if seqs >= 2 else 1
 
@@ -59,9 +81,10 @@ def check_kv_room(target: Target, sequences: int, length: int, free_bytes: int |
         if target.device.type != "cuda":
             return
         free_bytes = torch.cuda.mem_get_info(target.device)[0]
-    need = kv_cache_bytes(target, sequences, length)
+    need = sequence_bytes(target, sequences, length)
     if need > free_bytes:
         raise BlockdraftError(
-            f"--max-num-seqs {sequences} x --max-model-len {length} needs {need / 2**30:.2f} GiB of KV cache and the "
+            f"--max-num-seqs {sequences} x --max-model-len {length} needs {need / 2**30:.2f} GiB of KV cache (and "
+            "linear-attention states) and the "
             f"device has {free_bytes / 2**30:.2f} GiB free; lower --max-num-seqs or --max-model-len"
         )

@@ -81,6 +81,8 @@ class SlotVerifier:
         """Several prompts (at most PREFILL_ROWS tokens in all) prefilled in one packed forward into the target's
         own cache, then each one's K/V into slots first..: each prompt's last-row logits [k, V] and taps [1, t, *]."""
         self.before_prefill()
+        if not self.target.packs_prompts:
+            return self._prefill_each(first, prompts, tap_layers)
         cache = self.target.new_cache()
         ids, positions, own, firsts = pack_prompts(prompts, self.target.device)
         hidden, taps = self.target.prefill(ids, positions, own, cache, tap_layers)
@@ -90,6 +92,22 @@ class SlotVerifier:
         contexts = None if taps is None else [taps[:, start : start + len(prompt)]
                                               for start, prompt in zip(firsts, prompts)]
         return self.target.lm_head(hidden[0, lasts]), contexts
+
+    def _prefill_each(self, first: int, prompts: list[list[int]], tap_layers: tuple[int, ...] | None
+                      ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        """`prefill` one prompt per forward (a hybrid target: its linear attention would run packed prompts into each
+        other)."""
+        lasts, contexts = [], []
+        for b, prompt in enumerate(prompts):
+            cache = self.target.new_cache()
+            n = len(prompt)
+            ids = long_tensor(prompt, self.target.device).unsqueeze(0)
+            hidden, taps = self.target.prefill(ids, torch.arange(n, device=self.target.device), None, cache,
+                                               tap_layers)
+            self.store.load(first + b, cache)
+            lasts.append(hidden[0, -1])
+            contexts.append(taps)
+        return self.target.lm_head(torch.stack(lasts)), None if tap_layers is None else contexts
 
     def load(self, slot: int, cache: StaticTargetCache) -> None:
         if slot == 0:  # alone: stay where the prefill put it
@@ -105,6 +123,8 @@ class SlotVerifier:
         if self.single is None:
             self.single = self.target.new_cache()
             self.single.load_rows(self.store.kv[:, :, 0], self.store.lengths[0])
+            if self.store.linear is not None and self.single.states is not None:
+                self.single.states.load(0, self.store.linear, 0)
         return self.single
 
     def forward(self, anchors: list[int], drafts: list[Draft], starts: list[int],
@@ -132,7 +152,7 @@ class SlotVerifier:
         if self.single is not None:
             _keep_one(self.single, start, rows, produced)
         elif rows is None:
-            self.store.lengths[slot] = start + produced
+            self.store.keep_chain(slot, start, produced)
         else:
             self.store.compact(slot, start, rows)
 

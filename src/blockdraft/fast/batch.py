@@ -24,10 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from blockdraft.fast.target import (FastTarget, LayerWeights, attend, attention_masks, fixed_mask,
-                                            graph_rows, layer_mlp)
+from blockdraft.fast.linear_states import LinearStates
+from blockdraft.fast.target import FastTarget, fixed_mask, graph_rows
 from blockdraft.fast.graphs import capture, graph_pool
 from blockdraft.kernels.sizes import power_of_two_at_least
 from blockdraft.models.host_to_device import long_tensor
@@ -42,14 +41,16 @@ class BatchKV:
     batched verify, the drafter's contexts in the batched drafter."""
 
     def __init__(self, layers: int, kv_heads: int, head_dim: int, slots: int, dtype: torch.dtype,
-                 device: torch.device, positions: int = 0) -> None:
+                 device: torch.device, positions: int = 0, linear: LinearStates | None = None) -> None:
         self.kv = kv_buffer((layers, 2, slots, kv_heads, 0, head_dim), 4, positions, dtype, device)
         self.lengths = [0] * slots
+        self.linear = linear  # a hybrid target's linear-attention states, slot by slot
         self.version = 0  # bumped when `kv` is reallocated: graphs captured on the old buffer must not run again
 
     @classmethod
     def for_target(cls, target: FastTarget, slots: int, positions: int = 0) -> "BatchKV":
-        return cls(target.num_layers, target.kv_heads, target.head_dim, slots, target.dtype, target.device, positions)
+        return cls(target.kv_layers, target.kv_heads, target.head_dim, slots, target.dtype, target.device, positions,
+                   target.batch_states(slots))
 
     @property
     def slots(self) -> int:
@@ -71,12 +72,21 @@ class BatchKV:
         self.kv = grown
         self.version += 1
 
+    def ensure_rows(self, rows: int) -> None:
+        """Room for a verify of `rows` rows a sequence in the linear states' row buffers (growing them drops the
+        graphs captured on the old ones, as a grown K/V buffer does)."""
+        if self.linear is not None and rows > self.linear.rows:
+            self.linear.ensure_rows(rows)
+            self.version += 1
+
     @torch.inference_mode()
     def load(self, slot: int, cache: StaticTargetCache, first: int = 0, length: int | None = None) -> None:
         """Take `length` positions of a prefilled batch-1 cache's K/V from position `first` (by default all it
-        holds) into `slot` (a packed prefill holds several prompts one after another)."""
+        holds) into `slot` (a packed prefill holds several prompts one after another), and its linear states."""
         n = len(cache) - first if length is None else length
         self.load_kv(slot, cache.storage.kv[:, :, :, first:], n)
+        if self.linear is not None and cache.states is not None:
+            self.linear.load(slot, cache.states)
 
     @torch.inference_mode()
     def load_kv(self, slot: int, kv: torch.Tensor, length: int) -> None:
@@ -91,6 +101,14 @@ class BatchKV:
         n = self.lengths[source]
         self.kv[:, :, dest, :, :n] = self.kv[:, :, source, :, :n]
         self.lengths[dest] = n
+        if self.linear is not None:
+            self.linear.move(source, dest)
+
+    def keep_chain(self, slot: int, start: int, produced: int) -> None:
+        """Commit the first `produced` rows of `slot`'s verify (its chain from `start`)."""
+        self.lengths[slot] = start + produced
+        if self.linear is not None:
+            self.linear.commit(torch.arange(produced, device=self.kv.device), slot)
 
     @torch.inference_mode()
     def compact(self, slot: int, base: int, keep: torch.Tensor) -> None:
@@ -99,23 +117,8 @@ class BatchKV:
         rows = self.kv[:, :, slot]
         rows[:, :, :, base : base + n] = rows.index_select(3, keep.to(rows.device) + base)
         self.lengths[slot] = base + n
-
-
-def batched_attention_bias(lengths: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor, own: torch.Tensor,
-                           window: int | None, groups: int, dtype: torch.dtype) -> torch.Tensor:
-    """[B, 1, groups * t, cap] additive mask: `fast_ops.attention_bias` for each sequence, with its own length."""
-    batch, t = positions.shape
-    rel = slot_ids.unsqueeze(0) - lengths.unsqueeze(1)  # [B, cap]
-    committed = rel < 0
-    row = rel.clamp(0, t - 1)
-    fresh = (rel >= 0) & (rel < t)
-    own_cols = own.gather(2, row.unsqueeze(1).expand(batch, t, -1))  # own[b, i, row[b, c]]
-    visible = committed.unsqueeze(1) | (fresh.unsqueeze(1) & own_cols)
-    if window is not None:
-        key_pos = torch.where(committed, slot_ids.unsqueeze(0), positions.gather(1, row))
-        visible = visible & (positions.unsqueeze(2) - key_pos.unsqueeze(1) < window)
-    bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, float("-inf"))
-    return bias.repeat(1, groups, 1).unsqueeze(1)
+        if self.linear is not None:
+            self.linear.commit(keep, slot)
 
 
 @torch.inference_mode()
@@ -128,40 +131,9 @@ def forward_batch(target: FastTarget, store: BatchKV, ids: torch.Tensor, positio
     lengths = long_tensor(store.lengths[:batch], target.device)
     cap = round_up(max(store.lengths[:batch]) + t)
     store.ensure(cap)
-    h, taps = run_batch(target, store.kv, lengths, ids, positions, own, cap, tap_layers)
+    store.ensure_rows(t)
+    h, taps = target.run_batch(store.kv, store.linear, lengths, ids, positions, own, cap, tap_layers)
     return target.head(h), taps
-
-
-def run_batch(target: FastTarget, kv: torch.Tensor, lengths: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
-              own: torch.Tensor, cap: int,
-              tap_layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The batched forward itself up to the final norm (states [B, t, hidden], taps) of the sequences in slots
-    0..B-1: only device work on fixed buffers, so a CUDA graph can capture it. Every position is below `cap` (a
-    sequence's rows sit at its length plus their depth), so the rotary table of `cap` positions holds them."""
-    batch, t = ids.shape
-    device = target.device
-    ops, groups = target.ops, target.heads // target.kv_heads
-    seq = torch.arange(batch, device=device).unsqueeze(1).expand(batch, t)
-    cols = lengths.unsqueeze(1) + torch.arange(t, device=device)
-    cos_table, sin_table = target.rope_table(cap)
-    cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)
-    slot_ids = torch.arange(cap, device=device)
-
-    def dense(window: int | None) -> torch.Tensor:
-        return batched_attention_bias(lengths, slot_ids, positions, own, window, groups, target.dtype)
-
-    mask, biases = attention_masks(ops, seq[:, 0], lengths, own, positions, dense,
-                                   {layer.window for layer in target.layers})
-
-    def step(i: int, layer: LayerWeights, x: torch.Tensor, qkv: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        q = ops.batched_qkv_heads(qkv, layer.q_norm, layer.k_norm, cos, sin, target.heads, target.kv_heads,
-                                  target.eps, kv[i, 0], kv[i, 1], seq, cols)
-        keys, values = kv[i, 0, :batch, :, :cap], kv[i, 1, :batch, :, :cap]
-        out = attend(ops, layer, q, keys, values, biases.get(layer.window), t, target.heads, mask)
-        return layer_mlp(ops, layer, x, out, target.eps, target.act)
-
-    return target.run_layers(F.embedding(ids, target.embedding_weight), step, tap_layers)
 
 
 def batch_bucket(batch: int, slots: int) -> int:
@@ -209,6 +181,7 @@ class BatchForward:
         store = self.store
         cap = round_up(max(store.lengths[:batch]) + rows)
         store.ensure(cap)
+        store.ensure_rows(rows)
         if self.version != store.version:  # the K/V buffer was reallocated: old graphs point at freed memory
             self._drop_graphs()
             self.version = store.version
@@ -268,8 +241,8 @@ class BatchForward:
     def _run(self, entry: _BatchGraph, cap: int, tap_layers: tuple[int, ...] | None) -> None:
         """The padded forward, its states and taps written into the shared output buffers."""
         bucket, rows = entry.ids.shape
-        hidden, taps = run_batch(self.target, self.store.kv, entry.lengths, entry.ids, entry.positions, entry.own, cap,
-                                 tap_layers)
+        hidden, taps = self.target.run_batch(self.store.kv, self.store.linear, entry.lengths, entry.ids,
+                                             entry.positions, entry.own, cap, tap_layers)
         self.hidden_out[: bucket * rows].copy_(hidden.reshape(bucket * rows, -1))
         if taps is not None:
             self.taps_out[: bucket * rows, : taps.shape[-1]].copy_(taps.reshape(bucket * rows, -1))

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from blockdraft.fast.ops import ACTIVATIONS, rms_norm, rope_rotate
+from blockdraft.fast.ops import ACTIVATIONS
 
 CHUNK = 64  # rows per chunk of the chunked delta rule (HF's and flash-linear-attention's size)
 
@@ -209,25 +209,3 @@ def gated_norm(out: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: fl
     h = h * F.silu(z.float())
     return h.to(dtype).flatten(2)
 
-
-def gated_attention_heads(proj: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, cos: torch.Tensor,
-                          sin: torch.Tensor, heads: int, kv_heads: int, head_dim: int, eps: float,
-                          k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A gated attention layer's packed q|gate, k, v [1, t, *] (q_proj's rows: each head's query, then its gate) ->
-    q [1, kv_heads, groups * t, d] (normed, its first rotary dims rotated, GQA folded into rows as `fast.ops.qkv_heads`
-    does) and the gate [1, t, heads * d]; k (normed, rotated) and v written into the caches ([kv_heads, slots, d]) at
-    `slots`. One fusion unit."""
-    batch, t = proj.shape[:2]
-    d = head_dim
-    qg, k, v = proj.split([heads * 2 * d, kv_heads * d, kv_heads * d], dim=-1)
-    qg = qg.view(batch, t, heads, 2 * d)
-    q, gate = qg[..., :d], qg[..., d:].reshape(batch, t, heads * d)
-    q = rms_norm(q, q_norm, eps).transpose(1, 2)
-    k = rms_norm(k.view(batch, t, kv_heads, d), k_norm, eps).transpose(1, 2)
-    rot = cos.shape[-1]
-    q = torch.cat([rope_rotate(q[..., :rot], cos, sin), q[..., rot:]], dim=-1)
-    k = torch.cat([rope_rotate(k[..., :rot], cos, sin), k[..., rot:]], dim=-1)
-    k_cache[:, slots] = k[0]
-    v_cache[:, slots] = v.view(batch, t, kv_heads, d).transpose(1, 2)[0]
-    return q.reshape(batch, kv_heads, (heads // kv_heads) * t, d), gate

@@ -41,11 +41,7 @@ def make_target(model: PreTrainedModel, engine: str = "hf") -> Target:
 
 
 def engine_note(target: Target) -> str | None:
-    """One line for a start-up that runs other than the fast engine's batched best: why (a model the fast engine does
-    not run on a GPU, a hybrid target it runs one sequence at a time)."""
-    if target.static_cache and not target.batch_slots:
-        return ("the fast engine runs this hybrid target one request at a time (batched slots are the dense targets' "
-                "so far); --engine hf interleaves requests, each step slower")
+    """One line for a start-up on a GPU where the HF engine runs a model the fast one does not: why."""
     if target.engine != "hf" or target.device.type != "cuda":
         return None
     problem = fast_problem(target.model)

@@ -20,10 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from blockdraft.fast.delta_net import (DeltaNetWeights, advance_state, chunked_delta_rule, conv_channels,
-                                       gated_attention_heads, gated_norm, path_delta_rule, path_layout, prefill_heads,
-                                       verify_heads)
-from blockdraft.fast.linear_states import Advance, LinearStates
+from blockdraft.fast.delta_net import (DeltaNetWeights, advance_state, chunked_delta_rule, conv_channels, gated_norm,
+                                       path_delta_rule, path_layout, prefill_heads, verify_heads)
+from blockdraft.fast.gated_attention import batched_gated_attention_heads, gated_attention_heads
+from blockdraft.fast.linear_states import LinearStates
 from blockdraft.fast.ops import ACTIVATIONS, CompiledOrPlain, LayerOps
 from blockdraft.kernels.delta_rule import advance_state_kernel, delta_rule_runs, path_delta_rule_kernel
 from blockdraft.fast.static_cache import KVStorage, StaticTargetCache
@@ -96,6 +96,7 @@ class HybridUnits:
         self.prefill_heads = wrap(prefill_heads)
         self.gated_norm = wrap(gated_norm)
         self.gated_attention_heads = wrap(gated_attention_heads)
+        self.batched_gated_attention_heads = wrap(batched_gated_attention_heads)
         self.rule_kernel = rule_kernel
 
     def path_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -120,10 +121,9 @@ class HybridStaticCache(StaticTargetCache):
     forward keeps a chain whole (a decode step's one row, a fully accepted draft). A prefill updates the states in
     place and leaves nothing pending; a tree left uncommitted is a bug and raises."""
 
-    def __init__(self, storage: KVStorage, states: LinearStates, advance: Advance) -> None:
+    def __init__(self, storage: KVStorage, states: LinearStates) -> None:
         super().__init__(storage)
-        self.states = states
-        self.advance = advance
+        self.states: LinearStates = states
         states.reset()
         self.pending: tuple[int, int, bool] | None = None  # the last verify's (base, rows, chain)
 
@@ -157,7 +157,7 @@ class HybridStaticCache(StaticTargetCache):
 
     def _commit(self, base: int, rows: torch.Tensor) -> None:
         self.pending = None
-        self.states.commit(rows, self.advance)
+        self.states.commit(rows)
 
     def _last_verify(self, base: int) -> tuple[int, int, bool]:
         if self.pending is None or base < self.pending[0]:
@@ -165,11 +165,13 @@ class HybridStaticCache(StaticTargetCache):
         return self.pending
 
     def crop(self, length: int) -> None:
-        """Keep the first `length` positions: a prefix of the last verify's chain."""
-        if length >= self.length:
+        """Keep the first `length` positions: a prefix of the last verify's chain (all of it at its length or past)."""
+        if self.pending is None and length >= self.length:
             return
-        base, _, _ = self._last_verify(length)
-        self._commit(base, torch.arange(length - base, device=self.storage.kv.device))
+        base, _, chain = self._last_verify(length)
+        if not chain:
+            raise ValueError("a tree verify is committed by compact, not crop")
+        self._commit(base, torch.arange(min(length, self.length) - base, device=self.storage.kv.device))
         super().crop(length)
 
     def compact(self, base: int, keep: torch.Tensor) -> None:
@@ -183,10 +185,10 @@ class HybridStaticCache(StaticTargetCache):
 
 class HybridFastTarget(FastTarget):
     """A FastTarget for Qwen3.5-style hybrid stacks: gated attention on the static KV cache, Gated DeltaNet on static
-    linear states; same interface, same results as HF's forward. One sequence at a time: batched slots and fused
-    greedy steps are the dense engine's so far (`batch_slots`, `fused`)."""
+    linear states; same interface, same results as HF's forward, batched slots included (each slot its own linear
+    states). Its prompts prefill one per forward, and fused greedy steps are the dense engine's so far."""
 
-    batch_slots = False
+    packs_prompts = False
 
     def __init__(self, model: PreTrainedModel, cache_slots: int | None = None, graphs: bool | None = None,
                  compiled: bool | None = None) -> None:
@@ -218,15 +220,25 @@ class HybridFastTarget(FastTarget):
         self.linear_index = {i: n for n, i in enumerate(i for i, k in enumerate(self.layer_types)
                                                          if k == "linear_attention")}
         net = next(layer for layer in self.layers if isinstance(layer, DeltaNetWeights))
-        self.states = LinearStates(len(self.linear_index), conv_channels(net), net.conv.shape[-1], net.value_heads,
-                                   net.key_dim, net.value_dim, self.dtype, self.device)
+        self._linear_shape = (len(self.linear_index), conv_channels(net), net.conv.shape[-1], net.value_heads,
+                              net.key_dim, net.value_dim)
+        self.states = self.batch_states(1)
         slots = cache_slots or min(self.max_positions or 4096, 4096)
         self.storage = KVStorage(len(self.kv_index), self.kv_heads, self.head_dim, slots, self.dtype, self.device)
         self._init_graphs()
 
     def new_cache(self) -> HybridStaticCache:
         """The target's one static cache and state, emptied."""
-        return HybridStaticCache(self.storage, self.states, self.units.advance)
+        return HybridStaticCache(self.storage, self.states)
+
+    @property
+    def kv_layers(self) -> int:
+        """Layers with K/V in a cache: the attention layers."""
+        return len(self.kv_index)
+
+    def batch_states(self, slots: int) -> LinearStates:
+        """Linear states for `slots` sequences (a batch store's; the target's own batch-1 cache has one)."""
+        return LinearStates(*self._linear_shape, self.dtype, self.device, self.units.advance, slots)
 
     def prefill(self, input_ids: torch.Tensor, positions: torch.Tensor, own: torch.Tensor | None,
                 cache: StaticTargetCache, tap_layers: tuple[int, ...] | None = None
@@ -302,7 +314,7 @@ class HybridFastTarget(FastTarget):
         def step(i: int, layer: LayerWeights | DeltaNetWeights, x: torch.Tensor, proj: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
             if isinstance(layer, DeltaNetWeights):
-                mixed = self._delta_net(self.linear_index[i], layer, proj, layout)
+                mixed = self._delta_net(self.states, self.linear_index[i], layer, proj, layout)
             else:
                 mixed = self._gated_attention(ops, layer, proj, cos, sin, kv[self.kv_index[i]], slots, cap,
                                               biases.get(None), mask)
@@ -323,14 +335,54 @@ class HybridFastTarget(FastTarget):
                      mask)  # type: ignore[arg-type]
         return out * torch.sigmoid(gate)
 
-    def _delta_net(self, n: int, layer: DeltaNetWeights, proj: torch.Tensor,
+    def run_batch(self, kv: torch.Tensor, linear: LinearStates | None, lengths: torch.Tensor, ids: torch.Tensor,
+                  positions: torch.Tensor, own: torch.Tensor, cap: int,
+                  tap_layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """FastTarget's batched forward (sequences in slots 0..B-1, each with its own length) for the hybrid stack:
+        the attention layers' K/V in `kv`, the linear layers' states in slots 0..B-1 of `linear`, every sequence's
+        rows along their own paths (`own` [B, t, t])."""
+        assert linear is not None, "a hybrid target's batch store holds its linear states"
+        batch, t = ids.shape
+        ops, groups = self.ops, self.heads // self.kv_heads
+        seq = torch.arange(batch, device=self.device).unsqueeze(1).expand(batch, t)
+        cols = lengths.unsqueeze(1) + torch.arange(t, device=self.device)
+        cos_table, sin_table = self.rope_table(cap)
+        cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)
+        slot_ids = torch.arange(cap, device=self.device)
+        layout = (*path_layout(own, linear.window.shape[-1] + 1), own)
+
+        def dense(window: int | None) -> torch.Tensor:
+            return ops.batched_attention_bias(lengths, slot_ids, positions, own, window, groups, self.dtype)
+
+        mask, biases = attention_masks(ops, seq[:, 0], lengths, own, positions, dense, {None})
+
+        def step(i: int, layer: LayerWeights | DeltaNetWeights, x: torch.Tensor, proj: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+            if isinstance(layer, DeltaNetWeights):
+                mixed = self._delta_net(linear, self.linear_index[i], layer, proj, layout)
+            else:
+                layer_kv = kv[self.kv_index[i]]
+                q, gate = self.units.batched_gated_attention_heads(
+                    proj, layer.q_norm, layer.k_norm, cos, sin, self.heads, self.kv_heads, self.head_dim, self.eps,
+                    layer_kv[0], layer_kv[1], seq, cols)
+                out = attend(ops, layer, q, layer_kv[0, :batch, :, :cap], layer_kv[1, :batch, :, :cap],
+                             biases.get(None), t, self.heads, mask)  # type: ignore[arg-type]
+                mixed = out * torch.sigmoid(gate)
+            return layer_mlp(ops, layer, x, mixed, self.eps, self.act)  # type: ignore[arg-type]
+
+        return run_stack(ops, self.layers, F.embedding(ids, self.embedding_weight), step,  # type: ignore[arg-type]
+                         self.final_norm, self.eps, tap_layers)
+
+    def _delta_net(self, states: LinearStates, n: int, layer: DeltaNetWeights, proj: torch.Tensor,
                    layout: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """Linear layer n's mixer output [1, t, value heads * dv] for out_proj: a prefill (`layout` None) advances
-        its window and state in place; a verify reads them and keeps what each row's commit needs."""
-        states, units = self.states, self.units
+        """Linear layer n's mixer output [B, t, value heads * dv] for out_proj, from slots 0..B-1 of `states`: a
+        prefill (`layout` None, batch 1) advances its window and state in place; a verify reads them and keeps
+        what each row's commit needs."""
+        units = self.units
+        batch = proj.shape[0]
         sizes = (layer.key_heads, layer.value_heads, layer.key_dim, layer.value_dim, layer.act)
         inputs = proj[..., :conv_channels(layer)]
-        window, state = states.window[n], states.state[n]
+        window, state = states.window[n, :batch], states.state[n, :batch]
         if layout is None:
             q, k, v, g, beta, z = units.prefill_heads(window, proj, layer.conv, layer.neg_decay, layer.dt_bias, *sizes)
             out, final = chunked_delta_rule(q, k, v, g, beta, state)

@@ -19,14 +19,17 @@ Advance = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torc
 
 
 class LinearStates:
-    """The committed conv windows and recurrent states of one sequence, and the rows of its last verify."""
+    """The committed conv windows and recurrent states of `slots` sequences (one for a batch-1 cache, a batch's
+    slots in `fast.batch.BatchKV`), and the rows of their last verify; `advance` is `fast.delta_net.advance_state`
+    or its kernel, what the commits run."""
 
     def __init__(self, layers: int, channels: int, kernel: int, heads: int, key_dim: int, value_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, advance: Advance, slots: int = 1) -> None:
         with torch.inference_mode():
-            self.window = torch.zeros(layers, 1, channels, kernel - 1, dtype=dtype, device=device)
-            self.state = torch.zeros(layers, 1, heads, key_dim, value_dim, dtype=torch.float32, device=device)
+            self.window = torch.zeros(layers, slots, channels, kernel - 1, dtype=dtype, device=device)
+            self.state = torch.zeros(layers, slots, heads, key_dim, value_dim, dtype=torch.float32, device=device)
         self.sizes = (heads, key_dim, value_dim)
+        self.advance = advance
         self._rows(0)
         self.prefilling = False  # set by the cache around a prefill: the forward advances the states in place
         self.version = 0  # bumped when the row buffers grow: graphs captured on the old ones must not run again
@@ -34,12 +37,12 @@ class LinearStates:
     @torch.inference_mode()
     def _rows(self, rows: int) -> None:
         heads, key_dim, value_dim = self.sizes
-        layers, _, channels = self.window.shape[:3]
-        self.inputs = self.window.new_zeros(layers, 1, rows, channels)
-        self.keys = self.state.new_zeros(layers, 1, rows, heads, key_dim)
-        self.values = self.state.new_zeros(layers, 1, rows, heads, value_dim)
-        self.decay = self.state.new_zeros(layers, 1, rows, heads)
-        self.beta = self.state.new_zeros(layers, 1, rows, heads)
+        layers, slots, channels = self.window.shape[:3]
+        self.inputs = self.window.new_zeros(layers, slots, rows, channels)
+        self.keys = self.state.new_zeros(layers, slots, rows, heads, key_dim)
+        self.values = self.state.new_zeros(layers, slots, rows, heads, value_dim)
+        self.decay = self.state.new_zeros(layers, slots, rows, heads)
+        self.beta = self.state.new_zeros(layers, slots, rows, heads)
 
     @property
     def rows(self) -> int:
@@ -47,7 +50,7 @@ class LinearStates:
         return self.keys.shape[2]
 
     def row_bytes(self) -> int:
-        """Memory one verified row holds until its commit, all linear layers together."""
+        """Memory one verified row of one sequence holds until its commit, all linear layers together."""
         heads, key_dim, value_dim = self.sizes
         layers, _, channels = self.window.shape[:3]
         return layers * (channels * self.window.element_size() + heads * (key_dim + value_dim + 2) * 4)
@@ -64,32 +67,41 @@ class LinearStates:
         self.window.zero_()
         self.state.zero_()
 
-    @torch.inference_mode()
     def keep_rows(self, n: int, inputs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                   beta: torch.Tensor) -> None:
-        """Linear layer n's verify rows: conv inputs [1, t, C], k, v [1, H, t, d], g and beta [1, H, t]."""
-        t = inputs.shape[1]
-        self.inputs[n, :, :t] = inputs
-        self.keys[n, :, :t] = k.transpose(1, 2)
-        self.values[n, :, :t] = v.transpose(1, 2)
-        self.decay[n, :, :t] = g.transpose(1, 2)
-        self.beta[n, :, :t] = beta.transpose(1, 2)
+        """Linear layer n's verify rows of sequences 0..B-1: conv inputs [B, t, C], k, v [B, H, t, d], g and beta
+        [B, H, t] (device work only: a graph captures it)."""
+        batch, t = inputs.shape[:2]
+        self.inputs[n, :batch, :t] = inputs
+        self.keys[n, :batch, :t] = k.transpose(1, 2)
+        self.values[n, :batch, :t] = v.transpose(1, 2)
+        self.decay[n, :batch, :t] = g.transpose(1, 2)
+        self.beta[n, :batch, :t] = beta.transpose(1, 2)
 
     @torch.inference_mode()
-    def commit(self, rows: torch.Tensor, advance: Advance) -> None:
-        """After a verify, hold the sequence it left with only `rows` ([n] indices of the verify's rows, one
-        root-to-node path in order, on the device) appended to the committed one; `advance` is
-        `fast.delta_net.advance_state` or its kernel."""
+    def commit(self, rows: torch.Tensor, slot: int = 0) -> None:
+        """After a verify, hold in `slot` the sequence it left with only `rows` ([n] indices of the verify's rows,
+        one root-to-node path in order, on the device) appended to the committed one."""
         if rows.numel() == 0:
             return
         rows = rows.to(self.keys.device)
-        layers = self.state.shape[0]
 
-        def path(x: torch.Tensor) -> torch.Tensor:  # [L, 1, R, H, *] -> the path's rows as [L, H, n, *]
-            return x[:, 0, rows].transpose(1, 2)
+        def path(x: torch.Tensor) -> torch.Tensor:  # [L, S, R, H, *] -> the slot's path rows as [L, H, n, *]
+            return x[:, slot, rows].transpose(1, 2)
 
-        state = self.state.view(layers, *self.sizes)
-        state.copy_(advance(path(self.keys), path(self.values), path(self.decay), path(self.beta), state))
+        state = self.state[:, slot]
+        state.copy_(self.advance(path(self.keys), path(self.values), path(self.decay), path(self.beta), state))
         kernel = self.window.shape[-1]
-        appended = torch.cat([self.window, self.inputs[:, :, rows].transpose(-1, -2)], dim=-1)
-        self.window.copy_(appended[..., appended.shape[-1] - kernel:])
+        appended = torch.cat([self.window[:, slot], self.inputs[:, slot, rows].transpose(-1, -2)], dim=-1)
+        self.window[:, slot] = appended[..., appended.shape[-1] - kernel:]
+
+    @torch.inference_mode()
+    def load(self, slot: int, source: "LinearStates", source_slot: int = 0) -> None:
+        """Take `source`'s committed sequence in `source_slot` into `slot` (a batch-1 cache's into a batch slot, or
+        back)."""
+        self.window[:, slot] = source.window[:, source_slot]
+        self.state[:, slot] = source.state[:, source_slot]
+
+    def move(self, source: int, dest: int) -> None:
+        """Slot `source`'s sequence into slot `dest`."""
+        self.load(dest, self, source)

@@ -179,6 +179,23 @@ def attention_bias(
     return bias.repeat(groups, 1)[None, None]
 
 
+def batched_attention_bias(lengths: torch.Tensor, slot_ids: torch.Tensor, positions: torch.Tensor, own: torch.Tensor,
+                           window: int | None, groups: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, 1, groups * t, cap] additive mask: `fast_ops.attention_bias` for each sequence, with its own length."""
+    batch, t = positions.shape
+    rel = slot_ids.unsqueeze(0) - lengths.unsqueeze(1)  # [B, cap]
+    committed = rel < 0
+    row = rel.clamp(0, t - 1)
+    fresh = (rel >= 0) & (rel < t)
+    own_cols = own.gather(2, row.unsqueeze(1).expand(batch, t, -1))  # own[b, i, row[b, c]]
+    visible = committed.unsqueeze(1) | (fresh.unsqueeze(1) & own_cols)
+    if window is not None:
+        key_pos = torch.where(committed, slot_ids.unsqueeze(0), positions.gather(1, row))
+        visible = visible & (positions.unsqueeze(2) - key_pos.unsqueeze(1) < window)
+    bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, float("-inf"))
+    return bias.repeat(1, groups, 1).unsqueeze(1)
+
+
 def decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float
 ) -> torch.Tensor:
@@ -378,6 +395,7 @@ class LayerOps:
         self.merge_heads = wrap(merge_heads)
         self.glu = wrap(glu)
         self.attention_bias = wrap(attention_bias)
+        self.batched_attention_bias = batched_attention_bias
         attention = wrap(decode_attention)
         self.decode_attention = attention
         self.block_attention = partial(kernel_block_attention, attention, self.merge_heads)

@@ -14,6 +14,8 @@ from contextlib import contextmanager
 
 import torch
 
+from blockdraft.fast.linear_states import LinearStates
+
 # Slots are allocated, and attention reads keys, in multiples of this: few distinct shapes (few CUDA graphs),
 # and masks whose last dimension suits the fused attention kernels.
 SLOT_STEP = 256
@@ -71,6 +73,8 @@ class StaticTargetCache:
 
     A FastTarget has one storage, so only its newest cache is live; using an older one is a bug and raises.
     """
+
+    states: LinearStates | None = None  # a hybrid target's linear-attention states (`HybridStaticCache`)
 
     def __init__(self, storage: KVStorage) -> None:
         self.storage = storage

@@ -24,6 +24,7 @@ from blockdraft.fast.ops import ACTIVATIONS, CompactMask, LayerOps, sdpa_attenti
 from blockdraft.fast.graphs import capture, graph_pool
 from blockdraft.kernels.sizes import power_of_two_at_least
 from blockdraft.models.host_to_device import long_tensor
+from blockdraft.fast.linear_states import LinearStates
 from blockdraft.fast.static_cache import SLOT_STEP, KVStorage, StaticTargetCache, round_up
 from blockdraft.models.target import Target, TargetOutput
 
@@ -250,6 +251,7 @@ class FastTarget(Target):
     static_cache = True
     batch_slots = True
     row_masks = True
+    packs_prompts = True  # several prompts prefill as one forward (`pack_prompts`)
 
     def __init__(
         self,
@@ -434,6 +436,47 @@ class FastTarget(Target):
         (`decoding.fused_steps`). The caller reserves the rows and moves the length."""
         self._tables()
         return self._run(ids, positions, own, cap, tap_layers, self.ops)
+
+    @property
+    def kv_layers(self) -> int:
+        """Layers with K/V in a cache: every one here."""
+        return self.num_layers
+
+    def batch_states(self, slots: int) -> LinearStates | None:
+        """The per-sequence state a batch store holds beside the K/V: none here (a hybrid target's linear states)."""
+        return None
+
+    def run_batch(self, kv: torch.Tensor, linear: LinearStates | None, lengths: torch.Tensor, ids: torch.Tensor,
+                  positions: torch.Tensor, own: torch.Tensor, cap: int,
+                  tap_layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The batched forward (`fast.batch`) up to the final norm (states [B, t, hidden], taps) of the sequences in
+        slots 0..B-1 of `kv` ([layers, 2, slots, kv_heads, positions, d]), each with its own length: only device work
+        on fixed buffers, so a CUDA graph can capture it. Every position is below `cap` (a sequence's rows sit at its
+        length plus their depth), so the rotary table of `cap` positions holds them. Only the K/V write and the mask
+        are batch-specific: attention, the layer's tail and the stack are the batch-1 forward's."""
+        batch, t = ids.shape
+        ops, groups = self.ops, self.heads // self.kv_heads
+        seq = torch.arange(batch, device=self.device).unsqueeze(1).expand(batch, t)
+        cols = lengths.unsqueeze(1) + torch.arange(t, device=self.device)
+        cos_table, sin_table = self.rope_table(cap)
+        cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)
+        slot_ids = torch.arange(cap, device=self.device)
+
+        def dense(window: int | None) -> torch.Tensor:
+            return ops.batched_attention_bias(lengths, slot_ids, positions, own, window, groups, self.dtype)
+
+        mask, biases = attention_masks(ops, seq[:, 0], lengths, own, positions, dense,
+                                       {layer.window for layer in self.layers})
+
+        def step(i: int, layer: LayerWeights, x: torch.Tensor, qkv: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+            q = ops.batched_qkv_heads(qkv, layer.q_norm, layer.k_norm, cos, sin, self.heads, self.kv_heads, self.eps,
+                                      kv[i, 0], kv[i, 1], seq, cols)
+            keys, values = kv[i, 0, :batch, :, :cap], kv[i, 1, :batch, :, :cap]
+            out = attend(ops, layer, q, keys, values, biases.get(layer.window), t, self.heads, mask)
+            return layer_mlp(ops, layer, x, out, self.eps, self.act)
+
+        return self.run_layers(F.embedding(ids, self.embedding_weight), step, tap_layers)
 
     def run_layers(self, x: torch.Tensor, step: LayerStep, tap_layers: tuple[int, ...] | None,
                    ops: LayerOps | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:

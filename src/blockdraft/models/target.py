@@ -40,6 +40,7 @@ class Target:
     # What the engines may ask of a target (HF's forward: none of it; the fast engine's: all of it):
     static_cache = False  # its cache is fixed buffers: reserved up front, its graphs captured on them
     batch_slots = False  # its sequences' caches live in the slots of one batch store (`engine.verifiers.SlotVerifier`)
+    packs_prompts = False  # with batch slots: several prompts prefill as one forward
     use_graphs = False  # its forwards replay CUDA graphs (captured at each new shape)
     fused = False  # it runs greedy steps as fused graphs (`decoding.fused_steps`)
     row_masks = False  # a forward's tree mask may be the new rows' own [t, t] (the cache's columns are implied)
