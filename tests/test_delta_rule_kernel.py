@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from blockdraft.fast.delta_net import advance_state, path_delta_rule, path_layout
+from blockdraft.fast.delta_net import advance_state, advance_state_counted, path_delta_rule, path_layout
 from blockdraft.kernels.delta_rule import advance_state_kernel, delta_rule_runs, path_delta_rule_kernel
 from blockdraft.kernels.skinny_gemm import kernel_available
 
@@ -48,3 +48,9 @@ def test_kernel_matches_the_rule(shape: list[int]) -> None:
         want_state = advance_state(*parts, args[5])
         got_state = advance_state_kernel(*parts, args[5].clone())
     torch.testing.assert_close(got_state, want_state, rtol=1e-5, atol=1e-5)
+    count = torch.tensor(2, device=DEVICE)  # a fused step's accepted rows, on the device
+    with torch.inference_mode():
+        want_counted = advance_state_counted(*parts, args[5], count)
+        got_counted = advance_state_kernel(*parts, args[5].clone(), count)
+    torch.testing.assert_close(got_counted, want_counted, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(want_counted, advance_state(*[x[:, :, :2] for x in parts], args[5]))

@@ -276,12 +276,13 @@ def test_memory_per_verified_row_is_stated_and_bounded() -> None:
 
 
 def test_compiled_units_and_the_rule_kernel_stay_lossless() -> None:
-    """The GPU's configuration on a CPU: every hybrid unit compiled and the verify's delta rule from its Triton
-    kernel (under the interpreter where there is no GPU); DFlash and DDTree ids still equal HF's greedy decode."""
+    """The GPU's configuration on a CPU: every hybrid unit compiled, fused steps, and the delta rule of verifies and
+    commits from its Triton kernels (under the interpreter where there is no GPU); DFlash and DDTree ids still equal
+    HF's greedy decode."""
     from blockdraft.kernels.skinny_gemm import kernel_available
 
     model = make_hybrid("qwen3_5", seed=1)
-    fast = HybridFastTarget(model, compiled=True)
+    fast = HybridFastTarget(model, compiled=True, fused=True)
     fast.units.rule_kernel = kernel_available(fast.device)
     drafter = make_drafter("all_full")
     prompt = PROMPTS[0]
@@ -312,3 +313,23 @@ def test_serve_runs_a_hybrid_target_on_the_fast_engine(tmp_path) -> None:
                 model=model_id, prompt=prompt, max_tokens=8, temperature=0), ["Hello", "How are you"]))
     assert [reply.usage.completion_tokens for reply in replies] == [8, 8]
     assert any("engine fast" in line for line in said)
+
+
+def test_fused_steps_commit_the_states_on_the_device() -> None:
+    """Greedy steps fused into two graphs (run eagerly on a CPU) commit the linear states inside the step, from the
+    walk's count on the device: AR, DFlash and DDTree ids equal HF's greedy decode, alone and as a batch's lone
+    sequence."""
+    from blockdraft.decoding.fused_steps import fused_steps
+
+    model = make_hybrid("qwen3_5", seed=2)
+    fast = HybridFastTarget(model, fused=True)
+    drafter = make_drafter("all_full")
+    for proposer in (None, DFlashProposer(drafter, fast), DDTreeProposer(drafter, fast, 6)):
+        assert fused_steps(fast, proposer) is not None
+        for prompt in PROMPTS:
+            assert generate(fast, prompt, proposer, max_new_tokens=14).token_ids == hf_greedy(model, prompt, 14)
+    decoder = BatchDecoder(fast, lambda: DDTreeProposer(drafter, fast, 6), 2)
+    seq = decoder.join(PROMPTS[2], 14)
+    while decoder.running:
+        decoder.step()
+    assert seq.tokens == hf_greedy(model, PROMPTS[2], 14)

@@ -265,6 +265,7 @@ class FusedSteps:
         if self.budget is not None:  # a tree's accepted rows move to the slots after the context
             kv = target.storage.kv
             kv.index_copy_(3, length + self.row_ids[: self.commit_rows], kv.index_select(3, length + self.path))
+        target.commit_path(self.path, self.result[0])
         if taps is not None:
             self.taps.copy_(taps[:, self.path])
         if self.lookup:  # the committed tokens follow the anchor in the history

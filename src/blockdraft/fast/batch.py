@@ -5,8 +5,9 @@ active ones occupy slots 0..B-1, so attention reads them as one view. A forward 
 sequence needs this step; a sequence with fewer rows pads with rows only it sees, written past its length and never
 committed), its own positions and [R, R] visibility (causal for chains, ancestors for trees), and writes each
 sequence's K/V at its own length. Committing is per sequence: a new length (a chain) or a gather within its slot
-(a tree). Only the K/V write (`fast_ops.batched_qkv_heads`) and the mask are batch-specific: the attention choice, the layer's tail and the
-decoder stack (taps included) are the batch-1 forward's own (`attend`, `layer_mlp`, `FastTarget.run_layers`).
+(a tree); a hybrid target's slots also hold each sequence's linear-attention states (`LinearStates`), committed
+with its K/V. The forward itself is the target's (`FastTarget.run_batch`): only the K/V write and the mask are
+batch-specific there, the attention, the layer's tail and the stack are the batch-1 forward's.
 
 `BatchForward` runs it from CUDA graphs, one per (batch bucket, rows, key capacity): eagerly, a batched step of an
 8B target was launch-bound at 44-87 ms whatever its size (H200, benchmarks/RESULTS.md, 2026-12-01), 8-20x its

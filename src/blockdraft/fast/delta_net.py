@@ -171,6 +171,16 @@ def advance_state(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch
     return state
 
 
+def advance_state_counted(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+                          count: torch.Tensor) -> torch.Tensor:
+    """`advance_state` over the first `count` (a 0-d device tensor: a fused step's accepted rows, never read on the
+    host) of the n rows given."""
+    for i in range(k.shape[2]):
+        moved = delta_step(state, k[:, :, i], v[:, :, i], g[:, :, i], beta[:, :, i])
+        state = torch.where(count > i, moved, state)
+    return state
+
+
 def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                        state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The delta rule over a causal run of rows in chunks of CHUNK (a prefill), from `state` [B, H, dk, dv]: outputs

@@ -20,8 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from blockdraft.fast.delta_net import (DeltaNetWeights, advance_state, chunked_delta_rule, conv_channels, gated_norm,
-                                       path_delta_rule, path_layout, prefill_heads, verify_heads)
+from blockdraft.fast.delta_net import (DeltaNetWeights, advance_state, advance_state_counted, chunked_delta_rule,
+                                       conv_channels, gated_norm, path_delta_rule, path_layout, prefill_heads,
+                                       verify_heads)
 from blockdraft.fast.gated_attention import batched_gated_attention_heads, gated_attention_heads
 from blockdraft.fast.linear_states import LinearStates
 from blockdraft.fast.ops import ACTIVATIONS, CompiledOrPlain, LayerOps
@@ -106,11 +107,14 @@ class HybridUnits:
             return path_delta_rule_kernel(q, k, v, g, beta, state, parents, own)
         return path_delta_rule(q, k, v, g, beta, state, parents)
 
-    def advance(self, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
-                ) -> torch.Tensor:
-        """`fast.delta_net.advance_state`, from the kernel where it runs (in place there)."""
+    def advance(self, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+                count: torch.Tensor | None = None) -> torch.Tensor:
+        """`fast.delta_net.advance_state` (over the first `count` rows where given, `advance_state_counted`), from
+        the kernel where it runs (in place there)."""
         if self.rule_kernel and delta_rule_runs(k, state):
-            return advance_state_kernel(k, v, g, beta, state)
+            return advance_state_kernel(k, v, g, beta, state, count)
+        if count is not None:
+            return advance_state_counted(k, v, g, beta, state, count)
         return advance_state(k, v, g, beta, state)
 
 
@@ -185,13 +189,13 @@ class HybridStaticCache(StaticTargetCache):
 
 class HybridFastTarget(FastTarget):
     """A FastTarget for Qwen3.5-style hybrid stacks: gated attention on the static KV cache, Gated DeltaNet on static
-    linear states; same interface, same results as HF's forward, batched slots included (each slot its own linear
-    states). Its prompts prefill one per forward, and fused greedy steps are the dense engine's so far."""
+    linear states; same interface, same results as HF's forward, batched slots and fused greedy steps included (each
+    slot its own linear states; a fused step commits them on the device). Its prompts prefill one per forward."""
 
     packs_prompts = False
 
     def __init__(self, model: PreTrainedModel, cache_slots: int | None = None, graphs: bool | None = None,
-                 compiled: bool | None = None) -> None:
+                 compiled: bool | None = None, fused: bool | None = None) -> None:
         problem = hybrid_engine_problem(model)
         if problem is not None:
             raise ValueError(f"the fast engine does not support {problem}")
@@ -200,7 +204,7 @@ class HybridFastTarget(FastTarget):
         decoder = model.get_decoder()
         cuda = self.device.type == "cuda"
         self.use_graphs = cuda if graphs is None else graphs and cuda
-        self.fused = False
+        self.fused = cuda if fused is None else fused  # greedy steps as `decoding.fused_steps`
         self.ops = LayerOps(cuda if compiled is None else compiled, few_rows=cuda)
         self.units = HybridUnits(self.ops.compiled, rule_kernel=cuda)
         self.prefill_ops = self.ops.library_products()
@@ -271,6 +275,18 @@ class HybridFastTarget(FastTarget):
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         self._room_for_rows(rows)
         return super()._replay(input_ids, positions, own, cache, tap_layers, rows, head)
+
+    def verify_pass(self, ids: torch.Tensor, positions: torch.Tensor, own: torch.Tensor, cap: int,
+                    tap_layers: tuple[int, ...] | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """FastTarget's (a fused step's forward), the row buffers first made room for (in a capture's warm-up, before
+        the capture itself)."""
+        self._room_for_rows(ids.shape[1])
+        return super().verify_pass(ids, positions, own, cap, tap_layers)
+
+    def commit_path(self, path: torch.Tensor, count: torch.Tensor) -> None:
+        """A fused step's commit of its verify inside its graph: the linear states advanced over the first `count`
+        rows of `path` (the K/V and the length are the step's own work)."""
+        self.states.commit_counted(path, count)
 
     def warm_verify(self, rows: Iterable[int], positions: int, tap_layers: tuple[int, ...] | None) -> None:
         """FastTarget's, with the row buffers sized for the largest verify first (growing them later would drop the

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-Advance = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Advance = Callable[..., torch.Tensor]  # (k, v, g, beta, state[, count]) -> the advanced state
 
 
 class LinearStates:
@@ -94,6 +94,19 @@ class LinearStates:
         kernel = self.window.shape[-1]
         appended = torch.cat([self.window[:, slot], self.inputs[:, slot, rows].transpose(-1, -2)], dim=-1)
         self.window[:, slot] = appended[..., appended.shape[-1] - kernel:]
+
+    def commit_counted(self, path: torch.Tensor, count: torch.Tensor) -> None:
+        """`commit` of slot 0 with the path's length on the device: its first `count` (0-d) of `path`'s rows (a
+        fused step's walk, inside its graph: device work only)."""
+        def rows(x: torch.Tensor) -> torch.Tensor:
+            return x[:, 0, path].transpose(1, 2)
+
+        state = self.state[:, 0]
+        state.copy_(self.advance(rows(self.keys), rows(self.values), rows(self.decay), rows(self.beta), state, count))
+        kernel = self.window.shape[-1]
+        appended = torch.cat([self.window[:, 0], self.inputs[:, 0, path].transpose(-1, -2)], dim=-1)
+        last = count + torch.arange(kernel, device=count.device)  # the window ends after the count-th path row
+        self.window[:, 0] = appended.index_select(-1, last)
 
     @torch.inference_mode()
     def load(self, slot: int, source: "LinearStates", source_slot: int = 0) -> None:

@@ -437,6 +437,10 @@ class FastTarget(Target):
         self._tables()
         return self._run(ids, positions, own, cap, tap_layers, self.ops)
 
+    def commit_path(self, path: torch.Tensor, count: torch.Tensor) -> None:
+        """A fused step's commit beyond its K/V and length, inside its graph: nothing here (a hybrid target's
+        linear states)."""
+
     @property
     def kv_layers(self) -> int:
         """Layers with K/V in a cache: every one here."""

@@ -7,7 +7,8 @@ block of value dims) holds its slice of the state [key dim, value block] in regi
 - the verify walks the rows in order; a row whose parent is the row before (every row of a chain) continues the
   registers, any other row starts again from the committed state and applies its ancestors (its row of the
   ancestor mask) first. No row's state is stored: only each row's output.
-- the commit applies the accepted rows to the committed state in place: one read and one write of the state.
+- the commit applies the accepted rows to the committed state in place: one read and one write of the state (a
+  fused step's count of accepted rows read on the device).
 float32 throughout, as HF's rule.
 """
 
@@ -62,8 +63,9 @@ if triton is not None:
                      mask=mv)
 
     @triton.jit
-    def _advance_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, N, H, DK, DV, s_k_b, s_k_h, s_k_t, s_v_b, s_v_h,
-                        s_v_t, s_g_b, s_g_h, s_s_b, s_s_h, BK: tl.constexpr, BV: tl.constexpr):
+    def _advance_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, count_ptr, N, H, DK, DV, s_k_b, s_k_h, s_k_t, s_v_b,
+                        s_v_h, s_v_t, s_g_b, s_g_h, s_s_b, s_s_h, COUNTED: tl.constexpr, BK: tl.constexpr,
+                        BV: tl.constexpr):
         bh, vb = tl.program_id(0), tl.program_id(1)
         b, h = bh // H, bh % H
         dk = tl.arange(0, BK)
@@ -72,6 +74,8 @@ if triton is not None:
         both = mk[:, None] & mv[None, :]
         pointers = state_ptr + b * s_s_b + h * s_s_h + dk[:, None] * DV + dv[None, :]
         state = tl.load(pointers, mask=both, other=0.0)
+        if COUNTED:  # a fused step's accepted rows: their count on the device
+            N = tl.minimum(N, tl.load(count_ptr).to(tl.int32))
         for i in range(N):
             state = _row_update(state, k_ptr + b * s_k_b + h * s_k_h, v_ptr + b * s_v_b + h * s_v_h,
                                 g_ptr + b * s_g_b + h * s_g_h, beta_ptr + b * s_g_b + h * s_g_h, i, dk, dv, mk, mv,
@@ -108,15 +112,17 @@ def path_delta_rule_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     return out
 
 
-def advance_state_kernel(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                         state: torch.Tensor) -> torch.Tensor:
-    """`fast.delta_net.advance_state` with `state` [B, H, dk, dv] (contiguous) advanced in place; returns it."""
+def advance_state_kernel(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+                         count: torch.Tensor | None = None) -> torch.Tensor:
+    """`fast.delta_net.advance_state` (with `count`, a 0-d device tensor: `advance_state_counted`) with `state`
+    [B, H, dk, dv] (unit strides in its last two dims) advanced in place; returns it."""
     batch, heads, n, key_dim = k.shape
     value_dim = v.shape[-1]
     k, v, g, beta = (x.contiguous() for x in (k, v, g, beta))
     bk, bv, programs = _blocks(key_dim, value_dim)
     _advance_kernel[(batch * heads, programs)](
-        k, v, g, beta, state, n, heads, key_dim, value_dim, k.stride(0), k.stride(1), k.stride(2), v.stride(0),
-        v.stride(1), v.stride(2), g.stride(0), g.stride(1), state.stride(0), state.stride(1), BK=bk, BV=bv,
+        k, v, g, beta, state, state if count is None else count, n, heads, key_dim, value_dim, k.stride(0),
+        k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1), state.stride(0),
+        state.stride(1), COUNTED=count is not None, BK=bk, BV=bv,
     )
     return state
