@@ -114,8 +114,12 @@ def test_a_tree_must_be_compacted(pair) -> None:
     mask = torch.tensor([[[[True] * 5 + [True, False, False], [True] * 5 + [True, True, False],
                            [True] * 5 + [True, False, True]]]])
     fast.forward(torch.tensor([[1, 2, 3]]), torch.tensor([5, 6, 6]), cache, attention_mask=mask)
+    with pytest.raises(ValueError, match="kept by compact, not crop"):
+        cache.crop(6)
     with pytest.raises(RuntimeError, match="not compacted"):
         fast.forward(torch.tensor([[4]]), torch.tensor([6]), cache)
+    cache.crop(5)  # none of the tree's rows: a benchmark's verify undone
+    assert len(cache) == 5 and cache.pending is None
 
 
 def test_generation_equals_hf_greedy(pair) -> None:

@@ -169,13 +169,15 @@ class HybridStaticCache(StaticTargetCache):
         return self.pending
 
     def crop(self, length: int) -> None:
-        """Keep the first `length` positions: a prefix of the last verify's chain (all of it at its length or past)."""
+        """Keep the first `length` positions: a prefix of the last verify's chain (all of it at its length or past),
+        or none of a tree's rows."""
         if self.pending is None and length >= self.length:
             return
         base, _, chain = self._last_verify(length)
-        if not chain:
-            raise ValueError("a tree verify is committed by compact, not crop")
-        self._commit(base, torch.arange(min(length, self.length) - base, device=self.storage.kv.device))
+        kept = min(length, self.length) - base
+        if kept and not chain:
+            raise ValueError("a tree verify's rows are kept by compact, not crop")
+        self._commit(base, torch.arange(kept, device=self.storage.kv.device))
         super().crop(length)
 
     def compact(self, base: int, keep: torch.Tensor) -> None:
