@@ -1,8 +1,9 @@
 """The batched table: the batched verify step of the fast engine against its roofline, and the tokens/s each
 method and the speculation schedule would reach per batch size at the papers' acceptance.
 
-A Qwen3-8B-shaped target (random bf16 weights, gpu_speed.py's builder) with every sequence at `--context` cache
-tokens: the engine's own verify step (`engine.tune.measure_costs`: batch 1 on the batch-1 path, more through
+A Qwen3-8B-shaped target (random bf16 weights, gpu_speed.py's builder; `--shape qwen3.6-27b` or qwen3.5-4b: a
+hybrid, whose roofline also reads and writes each sequence's linear-attention states) with every sequence at
+`--context` cache tokens: the engine's own verify step (`engine.tune.measure_costs`: batch 1 on the batch-1 path, more through
 `BatchForward`, CUDA graphs per batch bucket and rows, eager past GRAPH_MAX_ROWS rows) timed for each batch size x
 rows per sequence (--rows, plus the schedule candidates' 1 + 15 and 1 + budget), beside the roofline
 max(bytes / bandwidth, FLOPs / peak) where bytes = the weights the step reads (all but the input embedding) + the K/V it attends over, and
@@ -13,6 +14,7 @@ for the largest --budget, capped at 1 + budget; chain per-position rates assumed
 
     python benchmarks/batch_roofline.py --json roofline.json            # on the H200
     python benchmarks/batch_roofline.py --verify-only --batch-sizes 1,4,16,64 --rows 1   # the batched AR table alone
+    python benchmarks/batch_roofline.py --shape qwen3.6-27b --verify-only --batch-sizes 1,4,16,64 --rows 1
     python benchmarks/batch_roofline.py --device cpu --shape tiny --batch-sizes 1,2 --rows 1,4 --context 32  # smoke
 """
 
@@ -31,7 +33,7 @@ from blockdraft.kernels.kernel_choice import choices
 from blockdraft.numbers import int_list
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_speed import PAPER_TAU, bandwidth, build_synthetic  # noqa: E402  (shared synthetic 8B builder)
+from gpu_speed import SHAPES, PAPER_TAU, bandwidth, build_synthetic, make_engine  # noqa: E402  (shared builder)
 
 H200_BF16_FLOPS = 989e12  # dense bf16 tensor-core peak
 
@@ -47,7 +49,7 @@ def geometric_rates(tau: float, positions: int) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", default="8b", choices=("8b", "tiny"))
+    parser.add_argument("--shape", default="8b", choices=sorted(SHAPES))
     parser.add_argument("--batch-sizes", type=int_list, default="1,2,4,8,16,32,64")
     parser.add_argument("--rows", type=int_list, default="1,16,32,64,256")
     parser.add_argument("--budget", type=int_list, default="32,256", help="DDTree budgets whose tree build is timed.")
@@ -62,14 +64,14 @@ def main() -> None:
     from blockdraft.engine.acceptance import AcceptanceProfile
     from blockdraft.engine.candidate import AR, Candidate
     from blockdraft.engine.schedule import choose, render
+    from blockdraft.engine.batch_sizes import linear_state_bytes
     from blockdraft.engine.tune import measure_costs, verify_seconds
-    from blockdraft.fast.target import FastTarget
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     sizes, rows_list, budgets = args.batch_sizes, args.rows, args.budget
     model, drafter = build_synthetic(args.shape, device, dtype)
-    target = FastTarget(model)
+    target = make_engine("fast", model)  # FastTarget, or HybridFastTarget for a hybrid shape
     depth = drafter.cfg.block_size - 1
     costs = None
     if args.verify_only:
@@ -89,9 +91,10 @@ def main() -> None:
         for rows in rows_list:
             ms = 1000 * verify_s[batch][rows]
             keys = args.context + rows
-            kv_bytes = batch * target.num_layers * 2 * target.kv_heads * target.head_dim * keys * elt
-            flops = 2 * matmul * batch * rows + 4 * batch * rows * keys * target.heads * target.head_dim * target.num_layers
-            roof = 1000 * max((params * elt + kv_bytes) / rate, flops / args.peak_flops)
+            kv_bytes = batch * target.kv_layers * 2 * target.kv_heads * target.head_dim * keys * elt
+            state_bytes = 2 * batch * linear_state_bytes(target, rows=0)  # a hybrid's states: read, then written
+            flops = 2 * matmul * batch * rows + 4 * batch * rows * keys * target.heads * target.head_dim * target.kv_layers
+            roof = 1000 * max((params * elt + kv_bytes + state_bytes) / rate, flops / args.peak_flops)
             rows_out.append(dict(batch=batch, rows=rows, step_ms=ms, roofline_ms=roof, over_roofline=ms / roof))
     console = Console(width=140)
     table = Table(title=f"batched forward vs roofline ({args.shape}, {args.context} context, {rate / 1e12:.2f} TB/s copy "
