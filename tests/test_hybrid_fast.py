@@ -337,3 +337,30 @@ def test_fused_steps_commit_the_states_on_the_device() -> None:
     while decoder.running:
         decoder.step()
     assert seq.tokens == hf_greedy(model, PROMPTS[2], 14)
+
+
+def test_the_multimodal_wrapper_runs_its_text_model() -> None:
+    """A Qwen3.5 checkpoint with its vision tower (Qwen3_5ForConditionalGeneration) runs on the fast engine through
+    its text model: DDTree ids equal the HF engine's greedy decode of the same wrapper."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    from conftest import HIDDEN, TARGET_LAYERS, VOCAB
+
+    text = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=TARGET_LAYERS, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, intermediate_size=64, max_position_embeddings=512,
+                layer_types=LAYER_TYPES, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_num_key_heads=2,
+                linear_value_head_dim=8, linear_num_value_heads=4)
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=HIDDEN, patch_size=4,
+                  spatial_merge_size=1, temporal_patch_size=1)
+    torch.manual_seed(0)
+    model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision,
+                                                          tie_word_embeddings=False)).eval()
+    for p in model.parameters():
+        if p.dim() == 2:
+            torch.nn.init.normal_(p, std=0.2)
+    fast = make_target(model, "fast")
+    assert isinstance(fast, HybridFastTarget)
+    tree = DDTreeProposer(make_drafter("all_full"), fast, 6)
+    for prompt in PROMPTS:
+        want = generate(Target(model), prompt, None, max_new_tokens=12).token_ids
+        assert generate(fast, prompt, tree, max_new_tokens=12).token_ids == want
