@@ -117,6 +117,14 @@ def test_stream_equals_the_whole_response_and_ends_with_usage(client: openai.Ope
     assert chunks[-1].metrics["speculative_decoding"]["tau"] == full.metrics["speculative_decoding"]["tau"]
     plain = list(call(max_tokens=5, temperature=0, stream=True))
     assert all(c.usage is None for c in plain)
+    running = list(call(max_tokens=50, temperature=0, stream=True,
+                        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in running]  # vLLM's continuous usage: every chunk, tokens so far
+    assert all(c.usage is not None and c.usage.prompt_tokens == full.usage.prompt_tokens for c in running)
+    assert counts == sorted(counts) and counts[-1] == full.usage.completion_tokens and len(running) > 2
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in running)
+    alone = list(call(max_tokens=5, temperature=0, stream=True, stream_options={"continuous_usage_stats": True}))
+    assert all(c.usage is None for c in alone)  # without include_usage: none, as vLLM
 
 
 def test_stop_string_spanning_tokens(client: openai.OpenAI) -> None:
@@ -217,6 +225,12 @@ def test_harmless_and_neutral_fields_are_accepted(server) -> None:
     body = {"messages": CHAT, "max_tokens": 2, "user": "u1", "metadata": {"a": "b"}, "store": False, "n": 1,
             "logprobs": False, "presence_penalty": 0, "tool_choice": "none", "service_tier": "auto", "seed": 3}
     assert post(server.url, "/v1/chat/completions", body).status_code == 200
+    vllm = {"prompt": "a", "max_tokens": 2, "request_id": "r-7", "session_id": "s", "mm_payload": "tensors",
+            "return_token_offsets": False, "vllm_xargs": {}, "stream_interval": 1}
+    reply = post(server.url, "/v1/completions", vllm)
+    assert reply.status_code == 200 and reply.json()["id"] == "cmpl-r-7"  # vLLM's id from the request's own
+    headed = httpx.post(f"{server.url}/v1/completions", json=vllm, headers={"X-Request-Id": "h-1"}, timeout=30)
+    assert headed.json()["id"] == "cmpl-h-1"  # the header first, as vLLM
 
 
 def test_api_key(text_pair) -> None:

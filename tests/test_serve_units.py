@@ -77,6 +77,29 @@ def test_neutral_values_and_harmless_fields_pass() -> None:
                    "chat").param == "add_special_tokens"
 
 
+@pytest.mark.parametrize("endpoint", ["chat", "completion"])
+def test_every_vllm_request_field_is_served_or_refused_by_name(endpoint: str) -> None:
+    """vLLM 0.33's request models field by field (their names, read from the released wheel into a fixture): each
+    is implemented, harmless, or accepted at its neutral value; none is an unknown parameter. A value we cannot
+    honour is a 400 naming the field, as before."""
+    import json
+    from pathlib import Path
+
+    from blockdraft.serve.protocol import _ENDPOINT_NEUTRAL, HARMLESS, NEUTRAL, StreamOptions
+
+    fields = json.loads((Path(__file__).parent / "fixtures" / "engines" / "vllm_0.33.0_request_fields.json").read_text())
+    model = ChatCompletionRequest if endpoint == "chat" else CompletionRequest
+    served = set(model.model_fields) | set(NEUTRAL) | set(HARMLESS) | set(_ENDPOINT_NEUTRAL[endpoint])
+    assert [name for name in fields[endpoint] if name not in served] == []
+    assert set(fields["stream_options"]) <= set(StreamOptions.model_fields)
+    base = {"messages": [{"role": "user", "content": "a"}]} if endpoint == "chat" else {"prompt": "a"}
+    neutral = {name: values[0] for name, values in NEUTRAL.items() if values and name in fields[endpoint]}
+    parse_request({**base, **neutral, "session_id": "s", "truncation_side": "right"}, model, endpoint)
+    assert refusal({**base, "watermarking": {"key": 1}}, model, endpoint).param == "watermarking"
+    assert refusal({**base, "return_token_offsets": True}, model, endpoint).param == "return_token_offsets"
+    assert parse_request({**base, "request_id": "abc"}, model, endpoint).request_id == "abc"
+
+
 def test_chat_messages_are_checked() -> None:
     assert refusal({"messages": []}, ChatCompletionRequest, "chat").param == "messages"
     tool = {"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}

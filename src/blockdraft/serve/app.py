@@ -21,7 +21,8 @@ from blockdraft.serve.errors import ApiError, error_body
 from blockdraft.serve.jobs import Failed, Finished, Progress
 from blockdraft.serve.metrics import ServeMetrics
 from blockdraft.serve.prepare import Prepared, ServedModel, chat_prompt, completion_prompt, prepare
-from blockdraft.serve.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, parse_request
+from blockdraft.serve.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingRequest,
+                                      parse_request)
 from blockdraft.serve.relay import EventRelay
 from blockdraft.serve.render import DONE, Rendering, sse
 
@@ -160,8 +161,12 @@ def build_app(state: ServerState) -> ASGIApp:
         card = ModelCard(id=served.name, root=served.root, max_model_len=served.max_model_len)
         return JSONResponse(ModelList(data=[card]).model_dump())
 
-    def rendering(kind: str, ids: list[int], return_ids: bool | None) -> Rendering:
-        return Rendering(kind, served.name, ids, state.method, state.num_spec_tokens, bool(return_ids))
+    def rendering(kind: str, ids: list[int], req: SamplingRequest, request: Request) -> Rendering:
+        """The response's shared parts; its id from the X-Request-Id header, else the body's `request_id`, as vLLM."""
+        options = req.stream_options
+        continuous = bool(options and options.include_usage and options.continuous_usage_stats)
+        return Rendering(kind, served.name, ids, state.method, state.num_spec_tokens, bool(req.return_token_ids),
+                         continuous, request.headers.get("X-Request-Id") or req.request_id)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -171,8 +176,7 @@ def build_app(state: ServerState) -> ASGIApp:
         requested, param = req.max_output
         prepared = prepare(req, ids, served, requested, param, "messages")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await _run(request, state, prepared, rendering("chat", ids, req.return_token_ids), bool(req.stream),
-                          include_usage)
+        return await _run(request, state, prepared, rendering("chat", ids, req, request), bool(req.stream), include_usage)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -181,7 +185,7 @@ def build_app(state: ServerState) -> ASGIApp:
         ids = completion_prompt(req, served)
         prepared = prepare(req, ids, served, req.max_tokens, "max_tokens", "prompt")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await _run(request, state, prepared, rendering("completion", ids, req.return_token_ids),
-                          bool(req.stream), include_usage)
+        return await _run(request, state, prepared, rendering("completion", ids, req, request), bool(req.stream),
+                          include_usage)
 
     return BearerAuth(app, state.api_key) if state.api_key else app

@@ -17,10 +17,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from blockdraft.serve.errors import ApiError
 
-# Sent by OpenAI clients, never able to change the tokens generated: accepted and ignored.
+# Sent by OpenAI clients, never able to change the tokens generated: accepted and ignored. (vLLM's
+# include_reasoning only splits a reasoning parser's output, and blockdraft runs none; session_id routes and caches.)
 HARMLESS = frozenset({
     "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
-    "prompt_cache_retention", "prompt_cache_options", "parallel_tool_calls",
+    "prompt_cache_retention", "prompt_cache_options", "parallel_tool_calls", "include_reasoning", "session_id",
 })
 
 # Parameters of OpenAI's or vLLM's API that blockdraft does not implement, with the values that mean "off"
@@ -37,6 +38,11 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "truncate_prompt_tokens": (), "prompt_logprobs": (), "structured_outputs": (), "priority": (0,),
     "add_generation_prompt": (True,), "continue_final_message": (False,), "documents": (), "chat_template": (),
     "logprob_token_ids": (), "thinking_token_budget": (), "cache_salt": (), "prompt_embeds": (),
+    "watermarking": (), "truncation_side": ("left", "right"), "media_io_kwargs": ({},), "mm_processor_kwargs": ({},),
+    "return_tokens_as_token_ids": (False,), "return_weight_versions": (False,), "routed_experts_prompt_start": (0,),
+    "return_token_offsets": (False,), "return_prompt_text": (False,), "mm_payload": ("tensors",),
+    "return_mm_kwargs": (False,), "kv_transfer_params": (), "ec_transfer_params": (), "vllm_xargs": ({},),
+    "repetition_detection": (), "stream_interval": (1,),
 }
 # add_special_tokens defaults differ per endpoint (vLLM: chat False, completions True).
 _ENDPOINT_NEUTRAL = {"chat": {"add_special_tokens": (False,)}, "completion": {"add_special_tokens": (True,)}}
@@ -93,6 +99,7 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM: with include_usage, usage so far on every chunk
 
 
 class SamplingRequest(_Strict):
@@ -111,6 +118,7 @@ class SamplingRequest(_Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     return_token_ids: bool | None = False
+    request_id: str | None = Field(None, min_length=1)  # vLLM: the response's id is "chatcmpl-" / "cmpl-" + it
 
     @property
     def stop_strings(self) -> list[str]:

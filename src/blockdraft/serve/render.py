@@ -98,11 +98,14 @@ class Rendering:
     method: str
     num_spec_tokens: int | None
     return_token_ids: bool
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage): usage on every chunk
+    request_id: str | None = None  # the request's own id (vLLM's `request_id`), else a new one
     id: str = field(init=False)
+    emitted: int = field(default=0, init=False)  # completion tokens streamed so far
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
-        self.id = f"{'chatcmpl' if self.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        self.id = f"{'chatcmpl' if self.kind == 'chat' else 'cmpl'}-{self.request_id or uuid.uuid4().hex}"
 
     def response(self, output: JobOutput) -> BaseModel:
         """The whole (non-streamed) response."""
@@ -127,10 +130,12 @@ class Rendering:
                                   finish_reason=None)
         prompt_ids = {"prompt_token_ids": self.prompt_ids} if self.return_token_ids else {}
         return [sse(ChatCompletionStreamResponse(id=self.id, object="chat.completion.chunk", created=self.created,
-                                                 model=self.model, choices=[choice], **prompt_ids))]
+                                                 model=self.model, choices=[choice], **self._usage_so_far(),
+                                                 **prompt_ids))]
 
     def chunk(self, text: str, token_ids: list[int]) -> str | None:
         """One commit's chunk; None when it adds no text (and ids are not asked for)."""
+        self.emitted += len(token_ids)
         if not text and not self.return_token_ids:
             return None
         fields = {"token_ids": token_ids} if self.return_token_ids else {}
@@ -139,6 +144,7 @@ class Rendering:
     def closing(self, output: JobOutput) -> str:
         """The last chunk with choices: the text held back until the end, finish_reason and stop_reason."""
         fields = {"finish_reason": output.finish_reason, "stop_reason": output.stop_reason}
+        self.emitted = len(output.token_ids)
         if self.return_token_ids:
             fields["token_ids"] = []
         return self._chunk(DeltaMessage(content=output.rest) if output.rest else DeltaMessage(), output.rest, fields)
@@ -147,9 +153,16 @@ class Rendering:
         fields = {"index": 0, "logprobs": None, "finish_reason": None, **fields}
         if self.kind == "chat":
             return sse(ChatCompletionStreamResponse(id=self.id, object="chat.completion.chunk", created=self.created,
-                                                    model=self.model, choices=[ChatStreamChoice(delta=delta, **fields)]))
+                                                    model=self.model, choices=[ChatStreamChoice(delta=delta, **fields)],
+                                                    **self._usage_so_far()))
         return sse(CompletionStreamResponse(id=self.id, object="text_completion", created=self.created,
-                                            model=self.model, choices=[CompletionChoice(text=text, **fields)]))
+                                            model=self.model, choices=[CompletionChoice(text=text, **fields)],
+                                            **self._usage_so_far()))
+
+    def _usage_so_far(self) -> dict[str, UsageInfo]:
+        """A streamed chunk's usage field: the tokens so far where continuous usage is asked for (as vLLM does),
+        else none (left unset, so the chunk omits it)."""
+        return {"usage": usage(len(self.prompt_ids), self.emitted)} if self.continuous_usage else {}
 
     def usage_chunk(self, output: JobOutput) -> str:
         """stream_options.include_usage: a last chunk with no choices, usage and the per-request metrics."""
