@@ -17,6 +17,7 @@ import torch
 
 from blockdraft.decoding.draft import Draft, Proposer
 from blockdraft.decoding.fused_steps import fused_steps
+from blockdraft.decoding.logprobs import TokenLogprobs, position_logprobs, step_logprobs
 from blockdraft.decoding.sampling import SamplingParams, pick
 from blockdraft.decoding.verify import verify
 from blockdraft.errors import BlockdraftError
@@ -39,6 +40,7 @@ class GenerationResult:
     stopped_on: int | None
     draft_lengths: list[int] = field(default_factory=list)
     ended_early: bool = False
+    logprobs: list[TokenLogprobs] | None = None  # each token's, where sampling asked for them
 
     def drafted_steps(self) -> list[tuple[int, int]]:
         """(tokens drafted, drafted tokens accepted) of every verify step that had a draft: what vLLM counts as
@@ -140,7 +142,9 @@ class _Steps:
         self.target, self.proposer, self.cache = target, proposer, cache
         self.sampling, self.generator, self.stages = sampling, generator, stages
         self.tap_layers = proposer.tap_layers if proposer else None
-        self.fused = fused_steps(target, proposer) if sampling.greedy else None
+        # a fused step keeps no logits on the host: logprobs run step by step
+        self.fused = fused_steps(target, proposer) if sampling.greedy and sampling.logprobs is None else None
+        self.logprobs: list[TokenLogprobs] = []  # the last step's tokens', where sampling asks for them
         # greedy trees searched on the device, for a target that takes their rows' own mask
         self.trees_on_device = (proposer is not None and proposer.searches_trees_on_device and sampling.greedy
                                 and target.row_masks)
@@ -190,6 +194,7 @@ class _Steps:
             out = target.forward(trees.ids, trees.positions[0], cache, self.tap_layers,
                                  attention_mask=trees.own[:, None])
             (draft,), (verdict,) = trees.verdicts(out.logits)
+            logits = out.logits[0]
         else:
             draft = (proposer.propose(anchor, start, depth_left, self.sampling, self.generator) if proposer
                      else Draft.empty(device))
@@ -197,7 +202,10 @@ class _Steps:
             ids = torch.cat([long_tensor([anchor], device), draft.tokens]).unsqueeze(0)
             mask = None if draft.is_chain else draft.tree_mask(len(cache), device)
             out = target.forward(ids, draft.positions(start, device), cache, self.tap_layers, attention_mask=mask)
-            verdict = verify(draft, out.logits[0], self.sampling, self.generator)
+            logits = out.logits[0]
+            verdict = verify(draft, logits, self.sampling, self.generator)
+        if self.sampling.logprobs is not None:
+            self.logprobs = step_logprobs(logits, verdict, self.sampling.logprobs)
         stages.add("draft", t_draft, t_verify)
         stages.add("verify", t_verify, stages.mark())
 
@@ -225,11 +233,14 @@ def generate(
     stop_token_ids: tuple[int, ...] = (),
     seed: int = 0,
     on_commit: OnCommit | None = None,
+    logprobs_out: list[TokenLogprobs] | None = None,
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` tokens; losslessly equal in distribution to the target alone.
 
     `on_commit` sees every committed chunk (the prefill's token, then each verify step's); returning True ends the
-    run after that chunk (a stop string, a client gone), with the stats of the steps that ran.
+    run after that chunk (a stop string, a client gone), with the stats of the steps that ran. Where `sampling`
+    asks for logprobs, each committed token's are appended to `logprobs_out` (a list of the caller's, filled before
+    `on_commit` sees the chunk) and returned in the result.
     """
     check_context(target, len(prompt_ids), max_new_tokens)
     check_prompt_ids(target.embedding_weight.shape[0], prompt_ids)
@@ -248,6 +259,10 @@ def generate(
     out = target.forward(prompt, torch.arange(len(prompt_ids), device=device), cache,
                          proposer.tap_layers if proposer else None, last_logits_only=True)
     first = int(pick(out.logits[0, -1], sampling, generator).item())
+    logprobs = None
+    if sampling.logprobs is not None:
+        logprobs = logprobs_out if logprobs_out is not None else []
+        logprobs.extend(position_logprobs(out.logits[0, -1:], [first], sampling.logprobs))
     if proposer:
         proposer.add_context(out.taps)
         proposer.observe([*prompt_ids, first])
@@ -268,6 +283,8 @@ def generate(
             drafted, proposed, keep = steps.step(tokens[-1], start, depth_left)
         committed, stopped_on = until_stop(proposed, depth_left, stops)
         keep(len(committed))
+        if logprobs is not None:
+            logprobs.extend(steps.logprobs[: len(committed)])
         stats.drafted_tokens += drafted
         draft_lengths.append(drafted)
         if proposer:
@@ -282,5 +299,5 @@ def generate(
     stats.generated_tokens = len(tokens)
     return GenerationResult(
         token_ids=tokens, acceptance_lengths=list(stats.acceptance_lengths), stats=stats, stopped_on=stopped_on,
-        draft_lengths=draft_lengths, ended_early=ended_early,
+        draft_lengths=draft_lengths, ended_early=ended_early, logprobs=logprobs,
     )

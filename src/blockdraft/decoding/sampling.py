@@ -9,13 +9,18 @@ import torch
 from blockdraft.errors import BlockdraftError
 
 
+MAX_LOGPROBS = 20  # the most likely tokens a position's logprobs may list (vLLM's default max_logprobs)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy; top_k 0 and top_p 1 disable those filters."""
+    """temperature 0 means greedy; top_k 0 and top_p 1 disable those filters. `logprobs`: also report each emitted
+    token's log-probability under the target and its `logprobs` most likely tokens' (None: off)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -24,6 +29,8 @@ class SamplingParams:
             raise BlockdraftError(f"--top-p {self.top_p} must be in (0, 1]")
         if self.top_k < 0:
             raise BlockdraftError(f"--top-k {self.top_k} must be >= 0 (0 = off)")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise BlockdraftError(f"logprobs {self.logprobs} must be in 0..{MAX_LOGPROBS}")
 
     @property
     def greedy(self) -> bool:

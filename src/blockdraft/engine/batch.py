@@ -31,6 +31,7 @@ from blockdraft.decoding.draft import Draft, Proposer
 from blockdraft.decoding.fused_steps import FusedSteps
 from blockdraft.decoding.generate import OnCommit, check_context, check_prompt_ids
 from blockdraft.decoding.sampling import SamplingParams, pick
+from blockdraft.decoding.logprobs import position_logprobs, step_logprobs
 from blockdraft.decoding.verify import Verdict, greedy_read, greedy_walks, verify
 from blockdraft.engine import batch_drafts
 from blockdraft.engine.deferred_taps import DeferredTaps
@@ -160,9 +161,13 @@ class BatchDecoder:
         return groups
 
     def _start(self, request: Request, first: int, ttft_s: float, joined: float, proposer: Proposer | None,
-               generator: torch.Generator) -> Sequence:
+               generator: torch.Generator, logits: torch.Tensor) -> Sequence:
+        """A joined sequence with its first token (picked from the prefill's last `logits` row [1, V])."""
         seq = Sequence(len(request.prompt_ids), request.max_new_tokens, request.sampling, generator,
                        frozenset(request.stop_token_ids), proposer, request.on_commit, [first], ttft_s, joined)
+        if request.sampling.logprobs is not None:
+            seq.logprobs = request.logprobs_out if request.logprobs_out is not None else []
+            seq.logprobs.extend(position_logprobs(logits, [first], request.sampling.logprobs))
         seq.stopped_on = first if first in seq.stops else None
         if proposer:
             proposer.observe([*request.prompt_ids, first])
@@ -189,7 +194,8 @@ class BatchDecoder:
         out = target.forward(prompt, torch.arange(len(prompt_ids), device=device), cache,
                              proposer.tap_layers if proposer else None, last_logits_only=True)
         first = int(pick(out.logits[0, -1], request.sampling, generator).item())
-        seq = self._start(request, first, time.perf_counter() - joined, joined, proposer, generator)
+        seq = self._start(request, first, time.perf_counter() - joined, joined, proposer, generator,
+                          out.logits[0, -1:])
         if seq.done:
             return seq
         slot = len(self.running)
@@ -215,7 +221,8 @@ class BatchDecoder:
         contexts: list[torch.Tensor] = []
         for b, (request, proposer, generator) in enumerate(zip(group, proposers, generators)):
             token = int(pick(logits[b], request.sampling, generator).item())
-            seq = self._start(request, token, time.perf_counter() - joined, joined, proposer, generator)
+            seq = self._start(request, token, time.perf_counter() - joined, joined, proposer, generator,
+                              logits[b : b + 1])
             seqs.append(seq)
             if seq.done:
                 continue
@@ -367,12 +374,14 @@ class BatchDecoder:
         reports: list[tuple[Sequence, list[int]]] = []
         whole = flight.verified.taps  # every sequence's kept taps its first rows: one copy for the batch
         base = self._defer(flight, whole) if flight.deferring else 0
-        for slot, (seq, draft, start, verdict, (_, taps)) in enumerate(
+        for slot, (seq, draft, start, verdict, (logits, taps)) in enumerate(
                 zip(flight.seqs, drafts, flight.starts, verdicts, flight.verified.rows)):
             if seq.ended_early:  # its hook ended it after this step was launched: nothing of the step is kept
                 continue
             seq.draft_lengths.append(len(draft))
-            committed = seq.commit(verdict.tokens + [verdict.bonus])
+            top = seq.sampling.logprobs
+            logprobs = None if top is None else step_logprobs(logits, verdict, top)
+            committed = seq.commit(verdict.tokens + [verdict.bonus], logprobs)
             reports.append((seq, committed))
             produced = len(committed)
             rows = None if draft.is_chain else long_tensor(

@@ -58,4 +58,5 @@ class Flight:
         if self.fused is not None:
             self.fused.take()
             return
-        self.verified = self.verified.detached({b for b, seq in enumerate(self.seqs) if not seq.sampling.greedy})
+        self.verified = self.verified.detached({b for b, seq in enumerate(self.seqs)
+                                                if not seq.sampling.greedy or seq.sampling.logprobs is not None})

@@ -10,6 +10,7 @@ import torch
 
 from blockdraft.decoding.draft import Proposer
 from blockdraft.decoding.generate import GenerationResult, OnCommit, until_stop
+from blockdraft.decoding.logprobs import TokenLogprobs
 from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.metrics import SpecStats
 
@@ -24,6 +25,7 @@ class Request:
     stop_token_ids: tuple[int, ...] = ()
     seed: int = 0
     on_commit: OnCommit | None = None
+    logprobs_out: list[TokenLogprobs] | None = None  # `generate()`'s: filled before `on_commit` sees a chunk
 
 
 @dataclass
@@ -47,15 +49,18 @@ class Sequence:
     finished: float | None = None
     pending: list[int] = field(default_factory=list)  # rows of the decoder's deferred taps: committed tokens not yet
     # in the drafter context (BatchDecoder._catch_up)
+    logprobs: list[TokenLogprobs] | None = None  # each kept token's, where sampling asks for them
 
     @property
     def done(self) -> bool:
         return len(self.tokens) >= self.max_new_tokens or self.stopped_on is not None or self.ended_early
 
-    def commit(self, committed: list[int]) -> list[int]:
-        """Cut `committed` at the token budget and the first stop; record it; returns what was kept (for `on_commit`,
-        which the decoder calls later, while the next step runs)."""
+    def commit(self, committed: list[int], logprobs: list[TokenLogprobs] | None = None) -> list[int]:
+        """Cut `committed` (and its tokens' `logprobs`) at the token budget and the first stop; record it; returns
+        what was kept (for `on_commit`, which the decoder calls later, while the next step runs)."""
         committed, stopped_on = until_stop(committed, self.max_new_tokens - len(self.tokens), self.stops)
+        if self.logprobs is not None and logprobs is not None:
+            self.logprobs.extend(logprobs[: len(committed)])
         if stopped_on is not None:
             self.stopped_on = stopped_on
         self.tokens.extend(committed)
@@ -74,4 +79,4 @@ class Sequence:
         )
         return GenerationResult(token_ids=list(self.tokens), acceptance_lengths=list(self.acceptance_lengths),
                                 stats=stats, stopped_on=self.stopped_on, draft_lengths=list(self.draft_lengths),
-                                ended_early=self.ended_early)
+                                ended_early=self.ended_early, logprobs=self.logprobs)
