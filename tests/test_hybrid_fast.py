@@ -314,8 +314,9 @@ def test_serve_runs_a_hybrid_target_on_the_fast_engine(tmp_path) -> None:
         model_id = client.models.list().data[0].id
         with ThreadPoolExecutor(2) as pool:
             replies = list(pool.map(lambda prompt: client.completions.create(
-                model=model_id, prompt=prompt, max_tokens=8, temperature=0), ["Hello", "How are you"]))
+                model=model_id, prompt=prompt, max_tokens=8, temperature=0, logprobs=1), ["Hello", "How are you"]))
     assert [reply.usage.completion_tokens for reply in replies] == [8, 8]
+    assert [len(reply.choices[0].logprobs.token_logprobs) for reply in replies] == [8, 8]  # batched, with logprobs
     assert any("engine fast" in line for line in said)
 
 

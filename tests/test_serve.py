@@ -186,8 +186,8 @@ BAD = [
     ("/v1/completions", {"prompt": [1, 2, 9999]}, 400, "prompt"),
     ("/v1/completions", {"prompt": "hi", "stop_token_ids": [9999]}, 400, "stop_token_ids"),
     ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
-    ("/v1/completions", {"prompt": "hi", "logprobs": 2}, 400, "logprobs"),
-    ("/v1/chat/completions", {"messages": CHAT, "logprobs": True}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/chat/completions", {"messages": CHAT, "logprobs": 1}, 400, "logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
      "tools"),
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
@@ -583,3 +583,80 @@ def test_a_batched_client_that_leaves_frees_its_slot_while_the_others_decode(tex
         usage = json.loads(rest[-2][6:])
         assert rest[-1] == "data: [DONE]" and usage["choices"][0]["finish_reason"] == "length"
         assert finished(server.url, "length") == 2 and finished(server.url, "abort") == 1
+
+
+def target_logprobs(text_pair, prompt_ids: list[int], token_ids: list[int]) -> torch.Tensor:
+    """The target's own log-softmax at each generated position [n, V] (float32, its forward over prompt + tokens)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(text_pair[0], dtype=torch.float32).eval()
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt_ids + token_ids])).logits[0, len(prompt_ids) - 1 : -1]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_are_the_targets_own(server, client: openai.OpenAI, text_pair, stream: bool) -> None:
+    """Chat `logprobs` + `top_logprobs` and completions' `logprobs` N, vLLM's layouts, streamed and not: each token's
+    log-probability is the target's log-softmax at its position, whatever the speculation accepted."""
+    extra = {"return_token_ids": True}
+    if stream:
+        chunks = list(client.completions.create(model=MODEL, prompt="Hello", max_tokens=20, temperature=0, logprobs=2,
+                                                stream=True, extra_body=extra))
+        ids = [t for c in chunks for t in (getattr(c.choices[0], "token_ids", None) or [])]
+        entries = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs is not None]
+        tokens = [t for e in entries for t in e.tokens]
+        token_logprobs = [lp for e in entries for lp in e.token_logprobs]
+        tops = [top for e in entries for top in e.top_logprobs]
+        offsets = [o for e in entries for o in e.text_offset]
+        text = "".join(c.choices[0].text for c in chunks)
+    else:
+        reply = client.completions.create(model=MODEL, prompt="Hello", max_tokens=20, temperature=0, logprobs=2,
+                                          extra_body=extra)
+        choice = reply.choices[0]
+        ids, text = choice.token_ids, choice.text
+        tokens, token_logprobs = choice.logprobs.tokens, choice.logprobs.token_logprobs
+        tops, offsets = choice.logprobs.top_logprobs, choice.logprobs.text_offset
+    prompt = client.completions.create(model=MODEL, prompt="Hello", max_tokens=1,
+                                       extra_body=extra).choices[0].prompt_token_ids
+    want = target_logprobs(text_pair, prompt, ids)
+    assert len(tokens) == len(ids) == 20 and "".join(tokens) == text
+    assert token_logprobs == pytest.approx([want[j, t].item() for j, t in enumerate(ids)], abs=1e-4)
+    assert offsets == [sum(len(t) for t in tokens[:j]) for j in range(len(tokens))]
+    for j, top in enumerate(tops):  # the emitted token first, then the 2 most likely (N + 1 entries at most)
+        assert 2 <= len(top) <= 3 and list(top)[0] == tokens[j]
+        assert max(top.values()) == pytest.approx(want[j].max().item(), abs=1e-4)
+
+    chat = dict(model=MODEL, messages=CHAT, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3,
+                extra_body=extra)
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **chat))
+        content = [c for chunk in chunks if chunk.choices and chunk.choices[0].logprobs
+                   for c in chunk.choices[0].logprobs.content]
+        ids = [t for chunk in chunks if chunk.choices for t in (getattr(chunk.choices[0], "token_ids", None) or [])]
+        prompt = chunks[0].prompt_token_ids
+    else:
+        reply = client.chat.completions.create(**chat)
+        content, ids, prompt = reply.choices[0].logprobs.content, reply.choices[0].token_ids, reply.prompt_token_ids
+    want = target_logprobs(text_pair, prompt, ids)
+    assert len(content) == len(ids)
+    for j, entry in enumerate(content):
+        assert entry.logprob == pytest.approx(want[j, ids[j]].item(), abs=1e-4)
+        assert entry.bytes == list(entry.token.encode()) and len(entry.top_logprobs) == 3
+        assert entry.top_logprobs[0].token == entry.token  # vLLM's order: the emitted token, then the most likely
+        best = want[j].topk(3)
+        listed = [ids[j]] + [t for t in best.indices.tolist() if t != ids[j]]
+        assert [c.logprob for c in entry.top_logprobs] == pytest.approx([want[j, t].item() for t in listed[:3]],
+                                                                         abs=1e-4)
+
+
+def test_logprob_requests_out_of_range_are_refused(server) -> None:
+    for path, body, param in [("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
+                              ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21},
+                               "top_logprobs"),
+                              ("/v1/completions", {"prompt": "a", "logprobs": 21}, "logprobs")]:
+        reply = post(server.url, path, body)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == param
+    named = post(server.url, "/v1/completions", {"prompt": "a", "max_tokens": 3, "logprobs": 0,
+                                                 "return_tokens_as_token_ids": True}).json()
+    assert all(token.startswith("token_id:") for token in named["choices"][0]["logprobs"]["tokens"])

@@ -51,7 +51,7 @@ def refusal(body: dict, model=CompletionRequest, endpoint="completion") -> ApiEr
 
 @pytest.mark.parametrize(
     "extra, param",
-    [({"n": 2}, "n"), ({"logprobs": 1}, "logprobs"), ({"best_of": 3}, "best_of"), ({"echo": True}, "echo"),
+    [({"n": 2}, "n"), ({"logprobs": 21}, "logprobs"), ({"best_of": 3}, "best_of"), ({"echo": True}, "echo"),
      ({"suffix": "x"}, "suffix"), ({"presence_penalty": 0.5}, "presence_penalty"), ({"logit_bias": {"5": 1}}, "logit_bias"),
      ({"response_format": {"type": "json_object"}}, "response_format"), ({"frobnicate": 1}, "frobnicate"),
      ({"temperature": "0.5"}, "temperature"), ({"temperature": -0.1}, "temperature"), ({"top_p": 0}, "top_p"),

@@ -24,6 +24,7 @@ from blockdraft.serve.prepare import Prepared, ServedModel, chat_prompt, complet
 from blockdraft.serve.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingRequest,
                                       parse_request)
 from blockdraft.serve.relay import EventRelay
+from blockdraft.serve.logprob_render import TokenTexts
 from blockdraft.serve.render import DONE, Rendering, sse
 
 GUARDED_PREFIX = "/v1"  # as vLLM: /health and /metrics stay open with --api-key
@@ -86,7 +87,8 @@ async def _events(cancel: Callable[[], None], relay: EventRelay, rendering: Rend
         async for batch in relay.batches():
             progress = [event for event in batch if isinstance(event, Progress)]
             if progress:
-                chunk = rendering.chunk("".join(p.text for p in progress), [t for p in progress for t in p.token_ids])
+                chunk = rendering.chunk("".join(p.text for p in progress), [t for p in progress for t in p.token_ids],
+                                        [lp for p in progress for lp in p.logprobs or []])
                 if chunk:
                     yield chunk
             final = batch[-1]
@@ -165,8 +167,10 @@ def build_app(state: ServerState) -> ASGIApp:
         """The response's shared parts; its id from the X-Request-Id header, else the body's `request_id`, as vLLM."""
         options = req.stream_options
         continuous = bool(options and options.include_usage and options.continuous_usage_stats)
+        top = req.logprobs_asked
+        texts = None if top is None else TokenTexts(served.tokenizer, bool(req.return_tokens_as_token_ids))
         return Rendering(kind, served.name, ids, state.method, state.num_spec_tokens, bool(req.return_token_ids),
-                         continuous, request.headers.get("X-Request-Id") or req.request_id)
+                         continuous, request.headers.get("X-Request-Id") or req.request_id, top, texts)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:

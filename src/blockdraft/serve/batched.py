@@ -107,7 +107,7 @@ class BatchedEngine:
             spec = job.spec
             run = JobRun(job, self.tokenizer, should_stop)
             request = Request(spec.prompt_ids, spec.max_tokens, spec.sampling, tuple(spec.rules.token_ids), spec.seed,
-                              run.on_commit)
+                              run.on_commit, run.logprobs)
             try:
                 self.decoder.check(request)
             except BlockdraftError as exc:

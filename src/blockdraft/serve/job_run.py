@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from blockdraft.decoding.generate import GenerationResult
+from blockdraft.decoding.logprobs import TokenLogprobs
 from blockdraft.serve.jobs import Job, JobOutput, Progress
 from blockdraft.serve.output import OutputText
 
@@ -19,14 +20,19 @@ class JobRun:
         self.job = job
         self.output = OutputText(tokenizer, job.spec.rules)
         self.should_stop = should_stop
+        # the decode loop's logprobs of every committed token, filled before each `on_commit` (where asked for)
+        self.logprobs: list[TokenLogprobs] | None = [] if job.spec.sampling.logprobs is not None else None
         job.timing.scheduled = time.monotonic()
 
     def on_commit(self, tokens: list[int]) -> bool:
-        """Emit the text now safe to show; True ends the decode (a stop string, a client gone, the drain)."""
+        """Emit the text now safe to show (with its tokens' logprobs); True ends the decode (a stop string, a client
+        gone, the drain)."""
         self.job.timing.commits.append(time.monotonic())
+        sent = len(self.output.token_ids)
         text, kept = self.output.push(tokens)
         if kept:
-            self.job.emit(Progress(text, kept))
+            logprobs = None if self.logprobs is None else self.logprobs[sent : sent + len(kept)]
+            self.job.emit(Progress(text, kept, logprobs))
         return self.output.finished or self.should_stop()
 
     def finish(self, result: GenerationResult) -> JobOutput:
@@ -36,4 +42,5 @@ class JobRun:
         return JobOutput(
             token_ids=list(output.token_ids), text=output.text, rest=rest, finish_reason=str(output.finish_reason),
             stop_reason=output.stop_reason, result=result, timing=timing,
+            logprobs=None if self.logprobs is None else self.logprobs[: len(output.token_ids)],
         )

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from blockdraft.decoding.generate import GenerationResult
+from blockdraft.decoding.logprobs import TokenLogprobs
 from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.serve.errors import ApiError
 from blockdraft.serve.output import StopRules
@@ -28,10 +29,11 @@ class Timing:
 
 @dataclass
 class Progress:
-    """One commit: the text now safe to show and the ids it kept."""
+    """One commit: the text now safe to show, the ids it kept and, where asked for, their logprobs."""
 
     text: str
     token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclass
@@ -45,6 +47,7 @@ class JobOutput:
     stop_reason: int | str | None
     result: GenerationResult
     timing: Timing
+    logprobs: list[TokenLogprobs] | None = None  # the kept ids', where asked for
 
 
 @dataclass

@@ -92,7 +92,8 @@ def _sampling(req: SamplingRequest, served: ServedModel) -> SamplingParams:
         value = getattr(req, name)
         return value if value is not None else served.sampling_defaults.get(name, OPENAI_DEFAULTS[name])
 
-    return SamplingParams(float(pick("temperature")), float(pick("top_p")), max(int(pick("top_k")), 0))
+    return SamplingParams(float(pick("temperature")), float(pick("top_p")), max(int(pick("top_k")), 0),
+                          req.logprobs_asked)
 
 
 def _rules(req: SamplingRequest, served: ServedModel) -> StopRules:

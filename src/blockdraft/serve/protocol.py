@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from blockdraft.decoding.sampling import MAX_LOGPROBS
 from blockdraft.serve.errors import ApiError
 
 # Sent by OpenAI clients, never able to change the tokens generated: accepted and ignored. (vLLM's
@@ -27,7 +28,7 @@ HARMLESS = frozenset({
 # Parameters of OpenAI's or vLLM's API that blockdraft does not implement, with the values that mean "off"
 # (null is always accepted). Any other value is a 400 naming the parameter: never silently ignored.
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "best_of": (1,), "logprobs": (False,), "top_logprobs": (0,), "logit_bias": ({},),
+    "n": (1,), "best_of": (1,), "logit_bias": ({},),
     "frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,), "min_p": (0,),
     "length_penalty": (1,), "min_tokens": (0,), "echo": (False,), "suffix": (), "tools": ([],),
     "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"),
@@ -39,7 +40,7 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "add_generation_prompt": (True,), "continue_final_message": (False,), "documents": (), "chat_template": (),
     "logprob_token_ids": (), "thinking_token_budget": (), "cache_salt": (), "prompt_embeds": (),
     "watermarking": (), "truncation_side": ("left", "right"), "media_io_kwargs": ({},), "mm_processor_kwargs": ({},),
-    "return_tokens_as_token_ids": (False,), "return_weight_versions": (False,), "routed_experts_prompt_start": (0,),
+    "return_weight_versions": (False,), "routed_experts_prompt_start": (0,),
     "return_token_offsets": (False,), "return_prompt_text": (False,), "mm_payload": ("tensors",),
     "return_mm_kwargs": (False,), "kv_transfer_params": (), "ec_transfer_params": (), "vllm_xargs": ({},),
     "repetition_detection": (), "stream_interval": (1,),
@@ -119,6 +120,12 @@ class SamplingRequest(_Strict):
     stream_options: StreamOptions | None = None
     return_token_ids: bool | None = False
     request_id: str | None = Field(None, min_length=1)  # vLLM: the response's id is "chatcmpl-" / "cmpl-" + it
+    return_tokens_as_token_ids: bool | None = False  # vLLM: logprobs name tokens "token_id:<id>"
+
+    @property
+    def logprobs_asked(self) -> int | None:
+        """How many most likely tokens each position's logprobs list (None: no logprobs)."""
+        return None
 
     @property
     def stop_strings(self) -> list[str]:
@@ -154,6 +161,17 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessageIn] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     chat_template_kwargs: ChatTemplateKwargs | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @property
+    def logprobs_asked(self) -> int | None:
+        """`top_logprobs` (default 0) with `logprobs: true`; `top_logprobs` alone is a 400, as in vLLM."""
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise ApiError(400, "`top_logprobs` needs `logprobs`: true", "top_logprobs")
+            return None
+        return self.top_logprobs or 0
 
     @property
     def max_output(self) -> tuple[int | None, str]:
@@ -166,6 +184,11 @@ class ChatCompletionRequest(SamplingRequest):
 class CompletionRequest(SamplingRequest):
     prompt: str | list[Annotated[int, Field(ge=0)]] | list[str] | list[list[Annotated[int, Field(ge=0)]]]
     max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @property
+    def logprobs_asked(self) -> int | None:
+        return self.logprobs
 
     def single_prompt(self) -> str | list[int]:
         """One prompt per request: a batch of prompts (n > 1 in disguise) is a 400."""
@@ -237,10 +260,31 @@ class DeltaMessage(_Out):
     content: str | None = None
 
 
+class ChatLogProb(_Out):
+    token: str
+    logprob: float = -9999.0
+    bytes: list[int] | None = None
+
+
+class ChatLogProbsContent(ChatLogProb):
+    top_logprobs: list[ChatLogProb] = Field(default_factory=list)
+
+
+class ChatLogProbs(_Out):
+    content: list[ChatLogProbsContent] | None = None
+
+
+class CompletionLogProbs(_Out):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
 class ChatChoice(_Out):
     index: int = 0
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: ChatLogProbs | None = None
     finish_reason: str | None = "stop"
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
@@ -261,7 +305,7 @@ class ChatCompletionResponse(_Out):
 class ChatStreamChoice(_Out):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
@@ -281,7 +325,7 @@ class ChatCompletionStreamResponse(_Out):
 class CompletionChoice(_Out):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None

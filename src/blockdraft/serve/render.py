@@ -1,6 +1,6 @@
 """A finished or progressing job -> OpenAI's response bodies and SSE chunks, as vLLM's serving code shapes them
 (entrypoints/openai/{chat_completion,completion}/serving.py): a chat stream opens with the assistant role, every
-commit with new text is one chunk, the last chunk carries finish_reason and stop_reason, and with
+commit with new text is one chunk (with its tokens' logprobs where asked for), the last chunk carries finish_reason and stop_reason, and with
 stream_options.include_usage a final chunk with no choices carries usage and the per-request metrics.
 """
 
@@ -10,10 +10,13 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 from pydantic import BaseModel
 
+from blockdraft.decoding.logprobs import TokenLogprobs
 from blockdraft.serve.jobs import JobOutput
+from blockdraft.serve.logprob_render import TokenTexts, chat_logprobs, completion_logprobs
 from blockdraft.serve.protocol import (
     ChatChoice,
     ChatCompletionResponse,
@@ -100,8 +103,11 @@ class Rendering:
     return_token_ids: bool
     continuous_usage: bool = False  # stream_options.continuous_usage_stats (with include_usage): usage on every chunk
     request_id: str | None = None  # the request's own id (vLLM's `request_id`), else a new one
+    logprobs: int | None = None  # the candidates each token's logprobs list (None: no logprobs)
+    texts: TokenTexts | None = None  # token ids as logprob entries name them
     id: str = field(init=False)
     emitted: int = field(default=0, init=False)  # completion tokens streamed so far
+    sent: int = field(default=0, init=False)  # characters of text streamed so far (completions' text offsets)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
@@ -113,14 +119,24 @@ class Rendering:
         common = dict(id=self.id, created=self.created, model=self.model,
                       usage=usage(len(self.prompt_ids), len(output.token_ids)),
                       metrics=request_metrics(output, self.method, self.num_spec_tokens))
+        logprobs = self._logprobs(output.logprobs or [], 0)
         if self.kind == "chat":
             choice = ChatChoice(message=ChatMessageOut(content=output.text), finish_reason=output.finish_reason,
-                                stop_reason=output.stop_reason, token_ids=ids)
+                                stop_reason=output.stop_reason, token_ids=ids, logprobs=logprobs)
             prompt_ids = self.prompt_ids if self.return_token_ids else None
             return ChatCompletionResponse(choices=[choice], prompt_token_ids=prompt_ids, **common)
         choice = CompletionChoice(text=output.text, finish_reason=output.finish_reason, stop_reason=output.stop_reason,
-                                  token_ids=ids, prompt_token_ids=self.prompt_ids if self.return_token_ids else None)
+                                  token_ids=ids, prompt_token_ids=self.prompt_ids if self.return_token_ids else None,
+                                  logprobs=logprobs)
         return CompletionResponse(choices=[choice], **common)
+
+    def _logprobs(self, entries: list[TokenLogprobs], offset: int) -> Any:
+        """A choice's `logprobs` for these tokens (None where the request asked for none)."""
+        if self.logprobs is None or self.texts is None:
+            return None
+        if self.kind == "chat":
+            return chat_logprobs(entries, self.logprobs, self.texts)
+        return completion_logprobs(entries, self.logprobs, self.texts, offset)
 
     def opening(self) -> list[str]:
         """A chat stream opens with the assistant role and empty content; a completion stream with nothing."""
@@ -133,12 +149,16 @@ class Rendering:
                                                  model=self.model, choices=[choice], **self._usage_so_far(),
                                                  **prompt_ids))]
 
-    def chunk(self, text: str, token_ids: list[int]) -> str | None:
-        """One commit's chunk; None when it adds no text (and ids are not asked for)."""
+    def chunk(self, text: str, token_ids: list[int], logprobs: list[TokenLogprobs] | None = None) -> str | None:
+        """One commit's chunk, with its tokens' logprobs where asked for; None when it adds no text (and neither
+        ids nor logprobs are asked for)."""
         self.emitted += len(token_ids)
-        if not text and not self.return_token_ids:
+        offset, self.sent = self.sent, self.sent + len(text)
+        if not text and not self.return_token_ids and self.logprobs is None:
             return None
-        fields = {"token_ids": token_ids} if self.return_token_ids else {}
+        fields: dict[str, Any] = {"token_ids": token_ids} if self.return_token_ids else {}
+        if self.logprobs is not None:
+            fields["logprobs"] = self._logprobs(logprobs or [], offset)
         return self._chunk(DeltaMessage(content=text), text, fields)
 
     def closing(self, output: JobOutput) -> str:

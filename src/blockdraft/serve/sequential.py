@@ -54,7 +54,7 @@ class SequentialEngine:
             spec = job.spec
             result = generate(
                 self.target, spec.prompt_ids, self.proposer, spec.max_tokens, spec.sampling,
-                tuple(spec.rules.token_ids), spec.seed, on_commit=run.on_commit,
+                tuple(spec.rules.token_ids), spec.seed, on_commit=run.on_commit, logprobs_out=run.logprobs,
             )
             job.emit(Finished(run.finish(result)))
 
