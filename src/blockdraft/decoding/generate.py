@@ -18,6 +18,7 @@ import torch
 from blockdraft.decoding.draft import Draft, Proposer
 from blockdraft.decoding.fused_steps import fused_steps
 from blockdraft.decoding.logprobs import TokenLogprobs, position_logprobs, step_logprobs
+from blockdraft.decoding.penalties import penalize, row_outputs
 from blockdraft.decoding.sampling import SamplingParams, pick
 from blockdraft.decoding.verify import verify
 from blockdraft.errors import BlockdraftError
@@ -138,15 +139,17 @@ class _Steps:
     crops or compacts the cache and extends the drafter context by what the stop rules kept)."""
 
     def __init__(self, target: Target, proposer: Proposer | None, cache: Any, sampling: SamplingParams,
-                 generator: torch.Generator, stages: _StageTimer) -> None:
+                 generator: torch.Generator, stages: _StageTimer, prompt_ids: list[int], tokens: list[int],
+                 stops: AbstractSet[int]) -> None:
         self.target, self.proposer, self.cache = target, proposer, cache
         self.sampling, self.generator, self.stages = sampling, generator, stages
+        self.prompt_ids, self.tokens, self.stops = prompt_ids, tokens, stops  # `tokens`: generate()'s, growing
         self.tap_layers = proposer.tap_layers if proposer else None
         # a fused step keeps no logits on the host: logprobs run step by step
-        self.fused = fused_steps(target, proposer) if sampling.greedy and sampling.logprobs is None else None
+        self.fused = fused_steps(target, proposer) if sampling.raw_greedy and sampling.logprobs is None else None
         self.logprobs: list[TokenLogprobs] = []  # the last step's tokens', where sampling asks for them
         # greedy trees searched on the device, for a target that takes their rows' own mask
-        self.trees_on_device = (proposer is not None and proposer.searches_trees_on_device and sampling.greedy
+        self.trees_on_device = (proposer is not None and proposer.searches_trees_on_device and sampling.raw_greedy
                                 and target.row_masks)
         self.begun = False
 
@@ -203,7 +206,11 @@ class _Steps:
             mask = None if draft.is_chain else draft.tree_mask(len(cache), device)
             out = target.forward(ids, draft.positions(start, device), cache, self.tap_layers, attention_mask=mask)
             logits = out.logits[0]
-            verdict = verify(draft, logits, self.sampling, self.generator)
+            picked = logits
+            if self.sampling.penalties.active:  # each row's distribution as the target alone would have it
+                outputs = row_outputs(self.tokens, draft.parents, draft.tokens.tolist())
+                picked = penalize(logits, outputs, self.prompt_ids, self.sampling.penalties, frozenset(self.stops))
+            verdict = verify(draft, picked, self.sampling, self.generator)
         if self.sampling.logprobs is not None:
             self.logprobs = step_logprobs(logits, verdict, self.sampling.logprobs)
         stages.add("draft", t_draft, t_verify)
@@ -258,7 +265,10 @@ def generate(
     prompt = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     out = target.forward(prompt, torch.arange(len(prompt_ids), device=device), cache,
                          proposer.tap_layers if proposer else None, last_logits_only=True)
-    first = int(pick(out.logits[0, -1], sampling, generator).item())
+    last = out.logits[0, -1:]
+    if sampling.penalties.active:
+        last = penalize(last, [[]], prompt_ids, sampling.penalties, frozenset(stops))
+    first = int(pick(last[0], sampling, generator).item())
     logprobs = None
     if sampling.logprobs is not None:
         logprobs = logprobs_out if logprobs_out is not None else []
@@ -271,7 +281,7 @@ def generate(
     ended_early = bool(on_commit and on_commit([first]))
     stopped_on = first if first in stops else None
     draft_lengths: list[int] = []
-    steps = _Steps(target, proposer, cache, sampling, generator, stages)
+    steps = _Steps(target, proposer, cache, sampling, generator, stages, prompt_ids, tokens, stops)
 
     t_decode = clock.now()
     while len(tokens) < max_new_tokens and stopped_on is None and not ended_early:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from blockdraft.decoding.penalties import Penalties
 from blockdraft.errors import BlockdraftError
 
 
@@ -15,12 +16,14 @@ MAX_LOGPROBS = 20  # the most likely tokens a position's logprobs may list (vLLM
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 means greedy; top_k 0 and top_p 1 disable those filters. `logprobs`: also report each emitted
-    token's log-probability under the target and its `logprobs` most likely tokens' (None: off)."""
+    token's log-probability under the target and its `logprobs` most likely tokens' (None: off). `penalties`: vLLM's
+    frequency, presence and repetition penalties, logit bias, min_tokens and bad words (`decoding.penalties`)."""
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     logprobs: int | None = None
+    penalties: Penalties = Penalties()
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -35,6 +38,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def raw_greedy(self) -> bool:
+        """Greedy on the target's raw logits (no penalties): the picks fused steps, device trees and a batch's one
+        argmax take on the device."""
+        return self.greedy and not self.penalties.active
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

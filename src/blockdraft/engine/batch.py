@@ -32,6 +32,7 @@ from blockdraft.decoding.fused_steps import FusedSteps
 from blockdraft.decoding.generate import OnCommit, check_context, check_prompt_ids
 from blockdraft.decoding.sampling import SamplingParams, pick
 from blockdraft.decoding.logprobs import position_logprobs, step_logprobs
+from blockdraft.decoding.penalties import penalize
 from blockdraft.decoding.verify import Verdict, greedy_read, greedy_walks, verify
 from blockdraft.engine import batch_drafts
 from blockdraft.engine.deferred_taps import DeferredTaps
@@ -164,7 +165,8 @@ class BatchDecoder:
                generator: torch.Generator, logits: torch.Tensor) -> Sequence:
         """A joined sequence with its first token (picked from the prefill's last `logits` row [1, V])."""
         seq = Sequence(len(request.prompt_ids), request.max_new_tokens, request.sampling, generator,
-                       frozenset(request.stop_token_ids), proposer, request.on_commit, [first], ttft_s, joined)
+                       frozenset(request.stop_token_ids), proposer, request.on_commit, [first], ttft_s, joined,
+                       prompt=request.prompt_ids)
         if request.sampling.logprobs is not None:
             seq.logprobs = request.logprobs_out if request.logprobs_out is not None else []
             seq.logprobs.extend(position_logprobs(logits, [first], request.sampling.logprobs))
@@ -193,7 +195,7 @@ class BatchDecoder:
         prompt = long_tensor(prompt_ids, device).unsqueeze(0)
         out = target.forward(prompt, torch.arange(len(prompt_ids), device=device), cache,
                              proposer.tap_layers if proposer else None, last_logits_only=True)
-        first = int(pick(out.logits[0, -1], request.sampling, generator).item())
+        first = int(pick(first_logits(out.logits[0, -1:], request)[0], request.sampling, generator).item())
         seq = self._start(request, first, time.perf_counter() - joined, joined, proposer, generator,
                           out.logits[0, -1:])
         if seq.done:
@@ -220,7 +222,7 @@ class BatchDecoder:
         drafting: list[Proposer] = []
         contexts: list[torch.Tensor] = []
         for b, (request, proposer, generator) in enumerate(zip(group, proposers, generators)):
-            token = int(pick(logits[b], request.sampling, generator).item())
+            token = int(pick(first_logits(logits[b : b + 1], request)[0], request.sampling, generator).item())
             seq = self._start(request, token, time.perf_counter() - joined, joined, proposer, generator,
                               logits[b : b + 1])
             seqs.append(seq)
@@ -345,7 +347,7 @@ class BatchDecoder:
     def _greedy_read(self, drafts: list[Draft], verified: Verified) -> torch.Tensor | None:
         """The greedy sequences' verdicts as one device tensor to read back (`verify.greedy_read`; one argmax for the
         batch when its logits are one tensor); None when every sequence samples."""
-        greedy = [b for b, seq in enumerate(self.running) if seq.sampling.greedy]
+        greedy = [b for b, seq in enumerate(self.running) if seq.sampling.raw_greedy]
         if not greedy:
             return None
         if verified.logits is not None:
@@ -453,9 +455,10 @@ class BatchDecoder:
         """Each sequence's verdict: the greedy ones from the step's read, the sampled ones each with its own
         generator, as alone."""
         assert flight.drafts is not None
-        greedy = [b for b, seq in enumerate(flight.seqs) if seq.sampling.greedy]
+        greedy = [b for b, seq in enumerate(flight.seqs) if seq.sampling.raw_greedy]
         walked = iter(greedy_walks([flight.drafts[b] for b in greedy], read or []))
-        return [next(walked) if seq.sampling.greedy else verify(draft, logits, seq.sampling, seq.generator)
+        return [next(walked) if seq.sampling.raw_greedy else verify(draft, seq.processed(logits, draft), seq.sampling,
+                                                                   seq.generator)
                 for seq, draft, (logits, _) in zip(flight.seqs, flight.drafts, flight.verified.rows)]
 
     def _leave(self) -> list[Sequence]:
@@ -472,3 +475,11 @@ class BatchDecoder:
                 self.running[slot] = self.running[last]
             self.running.pop()
         return finished
+
+
+def first_logits(logits: torch.Tensor, request: Request) -> torch.Tensor:
+    """A prefill's last row [1, V] as the request's first token is picked from: with its penalties, if any."""
+    penalties = request.sampling.penalties
+    if not penalties.active:
+        return logits
+    return penalize(logits, [[]], request.prompt_ids, penalties, frozenset(request.stop_token_ids))

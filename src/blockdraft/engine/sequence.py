@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from blockdraft.decoding.draft import Proposer
+from blockdraft.decoding.draft import Draft, Proposer
 from blockdraft.decoding.generate import GenerationResult, OnCommit, until_stop
 from blockdraft.decoding.logprobs import TokenLogprobs
+from blockdraft.decoding.penalties import penalize, row_outputs
 from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.metrics import SpecStats
 
@@ -50,6 +51,7 @@ class Sequence:
     pending: list[int] = field(default_factory=list)  # rows of the decoder's deferred taps: committed tokens not yet
     # in the drafter context (BatchDecoder._catch_up)
     logprobs: list[TokenLogprobs] | None = None  # each kept token's, where sampling asks for them
+    prompt: list[int] = field(default_factory=list)  # its prompt ids (the repetition penalty reads them)
 
     @property
     def done(self) -> bool:
@@ -68,6 +70,15 @@ class Sequence:
         if self.proposer:
             self.proposer.observe(committed)
         return committed
+
+    def processed(self, logits: torch.Tensor, draft: Draft) -> torch.Tensor:
+        """A verify's logits [rows, V] for `draft` as the target alone would pick from them: each row with the
+        sequence's penalties over its own output (the tokens so far and its drafted path), if any."""
+        penalties = self.sampling.penalties
+        if not penalties.active:
+            return logits
+        outputs = row_outputs(self.tokens, draft.parents, draft.tokens.tolist())
+        return penalize(logits, outputs, self.prompt, penalties, self.stops)
 
     def result(self) -> GenerationResult:
         """What `generate()` returns for one sequence."""
