@@ -191,7 +191,7 @@ BAD = [
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
      "tools"),
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
-    ("/v1/chat/completions", {"messages": CHAT, "frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ("/v1/chat/completions", {"messages": CHAT, "frequency_penalty": -2.5}, 400, "frequency_penalty"),
     ("/v1/chat/completions", {"messages": CHAT, "surprise": 1}, 400, "surprise"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": CHAT, "stream_options": {"include_usage": True}}, 400, "stream_options"),
@@ -660,3 +660,32 @@ def test_logprob_requests_out_of_range_are_refused(server) -> None:
     named = post(server.url, "/v1/completions", {"prompt": "a", "max_tokens": 3, "logprobs": 0,
                                                  "return_tokens_as_token_ids": True}).json()
     assert all(token.startswith("token_id:") for token in named["choices"][0]["logprobs"]["tokens"])
+
+
+def test_penalties_are_honoured_with_speculation(server, client: openai.OpenAI, text_pair) -> None:
+    """frequency, presence and repetition penalties and logit_bias at T=0: the ids of a plain token-by-token loop
+    over the target under vLLM's formulas; bad_words keeps a word out of the text; bad values are 400s by name."""
+    from transformers import AutoModelForCausalLM
+
+    from blockdraft.decoding.penalties import Penalties
+    from test_penalties import reference_greedy
+
+    body = dict(frequency_penalty=0.5, presence_penalty=1.0, repetition_penalty=1.3, logit_bias={"11": 5.0})
+    reply = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=16, temperature=0,
+                                      extra_body={"return_token_ids": True, "ignore_eos": True, **body})
+    choice = reply.choices[0]
+    model = AutoModelForCausalLM.from_pretrained(text_pair[0], dtype=torch.float32).eval()
+    penalties = Penalties(frequency=0.5, presence=1.0, repetition=1.3, logit_bias=((11, 5.0),))
+    assert choice.token_ids == reference_greedy(model, choice.prompt_token_ids, 16, penalties)
+    plain = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=16, temperature=0,
+                                      extra_body={"return_token_ids": True, "ignore_eos": True}).choices[0]
+    assert plain.token_ids != choice.token_ids
+    banned = next(ch for ch in plain.text if ch.isalpha())
+    kept = client.completions.create(model=MODEL, prompt="Hello there", max_tokens=16, temperature=0,
+                                     extra_body={"ignore_eos": True, "bad_words": [banned]}).choices[0].text
+    assert banned not in kept
+    for extra, param in [({"frequency_penalty": 2.5}, "frequency_penalty"),
+                         ({"repetition_penalty": 0}, "repetition_penalty"), ({"logit_bias": {"x": 1}}, "logit_bias"),
+                         ({"logit_bias": {"999999": 1}}, "logit_bias"), ({"min_tokens": 9, "max_tokens": 4}, "min_tokens")]:
+        response = post(server.url, "/v1/completions", {"prompt": "a", **extra})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, extra

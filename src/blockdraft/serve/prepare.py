@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from blockdraft.decoding.generate import check_prompt_ids
+from blockdraft.decoding.penalties import Penalties
 from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.errors import BlockdraftError
 from blockdraft.prompting import encode_messages, encode_text
@@ -18,7 +19,8 @@ from blockdraft.serve.output import StopRules
 from blockdraft.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
 # OpenAI's defaults when neither the request nor the target's generation_config sets one (vLLM's order).
-OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0}
+OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "repetition_penalty": 1.0, "presence_penalty": 0.0,
+                   "frequency_penalty": 0.0}
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,7 @@ class Prepared:
 
 
 def generation_defaults(model: Any) -> dict[str, float]:
-    """temperature / top_p / top_k the target's generation_config.json sets explicitly (vLLM's
+    """temperature / top_p / top_k and the penalties the target's generation_config.json sets explicitly (vLLM's
     `--generation-config auto`), which win over OpenAI's defaults."""
     config = getattr(model, "generation_config", None)
     if config is None:
@@ -93,7 +95,37 @@ def _sampling(req: SamplingRequest, served: ServedModel) -> SamplingParams:
         return value if value is not None else served.sampling_defaults.get(name, OPENAI_DEFAULTS[name])
 
     return SamplingParams(float(pick("temperature")), float(pick("top_p")), max(int(pick("top_k")), 0),
-                          req.logprobs_asked)
+                          req.logprobs_asked, _penalties(req, served, pick))
+
+
+def _penalties(req: SamplingRequest, served: ServedModel, pick: Any) -> Penalties:
+    """vLLM's penalty parameters (the target's generation_config defaults where the request leaves them out, as
+    vLLM's repetition_penalty): the logit bias's ids checked against the vocabulary, each bad word tokenized alone
+    and with a leading space (vLLM's rule: the spaced form only where it is a different token sequence of the same
+    length)."""
+    bias: list[tuple[int, float]] = []
+    for key, value in (req.logit_bias or {}).items():
+        if not key.lstrip("-").isdigit() or not 0 <= int(key) < served.vocab_size:
+            raise ApiError(400, f"`logit_bias` key {key!r} is not a token id of this target (0..{served.vocab_size - 1})",
+                           "logit_bias")
+        bias.append((int(key), min(100.0, max(-100.0, value))))
+    words: list[tuple[int, ...]] = []
+    for word in req.bad_words or []:
+        if served.tokenizer is None:
+            raise ApiError(400, "`bad_words` needs a tokenizer and this target has none", "bad_words")
+        plain = tuple(served.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        if not plain:
+            raise ApiError(400, f"`bad_words` entry {word!r} tokenizes to no token", "bad_words")
+        words.append(plain)
+        spaced = tuple(served.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+            words.append(spaced)
+    min_tokens = req.min_tokens or 0
+    if req.max_tokens is not None and min_tokens > req.max_tokens:
+        raise ApiError(400, f"`min_tokens`={min_tokens} must be at most `max_tokens`={req.max_tokens}", "min_tokens")
+    return Penalties(frequency=float(pick("frequency_penalty")), presence=float(pick("presence_penalty")),
+                     repetition=float(pick("repetition_penalty")), logit_bias=tuple(bias), min_tokens=min_tokens,
+                     bad_words=tuple(words))
 
 
 def _rules(req: SamplingRequest, served: ServedModel) -> StopRules:

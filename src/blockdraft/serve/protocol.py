@@ -28,14 +28,12 @@ HARMLESS = frozenset({
 # Parameters of OpenAI's or vLLM's API that blockdraft does not implement, with the values that mean "off"
 # (null is always accepted). Any other value is a 400 naming the parameter: never silently ignored.
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "best_of": (1,), "logit_bias": ({},),
-    "frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,), "min_p": (0,),
-    "length_penalty": (1,), "min_tokens": (0,), "echo": (False,), "suffix": (), "tools": ([],),
+    "n": (1,), "best_of": (1,), "min_p": (0,), "length_penalty": (1,), "echo": (False,), "suffix": (), "tools": ([],),
     "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"),
     "response_format": ({"type": "text"},), "reasoning_effort": (), "verbosity": (), "modalities": (["text"],),
     "audio": (), "prediction": (), "web_search_options": (), "moderation": (), "use_beam_search": (False,),
     "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
-    "spaces_between_special_tokens": (True,), "bad_words": ([],), "allowed_token_ids": (),
+    "spaces_between_special_tokens": (True,), "allowed_token_ids": (),
     "truncate_prompt_tokens": (), "prompt_logprobs": (), "structured_outputs": (), "priority": (0,),
     "add_generation_prompt": (True,), "continue_final_message": (False,), "documents": (), "chat_template": (),
     "logprob_token_ids": (), "thinking_token_budget": (), "cache_salt": (), "prompt_embeds": (),
@@ -121,6 +119,12 @@ class SamplingRequest(_Strict):
     return_token_ids: bool | None = False
     request_id: str | None = Field(None, min_length=1)  # vLLM: the response's id is "chatcmpl-" / "cmpl-" + it
     return_tokens_as_token_ids: bool | None = False  # vLLM: logprobs name tokens "token_id:<id>"
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias, clamped to [-100, 100] as vLLM
+    min_tokens: int | None = Field(None, ge=0)
+    bad_words: list[str] | None = None
 
     @property
     def logprobs_asked(self) -> int | None:
