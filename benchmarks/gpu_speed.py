@@ -43,6 +43,9 @@ from blockdraft.decoding.fused_steps import FusedSteps
 from blockdraft.kernels.kernel_choice import choices
 from blockdraft.numbers import count_list, int_list
 
+# The published Qwen3.6-27B-DFlash drafter's layers (4 sliding, window 2048, then 1 full), its heads Qwen3's
+QWEN36_DFLASH = dict(num_attention_heads=32, num_key_value_heads=8, head_dim=128, sliding_window=2048,
+                     use_sliding_window=True, layer_types=["sliding_attention"] * 4 + ["full_attention"])
 SHAPES: dict[str, dict[str, Any]] = {
     "8b": dict(
         target=dict(vocab_size=151936, hidden_size=4096, num_hidden_layers=36, num_attention_heads=32,
@@ -60,16 +63,14 @@ SHAPES: dict[str, dict[str, Any]] = {
                     num_key_value_heads=2, head_dim=16, intermediate_size=128, max_position_embeddings=4096),
         drafter_layers=1, taps=[1, 3], mask_token_id=511,
     ),
-    # Hybrid targets (Qwen3.5 architecture: Gated DeltaNet, every fourth layer gated full attention); the drafter of
-    # the published Qwen3.6-27B-DFlash (5 layers: 4 sliding, window 2048, then 1 full), its heads Qwen3's
+    # Hybrid targets (Qwen3.5 architecture: Gated DeltaNet, every fourth layer gated full attention)
     "qwen3.6-27b": dict(
         hybrid=True,
         target=dict(vocab_size=248320, hidden_size=5120, num_hidden_layers=64, num_attention_heads=24,
                     num_key_value_heads=4, head_dim=256, intermediate_size=17408, max_position_embeddings=40960,
                     linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
                     linear_value_head_dim=128, linear_conv_kernel_dim=4),
-        drafter=dict(num_attention_heads=32, num_key_value_heads=8, head_dim=128, sliding_window=2048,
-                     use_sliding_window=True, layer_types=["sliding_attention"] * 4 + ["full_attention"]),
+        drafter=QWEN36_DFLASH,
         drafter_layers=5, taps=[1, 16, 31, 46, 61], mask_token_id=248070,
     ),
     "qwen3.5-4b": dict(
@@ -78,8 +79,7 @@ SHAPES: dict[str, dict[str, Any]] = {
                     num_key_value_heads=4, head_dim=256, intermediate_size=9216, max_position_embeddings=40960,
                     linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
                     linear_value_head_dim=128, linear_conv_kernel_dim=4),
-        drafter=dict(num_attention_heads=32, num_key_value_heads=8, head_dim=128, sliding_window=2048,
-                     use_sliding_window=True, layer_types=["sliding_attention"] * 4 + ["full_attention"]),
+        drafter=QWEN36_DFLASH,
         drafter_layers=5, taps=[1, 8, 15, 22, 29], mask_token_id=248070,
     ),
     "tiny-hybrid": dict(

@@ -361,18 +361,9 @@ class HybridFastTarget(FastTarget):
         rows along their own paths (`own` [B, t, t])."""
         assert linear is not None, "a hybrid target's batch store holds its linear states"
         batch, t = ids.shape
-        ops, groups = self.ops, self.heads // self.kv_heads
-        seq = torch.arange(batch, device=self.device).unsqueeze(1).expand(batch, t)
-        cols = lengths.unsqueeze(1) + torch.arange(t, device=self.device)
-        cos_table, sin_table = self.rope_table(cap)
-        cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)
-        slot_ids = torch.arange(cap, device=self.device)
+        ops = self.ops
+        seq, cols, cos, sin, mask, biases = self.batch_layout(lengths, positions, own, cap, {None})
         layout = (*path_layout(own, linear.window.shape[-1] + 1), own)
-
-        def dense(window: int | None) -> torch.Tensor:
-            return ops.batched_attention_bias(lengths, slot_ids, positions, own, window, groups, self.dtype)
-
-        mask, biases = attention_masks(ops, seq[:, 0], lengths, own, positions, dense, {None})
 
         def step(i: int, layer: LayerWeights | DeltaNetWeights, x: torch.Tensor, proj: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:

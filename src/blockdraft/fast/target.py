@@ -459,18 +459,9 @@ class FastTarget(Target):
         length plus their depth), so the rotary table of `cap` positions holds them. Only the K/V write and the mask
         are batch-specific: attention, the layer's tail and the stack are the batch-1 forward's."""
         batch, t = ids.shape
-        ops, groups = self.ops, self.heads // self.kv_heads
-        seq = torch.arange(batch, device=self.device).unsqueeze(1).expand(batch, t)
-        cols = lengths.unsqueeze(1) + torch.arange(t, device=self.device)
-        cos_table, sin_table = self.rope_table(cap)
-        cos, sin = cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1)
-        slot_ids = torch.arange(cap, device=self.device)
-
-        def dense(window: int | None) -> torch.Tensor:
-            return ops.batched_attention_bias(lengths, slot_ids, positions, own, window, groups, self.dtype)
-
-        mask, biases = attention_masks(ops, seq[:, 0], lengths, own, positions, dense,
-                                       {layer.window for layer in self.layers})
+        ops = self.ops
+        seq, cols, cos, sin, mask, biases = self.batch_layout(lengths, positions, own, cap,
+                                                              {layer.window for layer in self.layers})
 
         def step(i: int, layer: LayerWeights, x: torch.Tensor, qkv: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -481,6 +472,25 @@ class FastTarget(Target):
             return layer_mlp(ops, layer, x, out, self.eps, self.act)
 
         return self.run_layers(F.embedding(ids, self.embedding_weight), step, tap_layers)
+
+    def batch_layout(self, lengths: torch.Tensor, positions: torch.Tensor, own: torch.Tensor, cap: int,
+                     windows: set[int | None]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                        CompactMask | None, dict[int | None, torch.Tensor]]:
+        """What every layer of a batched forward shares: each row's slot and cache column [B, t] (where its K/V is
+        written), cos/sin [B, 1, t, rotary] of its position, and the attention masks (`attention_masks`) of
+        `windows`."""
+        batch, t = positions.shape
+        seq = torch.arange(batch, device=self.device).unsqueeze(1).expand(batch, t)
+        cols = lengths.unsqueeze(1) + torch.arange(t, device=self.device)
+        cos_table, sin_table = self.rope_table(cap)
+        slot_ids = torch.arange(cap, device=self.device)
+        groups = self.heads // self.kv_heads
+
+        def dense(window: int | None) -> torch.Tensor:
+            return self.ops.batched_attention_bias(lengths, slot_ids, positions, own, window, groups, self.dtype)
+
+        mask, biases = attention_masks(self.ops, seq[:, 0], lengths, own, positions, dense, windows)
+        return (seq, cols, cos_table[positions].unsqueeze(1), sin_table[positions].unsqueeze(1), mask, biases)
 
     def run_layers(self, x: torch.Tensor, step: LayerStep, tap_layers: tuple[int, ...] | None,
                    ops: LayerOps | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
