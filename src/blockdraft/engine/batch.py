@@ -166,7 +166,10 @@ class BatchDecoder:
         """A joined sequence with its first token (picked from the prefill's last `logits` row [1, V])."""
         seq = Sequence(len(request.prompt_ids), request.max_new_tokens, request.sampling, generator,
                        frozenset(request.stop_token_ids), proposer, request.on_commit, [first], ttft_s, joined,
-                       prompt=request.prompt_ids)
+                       prompt=request.prompt_ids, grammar=request.grammar)
+        if request.grammar is not None:  # the first position's mask (logprobs read it), then the token taken
+            logits = request.grammar.apply(logits, [], [])
+            request.grammar.accept([first])
         if request.sampling.logprobs is not None:
             seq.logprobs = request.logprobs_out if request.logprobs_out is not None else []
             seq.logprobs.extend(position_logprobs(logits, [first], request.sampling.logprobs))
@@ -347,7 +350,7 @@ class BatchDecoder:
     def _greedy_read(self, drafts: list[Draft], verified: Verified) -> torch.Tensor | None:
         """The greedy sequences' verdicts as one device tensor to read back (`verify.greedy_read`; one argmax for the
         batch when its logits are one tensor); None when every sequence samples."""
-        greedy = [b for b, seq in enumerate(self.running) if seq.sampling.raw_greedy]
+        greedy = [b for b, seq in enumerate(self.running) if seq.raw_greedy]
         if not greedy:
             return None
         if verified.logits is not None:
@@ -382,7 +385,7 @@ class BatchDecoder:
                 continue
             seq.draft_lengths.append(len(draft))
             top = seq.sampling.logprobs
-            logprobs = None if top is None else step_logprobs(logits, verdict, top)
+            logprobs = None if top is None else step_logprobs(seq.processed(logits, draft)[0], verdict, top)
             committed = seq.commit(verdict.tokens + [verdict.bonus], logprobs)
             reports.append((seq, committed))
             produced = len(committed)
@@ -455,9 +458,9 @@ class BatchDecoder:
         """Each sequence's verdict: the greedy ones from the step's read, the sampled ones each with its own
         generator, as alone."""
         assert flight.drafts is not None
-        greedy = [b for b, seq in enumerate(flight.seqs) if seq.sampling.raw_greedy]
+        greedy = [b for b, seq in enumerate(flight.seqs) if seq.raw_greedy]
         walked = iter(greedy_walks([flight.drafts[b] for b in greedy], read or []))
-        return [next(walked) if seq.sampling.raw_greedy else verify(draft, seq.processed(logits, draft), seq.sampling,
+        return [next(walked) if seq.raw_greedy else verify(draft, seq.processed(logits, draft)[1], seq.sampling,
                                                                    seq.generator)
                 for seq, draft, (logits, _) in zip(flight.seqs, flight.drafts, flight.verified.rows)]
 
@@ -478,7 +481,10 @@ class BatchDecoder:
 
 
 def first_logits(logits: torch.Tensor, request: Request) -> torch.Tensor:
-    """A prefill's last row [1, V] as the request's first token is picked from: with its penalties, if any."""
+    """A prefill's last row [1, V] as the request's first token is picked from: under its grammar and with its
+    penalties, if any."""
+    if request.grammar is not None:
+        logits = request.grammar.apply(logits, [], [])
     penalties = request.sampling.penalties
     if not penalties.active:
         return logits

@@ -77,7 +77,7 @@ def device_trees(drafting: BatchDrafter, running: list[Sequence], starts: list[i
     """This step's trees searched and laid out as verify rows on the device, when every running sequence builds a
     greedy DDTree of one budget (each with its lookup chain merged in, `compiled` where the target's units are);
     None otherwise, and the drafts are made on the host (`drafts`)."""
-    budgets = {seq.proposer.tree_budget() if seq.sampling.raw_greedy and seq.proposer else None for seq in running}
+    budgets = {seq.proposer.tree_budget() if seq.raw_greedy and seq.proposer else None for seq in running}
     budget = budgets.pop() if len(budgets) == 1 else None
     planned = plans(running) if budget is not None else []
     if budget is None or all(plan is None for plan in planned):

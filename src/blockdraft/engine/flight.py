@@ -59,4 +59,4 @@ class Flight:
             self.fused.take()
             return
         self.verified = self.verified.detached({b for b, seq in enumerate(self.seqs)
-                                                if not seq.sampling.raw_greedy or seq.sampling.logprobs is not None})
+                                                if not seq.raw_greedy or seq.sampling.logprobs is not None})

@@ -29,7 +29,7 @@ class LoneSteps:
         """The fused steps of `seq`'s method this step when it is greedy and has a whole step's depth left; None
         otherwise (the batched step runs it), and for a scheduled AR step (whose taps wait)."""
         shape = AR_SHAPE if seq.proposer is None else seq.proposer.step_shape()
-        if not seq.sampling.raw_greedy or seq.sampling.logprobs is not None or seq.pending or shape is None:
+        if not seq.raw_greedy or seq.sampling.logprobs is not None or seq.pending or shape is None:
             return None
         if shape == AR_SHAPE:
             steps = fused_steps(self.target, None)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from blockdraft.decoding.draft import Draft, Proposer
+from blockdraft.decoding.grammar import GrammarState
 from blockdraft.decoding.generate import GenerationResult, OnCommit, until_stop
 from blockdraft.decoding.logprobs import TokenLogprobs
 from blockdraft.decoding.penalties import penalize, row_outputs
@@ -27,6 +28,7 @@ class Request:
     seed: int = 0
     on_commit: OnCommit | None = None
     logprobs_out: list[TokenLogprobs] | None = None  # `generate()`'s: filled before `on_commit` sees a chunk
+    grammar: GrammarState | None = None  # structured output: what every token must match
 
 
 @dataclass
@@ -52,6 +54,13 @@ class Sequence:
     # in the drafter context (BatchDecoder._catch_up)
     logprobs: list[TokenLogprobs] | None = None  # each kept token's, where sampling asks for them
     prompt: list[int] = field(default_factory=list)  # its prompt ids (the repetition penalty reads them)
+    grammar: GrammarState | None = None  # structured output: its matcher over the committed tokens
+
+    @property
+    def raw_greedy(self) -> bool:
+        """Greedy on the target's raw logits: what the device-side picks (fused steps, device trees, the batch's
+        one argmax) decide for it."""
+        return self.sampling.raw_greedy and self.grammar is None
 
     @property
     def done(self) -> bool:
@@ -63,6 +72,8 @@ class Sequence:
         committed, stopped_on = until_stop(committed, self.max_new_tokens - len(self.tokens), self.stops)
         if self.logprobs is not None and logprobs is not None:
             self.logprobs.extend(logprobs[: len(committed)])
+        if self.grammar is not None:
+            self.grammar.accept(committed)
         if stopped_on is not None:
             self.stopped_on = stopped_on
         self.tokens.extend(committed)
@@ -71,14 +82,17 @@ class Sequence:
             self.proposer.observe(committed)
         return committed
 
-    def processed(self, logits: torch.Tensor, draft: Draft) -> torch.Tensor:
-        """A verify's logits [rows, V] for `draft` as the target alone would pick from them: each row with the
-        sequence's penalties over its own output (the tokens so far and its drafted path), if any."""
+    def processed(self, logits: torch.Tensor, draft: Draft) -> tuple[torch.Tensor, torch.Tensor]:
+        """A verify's logits [rows, V] for `draft` under the sequence's grammar (what logprobs read, as vLLM's come
+        after its bitmask), and those as the target alone would pick from them: each row also with the penalties over
+        its own output (the tokens so far and its drafted path), if any."""
+        if self.grammar is not None:
+            logits = self.grammar.apply(logits, draft.tokens.tolist(), draft.parents)
         penalties = self.sampling.penalties
         if not penalties.active:
-            return logits
+            return logits, logits
         outputs = row_outputs(self.tokens, draft.parents, draft.tokens.tolist())
-        return penalize(logits, outputs, self.prompt, penalties, self.stops)
+        return logits, penalize(logits, outputs, self.prompt, penalties, self.stops)
 
     def result(self) -> GenerationResult:
         """What `generate()` returns for one sequence."""
