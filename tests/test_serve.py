@@ -4,6 +4,7 @@ port) on a thread of this process, serving the tiny fixture pair with a characte
 from __future__ import annotations
 
 import json
+import re
 import socket
 import threading
 import time
@@ -190,7 +191,8 @@ BAD = [
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": 1}, 400, "logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
      "tools"),
-    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object", "x": 1}}, 400,
+     "response_format.type"),
     ("/v1/chat/completions", {"messages": CHAT, "frequency_penalty": -2.5}, 400, "frequency_penalty"),
     ("/v1/chat/completions", {"messages": CHAT, "surprise": 1}, 400, "surprise"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
@@ -689,3 +691,43 @@ def test_penalties_are_honoured_with_speculation(server, client: openai.OpenAI, 
                          ({"logit_bias": {"999999": 1}}, "logit_bias"), ({"min_tokens": 9, "max_tokens": 4}, "min_tokens")]:
         response = post(server.url, "/v1/completions", {"prompt": "a", **extra})
         assert response.status_code == 400 and response.json()["error"]["param"] == param, extra
+
+
+def test_structured_outputs_with_speculation(server, client: openai.OpenAI, text_pair) -> None:
+    """vLLM's `structured_outputs` (regex, choice) and OpenAI's `response_format` json_schema constrain the text, with
+    the server's DDTree ids equal to a token-by-token masked loop; a grammar that cannot compile is a 400 naming the
+    part."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from blockdraft.decoding.grammar import GrammarSpec, GrammarState, compile_grammar
+
+    regex = "(ab|cd){1,3}e[0-9]{2}"
+    reply = client.completions.create(model=MODEL, prompt="Code: ", max_tokens=20, temperature=0,
+                                      extra_body={"structured_outputs": {"regex": regex}, "return_token_ids": True})
+    choice = reply.choices[0]
+    assert re.fullmatch(regex, choice.text) and choice.finish_reason == "stop"
+    tokenizer = AutoTokenizer.from_pretrained(text_pair[0])
+    model = AutoModelForCausalLM.from_pretrained(text_pair[0], dtype=torch.float32).eval()
+    vocab = model.get_output_embeddings().weight.shape[0]
+    grammar, output = GrammarState(compile_grammar(GrammarSpec("regex", regex), tokenizer, vocab), vocab), []
+    while len(output) < 20 and (not output or output[-1] != tokenizer.eos_token_id):
+        with torch.inference_mode():
+            row = model(torch.tensor([choice.prompt_token_ids + output])).logits[0, -1:]
+        output.append(int(grammar.apply(row, [], []).argmax()))
+        grammar.accept(output[-1:])
+    assert choice.token_ids == output
+    picked = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, temperature=0,
+                                            extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert picked.choices[0].message.content in ("yes", "no")
+    schema = {"type": "string", "enum": ["red", "blue"]}
+    colour = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=10, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "colour", "schema": schema}})
+    assert json.loads(colour.choices[0].message.content) in ("red", "blue")
+    for body, param in [({"structured_outputs": {"regex": "(open"}}, "structured_outputs.regex"),
+                        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                            "type": "integer", "minimum": "zero"}}}}, "response_format.json_schema.schema"),
+                        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+                        ({"response_format": {"type": "xml"}}, "response_format.type")]:
+        response = post(server.url, "/v1/completions", {"prompt": "a", **body})
+        assert response.status_code == 400 and response.json()["error"]["param"] == param, (body, response.text)

@@ -53,7 +53,7 @@ def refusal(body: dict, model=CompletionRequest, endpoint="completion") -> ApiEr
     "extra, param",
     [({"n": 2}, "n"), ({"logprobs": 21}, "logprobs"), ({"best_of": 3}, "best_of"), ({"echo": True}, "echo"),
      ({"suffix": "x"}, "suffix"), ({"presence_penalty": 2.5}, "presence_penalty"), ({"min_p": 0.5}, "min_p"),
-     ({"response_format": {"type": "json_object"}}, "response_format"), ({"frobnicate": 1}, "frobnicate"),
+     ({"use_beam_search": True}, "use_beam_search"), ({"frobnicate": 1}, "frobnicate"),
      ({"temperature": "0.5"}, "temperature"), ({"temperature": -0.1}, "temperature"), ({"top_p": 0}, "top_p"),
      ({"top_p": 1.01}, "top_p"), ({"max_tokens": 0}, "max_tokens"), ({"seed": 1.5}, "seed"),
      ({"stream": "yes"}, "stream"), ({"stop": [1]}, "stop"), ({"stop_token_ids": [-1]}, "stop_token_ids.0"),

@@ -105,9 +105,9 @@ class BatchedEngine:
         requests: list[Request] = []
         for job, should_stop in jobs:
             spec = job.spec
-            run = JobRun(job, self.tokenizer, should_stop)
+            run = JobRun(job, self.tokenizer, should_stop, self.decoder.target.vocab_size)
             request = Request(spec.prompt_ids, spec.max_tokens, spec.sampling, tuple(spec.rules.token_ids), spec.seed,
-                              run.on_commit, run.logprobs)
+                              run.on_commit, run.logprobs, run.grammar)
             try:
                 self.decoder.check(request)
             except BlockdraftError as exc:

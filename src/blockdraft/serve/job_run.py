@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from blockdraft.decoding.generate import GenerationResult
+from blockdraft.decoding.grammar import GrammarState, compile_grammar
 from blockdraft.decoding.logprobs import TokenLogprobs
 from blockdraft.serve.jobs import Job, JobOutput, Progress
 from blockdraft.serve.output import OutputText
@@ -16,8 +17,10 @@ from blockdraft.serve.output import OutputText
 class JobRun:
     """`on_commit` is the decode loop's hook for this job; `finish(result)` gives the JobOutput."""
 
-    def __init__(self, job: Job, tokenizer: Any, should_stop: Callable[[], bool]) -> None:
+    def __init__(self, job: Job, tokenizer: Any, should_stop: Callable[[], bool], vocab: int) -> None:
         self.job = job
+        grammar = job.spec.grammar  # structured output: the job's matcher (compiled from the engine's cache)
+        self.grammar = None if grammar is None else GrammarState(compile_grammar(grammar, tokenizer, vocab), vocab)
         self.output = OutputText(tokenizer, job.spec.rules)
         self.should_stop = should_stop
         # the decode loop's logprobs of every committed token, filled before each `on_commit` (where asked for)

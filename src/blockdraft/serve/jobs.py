@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from blockdraft.decoding.generate import GenerationResult
+from blockdraft.decoding.grammar import GrammarSpec
 from blockdraft.decoding.logprobs import TokenLogprobs
 from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.serve.errors import ApiError
@@ -75,6 +76,7 @@ class JobSpec:
     seed: int
     rules: StopRules
     arrival: float
+    grammar: GrammarSpec | None = None  # structured output: what the tokens must match
 
 
 @dataclass

@@ -10,11 +10,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from blockdraft.decoding.generate import check_prompt_ids
+from blockdraft.decoding.grammar import GrammarSpec
 from blockdraft.decoding.penalties import Penalties
 from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.errors import BlockdraftError
 from blockdraft.prompting import encode_messages, encode_text
 from blockdraft.serve.errors import ApiError
+from blockdraft.serve.structured import grammar_spec
 from blockdraft.serve.output import StopRules
 from blockdraft.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
@@ -51,6 +53,7 @@ class Prepared:
     sampling: SamplingParams
     seed: int
     rules: StopRules
+    grammar: GrammarSpec | None = None
 
 
 def generation_defaults(model: Any) -> dict[str, float]:
@@ -171,4 +174,5 @@ def prepare(
             f"{served.max_model_len}; ask for at most {room}", param,
         )
     seed = req.seed if req.seed is not None else secrets.randbits(63)
-    return Prepared(prompt_ids, max_tokens, _sampling(req, served), seed, _rules(req, served))
+    grammar = grammar_spec(req.response_format, req.structured_outputs, served.tokenizer, served.vocab_size)
+    return Prepared(prompt_ids, max_tokens, _sampling(req, served), seed, _rules(req, served), grammar)

@@ -30,11 +30,11 @@ HARMLESS = frozenset({
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "n": (1,), "best_of": (1,), "min_p": (0,), "length_penalty": (1,), "echo": (False,), "suffix": (), "tools": ([],),
     "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"),
-    "response_format": ({"type": "text"},), "reasoning_effort": (), "verbosity": (), "modalities": (["text"],),
+    "reasoning_effort": (), "verbosity": (), "modalities": (["text"],),
     "audio": (), "prediction": (), "web_search_options": (), "moderation": (), "use_beam_search": (False,),
     "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
     "spaces_between_special_tokens": (True,), "allowed_token_ids": (),
-    "truncate_prompt_tokens": (), "prompt_logprobs": (), "structured_outputs": (), "priority": (0,),
+    "truncate_prompt_tokens": (), "prompt_logprobs": (), "priority": (0,),
     "add_generation_prompt": (True,), "continue_final_message": (False,), "documents": (), "chat_template": (),
     "logprob_token_ids": (), "thinking_token_budget": (), "cache_salt": (), "prompt_embeds": (),
     "watermarking": (), "truncation_side": ("left", "right"), "media_io_kwargs": ({},), "mm_processor_kwargs": ({},),
@@ -125,6 +125,8 @@ class SamplingRequest(_Strict):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias, clamped to [-100, 100] as vLLM
     min_tokens: int | None = Field(None, ge=0)
     bad_words: list[str] | None = None
+    response_format: dict[str, Any] | None = None  # text, json_object or json_schema (serve/structured.py)
+    structured_outputs: dict[str, Any] | None = None  # vLLM's: json, regex, choice, grammar or json_object
 
     @property
     def logprobs_asked(self) -> int | None:

@@ -50,11 +50,12 @@ class SequentialEngine:
         `should_stop()` (a client gone, a drain deadline) ends the run at the next commit with finish_reason
         "abort"."""
         for job, should_stop in jobs:
-            run = JobRun(job, self.tokenizer, should_stop)
+            run = JobRun(job, self.tokenizer, should_stop, self.target.vocab_size)
             spec = job.spec
             result = generate(
                 self.target, spec.prompt_ids, self.proposer, spec.max_tokens, spec.sampling,
                 tuple(spec.rules.token_ids), spec.seed, on_commit=run.on_commit, logprobs_out=run.logprobs,
+                grammar=run.grammar,
             )
             job.emit(Finished(run.finish(result)))
 
