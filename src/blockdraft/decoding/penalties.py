@@ -73,7 +73,8 @@ def penalize(logits: torch.Tensor, outputs: list[list[int]], prompt: list[int], 
     for r, history in enumerate(outputs):
         if history:
             padded[r, : len(history)] = torch.tensor(history, device=device)
-    counts = torch.zeros(rows, vocab + 1, device=device).scatter_add_(1, padded, torch.ones_like(padded, dtype=out.dtype))
+    ones = torch.ones_like(padded, dtype=out.dtype)
+    counts = torch.zeros(rows, vocab + 1, device=device).scatter_add_(1, padded, ones)
     counts = counts[:, :vocab]
     seen = counts > 0
     if penalties.repetition != 1.0:

@@ -72,8 +72,8 @@ def path_layout(own: torch.Tensor, kernel: int) -> tuple[torch.Tensor, torch.Ten
 
 def conv_rows(window: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, columns: torch.Tensor, act: str
               ) -> torch.Tensor:
-    """HF's causal depthwise conv and activation of new rows x [B, t, C] after committed inputs window [B, C, K - 1], each row
-    over its own `columns` (`path_layout`): [B, t, C] in x's dtype."""
+    """HF's causal depthwise conv and activation of new rows x [B, t, C] after committed inputs window [B, C, K - 1],
+    each row over its own `columns` (`path_layout`): [B, t, C] in x's dtype."""
     full = torch.cat([window, x.transpose(1, 2)], dim=-1).to(weight.dtype)  # [B, C, K - 1 + t]
     batch, channels = full.shape[:2]
     taps = full.gather(2, columns.reshape(batch, 1, -1).expand(-1, channels, -1))

@@ -5,7 +5,8 @@ The attention layers (an output gate on q_proj, zero-centred q/k norms, partial 
 KV cache and attention path; the linear-attention layers (`fast.delta_net`) keep their conv windows and recurrent
 states in static buffers (`fast.linear_states`). A verify runs each row along its own path and keeps what the rule
 read per row, so the commit after acceptance (a chain's crop, a tree's compact) advances the state over the accepted
-path alone, without another target forward, and a DDTree step is one verify forward (one graph on CUDA). Prefills run the chunked delta rule.
+path alone, without another target forward, and a DDTree step is one verify forward (one graph on CUDA). Prefills
+run the chunked delta rule.
 Qwen3.5's zero-centred norms scale by 1 + w: those weights are taken as 1 + w once, so every fused norm unit of the
 engine reads them unchanged (exact in float32; in bf16 the scale is rounded once, as the norm's output is).
 """
@@ -222,7 +223,8 @@ class HybridFastTarget(FastTarget):
             pack_delta_net(layer) if kind == "linear_attention" else pack_gated_attention(layer)
             for layer, kind in zip(decoder.layers, self.layer_types)
         ]
-        self.kv_index = {i: n for n, i in enumerate(i for i, k in enumerate(self.layer_types) if k != "linear_attention")}
+        self.kv_index = {i: n for n, i in enumerate(i for i, k in enumerate(self.layer_types)
+                                                     if k != "linear_attention")}
         self.linear_index = {i: n for n, i in enumerate(i for i, k in enumerate(self.layer_types)
                                                          if k == "linear_attention")}
         net = next(layer for layer in self.layers if isinstance(layer, DeltaNetWeights))

@@ -109,7 +109,7 @@ class LinearStates:
         self.window[:, 0] = appended.index_select(-1, last)
 
     @torch.inference_mode()
-    def load(self, slot: int, source: "LinearStates", source_slot: int = 0) -> None:
+    def load(self, slot: int, source: LinearStates, source_slot: int = 0) -> None:
         """Take `source`'s committed sequence in `source_slot` into `slot` (a batch-1 cache's into a batch slot, or
         back)."""
         self.window[:, slot] = source.window[:, source_slot]

@@ -180,7 +180,8 @@ def build_app(state: ServerState) -> ASGIApp:
         requested, param = req.max_output
         prepared = prepare(req, ids, served, requested, param, "messages")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await _run(request, state, prepared, rendering("chat", ids, req, request), bool(req.stream), include_usage)
+        return await _run(request, state, prepared, rendering("chat", ids, req, request), bool(req.stream),
+                          include_usage)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

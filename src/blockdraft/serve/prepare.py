@@ -109,8 +109,8 @@ def _penalties(req: SamplingRequest, served: ServedModel, pick: Any) -> Penaltie
     bias: list[tuple[int, float]] = []
     for key, value in (req.logit_bias or {}).items():
         if not key.lstrip("-").isdigit() or not 0 <= int(key) < served.vocab_size:
-            raise ApiError(400, f"`logit_bias` key {key!r} is not a token id of this target (0..{served.vocab_size - 1})",
-                           "logit_bias")
+            raise ApiError(400, f"`logit_bias` key {key!r} is not a token id of this target "
+                           f"(0..{served.vocab_size - 1})", "logit_bias")
         bias.append((int(key), min(100.0, max(-100.0, value))))
     words: list[tuple[int, ...]] = []
     for word in req.bad_words or []:

@@ -1,7 +1,8 @@
 """A finished or progressing job -> OpenAI's response bodies and SSE chunks, as vLLM's serving code shapes them
 (entrypoints/openai/{chat_completion,completion}/serving.py): a chat stream opens with the assistant role, every
-commit with new text is one chunk (with its tokens' logprobs where asked for), the last chunk carries finish_reason and stop_reason, and with
-stream_options.include_usage a final chunk with no choices carries usage and the per-request metrics.
+commit with new text is one chunk (with its tokens' logprobs where asked for), the last chunk carries finish_reason
+and stop_reason, and with stream_options.include_usage a final chunk with no choices carries usage and the
+per-request metrics.
 """
 
 from __future__ import annotations

@@ -50,9 +50,9 @@ def _from_response_format(value: dict[str, Any] | None) -> tuple[GrammarSpec | N
             raise ApiError(400, "`response_format.json_schema` must be an object with a `schema` object",
                            "response_format.json_schema")
         extra = set(body) - {"name", "schema", "strict", "description"}
-        if extra or set(value) != {"type", "json_schema"}:
-            raise ApiError(400, f"`response_format` has unknown fields {sorted(extra | set(value) - {'type', 'json_schema'})}",
-                           "response_format")
+        unknown = sorted(extra | set(value) - {"type", "json_schema"})
+        if unknown:
+            raise ApiError(400, f"`response_format` has unknown fields {unknown}", "response_format")
         return GrammarSpec("json_schema", json.dumps(body.get("schema", {}))), "response_format.json_schema.schema"
     raise ApiError(400, "`response_format.type` must be text, json_object or json_schema (with only its own fields)",
                    "response_format.type")
