@@ -19,7 +19,7 @@ from blockdraft.decoding.draft import Draft, Proposer
 from blockdraft.decoding.fused_steps import fused_steps
 from blockdraft.decoding.grammar import GrammarState
 from blockdraft.decoding.logprobs import TokenLogprobs, position_logprobs, step_logprobs
-from blockdraft.decoding.penalties import penalize, row_outputs
+from blockdraft.decoding.row_processing import processed_rows
 from blockdraft.decoding.sampling import SamplingParams, pick
 from blockdraft.decoding.verify import verify
 from blockdraft.errors import BlockdraftError
@@ -209,12 +209,11 @@ class _Steps:
             mask = None if draft.is_chain else draft.tree_mask(len(cache), device)
             out = target.forward(ids, draft.positions(start, device), cache, self.tap_layers, attention_mask=mask)
             logits = out.logits[0]
-            if self.grammar is not None:
-                logits = self.grammar.apply(logits, draft.tokens.tolist(), draft.parents)
-            picked = logits
-            if self.sampling.penalties.active:  # each row's distribution as the target alone would have it
-                outputs = row_outputs(self.tokens, draft.parents, draft.tokens.tolist())
-                picked = penalize(logits, outputs, self.prompt_ids, self.sampling.penalties, frozenset(self.stops))
+            if self.grammar is not None or self.sampling.penalties.active:  # each row as the target alone sees it
+                logits, picked = processed_rows(logits, draft.tokens.tolist(), draft.parents, self.tokens,
+                                                self.prompt_ids, self.sampling, self.stops, self.grammar)
+            else:
+                picked = logits
             verdict = verify(draft, picked, self.sampling, self.generator)
         if self.sampling.logprobs is not None:
             self.logprobs = step_logprobs(logits, verdict, self.sampling.logprobs)
@@ -272,12 +271,7 @@ def generate(
     prompt = torch.tensor([prompt_ids], dtype=torch.long, device=device)
     out = target.forward(prompt, torch.arange(len(prompt_ids), device=device), cache,
                          proposer.tap_layers if proposer else None, last_logits_only=True)
-    last = out.logits[0, -1:]
-    if grammar is not None:
-        last = grammar.apply(last, [], [])
-    masked = last  # what logprobs read: after the grammar, before the penalties (vLLM's order)
-    if sampling.penalties.active:
-        last = penalize(last, [[]], prompt_ids, sampling.penalties, frozenset(stops))
+    masked, last = processed_rows(out.logits[0, -1:], [], [], [], prompt_ids, sampling, stops, grammar)
     first = int(pick(last[0], sampling, generator).item())
     logprobs = None
     if sampling.logprobs is not None:

@@ -32,7 +32,7 @@ from blockdraft.decoding.fused_steps import FusedSteps
 from blockdraft.decoding.generate import OnCommit, check_context, check_prompt_ids
 from blockdraft.decoding.sampling import SamplingParams, pick
 from blockdraft.decoding.logprobs import position_logprobs, step_logprobs
-from blockdraft.decoding.penalties import penalize
+from blockdraft.decoding.row_processing import processed_rows
 from blockdraft.decoding.verify import Verdict, greedy_read, greedy_walks, verify
 from blockdraft.engine import batch_drafts
 from blockdraft.engine.deferred_taps import DeferredTaps
@@ -161,18 +161,21 @@ class BatchDecoder:
                 rows = n
         return groups
 
-    def _start(self, request: Request, first: int, ttft_s: float, joined: float, proposer: Proposer | None,
-               generator: torch.Generator, logits: torch.Tensor) -> Sequence:
-        """A joined sequence with its first token (picked from the prefill's last `logits` row [1, V])."""
+    def _start(self, request: Request, logits: torch.Tensor, ttft_s: float, joined: float, proposer: Proposer | None,
+               generator: torch.Generator) -> Sequence:
+        """A joined sequence with its first token, picked from the prefill's last row `logits` [1, V] under its
+        grammar and penalties (`processed_rows`)."""
+        masked, picked = processed_rows(logits, [], [], [], request.prompt_ids, request.sampling,
+                                        frozenset(request.stop_token_ids), request.grammar)
+        first = int(pick(picked[0], request.sampling, generator).item())
         seq = Sequence(len(request.prompt_ids), request.max_new_tokens, request.sampling, generator,
                        frozenset(request.stop_token_ids), proposer, request.on_commit, [first], ttft_s, joined,
                        prompt=request.prompt_ids, grammar=request.grammar)
-        if request.grammar is not None:  # the first position's mask (logprobs read it), then the token taken
-            logits = request.grammar.apply(logits, [], [])
+        if request.grammar is not None:
             request.grammar.accept([first])
         if request.sampling.logprobs is not None:
             seq.logprobs = request.logprobs_out if request.logprobs_out is not None else []
-            seq.logprobs.extend(position_logprobs(logits, [first], request.sampling.logprobs))
+            seq.logprobs.extend(position_logprobs(masked, [first], request.sampling.logprobs))
         seq.stopped_on = first if first in seq.stops else None
         if proposer:
             proposer.observe([*request.prompt_ids, first])
@@ -198,9 +201,7 @@ class BatchDecoder:
         prompt = long_tensor(prompt_ids, device).unsqueeze(0)
         out = target.forward(prompt, torch.arange(len(prompt_ids), device=device), cache,
                              proposer.tap_layers if proposer else None, last_logits_only=True)
-        first = int(pick(first_logits(out.logits[0, -1:], request)[0], request.sampling, generator).item())
-        seq = self._start(request, first, time.perf_counter() - joined, joined, proposer, generator,
-                          out.logits[0, -1:])
+        seq = self._start(request, out.logits[0, -1:], time.perf_counter() - joined, joined, proposer, generator)
         if seq.done:
             return seq
         slot = len(self.running)
@@ -225,9 +226,7 @@ class BatchDecoder:
         drafting: list[Proposer] = []
         contexts: list[torch.Tensor] = []
         for b, (request, proposer, generator) in enumerate(zip(group, proposers, generators)):
-            token = int(pick(first_logits(logits[b : b + 1], request)[0], request.sampling, generator).item())
-            seq = self._start(request, token, time.perf_counter() - joined, joined, proposer, generator,
-                              logits[b : b + 1])
+            seq = self._start(request, logits[b : b + 1], time.perf_counter() - joined, joined, proposer, generator)
             seqs.append(seq)
             if seq.done:
                 continue
@@ -369,23 +368,28 @@ class BatchDecoder:
             return self._land_fused(flight, flight.fused)
         device = self.target.device
         read = None if flight.read is None else flight.read.tolist()
-        if flight.trees is not None:
+        if flight.trees is not None:  # every sequence greedy on the raw logits: nothing to process
             drafts, verdicts = flight.trees.walks(read)  # type: ignore[arg-type]
+            seen = [logits for logits, _ in flight.verified.rows]
         else:
             assert flight.drafts is not None
-            drafts, verdicts = flight.drafts, self._verdicts(flight, read)
+            drafts = flight.drafts
+            rows = [seq.processed(logits, draft) for seq, draft, (logits, _) in
+                    zip(flight.seqs, drafts, flight.verified.rows)]
+            verdicts = self._verdicts(flight, read, [picked for _, picked in rows])
+            seen = [masked for masked, _ in rows]
         extended: list[int] = []
         kept_taps: list[torch.Tensor] = []
         reports: list[tuple[Sequence, list[int]]] = []
         whole = flight.verified.taps  # every sequence's kept taps its first rows: one copy for the batch
         base = self._defer(flight, whole) if flight.deferring else 0
-        for slot, (seq, draft, start, verdict, (logits, taps)) in enumerate(
-                zip(flight.seqs, drafts, flight.starts, verdicts, flight.verified.rows)):
+        for slot, (seq, draft, start, verdict, logits, (_, taps)) in enumerate(
+                zip(flight.seqs, drafts, flight.starts, verdicts, seen, flight.verified.rows)):
             if seq.ended_early:  # its hook ended it after this step was launched: nothing of the step is kept
                 continue
             seq.draft_lengths.append(len(draft))
             top = seq.sampling.logprobs
-            logprobs = None if top is None else step_logprobs(seq.processed(logits, draft)[0], verdict, top)
+            logprobs = None if top is None else step_logprobs(logits, verdict, top)
             committed = seq.commit(verdict.tokens + [verdict.bonus], logprobs)
             reports.append((seq, committed))
             produced = len(committed)
@@ -454,15 +458,15 @@ class BatchDecoder:
         if waiting is not None:
             self._extend(*waiting)
 
-    def _verdicts(self, flight: Flight, read: list[int] | None) -> list[Verdict]:
-        """Each sequence's verdict: the greedy ones from the step's read, the sampled ones each with its own
-        generator, as alone."""
+    def _verdicts(self, flight: Flight, read: list[int] | None, picked: list[torch.Tensor]) -> list[Verdict]:
+        """Each sequence's verdict: the raw-greedy ones from the step's read, the others from their rows as they
+        pick from them (`picked`: under their grammar and penalties), the sampled ones each with its own generator,
+        as alone."""
         assert flight.drafts is not None
         greedy = [b for b, seq in enumerate(flight.seqs) if seq.raw_greedy]
         walked = iter(greedy_walks([flight.drafts[b] for b in greedy], read or []))
-        return [next(walked) if seq.raw_greedy else verify(draft, seq.processed(logits, draft)[1], seq.sampling,
-                                                                   seq.generator)
-                for seq, draft, (logits, _) in zip(flight.seqs, flight.drafts, flight.verified.rows)]
+        return [next(walked) if seq.raw_greedy else verify(draft, rows, seq.sampling, seq.generator)
+                for seq, draft, rows in zip(flight.seqs, flight.drafts, picked)]
 
     def _leave(self) -> list[Sequence]:
         """Drop finished sequences; the last running sequence moves into each freed slot."""
@@ -479,13 +483,3 @@ class BatchDecoder:
             self.running.pop()
         return finished
 
-
-def first_logits(logits: torch.Tensor, request: Request) -> torch.Tensor:
-    """A prefill's last row [1, V] as the request's first token is picked from: under its grammar and with its
-    penalties, if any."""
-    if request.grammar is not None:
-        logits = request.grammar.apply(logits, [], [])
-    penalties = request.sampling.penalties
-    if not penalties.active:
-        return logits
-    return penalize(logits, [[]], request.prompt_ids, penalties, frozenset(request.stop_token_ids))

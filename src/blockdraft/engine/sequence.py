@@ -12,7 +12,7 @@ from blockdraft.decoding.draft import Draft, Proposer
 from blockdraft.decoding.grammar import GrammarState
 from blockdraft.decoding.generate import GenerationResult, OnCommit, until_stop
 from blockdraft.decoding.logprobs import TokenLogprobs
-from blockdraft.decoding.penalties import penalize, row_outputs
+from blockdraft.decoding.row_processing import processed_rows
 from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.metrics import SpecStats
 
@@ -86,13 +86,10 @@ class Sequence:
         """A verify's logits [rows, V] for `draft` under the sequence's grammar (what logprobs read, as vLLM's come
         after its bitmask), and those as the target alone would pick from them: each row also with the penalties over
         its own output (the tokens so far and its drafted path), if any."""
-        if self.grammar is not None:
-            logits = self.grammar.apply(logits, draft.tokens.tolist(), draft.parents)
-        penalties = self.sampling.penalties
-        if not penalties.active:
+        if self.grammar is None and not self.sampling.penalties.active:
             return logits, logits
-        outputs = row_outputs(self.tokens, draft.parents, draft.tokens.tolist())
-        return logits, penalize(logits, outputs, self.prompt, penalties, self.stops)
+        return processed_rows(logits, draft.tokens.tolist(), draft.parents, self.tokens, self.prompt, self.sampling,
+                              self.stops, self.grammar)
 
     def result(self) -> GenerationResult:
         """What `generate()` returns for one sequence."""

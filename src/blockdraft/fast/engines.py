@@ -20,11 +20,15 @@ def check_engine(engine: str) -> str:
     return engine
 
 
+def _hybrid(model: PreTrainedModel) -> bool:
+    """Whether the model has recurrent (linear-attention) layers: HybridFastTarget's, not FastTarget's."""
+    text = model.config.get_text_config(decoder=True)
+    return bool(RECURRENT_LAYER_TYPES.intersection(getattr(text, "layer_types", None) or ()))
+
+
 def fast_problem(model: PreTrainedModel) -> str | None:
     """Why neither fast target runs this model (the one its layers call for), or None when one does."""
-    text = model.config.get_text_config(decoder=True)
-    hybrid = bool(RECURRENT_LAYER_TYPES.intersection(getattr(text, "layer_types", None) or ()))
-    return hybrid_engine_problem(model) if hybrid else fast_engine_problem(model)
+    return hybrid_engine_problem(model) if _hybrid(model) else fast_engine_problem(model)
 
 
 def make_target(model: PreTrainedModel, engine: str = "hf") -> Target:
@@ -34,7 +38,7 @@ def make_target(model: PreTrainedModel, engine: str = "hf") -> Target:
         return Target(model)
     problem = fast_problem(model)
     if problem is None and (engine == "fast" or model.device.type == "cuda"):
-        return FastTarget(model) if fast_engine_problem(model) is None else HybridFastTarget(model)
+        return HybridFastTarget(model) if _hybrid(model) else FastTarget(model)
     if engine == "fast":
         raise BlockdraftError(f"--engine fast does not support this target's {problem}; use --engine hf (or auto)")
     return Target(model)

@@ -25,7 +25,7 @@ from blockdraft.fast.delta_net import (DeltaNetWeights, advance_state, advance_s
                                        conv_channels, gated_norm, path_delta_rule, path_layout, prefill_heads,
                                        verify_heads)
 from blockdraft.fast.gated_attention import batched_gated_attention_heads, gated_attention_heads
-from blockdraft.fast.linear_states import LinearStates
+from blockdraft.fast.linear_states import LinearStates, slid_window
 from blockdraft.fast.ops import ACTIVATIONS, CompiledOrPlain, LayerOps
 from blockdraft.kernels.delta_rule import advance_state_kernel, delta_rule_runs, path_delta_rule_kernel
 from blockdraft.fast.static_cache import KVStorage, StaticTargetCache
@@ -158,9 +158,9 @@ class HybridStaticCache(StaticTargetCache):
         base, rows, chain = self.pending
         if not chain:
             raise RuntimeError("a tree verify was not compacted before the next forward")
-        self._commit(base, torch.arange(rows, device=self.storage.kv.device))
+        self._commit(torch.arange(rows, device=self.storage.kv.device))
 
-    def _commit(self, base: int, rows: torch.Tensor) -> None:
+    def _commit(self, rows: torch.Tensor) -> None:
         self.pending = None
         self.states.commit(rows)
 
@@ -178,7 +178,7 @@ class HybridStaticCache(StaticTargetCache):
         kept = min(length, self.length) - base
         if kept and not chain:
             raise ValueError("a tree verify's rows are kept by compact, not crop")
-        self._commit(base, torch.arange(kept, device=self.storage.kv.device))
+        self._commit(torch.arange(kept, device=self.storage.kv.device))
         super().crop(length)
 
     def compact(self, base: int, keep: torch.Tensor) -> None:
@@ -186,7 +186,7 @@ class HybridStaticCache(StaticTargetCache):
         self._last_verify(base)
         if self.pending[0] != base:
             raise ValueError(f"a compact at {base} must start where the last verify did ({self.pending[0]})")
-        self._commit(base, keep)
+        self._commit(keep)
         super().compact(base, keep)
 
 
@@ -397,8 +397,7 @@ class HybridFastTarget(FastTarget):
         if layout is None:
             q, k, v, g, beta, z = units.prefill_heads(window, proj, layer.conv, layer.neg_decay, layer.dt_bias, *sizes)
             out, final = chunked_delta_rule(q, k, v, g, beta, state)
-            appended = torch.cat([window, inputs.transpose(1, 2)], dim=-1)
-            window.copy_(appended[..., appended.shape[-1] - window.shape[-1]:])
+            window.copy_(slid_window(window, inputs.transpose(1, 2)))
             state.copy_(final)
         else:
             parents, columns, own = layout

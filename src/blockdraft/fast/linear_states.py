@@ -18,6 +18,12 @@ import torch
 Advance = Callable[..., torch.Tensor]  # (k, v, g, beta, state[, count]) -> the advanced state
 
 
+def slid_window(window: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+    """A conv window [..., C, K - 1] after `inputs` [..., C, n] in order: its last K - 1 columns."""
+    appended = torch.cat([window, inputs], dim=-1)
+    return appended[..., appended.shape[-1] - window.shape[-1]:]
+
+
 class LinearStates:
     """The committed conv windows and recurrent states of `slots` sequences (one for a batch-1 cache, a batch's
     slots in `fast.batch.BatchKV`), and the rows of their last verify; `advance` is `fast.delta_net.advance_state`
@@ -91,9 +97,7 @@ class LinearStates:
 
         state = self.state[:, slot]
         state.copy_(self.advance(path(self.keys), path(self.values), path(self.decay), path(self.beta), state))
-        kernel = self.window.shape[-1]
-        appended = torch.cat([self.window[:, slot], self.inputs[:, slot, rows].transpose(-1, -2)], dim=-1)
-        self.window[:, slot] = appended[..., appended.shape[-1] - kernel:]
+        self.window[:, slot] = slid_window(self.window[:, slot], self.inputs[:, slot, rows].transpose(-1, -2))
 
     def commit_counted(self, path: torch.Tensor, count: torch.Tensor) -> None:
         """`commit` of slot 0 with the path's length on the device: its first `count` (0-d) of `path`'s rows (a

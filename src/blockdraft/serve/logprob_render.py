@@ -10,6 +10,7 @@ decode strips put back (vLLM's `convert_ids_list_to_tokens`), or "token_id:<id>"
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 from typing import Any
 
 from blockdraft.decoding.logprobs import TokenLogprobs
@@ -41,8 +42,10 @@ class TokenTexts:
         return text
 
 
+@lru_cache(maxsize=4)
 def _space_marker(tokenizer: Any) -> str | None:
-    """The Metaspace replacement character of a SentencePiece-style tokenizer (its decode strips a leading one)."""
+    """The Metaspace replacement character of a SentencePiece-style tokenizer (its decode strips a leading one); read
+    once per tokenizer, not per request (its JSON runs to megabytes for a large vocabulary)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         return None
