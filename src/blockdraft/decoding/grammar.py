@@ -13,6 +13,7 @@ under the grammar.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -51,23 +52,30 @@ def _compiler(tokenizer: Any, vocab: int) -> Any:
     return xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab))
 
 
-def compile_grammar(spec: GrammarSpec, tokenizer: Any, vocab: int) -> Any:
-    """The spec compiled for this tokenizer and a target of `vocab` logits; a spec xgrammar cannot compile is a
+def parse_grammar(spec: GrammarSpec) -> Any:
+    """The spec as xgrammar's Grammar, with no tokenizer involved: cheap, so the server checks each request's
+    grammar with it before queueing (the token masks are compiled by the engine). A spec xgrammar cannot read is a
     BlockdraftError naming why."""
-    compiler = _compiler(tokenizer, vocab)
+    grammar = _xgrammar().Grammar
     try:
         if spec.kind == "json":
-            return compiler.compile_builtin_json_grammar()
+            return grammar.builtin_json_grammar()
         if spec.kind == "json_schema":
-            return compiler.compile_json_schema(spec.source, strict_mode=True)
+            return grammar.from_json_schema(spec.source, strict_mode=True)
         if spec.kind == "regex":
-            return compiler.compile_regex(spec.source)
+            return grammar.from_regex(spec.source)
         if spec.kind == "choice":
             choices = json.loads(spec.source)
-            return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(str(c)) for c in choices))
-        return compiler.compile_grammar(spec.source)
+            return grammar.from_ebnf("root ::= " + " | ".join(json.dumps(str(c)) for c in choices))
+        return grammar.from_ebnf(spec.source)
     except Exception as exc:  # xgrammar reports bad input as RuntimeError or ValueError with a message
-        raise BlockdraftError(f"the {spec.kind} cannot be compiled: {str(exc).strip().splitlines()[0]}") from None
+        reason = re.sub(r"^\[[^\]]*\] \S+: ", "", str(exc).strip().splitlines()[0])  # its log prefix: time, file
+        raise BlockdraftError(f"the {spec.kind} cannot be compiled: {reason}") from None
+
+
+def compile_grammar(spec: GrammarSpec, tokenizer: Any, vocab: int) -> Any:
+    """The spec's token masks compiled for this tokenizer and a target of `vocab` logits (xgrammar caches them)."""
+    return _compiler(tokenizer, vocab).compile_grammar(parse_grammar(spec))
 
 
 class GrammarState:

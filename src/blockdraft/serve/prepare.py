@@ -174,5 +174,5 @@ def prepare(
             f"{served.max_model_len}; ask for at most {room}", param,
         )
     seed = req.seed if req.seed is not None else secrets.randbits(63)
-    grammar = grammar_spec(req.response_format, req.structured_outputs, served.tokenizer, served.vocab_size)
+    grammar = grammar_spec(req.response_format, req.structured_outputs, served.tokenizer)
     return Prepared(prompt_ids, max_tokens, _sampling(req, served), seed, _rules(req, served), grammar)

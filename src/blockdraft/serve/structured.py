@@ -1,13 +1,13 @@
 """A request's structured output, as vLLM 0.33 reads it: OpenAI's `response_format` (json_object, json_schema) or
-vLLM's `structured_outputs` (one of json, regex, choice, grammar, json_object) -> a GrammarSpec, compiled once here so
-that a grammar xgrammar cannot compile is a 400 naming the part (the engine compiles it again, from its cache)."""
+vLLM's `structured_outputs` (one of json, regex, choice, grammar, json_object) -> a GrammarSpec, parsed here (no
+token masks: that compile is the engine's) so that a grammar xgrammar cannot read is a 400 naming the part."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from blockdraft.decoding.grammar import GrammarSpec, compile_grammar
+from blockdraft.decoding.grammar import GrammarSpec, parse_grammar
 from blockdraft.errors import BlockdraftError
 from blockdraft.serve.errors import ApiError
 
@@ -17,9 +17,9 @@ _NEUTRAL = {"disable_fallback": False, "disable_any_whitespace": False, "disable
             "whitespace_pattern": None, "structural_tag": None}
 
 
-def grammar_spec(response_format: dict[str, Any] | None, structured: dict[str, Any] | None, tokenizer: Any,
-                 vocab: int) -> GrammarSpec | None:
-    """The request's grammar (None: free text), checked by compiling it."""
+def grammar_spec(response_format: dict[str, Any] | None, structured: dict[str, Any] | None, tokenizer: Any
+                 ) -> GrammarSpec | None:
+    """The request's grammar (None: free text), checked by parsing it."""
     spec, param = _from_response_format(response_format)
     if structured is not None:
         if spec is not None:
@@ -30,7 +30,7 @@ def grammar_spec(response_format: dict[str, Any] | None, structured: dict[str, A
     if tokenizer is None:
         raise ApiError(400, "structured outputs need a tokenizer and this target has none", param)
     try:
-        compile_grammar(spec, tokenizer, vocab)
+        parse_grammar(spec)
     except BlockdraftError as exc:
         raise ApiError(400, f"`{param}`: {exc}", param) from None
     return spec
