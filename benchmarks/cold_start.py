@@ -23,6 +23,7 @@ import json
 import os
 import queue
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -101,6 +102,7 @@ def serve_check(args: argparse.Namespace, method: str, caches: str, env: dict[st
     command = [sys.executable, "-m", "blockdraft", "serve", "--port", "0", "--target", args.target, *flags]
     command += ["--device", args.device] if args.device else []
     command += ["--drafter", args.drafter] if args.drafter and method != "ar" else []
+    command += shlex.split(args.serve_args)
     began = time.perf_counter()
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
                             start_new_session=True)
@@ -173,6 +175,8 @@ def main() -> int:
     parser.add_argument("--starts", default="cold", help="cold, or cold,warm: a second start on the filled caches")
     parser.add_argument("--target", default="smollm2-135m-instruct")
     parser.add_argument("--drafter", default=None, help="default: the shipped drafter of the embedded target")
+    parser.add_argument("--serve-args", default="", help="more arguments for every server, e.g. --no-self-check for a "
+                        "random-weight target (benchmarks/gpu/random_copy.py)")
     parser.add_argument("--device", default=None, help="the servers' --device (default: theirs, cuda where there is one)")
     parser.add_argument("--speed-args", default="--engines fast --budgets 32,64,256",
                         help="gpu_speed.py's arguments for the speed check")

@@ -126,7 +126,7 @@ class Recorder:
         except Exception as exc:  # one bad row must not cost the rest of the table
             line = f"{row} [{engine}] failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             log(line)
-            traceback.print_exc(limit=4, file=sys.stdout)
+            traceback.print_exc(limit=12, file=sys.stdout)
             self.data["errors"].append(line)
             self.save()
             return None
@@ -504,7 +504,7 @@ def e2e(args: argparse.Namespace, rec: Recorder) -> None:
         except Exception as exc:
             line = f"e2e {label} failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             log(line)
-            traceback.print_exc(limit=4, file=sys.stdout)
+            traceback.print_exc(limit=12, file=sys.stdout)
             rec.data["errors"].append(line)
             return None
         ids = [o[0] for o in outs]

@@ -44,3 +44,42 @@ def test_an_unknown_capture_mode_is_named(monkeypatch) -> None:
     monkeypatch.setenv("BLOCKDRAFT_CAPTURE_MODE", "loose")
     with pytest.raises(BlockdraftError, match="BLOCKDRAFT_CAPTURE_MODE='loose' is not one of global, thread_local"):
         capture_mode()
+
+
+class _DroppedGraph:
+    """Stands for a CUDA graph kept alive only by a reference cycle: freeing it inside a capture breaks the capture."""
+
+    freed_inside: list[bool] = []
+
+    def __init__(self, capturing_now: list[bool]) -> None:
+        self.cycle = self
+        self.capturing_now = capturing_now
+
+    def __del__(self) -> None:
+        _DroppedGraph.freed_inside.append(self.capturing_now[0])
+
+
+def test_no_garbage_collection_frees_a_graph_inside_a_capture(monkeypatch) -> None:
+    """A collection starts at whatever allocation crosses its threshold; inside a capture it must not run, or a
+    dropped graph in a cycle is destroyed there (the cold-start failure). Outside it collects as before."""
+    import gc
+
+    now = [False]
+
+    @contextmanager
+    def graph(graph, pool=None, capture_error_mode="global"):  # noqa: ANN001, ANN202
+        now[0] = True
+        try:
+            yield
+        finally:
+            now[0] = False
+
+    monkeypatch.setattr(capture_mod.torch.cuda, "graph", graph)
+    _DroppedGraph.freed_inside.clear()
+    gc.collect()
+    _DroppedGraph(now)  # unreachable at once; only the cyclic collector frees it
+    with capturing(object()):
+        kept = [[] for _ in range(20_000)]  # a capture's allocations: far past the collector's threshold
+    del kept
+    gc.collect()
+    assert _DroppedGraph.freed_inside == [False] and gc.isenabled()

@@ -176,6 +176,30 @@ def test_batched_decode_equals_each_alone(pair, method: str) -> None:
     assert [results[i] for i in range(len(prompts))] == [hf_greedy(model, p, n) for p, n in zip(prompts, lengths)]
 
 
+@pytest.mark.parametrize("method", ["dflash", "ddtree"])
+def test_a_lone_sequence_in_flight_moves_into_the_batch_with_its_rows(pair, method: str) -> None:
+    """A sequence left alone decodes on the batch-1 path; when others join while its step is in flight, its cache
+    moves into slot 0 and that step's commit runs there: it must find the verify's rows (not a stale slot's)."""
+    model, fast = pair
+    drafter = make_drafter("all_full")
+    prompts = [[(7 * i + 3 * j + 1) % 63 for j in range(1 + (5 * i) % 23)] for i in range(7)]
+
+    def proposer() -> DFlashProposer | DDTreeProposer:
+        return DFlashProposer(drafter, fast) if method == "dflash" else DDTreeProposer(drafter, fast, 12)
+
+    decoder = BatchDecoder(fast, proposer, 4)
+    results: dict[int, list[int]] = {}
+    owner: dict[int, int] = {}
+    pending = list(enumerate(prompts))
+    while pending or decoder.running:
+        joining, pending = pending[: decoder.free], pending[decoder.free :]
+        for (index, _), seq in zip(joining, decoder.join_many([Request(p, 24) for _, p in joining])):
+            owner[id(seq)] = index
+        for seq in decoder.step():
+            results[owner[id(seq)]] = seq.result().token_ids
+    assert [results[i] for i in range(len(prompts))] == [hf_greedy(model, p, 24) for p in prompts]
+
+
 def test_padded_batched_forward_matches_each_sequence(pair) -> None:
     """The batched forward padded to a graph's shape (padding sequences in free slots, padding rows seeing only
     themselves) gives each sequence the logits of its own batch-1 forward, trees included."""

@@ -3,12 +3,16 @@ the CPU tests run the same padded shapes eagerly, this runs the captured graphs.
 tests' builders; AR, the DFlash chain and DDTree, sequences joining (those waiting prefilled together) and leaving
 (7 prompts, 4 slots); then a measured schedule switching between all three every two steps while the contexts
 grow (graphs dropped and captured into a new pool as the K/V grows).
+`--hybrid`: the same on a tiny random Qwen3.5 hybrid (Gated DeltaNet and gated attention, both layer orders) on
+HybridFastTarget, where each prompt's batch-1 ids must also equal HF's greedy decode of the same model on the CPU.
 
-    python3 benchmarks/gpu/check_batch_graphs.py        # exits 1 on any difference
+    python3 benchmarks/gpu/check_batch_graphs.py [--hybrid]       # exits 1 on any difference
 """
 
 from __future__ import annotations
 
+import argparse
+import copy
 import sys
 from pathlib import Path
 
@@ -31,15 +35,13 @@ from blockdraft.engine.switching import SwitchingProposer  # noqa: E402
 from blockdraft.fast.target import FastTarget  # noqa: E402
 
 
-def main() -> int:
-    device = torch.device("cuda")
-    target = FastTarget(make_target_model("qwen3").to(device))
-    drafter = make_drafter("all_full").to(device)
+def check(target: FastTarget, drafter: torch.nn.Module, truth: object) -> int:
+    """Every case on one target: the number of sequences whose ids differ (from batch 1, or from `truth`'s)."""
     prompts = [[(7 * i + 3 * j + 1) % 63 for j in range(1 + (5 * i) % 23)] for i in range(7)]
     failures = 0
     cases = [(method, budget, None, 24) for method, budget in (("ar", None), ("dflash", None), ("ddtree", 12))]
     measured.RUN_STEPS, measured.PHASE_ROUNDS, measured.PHASE_EVERY, measured.FIRST_GAP = 2, 4, 64, 64
-    costs = CostTable(device="cuda", dtype="float32", target="t", drafter="d", context_tokens=64,
+    costs = CostTable(device=target.device.type, dtype="float32", target="t", drafter="d", context_tokens=64,
                       verify_s={1: {1: 1.0, 4: 1.0, 13: 1.0}}, draft_s={1: 0.1})
     table = choose(costs, AcceptanceProfile([0.9, 0.8, 0.7], {12: 3.0}), [AR, Candidate("dflash", 3),
                                                                          Candidate("ddtree", budget=12)], [1])
@@ -52,8 +54,12 @@ def main() -> int:
 
         alone_proposer = None if schedule is not None else new_proposer  # scheduled: against AR's own ids
         alone = [generate(target, ids, alone_proposer and alone_proposer(), new_tokens).token_ids for ids in prompts]
+        if truth is not None:
+            wrong = sum(ids != truth(prompt, new_tokens) for prompt, ids in zip(prompts, alone))
+            failures += wrong
+            print(f"{method}: {len(prompts) - wrong}/{len(prompts)} batch-1 sequences identical to HF greedy", flush=True)
         decoder = BatchDecoder(target, new_proposer, max_seqs=4, schedule=schedule)
-        assert decoder.verifier.batched.use_graphs
+        assert decoder.verifier.batched.use_graphs or target.device.type != "cuda"
         got: dict[int, list[int]] = {}
         owner: dict[int, int] = {}
         waiting = list(enumerate(prompts))
@@ -67,6 +73,29 @@ def main() -> int:
         failures += len(prompts) - same
         print(f"{method}: {same}/{len(prompts)} sequences identical to batch 1, "
               f"{len(decoder.verifier.batched.entries)} batched graphs captured", flush=True)
+    return failures
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hybrid", action="store_true", help="a tiny Qwen3.5 hybrid target, both layer orders")
+    parser.add_argument("--device", default="cuda", help="cpu: the script itself, eagerly")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    drafter = make_drafter("all_full").to(device)
+    if not args.hybrid:
+        return 1 if check(FastTarget(make_target_model("qwen3").to(device)), drafter, None) else 0
+    from test_hybrid_fast import ORDERS, make_hybrid
+    from test_lossless import hf_greedy
+
+    from blockdraft.fast.hybrid_target import HybridFastTarget
+
+    failures = 0
+    for order, layer_types in sorted(ORDERS.items()):
+        print(f"hybrid, {order}:", flush=True)
+        model = make_hybrid("qwen3_5", layer_types=layer_types)
+        on_cpu = copy.deepcopy(model)
+        failures += check(HybridFastTarget(model.to(device)), drafter, lambda p, n: hf_greedy(on_cpu, p, n))
     return 1 if failures else 0
 
 

@@ -71,9 +71,10 @@ class SlotVerifier:
     def before_prefill(self) -> None:
         """A prefill is about to reuse the target's static cache: a lone sequence's K/V leave it for slot 0 (all the
         cache holds, so the rows a step still in flight wrote past its commit go too: the forward advanced the
-        length over them, and that step's `keep` then sets slot 0's)."""
+        length over them, and that step's `keep` then sets slot 0's; a hybrid's verify rows go with its linear
+        states, for that `keep` to commit)."""
         if self.single is not None:
-            self.store.load(0, self.single)
+            self.store.load(0, self.single, pending=True)
             self.single = None
 
     def prefill(self, first: int, prompts: list[list[int]],

@@ -81,13 +81,17 @@ class BatchKV:
             self.version += 1
 
     @torch.inference_mode()
-    def load(self, slot: int, cache: StaticTargetCache, first: int = 0, length: int | None = None) -> None:
+    def load(self, slot: int, cache: StaticTargetCache, first: int = 0, length: int | None = None,
+             pending: bool = False) -> None:
         """Take `length` positions of a prefilled batch-1 cache's K/V from position `first` (by default all it
-        holds) into `slot` (a packed prefill holds several prompts one after another), and its linear states."""
+        holds) into `slot` (a packed prefill holds several prompts one after another), and its linear states; with
+        `pending`, the rows of its verify still awaiting their commit too (a lone sequence's step in flight)."""
         n = len(cache) - first if length is None else length
         self.load_kv(slot, cache.storage.kv[:, :, :, first:], n)
         if self.linear is not None and cache.states is not None:
             self.linear.load(slot, cache.states)
+            if pending:
+                self.linear.load_pending(slot, cache.states)
 
     @torch.inference_mode()
     def load_kv(self, slot: int, kv: torch.Tensor, length: int) -> None:

@@ -119,6 +119,18 @@ class LinearStates:
         self.window[:, slot] = source.window[:, source_slot]
         self.state[:, slot] = source.state[:, source_slot]
 
+    @torch.inference_mode()
+    def load_pending(self, slot: int, source: LinearStates, source_slot: int = 0) -> None:
+        """Take the rows of `source`'s last verify in `source_slot` into `slot`'s row buffers, so that the commit of a
+        step still in flight when a batch-1 cache moved into a batch slot finds its rows there (the committed
+        sequence moves with `load`)."""
+        self.ensure_rows(source.rows)
+        for mine, theirs in zip(self._row_buffers(), source._row_buffers()):
+            mine[:, slot, : theirs.shape[2]] = theirs[:, source_slot]
+
+    def _row_buffers(self) -> tuple[torch.Tensor, ...]:
+        return self.inputs, self.keys, self.values, self.decay, self.beta
+
     def move(self, source: int, dest: int) -> None:
         """Slot `source`'s sequence into slot `dest`."""
         self.load(dest, self, source)
