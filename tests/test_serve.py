@@ -190,7 +190,7 @@ BAD = [
     ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "logprobs": 1}, 400, "logprobs"),
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400,
-     "tools"),
+     "tool_choice"),
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object", "x": 1}}, 400,
      "response_format.type"),
     ("/v1/chat/completions", {"messages": CHAT, "frequency_penalty": -2.5}, 400, "frequency_penalty"),

@@ -102,8 +102,11 @@ def test_every_vllm_request_field_is_served_or_refused_by_name(endpoint: str) ->
 
 def test_chat_messages_are_checked() -> None:
     assert refusal({"messages": []}, ChatCompletionRequest, "chat").param == "messages"
+    for message in [{"role": "tool", "tool_call_id": "1"}, {"role": "robot", "content": "x"},
+                    {"role": "user", "content": "x", "tool_calls": []}]:
+        assert refusal({"messages": [message]}, ChatCompletionRequest, "chat").param.startswith("messages.0"), message
     tool = {"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}
-    assert refusal(tool, ChatCompletionRequest, "chat").param.startswith("messages.0")
+    assert parse_request(tool, ChatCompletionRequest, "chat").messages[0].as_template_message()["tool_call_id"] == "1"
     assert refusal({"messages": "hi"}, ChatCompletionRequest, "chat").param == "messages"
 
 

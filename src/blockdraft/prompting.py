@@ -14,8 +14,10 @@ def encode_text(text: str, tokenizer: Any) -> list[int]:
     return list(tokenizer(text)["input_ids"])
 
 
-def encode_messages(messages: list[dict], tokenizer: Any, thinking: bool = False) -> list[int]:
-    """Chat messages through the tokenizer's chat template, with the assistant turn opened.
+def encode_messages(messages: list[dict], tokenizer: Any, thinking: bool = False,
+                    tools: list[dict] | None = None) -> list[int]:
+    """Chat messages (and the functions the model may call, `tools`) through the tokenizer's chat template, with the
+    assistant turn opened.
 
     Thinking is off by default: published drafters are trained on non-thinking responses, and a mode mismatch
     halves acceptance.
@@ -27,7 +29,7 @@ def encode_messages(messages: list[dict], tokenizer: Any, thinking: bool = False
     if getattr(tokenizer, "chat_template", None) is None:
         raise BlockdraftError("the target's tokenizer has no chat template; pass --prompt TEXT instead of messages")
     ids = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True, enable_thinking=thinking, return_dict=False
+        messages, tools=tools, add_generation_prompt=True, tokenize=True, enable_thinking=thinking, return_dict=False
     )
     if isinstance(ids, dict) or hasattr(ids, "keys"):
         ids = ids["input_ids"]

@@ -20,12 +20,13 @@ from blockdraft.serve.engine_client import EngineClient
 from blockdraft.serve.errors import ApiError, error_body
 from blockdraft.serve.jobs import Failed, Finished, Progress
 from blockdraft.serve.metrics import ServeMetrics
-from blockdraft.serve.prepare import Prepared, ServedModel, chat_prompt, completion_prompt, prepare
+from blockdraft.serve.prepare import Prepared, ServedModel, chat_prompt, chat_tools, completion_prompt, prepare
 from blockdraft.serve.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingRequest,
                                       parse_request)
 from blockdraft.serve.relay import EventRelay
 from blockdraft.serve.logprob_render import TokenTexts
 from blockdraft.serve.render import DONE, Rendering, sse
+from blockdraft.serve.tools import ToolPlan
 
 GUARDED_PREFIX = "/v1"  # as vLLM: /health and /metrics stay open with --api-key
 
@@ -163,24 +164,26 @@ def build_app(state: ServerState) -> ASGIApp:
         card = ModelCard(id=served.name, root=served.root, max_model_len=served.max_model_len)
         return JSONResponse(ModelList(data=[card]).model_dump())
 
-    def rendering(kind: str, ids: list[int], req: SamplingRequest, request: Request) -> Rendering:
+    def rendering(kind: str, ids: list[int], req: SamplingRequest, request: Request,
+                  tools: ToolPlan | None = None) -> Rendering:
         """The response's shared parts; its id from the X-Request-Id header, else the body's `request_id`, as vLLM."""
         options = req.stream_options
         continuous = bool(options and options.include_usage and options.continuous_usage_stats)
         top = req.logprobs_asked
         texts = None if top is None else TokenTexts(served.tokenizer, bool(req.return_tokens_as_token_ids))
         return Rendering(kind, served.name, ids, state.method, state.num_spec_tokens, bool(req.return_token_ids),
-                         continuous, request.headers.get("X-Request-Id") or req.request_id, top, texts)
+                         continuous, request.headers.get("X-Request-Id") or req.request_id, top, texts, tools)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         req = parse_request(await _json_body(request), ChatCompletionRequest, "chat")
         served.check_model(req.model)
-        ids = chat_prompt(req, served)
+        tools = chat_tools(req, served)
+        ids = chat_prompt(req, served, tools)
         requested, param = req.max_output
-        prepared = prepare(req, ids, served, requested, param, "messages")
+        prepared = prepare(req, ids, served, requested, param, "messages", tools)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await _run(request, state, prepared, rendering("chat", ids, req, request), bool(req.stream),
+        return await _run(request, state, prepared, rendering("chat", ids, req, request, tools), bool(req.stream),
                           include_usage)
 
     @app.post("/v1/completions")

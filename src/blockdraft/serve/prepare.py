@@ -17,6 +17,7 @@ from blockdraft.errors import BlockdraftError
 from blockdraft.prompting import encode_messages, encode_text
 from blockdraft.serve.errors import ApiError
 from blockdraft.serve.structured import grammar_spec
+from blockdraft.serve.tools import ToolPlan, tool_plan
 from blockdraft.serve.output import StopRules
 from blockdraft.serve.protocol import ChatCompletionRequest, CompletionRequest, SamplingRequest
 
@@ -66,11 +67,19 @@ def generation_defaults(model: Any) -> dict[str, float]:
     return {k: diff[k] for k in OPENAI_DEFAULTS if isinstance(diff.get(k), (int, float))}
 
 
-def chat_prompt(req: ChatCompletionRequest, served: ServedModel) -> list[int]:
-    """Messages through the target's chat template, exactly as `blockdraft generate --messages` does."""
+def chat_tools(req: ChatCompletionRequest, served: ServedModel) -> ToolPlan | None:
+    """The request's tools and tool_choice, checked against the target's chat template (serve/tools.py)."""
+    return tool_plan(req.tool_list(), req.tool_choice_value(), getattr(served.tokenizer, "chat_template", None),
+                     req.parallel_tool_calls)
+
+
+def chat_prompt(req: ChatCompletionRequest, served: ServedModel, tools: ToolPlan | None = None) -> list[int]:
+    """Messages (and the tools) through the target's chat template, exactly as `blockdraft generate --messages`
+    does."""
     thinking = req.chat_template_kwargs.enable_thinking if req.chat_template_kwargs else False
     try:
-        return encode_messages([m.as_template_message() for m in req.messages], served.tokenizer, thinking)
+        return encode_messages([m.as_template_message() for m in req.messages], served.tokenizer, thinking,
+                               None if tools is None else tools.template_tools())
     except BlockdraftError as exc:
         raise ApiError(400, str(exc), "messages") from None
 
@@ -150,7 +159,8 @@ def _rules(req: SamplingRequest, served: ServedModel) -> StopRules:
 
 
 def prepare(
-    req: SamplingRequest, prompt_ids: list[int], served: ServedModel, requested: int | None, param: str, prompt_param: str
+    req: SamplingRequest, prompt_ids: list[int], served: ServedModel, requested: int | None, param: str,
+    prompt_param: str, tools: ToolPlan | None = None,
 ) -> Prepared:
     """Check the prompt and output against --max-model-len and build the job's settings (the model name is
     checked first, by the caller, so an unknown model is a 404 whatever else is wrong).
@@ -175,4 +185,12 @@ def prepare(
         )
     seed = req.seed if req.seed is not None else secrets.randbits(63)
     grammar = grammar_spec(req.response_format, req.structured_outputs, served.tokenizer)
+    forced = None if tools is None else tools.grammar()
+    if forced is not None:
+        if grammar is not None:
+            raise ApiError(400, "`tool_choice` required or named is enforced by a grammar of its own; leave out "
+                           "`response_format` / `structured_outputs`, or send tool_choice auto", "tool_choice")
+        if served.tokenizer is None:
+            raise ApiError(400, "tool calls need a tokenizer and this target has none", "tool_choice")
+        grammar = forced
     return Prepared(prompt_ids, max_tokens, _sampling(req, served), seed, _rules(req, served), grammar)

@@ -8,12 +8,13 @@ Then pydantic validates types and ranges strictly (no "0.5" for a number); any f
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from blockdraft.decoding.sampling import MAX_LOGPROBS
 from blockdraft.serve.errors import ApiError
@@ -28,8 +29,8 @@ HARMLESS = frozenset({
 # Parameters of OpenAI's or vLLM's API that blockdraft does not implement, with the values that mean "off"
 # (null is always accepted). Any other value is a 400 naming the parameter: never silently ignored.
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "best_of": (1,), "min_p": (0,), "length_penalty": (1,), "echo": (False,), "suffix": (), "tools": ([],),
-    "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"),
+    "n": (1,), "best_of": (1,), "min_p": (0,), "length_penalty": (1,), "echo": (False,), "suffix": (),
+    "functions": ([],), "function_call": ("none", "auto"),
     "reasoning_effort": (), "verbosity": (), "modalities": (["text"],),
     "audio": (), "prediction": (), "web_search_options": (), "moderation": (), "use_beam_search": (False,),
     "include_stop_str_in_output": (False,), "skip_special_tokens": (True,),
@@ -145,18 +146,75 @@ class TextPart(_Strict):
     text: str
 
 
-class ChatMessageIn(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
-    name: str | None = None
+class FunctionCallIn(_Strict):
+    name: str
+    arguments: str
 
-    def as_template_message(self) -> dict[str, str]:
-        """Text parts joined by newlines, as vLLM's "string" content format does."""
-        text = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
-        message = {"role": self.role, "content": text}
+
+class ToolCallIn(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
+class ChatMessageIn(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool's result: the call it answers
+
+    @model_validator(mode="after")
+    def _content_or_calls(self) -> ChatMessageIn:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs `content` (only an assistant turn with `tool_calls` may "
+                             "leave it out)")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message carries `tool_calls`")
+        return self
+
+    def as_template_message(self) -> dict[str, Any]:
+        """Text parts joined by newlines, as vLLM's "string" content format does; a call's arguments read as JSON
+        where they parse (chat templates write them out as objects, as vLLM gives them)."""
+        content = self.content
+        text = content if content is None or isinstance(content, str) else "\n".join(p.text for p in content)
+        message: dict[str, Any] = {"role": self.role, "content": text}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in self.tool_calls]
         return message
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolIn(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatTemplateKwargs(_Strict):
@@ -169,6 +227,17 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: ChatTemplateKwargs | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[ToolIn] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: one call at most (vLLM: maxItems 1 under required)
+
+    def tool_list(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template and the tool plan take them."""
+        return None if self.tools is None else [t.model_dump(exclude_none=True) for t in self.tools]
+
+    def tool_choice_value(self) -> str | dict[str, Any] | None:
+        choice = self.tool_choice
+        return choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
 
     @property
     def logprobs_asked(self) -> int | None:
@@ -255,15 +324,40 @@ class PerRequestMetrics(_Out):
     speculative_decoding: SpeculativeDecodingMetrics | None = None
 
 
+class FunctionCallOut(_Out):
+    name: str
+    arguments: str
+
+
+class ToolCallOut(_Out):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class ChatMessageOut(_Out):
     role: str = "assistant"
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCallOut] = Field(default_factory=list)
+
+
+class DeltaFunctionCall(_Out):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(_Out):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
 
 
 class DeltaMessage(_Out):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatLogProb(_Out):

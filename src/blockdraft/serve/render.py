@@ -28,10 +28,13 @@ from blockdraft.serve.protocol import (
     CompletionResponse,
     CompletionStreamResponse,
     DeltaMessage,
+    DeltaToolCall,
     PerRequestMetrics,
     SpeculativeDecodingMetrics,
+    ToolCallOut,
     UsageInfo,
 )
+from blockdraft.serve.tools import ToolPlan, ToolStream
 
 DONE = "data: [DONE]\n\n"
 
@@ -106,13 +109,24 @@ class Rendering:
     request_id: str | None = None  # the request's own id (vLLM's `request_id`), else a new one
     logprobs: int | None = None  # the candidates each token's logprobs list (None: no logprobs)
     texts: TokenTexts | None = None  # token ids as logprob entries name them
+    tools: ToolPlan | None = None  # the request's tools: the text becomes tool calls (serve/tools.py)
     id: str = field(init=False)
+    tool_stream: ToolStream | None = field(default=None, init=False)
     emitted: int = field(default=0, init=False)  # completion tokens streamed so far
     sent: int = field(default=0, init=False)  # characters of text streamed so far (completions' text offsets)
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self) -> None:
         self.id = f"{'chatcmpl' if self.kind == 'chat' else 'cmpl'}-{self.request_id or uuid.uuid4().hex}"
+        if self.tools is not None:
+            self.tool_stream = self.tools.stream()
+
+    def _finish_reason(self, output: JobOutput, called: bool) -> str:
+        """vLLM's: "tool_calls" where the choice carries calls, the model stopped by itself and no named function
+        was forced; a `length` cut stays visible."""
+        if called and output.finish_reason == "stop" and self.tools is not None and self.tools.reports_tool_calls:
+            return "tool_calls"
+        return output.finish_reason
 
     def response(self, output: JobOutput) -> BaseModel:
         """The whole (non-streamed) response."""
@@ -122,7 +136,9 @@ class Rendering:
                       metrics=request_metrics(output, self.method, self.num_spec_tokens))
         logprobs = self._logprobs(output.logprobs or [], 0)
         if self.kind == "chat":
-            choice = ChatChoice(message=ChatMessageOut(content=output.text), finish_reason=output.finish_reason,
+            content, calls = (output.text, []) if self.tools is None else self.tools.parse(output.text)
+            message = ChatMessageOut(content=content, tool_calls=[ToolCallOut(**call.body()) for call in calls])
+            choice = ChatChoice(message=message, finish_reason=self._finish_reason(output, bool(calls)),
                                 stop_reason=output.stop_reason, token_ids=ids, logprobs=logprobs)
             prompt_ids = self.prompt_ids if self.return_token_ids else None
             return ChatCompletionResponse(choices=[choice], prompt_token_ids=prompt_ids, **common)
@@ -158,17 +174,36 @@ class Rendering:
         if not text and not self.return_token_ids and self.logprobs is None:
             return None
         fields: dict[str, Any] = {"token_ids": token_ids} if self.return_token_ids else {}
+        delta = self._delta(text, final=False) if self.kind == "chat" else DeltaMessage()
+        if self.tool_stream is not None and not delta.content and not delta.tool_calls and not fields \
+                and self.logprobs is None:
+            return None  # text the tool calls hold back
         if self.logprobs is not None:
             fields["logprobs"] = self._logprobs(logprobs or [], offset)
-        return self._chunk(DeltaMessage(content=text), text, fields)
+        return self._chunk(delta, text, fields)
+
+    def _delta(self, text: str, final: bool) -> DeltaMessage:
+        """A chat chunk's delta: the text, or with tools, the content and tool calls it makes."""
+        if self.tool_stream is None:
+            return DeltaMessage(content=text) if text or not final else DeltaMessage()
+        content, calls = self.tool_stream.feed(text)
+        if final:
+            more_content, more_calls = self.tool_stream.finish()
+            content, calls = content + more_content, calls + more_calls
+        delta = DeltaMessage(content=content) if content else DeltaMessage()
+        if calls:
+            delta.tool_calls = [DeltaToolCall(**call) for call in calls]
+        return delta
 
     def closing(self, output: JobOutput) -> str:
         """The last chunk with choices: the text held back until the end, finish_reason and stop_reason."""
-        fields = {"finish_reason": output.finish_reason, "stop_reason": output.stop_reason}
         self.emitted = len(output.token_ids)
+        delta = self._delta(output.rest, final=True) if self.kind == "chat" else DeltaMessage()
+        called = self.tool_stream is not None and self.tool_stream.called
+        fields = {"finish_reason": self._finish_reason(output, called), "stop_reason": output.stop_reason}
         if self.return_token_ids:
             fields["token_ids"] = []
-        return self._chunk(DeltaMessage(content=output.rest) if output.rest else DeltaMessage(), output.rest, fields)
+        return self._chunk(delta, output.rest, fields)
 
     def _chunk(self, delta: DeltaMessage, text: str, fields: dict) -> str:
         fields = {"index": 0, "logprobs": None, "finish_reason": None, **fields}
