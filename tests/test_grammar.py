@@ -113,3 +113,34 @@ def test_a_bad_grammar_is_named(tokenizer) -> None:
         compile_grammar(GrammarSpec("regex", "(unclosed"), tokenizer, VOCAB)
     with pytest.raises(BlockdraftError, match="grammar kind 'xml'"):
         GrammarSpec("xml")
+
+
+def test_trees_expand_only_the_children_the_grammar_allows(model, tokenizer) -> None:
+    """Under a grammar a greedy DDTree spends its budget on grammar-valid paths only (checked with the verify's own
+    row masks: each node's token allowed in its parent's row), while the same search without the grammar, on the same
+    drafter scores, puts nodes on tokens the verify would mask; the ids stay AR's."""
+    target = Target(model)
+    proposer = DDTreeProposer(make_drafter("all_full"), target, 12)
+    invalid = {"constrained": 0, "free": 0}
+    finish = proposer.finish
+
+    def masked_nodes(draft, grammar) -> int:  # noqa: ANN001
+        rows = grammar.masks(draft.tokens.tolist(), draft.parents)
+        return sum(not (int(rows[parent + 1, token // 32]) >> (token % 32)) & 1
+                   for token, parent in zip(draft.tokens.tolist(), draft.parents))
+
+    def recording(logits, sampling, generator, budget=None):  # noqa: ANN001, ANN202
+        draft = finish(logits, sampling, generator, budget)
+        grammar = proposer.grammar
+        invalid["constrained"] += masked_nodes(draft, grammar)
+        proposer.grammar = None
+        invalid["free"] += masked_nodes(finish(logits, sampling, generator, budget), grammar)
+        proposer.grammar = grammar
+        return draft
+
+    proposer.finish = recording  # type: ignore[method-assign]
+    prompt = tokenizer.encode("Answer: ", add_special_tokens=False)
+    got = generate(target, prompt, proposer, 16, SamplingParams(), stop_token_ids=(tokenizer.eos_token_id,),
+                   grammar=state(tokenizer, "regex")).token_ids
+    assert got == reference(model, tokenizer, "regex", prompt, 16)
+    assert invalid["constrained"] == 0 and invalid["free"] > 0

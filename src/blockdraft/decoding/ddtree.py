@@ -29,6 +29,7 @@ from typing import Any, TypeVar
 import torch
 
 from blockdraft.decoding.draft import Draft, OverChain, StepShape
+from blockdraft.decoding.grammar import GrammarState
 from blockdraft.decoding.sampling import SamplingParams, probabilities
 from blockdraft.kernels.top_k import kernel_runs as top_k_runs
 from blockdraft.kernels.top_k import log_softmax_top_k
@@ -41,6 +42,8 @@ from blockdraft.fast.graphs import capture
 from blockdraft.kernels.sizes import power_of_two_at_least
 from blockdraft.models.host_to_device import long_tensor
 from blockdraft.models.target import Target
+
+PathFilter = Callable[[tuple[int, ...], int], bool]  # may this token follow this path (a grammar's test)
 
 
 T = TypeVar("T")
@@ -62,13 +65,25 @@ def check_budget(budget: int | None) -> int:
     return budget
 
 
-def build_tree(log_probs: torch.Tensor, budget: int) -> Draft:
+def build_tree(log_probs: torch.Tensor, budget: int, allowed: PathFilter | None = None) -> Draft:
     """The `budget` highest-scoring prefixes of [L, V] per-slot log-probabilities, as a Draft in pop order.
 
     Prefixes of score -inf (probability 0 under q) are never added, so the tree can be smaller than the budget;
-    it is also smaller when fewer than `budget` prefixes exist (tiny vocabularies).
+    it is also smaller when fewer than `budget` prefixes exist (tiny vocabularies). With `allowed` (a grammar's
+    `path_filter`), a child is added only where it may follow its path: the budget goes to the best prefixes the
+    grammar allows, not to tokens the verify would mask (the search then runs on the host).
     """
-    return build_trees(log_probs.unsqueeze(0), [log_probs.shape[0]], budget)[0]
+    if allowed is None:
+        return build_trees(log_probs.unsqueeze(0), [log_probs.shape[0]], budget)[0]
+    check_budget(budget)
+    top = torch.topk(log_probs, min(budget, log_probs.shape[-1]), dim=-1)
+    indices: list[list[int]] = top.indices.cpu().tolist()
+    parents, depths, chosen = best_prefixes(top.values.double().cpu().tolist(), budget, indices, allowed)
+    if not chosen:
+        return Draft.empty(log_probs.device)
+    k = top.indices.shape[1]
+    tokens = long_tensor([indices[i // k][i % k] for i in chosen], log_probs.device)
+    return Draft(tokens=tokens, parents=parents, depths=depths)
 
 
 def build_trees(log_probs: torch.Tensor, slots: list[int], budget: int, on_device: bool | None = None
@@ -106,19 +121,29 @@ def build_trees(log_probs: torch.Tensor, slots: list[int], budget: int, on_devic
     return drafts
 
 
-def best_prefixes(values: list[list[float]], budget: int) -> tuple[list[int], list[int], list[int]]:
+def best_prefixes(values: list[list[float]], budget: int, tokens: list[list[int]] | None = None,
+                  allowed: PathFilter | None = None) -> tuple[list[int], list[int], list[int]]:
     """The best-first search on the host over each slot's sorted top-k scores [L][k]: the chosen nodes' parents,
-    depths, and row-major indices into the [L, k] top-k table, in pop order."""
+    depths, and row-major indices into the [L, k] top-k table, in pop order. With `allowed` (and the top-k's
+    `tokens`), a candidate it refuses is passed over (its next-ranked sibling still competes)."""
     slots, k = len(values), len(values[0])
     scores = [0.0]  # scores[node + 1]; index 0 is the root (the anchor)
     parents: list[int] = []
     depths: list[int] = []
     flat: list[int] = []  # row-major index into the [L, k] top-k table
+    paths: list[tuple[int, ...]] = []  # each node's tokens from the anchor's child down (with `allowed` only)
     heap: list[tuple[float, int, int, int]] = [(-values[0][0], 0, 0, -1)]
     while heap and len(parents) < budget:
         neg, depth, rank, parent = heapq.heappop(heap)
         if neg == math.inf:
             break
+        if allowed is not None and tokens is not None:
+            path = paths[parent] if parent >= 0 else ()
+            if not allowed(path, tokens[depth][rank]):
+                if rank + 1 < k:
+                    heapq.heappush(heap, (-(scores[parent + 1] + values[depth][rank + 1]), depth, rank + 1, parent))
+                continue
+            paths.append((*path, tokens[depth][rank]))
         node = len(parents)
         parents.append(parent)
         depths.append(depth + 1)
@@ -350,6 +375,12 @@ class DDTreeProposer(OverChain):
         self.budget = check_budget(budget)
         target.check_tree_attention()
         super().__init__(drafter, target, draft_tokens=draft_tokens)
+        self.grammar: GrammarState | None = None
+
+    def constrain(self, grammar: GrammarState | None) -> None:
+        """Greedy trees expand only grammar-valid children from now on (sampled trees stay the drafter's: their
+        verification draws on the tree as q built it)."""
+        self.grammar = grammar
 
     def plan(self, max_depth: int) -> tuple[int, int] | None:
         return self.chain.plan(max_depth)
@@ -401,7 +432,8 @@ class DDTreeProposer(OverChain):
         if logits.device.type == "cuda":
             torch.cuda.synchronize(logits.device)  # the drafter pass is not tree-building time
         t0 = time.perf_counter()
-        draft = build_tree(slot_log_probs(logits, sampling), self.budget if budget is None else budget)
+        allowed = self.grammar.path_filter() if self.grammar is not None and sampling.greedy else None
+        draft = build_tree(slot_log_probs(logits, sampling), self.budget if budget is None else budget, allowed)
         self.build_s += time.perf_counter() - t0
         return draft
 

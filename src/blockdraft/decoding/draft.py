@@ -8,7 +8,7 @@ every method.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -18,6 +18,9 @@ from blockdraft.models.drafter import DFlashDrafter, DrafterContextCache
 from blockdraft.fast.drafter import FastDrafter, fast_drafter_problem
 from blockdraft.models.host_to_device import long_tensor
 from blockdraft.models.target import Target
+
+if TYPE_CHECKING:
+    from blockdraft.decoding.grammar import GrammarState
 
 
 @dataclass
@@ -121,6 +124,9 @@ class Proposer(Protocol):
         """The sequence's tokens as they are committed (the prompt and first token, then each step's): what a
         prompt-lookup tree (`lookup.LookupTreeProposer`) copies from; the drafter's methods ignore them."""
 
+    def constrain(self, grammar: GrammarState | None) -> None:
+        """The sequence's grammar for the drafts that follow (`ProposerBase.constrain`)."""
+
     def propose(
         self, anchor: int, start: int, max_depth: int, sampling: SamplingParams, generator: torch.Generator | None
     ) -> Draft: ...
@@ -173,6 +179,10 @@ class ProposerBase:
 
     def lookup_trees(self) -> ChainLookup | None:
         return None
+
+    def constrain(self, grammar: GrammarState | None) -> None:
+        """The sequence's grammar (None: none): a tree proposer expands only the children it allows; chains draft
+        as before (the verify masks every row either way)."""
 
 
 class DrafterProposer(Proposer, Protocol):

@@ -266,6 +266,7 @@ def generate(
     cache = target.new_cache()
     if proposer:
         proposer.reset()
+        proposer.constrain(grammar)
 
     t0 = clock.now()
     prompt = torch.tensor([prompt_ids], dtype=torch.long, device=device)

@@ -16,6 +16,7 @@ import json
 import re
 from dataclasses import dataclass
 from functools import lru_cache
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -119,6 +120,38 @@ class GrammarState:
         for token in self.matcher.stop_token_ids:
             bit = token % 32
             bitmask[row, token // 32] |= -(1 << 31) if bit == 31 else 1 << bit  # int32 words
+
+    def path_filter(self) -> Callable[[tuple[int, ...], int], bool]:
+        """A tree search's test of a candidate child: may `token` follow the committed tokens and then `path` (the
+        tokens from the anchor's child down to the parent)? Each path's mask is computed once per search, the matcher
+        left where it was."""
+        masks: dict[tuple[int, ...], torch.Tensor | None] = {}
+
+        def allowed(path: tuple[int, ...], token: int) -> bool:
+            if path not in masks:
+                masks[path] = self._mask_after(path)
+            mask = masks[path]
+            return mask is not None and bool((int(mask[token // 32]) >> (token % 32)) & 1)
+
+        return allowed
+
+    def _mask_after(self, path: tuple[int, ...]) -> torch.Tensor | None:
+        """The allowed-token bitmask row after `path` (None: the path itself leaves the grammar)."""
+        accepted = 0
+        for token in path:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(token):
+                break
+            accepted += 1
+        mask = None
+        if accepted == len(path):
+            bitmask = self.xgr.allocate_token_bitmask(1, self.vocab)
+            if self.matcher.is_terminated():
+                self._stops_only(bitmask, 0)
+            else:
+                self.matcher.fill_next_token_bitmask(bitmask, 0)
+            mask = bitmask[0]
+        self.matcher.rollback(accepted)
+        return mask
 
     def accept(self, tokens: list[int]) -> None:
         """The committed tokens of a step (each one the grammar allowed; after the grammar ended, its stop tokens)."""

@@ -179,6 +179,7 @@ class BatchDecoder:
         seq.stopped_on = first if first in seq.stops else None
         if proposer:
             proposer.observe([*request.prompt_ids, first])
+            proposer.constrain(request.grammar)
         seq.ended_early = bool(request.on_commit and request.on_commit([first]))
         if seq.done:
             seq.finished = time.perf_counter()

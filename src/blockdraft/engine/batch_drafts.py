@@ -54,11 +54,12 @@ def drafts(drafting: BatchDrafter, running: list[Sequence], starts: list[int]) -
 def _trees(proposers: list[DrafterProposer], planned: list[Plan], logits: torch.Tensor,
            running: list[Sequence]) -> dict[int, Draft]:
     """The greedy sequences' DDTrees of this step, built together per budget (`ddtree.build_trees`: one top-k and
-    one read for the batch, not one per sequence); what each proposer's own `finish` would build."""
+    one read for the batch, not one per sequence); what each proposer's own `finish` would build (a sequence under
+    a grammar builds its own: its search tests each child against the grammar)."""
     groups: dict[int, list[int]] = {}
     for b, (proposer, plan, seq) in enumerate(zip(proposers, planned, running)):
         budget = proposer.tree_budget()
-        if plan is not None and budget is not None and seq.sampling.greedy:
+        if plan is not None and budget is not None and seq.sampling.greedy and seq.grammar is None:
             groups.setdefault(budget, []).append(b)
     trees: dict[int, Draft] = {}
     for budget, members in groups.items():

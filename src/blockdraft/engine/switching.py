@@ -17,6 +17,7 @@ from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.engine.candidate import AR, Candidate
 from blockdraft.models.drafter import DFlashDrafter
 from blockdraft.models.target import Target
+from blockdraft.decoding.grammar import GrammarState
 
 
 class SwitchingProposer(ProposerBase):
@@ -39,6 +40,9 @@ class SwitchingProposer(ProposerBase):
 
     def use(self, candidate: Candidate) -> None:
         self.candidate = candidate
+
+    def constrain(self, grammar: GrammarState | None) -> None:
+        self.tree.constrain(grammar)
 
     def lookup_trees(self) -> ChainLookup | None:
         """This step's trees' lookup chain (a DDTree step, lookup asked)."""
