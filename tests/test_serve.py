@@ -652,6 +652,40 @@ def test_logprobs_are_the_targets_own(server, client: openai.OpenAI, text_pair, 
                                                                          abs=1e-4)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_puts_the_prompt_and_its_logprobs_first(server, client: openai.OpenAI, text_pair, stream: bool) -> None:
+    """Completions' `echo`: the text opens with the prompt; with `logprobs` the prompt's tokens come first, the first
+    with none (vLLM's layout), each other one with the target's log-softmax at its position, then the output's."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(text_pair[0])
+    prompt = "Hi there"
+    body = dict(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, echo=True, logprobs=2)
+    if stream:
+        text, tokens, token_logprobs, tops = "", [], [], []
+        for chunk in client.completions.create(stream=True, **body):
+            for choice in chunk.choices:
+                text += choice.text
+                if choice.logprobs is not None:
+                    tokens += choice.logprobs.tokens
+                    token_logprobs += choice.logprobs.token_logprobs
+                    tops += choice.logprobs.top_logprobs
+    else:
+        choice = client.completions.create(**body).choices[0]
+        text, tokens = choice.text, choice.logprobs.tokens
+        token_logprobs, tops = choice.logprobs.token_logprobs, choice.logprobs.top_logprobs
+    ids = tokenizer.encode(prompt, add_special_tokens=False)
+    assert text.startswith(prompt) and "".join(tokens) == text and len(tokens) == len(ids) + 6
+    assert token_logprobs[0] is None and tops[0] is None
+    output = tokenizer.encode(text[len(prompt):], add_special_tokens=False)
+    want = target_logprobs(text_pair, ids[:1], ids[1:] + output)
+    for j, token in enumerate(ids[1:] + output):
+        assert token_logprobs[1 + j] == pytest.approx(want[j, token].item(), abs=1e-4)
+        assert len(tops[1 + j]) <= 3
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, echo=True)
+    assert plain.choices[0].text == text and plain.choices[0].logprobs is None
+
+
 def test_logprob_requests_out_of_range_are_refused(server) -> None:
     for path, body, param in [("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
                               ("/v1/chat/completions", {"messages": CHAT, "logprobs": True, "top_logprobs": 21},

@@ -20,7 +20,7 @@ class TokenLogprobs:
     """One emitted token's log-probability and the `top` most likely tokens of its position, most likely first."""
 
     token: int
-    logprob: float
+    logprob: float | None  # None: a prompt's first token, which nothing predicts
     top: tuple[tuple[int, float], ...]
 
 
@@ -47,3 +47,17 @@ def step_logprobs(logits: torch.Tensor, verdict: Verdict, top: int) -> list[Toke
     """`position_logprobs` of a step's tokens from its verify logits [rows, V]."""
     rows = torch.tensor(verdict_rows(verdict), device=logits.device)
     return position_logprobs(logits.index_select(0, rows), verdict.tokens + [verdict.bonus], top)
+
+
+@torch.inference_mode()
+def prompt_logprobs(model: torch.nn.Module, prompt_ids: list[int], top: int, device: torch.device,
+                    chunk: int = 256) -> list[TokenLogprobs]:
+    """Each prompt token's logprobs given the tokens before it (vLLM's `prompt_logprobs`, what `echo` shows), from
+    the target's own Hugging Face forward (no engine cache is touched: a server's batch keeps running); the first
+    token has none. The log-softmax runs `chunk` rows at a time, so a long prompt never holds [n, V] float32."""
+    ids = torch.tensor([prompt_ids], device=device)
+    logits = model(input_ids=ids, use_cache=False).logits[0, :-1]
+    entries = [TokenLogprobs(prompt_ids[0], None, ())]
+    for at in range(0, logits.shape[0], chunk):
+        entries.extend(position_logprobs(logits[at : at + chunk], prompt_ids[1 + at : 1 + at + chunk], top))
+    return entries

@@ -20,7 +20,8 @@ from blockdraft.serve.engine_client import EngineClient
 from blockdraft.serve.errors import ApiError, error_body
 from blockdraft.serve.jobs import Failed, Finished, Progress
 from blockdraft.serve.metrics import ServeMetrics
-from blockdraft.serve.prepare import Prepared, ServedModel, chat_prompt, chat_tools, completion_prompt, prepare
+from blockdraft.serve.prepare import (Prepared, ServedModel, chat_prompt, chat_tools, completion_prompt, echoed_prompt,
+                                     prepare)
 from blockdraft.serve.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, SamplingRequest,
                                       parse_request)
 from blockdraft.serve.relay import EventRelay
@@ -89,7 +90,8 @@ async def _events(cancel: Callable[[], None], relay: EventRelay, rendering: Rend
             progress = [event for event in batch if isinstance(event, Progress)]
             if progress:
                 chunk = rendering.chunk("".join(p.text for p in progress), [t for p in progress for t in p.token_ids],
-                                        [lp for p in progress for lp in p.logprobs or []])
+                                        [lp for p in progress for lp in p.logprobs or []],
+                                        next((p.prompt_logprobs for p in progress if p.prompt_logprobs), None))
                 if chunk:
                     yield chunk
             final = batch[-1]
@@ -165,14 +167,14 @@ def build_app(state: ServerState) -> ASGIApp:
         return JSONResponse(ModelList(data=[card]).model_dump())
 
     def rendering(kind: str, ids: list[int], req: SamplingRequest, request: Request,
-                  tools: ToolPlan | None = None) -> Rendering:
+                  tools: ToolPlan | None = None, echo: str | None = None) -> Rendering:
         """The response's shared parts; its id from the X-Request-Id header, else the body's `request_id`, as vLLM."""
         options = req.stream_options
         continuous = bool(options and options.include_usage and options.continuous_usage_stats)
         top = req.logprobs_asked
         texts = None if top is None else TokenTexts(served.tokenizer, bool(req.return_tokens_as_token_ids))
         return Rendering(kind, served.name, ids, state.method, state.num_spec_tokens, bool(req.return_token_ids),
-                         continuous, request.headers.get("X-Request-Id") or req.request_id, top, texts, tools)
+                         continuous, request.headers.get("X-Request-Id") or req.request_id, top, texts, tools, echo)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -193,7 +195,8 @@ def build_app(state: ServerState) -> ASGIApp:
         ids = completion_prompt(req, served)
         prepared = prepare(req, ids, served, req.max_tokens, "max_tokens", "prompt")
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        return await _run(request, state, prepared, rendering("completion", ids, req, request), bool(req.stream),
-                          include_usage)
+        echo = echoed_prompt(req, ids, served) if req.echo else None
+        return await _run(request, state, prepared, rendering("completion", ids, req, request, echo=echo),
+                          bool(req.stream), include_usage)
 
     return BearerAuth(app, state.api_key) if state.api_key else app

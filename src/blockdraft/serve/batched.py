@@ -105,7 +105,7 @@ class BatchedEngine:
         requests: list[Request] = []
         for job, should_stop in jobs:
             spec = job.spec
-            run = JobRun(job, self.tokenizer, should_stop, self.decoder.target.vocab_size)
+            run = JobRun(job, self.tokenizer, should_stop, self.decoder.target)
             request = Request(spec.prompt_ids, spec.max_tokens, spec.sampling, tuple(spec.rules.token_ids), spec.seed,
                               run.on_commit, run.logprobs, run.grammar)
             try:

@@ -134,7 +134,7 @@ class EngineClient:
             self._in_flight[job_id] = _InFlight(relay, len(prepared.prompt_ids), prepared.max_tokens, arrival)
             self._publish()
         self._send(JobSpec(job_id, prepared.prompt_ids, prepared.max_tokens, prepared.sampling, prepared.seed,
-                           prepared.rules, arrival, prepared.grammar))
+                           prepared.rules, arrival, prepared.grammar, prepared.prompt_logprobs))
         return job_id
 
     def cancel(self, job_id: int) -> None:

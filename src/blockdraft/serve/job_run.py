@@ -9,7 +9,8 @@ from typing import Any
 
 from blockdraft.decoding.generate import GenerationResult
 from blockdraft.decoding.grammar import GrammarState, compile_grammar
-from blockdraft.decoding.logprobs import TokenLogprobs
+from blockdraft.decoding.logprobs import TokenLogprobs, prompt_logprobs
+from blockdraft.models.target import Target
 from blockdraft.serve.jobs import Job, JobOutput, Progress
 from blockdraft.serve.output import OutputText
 
@@ -17,10 +18,15 @@ from blockdraft.serve.output import OutputText
 class JobRun:
     """`on_commit` is the decode loop's hook for this job; `finish(result)` gives the JobOutput."""
 
-    def __init__(self, job: Job, tokenizer: Any, should_stop: Callable[[], bool], vocab: int) -> None:
+    def __init__(self, job: Job, tokenizer: Any, should_stop: Callable[[], bool], target: Target) -> None:
         self.job = job
+        vocab = target.vocab_size
         grammar = job.spec.grammar  # structured output: the job's matcher (compiled from the engine's cache)
         self.grammar = None if grammar is None else GrammarState(compile_grammar(grammar, tokenizer, vocab), vocab)
+        top = job.spec.prompt_logprobs
+        self.prompt_logprobs = None if top is None else prompt_logprobs(target.model, job.spec.prompt_ids, top,
+                                                                        target.device)
+        self.prompt_sent = False
         self.output = OutputText(tokenizer, job.spec.rules)
         self.should_stop = should_stop
         # the decode loop's logprobs of every committed token, filled before each `on_commit` (where asked for)
@@ -35,7 +41,9 @@ class JobRun:
         text, kept = self.output.push(tokens)
         if kept:
             logprobs = None if self.logprobs is None else self.logprobs[sent : sent + len(kept)]
-            self.job.emit(Progress(text, kept, logprobs))
+            first = None if self.prompt_sent else self.prompt_logprobs
+            self.prompt_sent = True
+            self.job.emit(Progress(text, kept, logprobs, first))
         return self.output.finished or self.should_stop()
 
     def finish(self, result: GenerationResult) -> JobOutput:
@@ -46,4 +54,5 @@ class JobRun:
             token_ids=list(output.token_ids), text=output.text, rest=rest, finish_reason=str(output.finish_reason),
             stop_reason=output.stop_reason, result=result, timing=timing,
             logprobs=None if self.logprobs is None else self.logprobs[: len(output.token_ids)],
+            prompt_logprobs=self.prompt_logprobs,
         )

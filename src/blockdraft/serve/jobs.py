@@ -35,6 +35,7 @@ class Progress:
     text: str
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs: list[TokenLogprobs] | None = None  # the first commit's, where `echo` asks for them
 
 
 @dataclass
@@ -49,6 +50,7 @@ class JobOutput:
     result: GenerationResult
     timing: Timing
     logprobs: list[TokenLogprobs] | None = None  # the kept ids', where asked for
+    prompt_logprobs: list[TokenLogprobs] | None = None  # the prompt's (`echo` with `logprobs`)
 
 
 @dataclass
@@ -77,6 +79,7 @@ class JobSpec:
     rules: StopRules
     arrival: float
     grammar: GrammarSpec | None = None  # structured output: what the tokens must match
+    prompt_logprobs: int | None = None  # `echo` with `logprobs`: the prompt's, with this many candidates
 
 
 @dataclass

@@ -85,6 +85,8 @@ def completion_logprobs(entries: list[TokenLogprobs], top: int, texts: TokenText
     tokens = [texts(entry.token) for entry in entries]
     offsets = [offset + sum(len(text) for text in tokens[:i]) for i in range(len(tokens))]
     return CompletionLogProbs(  # every field given: a stream's chunks drop the fields never set
-        text_offset=offsets, token_logprobs=[max(entry.logprob, FLOOR) for entry in entries], tokens=tokens,
-        top_logprobs=[{texts(token): max(logprob, FLOOR) for token, logprob in candidates(entry)[: top + 1]}
+        text_offset=offsets, tokens=tokens,
+        token_logprobs=[None if entry.logprob is None else max(entry.logprob, FLOOR) for entry in entries],
+        top_logprobs=[None if entry.logprob is None else  # an echoed prompt's first token: nothing predicts it
+                      {texts(token): max(logprob, FLOOR) for token, logprob in candidates(entry)[: top + 1]}
                       for entry in entries])

@@ -55,6 +55,7 @@ class Prepared:
     seed: int
     rules: StopRules
     grammar: GrammarSpec | None = None
+    prompt_logprobs: int | None = None  # completions' `echo` with `logprobs`: the prompt's, with this many candidates
 
 
 def generation_defaults(model: Any) -> dict[str, float]:
@@ -99,6 +100,20 @@ def completion_prompt(req: CompletionRequest, served: ServedModel) -> list[int]:
     except BlockdraftError as exc:
         raise ApiError(400, str(exc), "prompt") from None
     return ids
+
+
+def echoed_prompt(req: CompletionRequest, ids: list[int], served: ServedModel) -> str:
+    """The text `echo` puts before the output, as vLLM: the prompt as sent, token ids decoded (nothing with
+    `return_token_ids`, whose prompt_token_ids say it)."""
+    if req.return_token_ids:
+        return ""
+    prompt = req.single_prompt()
+    if isinstance(prompt, str):
+        return prompt
+    if served.tokenizer is None:
+        raise ApiError(400, "`echo` of token ids needs a tokenizer and this target has none; send "
+                       "`return_token_ids` instead", "echo")
+    return served.tokenizer.decode(ids)
 
 
 def _sampling(req: SamplingRequest, served: ServedModel) -> SamplingParams:
@@ -193,4 +208,6 @@ def prepare(
         if served.tokenizer is None:
             raise ApiError(400, "tool calls need a tokenizer and this target has none", "tool_choice")
         grammar = forced
-    return Prepared(prompt_ids, max_tokens, _sampling(req, served), seed, _rules(req, served), grammar)
+    sampling = _sampling(req, served)
+    echoed = sampling.logprobs if getattr(req, "echo", False) else None
+    return Prepared(prompt_ids, max_tokens, sampling, seed, _rules(req, served), grammar, echoed)

@@ -29,7 +29,7 @@ HARMLESS = frozenset({
 # Parameters of OpenAI's or vLLM's API that blockdraft does not implement, with the values that mean "off"
 # (null is always accepted). Any other value is a 400 naming the parameter: never silently ignored.
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "n": (1,), "best_of": (1,), "min_p": (0,), "length_penalty": (1,), "echo": (False,), "suffix": (),
+    "n": (1,), "best_of": (1,), "min_p": (0,), "length_penalty": (1,), "suffix": (),
     "functions": ([],), "function_call": ("none", "auto"),
     "reasoning_effort": (), "verbosity": (), "modalities": (["text"],),
     "audio": (), "prediction": (), "web_search_options": (), "moderation": (), "use_beam_search": (False,),
@@ -260,6 +260,7 @@ class CompletionRequest(SamplingRequest):
     prompt: str | list[Annotated[int, Field(ge=0)]] | list[str] | list[list[Annotated[int, Field(ge=0)]]]
     max_tokens: int | None = Field(16, ge=1)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = False  # the prompt before the output (with `logprobs`: the prompt's logprobs too)
 
     @property
     def logprobs_asked(self) -> int | None:

@@ -110,8 +110,10 @@ class Rendering:
     logprobs: int | None = None  # the candidates each token's logprobs list (None: no logprobs)
     texts: TokenTexts | None = None  # token ids as logprob entries name them
     tools: ToolPlan | None = None  # the request's tools: the text becomes tool calls (serve/tools.py)
+    echo: str | None = None  # completions' `echo`: the prompt text before the output (None: no echo)
     id: str = field(init=False)
     tool_stream: ToolStream | None = field(default=None, init=False)
+    echoed: bool = field(default=False, init=False)  # the echo went out in a chunk
     emitted: int = field(default=0, init=False)  # completion tokens streamed so far
     sent: int = field(default=0, init=False)  # characters of text streamed so far (completions' text offsets)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -142,9 +144,11 @@ class Rendering:
                                 stop_reason=output.stop_reason, token_ids=ids, logprobs=logprobs)
             prompt_ids = self.prompt_ids if self.return_token_ids else None
             return ChatCompletionResponse(choices=[choice], prompt_token_ids=prompt_ids, **common)
-        choice = CompletionChoice(text=output.text, finish_reason=output.finish_reason, stop_reason=output.stop_reason,
-                                  token_ids=ids, prompt_token_ids=self.prompt_ids if self.return_token_ids else None,
-                                  logprobs=logprobs)
+        if self.echo is not None:
+            logprobs = self._logprobs([*(output.prompt_logprobs or []), *(output.logprobs or [])], 0)
+        choice = CompletionChoice(text=(self.echo or "") + output.text, finish_reason=output.finish_reason,
+                                  stop_reason=output.stop_reason, token_ids=ids, logprobs=logprobs,
+                                  prompt_token_ids=self.prompt_ids if self.return_token_ids else None)
         return CompletionResponse(choices=[choice], **common)
 
     def _logprobs(self, entries: list[TokenLogprobs], offset: int) -> Any:
@@ -166,9 +170,13 @@ class Rendering:
                                                  model=self.model, choices=[choice], **self._usage_so_far(),
                                                  **prompt_ids))]
 
-    def chunk(self, text: str, token_ids: list[int], logprobs: list[TokenLogprobs] | None = None) -> str | None:
+    def chunk(self, text: str, token_ids: list[int], logprobs: list[TokenLogprobs] | None = None,
+              prompt_logprobs: list[TokenLogprobs] | None = None) -> str | None:
         """One commit's chunk, with its tokens' logprobs where asked for; None when it adds no text (and neither
-        ids nor logprobs are asked for)."""
+        ids nor logprobs are asked for). A completion's first chunk opens with its echoed prompt (and its logprobs)."""
+        if self.echo is not None and not self.echoed:
+            self.echoed = True
+            text, logprobs = self.echo + text, [*(prompt_logprobs or []), *(logprobs or [])]
         self.emitted += len(token_ids)
         offset, self.sent = self.sent, self.sent + len(text)
         if not text and not self.return_token_ids and self.logprobs is None:
@@ -196,14 +204,21 @@ class Rendering:
         return delta
 
     def closing(self, output: JobOutput) -> str:
-        """The last chunk with choices: the text held back until the end, finish_reason and stop_reason."""
+        """The last chunk with choices: the text held back until the end (after the echoed prompt, where no chunk
+        carried it), finish_reason and stop_reason."""
         self.emitted = len(output.token_ids)
-        delta = self._delta(output.rest, final=True) if self.kind == "chat" else DeltaMessage()
+        rest, fields = output.rest, {}
+        if self.echo is not None and not self.echoed:  # no commit was streamed: the echo goes now
+            self.echoed = True
+            rest = self.echo + rest
+            if self.logprobs is not None:
+                fields["logprobs"] = self._logprobs(output.prompt_logprobs or [], 0)
+        delta = self._delta(rest, final=True) if self.kind == "chat" else DeltaMessage()
         called = self.tool_stream is not None and self.tool_stream.called
-        fields = {"finish_reason": self._finish_reason(output, called), "stop_reason": output.stop_reason}
+        fields.update(finish_reason=self._finish_reason(output, called), stop_reason=output.stop_reason)
         if self.return_token_ids:
             fields["token_ids"] = []
-        return self._chunk(delta, output.rest, fields)
+        return self._chunk(delta, rest, fields)
 
     def _chunk(self, delta: DeltaMessage, text: str, fields: dict) -> str:
         fields = {"index": 0, "logprobs": None, "finish_reason": None, **fields}

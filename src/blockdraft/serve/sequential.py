@@ -50,7 +50,7 @@ class SequentialEngine:
         `should_stop()` (a client gone, a drain deadline) ends the run at the next commit with finish_reason
         "abort"."""
         for job, should_stop in jobs:
-            run = JobRun(job, self.tokenizer, should_stop, self.target.vocab_size)
+            run = JobRun(job, self.tokenizer, should_stop, self.target)
             spec = job.spec
             result = generate(
                 self.target, spec.prompt_ids, self.proposer, spec.max_tokens, spec.sampling,
