@@ -1,9 +1,9 @@
 """What grammar-aware trees gain: DDTree under a JSON schema with trees that expand only grammar-valid children
 (blockdraft's default) against the same trees built without looking at the grammar (the verify masks their invalid
-nodes, so both give AR's ids), on a real pair at T=0.
+nodes, so both give AR's ids), and DFlash's chain under the same grammar, on a real pair at T=0.
 
 Reports per prompt and in total: the ids' agreement with AR under the same grammar (must be exact), tau (tokens
-committed per verify step), and the share of tree nodes the verify had to mask in the unconstrained trees.
+committed per verify step), and the drafted tokens the verify had to mask (the grammar forbids them at their parent).
 
     python benchmarks/grammar_trees.py                                  # embedded pair, CPU float32, budget 32
     python benchmarks/grammar_trees.py --budget 64 --max-new-tokens 96 --device cuda --dtype bfloat16
@@ -21,6 +21,7 @@ import torch
 
 from blockdraft.assets import EMBEDDED_TARGET_NAME
 from blockdraft.decoding.ddtree import DDTreeProposer
+from blockdraft.decoding.draft import DFlashProposer
 from blockdraft.decoding.generate import generate
 from blockdraft.decoding.grammar import GrammarSpec, GrammarState, compile_grammar
 from blockdraft.decoding.sampling import SamplingParams
@@ -55,14 +56,13 @@ class UnconstrainedTrees(DDTreeProposer):
         self.grammar = None
 
 
-def masked_share(proposer: DDTreeProposer, grammar_of: list[GrammarState | None]) -> list[int]:
-    """Wrap `finish` to count the nodes each tree puts on tokens the grammar forbids at their parent: [masked, all]."""
+def masked_share(proposer: Any, grammar: GrammarState) -> list[int]:
+    """Wrap `finish` to count the drafted tokens the grammar forbids at their parent: [masked, all]."""
     counts = [0, 0]
     finish = proposer.finish
 
-    def counting(logits: torch.Tensor, sampling: SamplingParams, generator: Any, budget: int | None = None) -> Any:
-        draft = finish(logits, sampling, generator, budget)
-        grammar = grammar_of[0]
+    def counting(logits: torch.Tensor, sampling: SamplingParams, generator: Any, *budget: int | None) -> Any:
+        draft = finish(logits, sampling, generator, *budget)
         if grammar is not None and len(draft):
             rows = grammar.masks(draft.tokens.tolist(), draft.parents)
             counts[0] += sum(not (int(rows[parent + 1, token // 32]) >> (token % 32)) & 1
@@ -89,37 +89,35 @@ def main() -> None:
     drafter = load_drafter(default_drafter(args.target, args.drafter), target)
     vocab = target.vocab_size
     stops = tuple(t for t in (tokenizer.eos_token_id,) if t is not None)
-    rows, totals = [], {"grammar-aware": [0, 0, 0.0], "unconstrained": [0, 0, 0.0]}  # tokens, steps, seconds
-    masked_total = [0, 0]
+    methods = {"dflash": lambda: DFlashProposer(drafter, target),
+               "ddtree, grammar-aware trees": lambda: DDTreeProposer(drafter, target, args.budget),
+               "ddtree, unconstrained trees": lambda: UnconstrainedTrees(drafter, target, args.budget)}
+    totals = {label: [0, 0, 0.0, 0, 0] for label in methods}  # tokens, steps, seconds, masked, drafted
+    rows = []
     for text, schema in PROMPTS:
         prompt = encode_messages([{"role": "user", "content": text}], tokenizer)
         compiled = compile_grammar(GrammarSpec("json_schema", json.dumps(schema)), tokenizer, vocab)
         ar = generate(target, prompt, None, args.max_new_tokens, SamplingParams(), stops,
                       grammar=GrammarState(compiled, vocab)).token_ids
         row: dict[str, Any] = {"prompt": text, "tokens": len(ar)}
-        for label, cls in (("grammar-aware", DDTreeProposer), ("unconstrained", UnconstrainedTrees)):
-            proposer = cls(drafter, target, args.budget)
+        for label, make in methods.items():
+            proposer = make()
             grammar = GrammarState(compiled, vocab)
-            live: list[GrammarState | None] = [grammar]
-            counts = masked_share(proposer, live)
+            counts = masked_share(proposer, grammar)
             t0 = time.perf_counter()
             result = generate(target, prompt, proposer, args.max_new_tokens, SamplingParams(), stops, grammar=grammar)
             seconds = time.perf_counter() - t0
             steps = len(result.acceptance_lengths)
             row[label] = {"same_as_ar": result.token_ids == ar, "tau": round(result.stats.tau, 3), "steps": steps,
-                          "masked_nodes": counts[0], "nodes": counts[1], "seconds": round(seconds, 2)}
-            totals[label][0] += len(result.token_ids) - 1  # the prefill's token is no step's
-            totals[label][1] += steps
-            totals[label][2] += seconds
-            if label == "unconstrained":
-                masked_total[0] += counts[0]
-                masked_total[1] += counts[1]
+                          "masked": counts[0], "drafted": counts[1], "seconds": round(seconds, 2)}
+            for i, value in enumerate((len(result.token_ids) - 1, steps, seconds, *counts)):  # the prefill's
+                totals[label][i] += value  # token is no step's
         rows.append(row)
         print(json.dumps(row), flush=True)
-    summary = {label: {"tau": round(tokens / steps, 3) if steps else None, "seconds": round(seconds, 1)}
-               for label, (tokens, steps, seconds) in totals.items()}
-    summary["unconstrained trees' nodes the verify masked"] = (
-        f"{masked_total[0]} of {masked_total[1]} ({100 * masked_total[0] / max(masked_total[1], 1):.1f}%)")
+    summary: dict[str, Any] = {
+        label: {"tau": round(tokens / steps, 3) if steps else None, "seconds": round(seconds, 1),
+                "drafted tokens the verify masked": f"{masked} of {drafted} ({100 * masked / max(drafted, 1):.1f}%)"}
+        for label, (tokens, steps, seconds, masked, drafted) in totals.items()}
     summary["all ids equal AR's"] = all(r[k]["same_as_ar"] for r in rows for k in totals)
     print(json.dumps({"budget": args.budget, "max_new_tokens": args.max_new_tokens, "device": args.device,
                       "dtype": args.dtype, "summary": summary}, indent=1))

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from blockdraft.fast.delta_net import advance_state, advance_state_counted, path_delta_rule, path_layout
-from blockdraft.kernels.delta_rule import advance_state_kernel, delta_rule_runs, path_delta_rule_kernel
+from blockdraft.kernels.delta_rule import advance_state_kernel, delta_rule_runs, path_delta_rule_kernel, visit_order
 from blockdraft.kernels.skinny_gemm import kernel_available
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-pytestmark = pytest.mark.skipif(not kernel_available(DEVICE),
-                                reason="the kernel needs a GPU, or TRITON_INTERPRET=1 with Triton installed")
+needs_kernel = pytest.mark.skipif(not kernel_available(DEVICE),
+                                  reason="the kernel needs a GPU, or TRITON_INTERPRET=1 with Triton installed")
 
 
 def ancestors(parents: list[int]) -> torch.Tensor:
@@ -25,7 +25,21 @@ def ancestors(parents: list[int]) -> torch.Tensor:
     return own
 
 
-@pytest.mark.parametrize("shape", [[-1, 0, 1, 2, 3], [-1, 0, 0, 1, 3, 2, -1]])
+def test_rows_are_visited_depth_first() -> None:
+    """The kernel's row order: a preorder (every row after its parent, each subtree's rows together), the search's
+    index order among siblings; a chain keeps its own order. In a pop-ordered tree only a branch point restarts."""
+    chain = ancestors([-1, 0, 1, 2]).unsqueeze(0)
+    assert visit_order(path_layout(chain, 4)[0], chain).tolist() == [[0, 1, 2, 3]]
+    shape = [-1, -1, 0, 1, 2, 0, 3, 5, 2, 6]  # two roots; the branches interleaved as a best-first search pops them
+    own = ancestors(shape).unsqueeze(0)
+    order = visit_order(path_layout(own, 4)[0], own)[0].tolist()
+    assert order == [0, 2, 4, 8, 5, 7, 1, 3, 6, 9]
+    restarts = sum(shape[row] != previous for previous, row in zip([-1, *order], order))
+    assert restarts == 3 < sum(shape[row] != row - 1 for row in range(len(shape))) == 9
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [[-1, 0, 1, 2, 3], [-1, 0, 0, 1, 3, 2, -1], [-1, -1, 0, 1, 2, 0, 3, 5, 2, 6]])
 def test_kernel_matches_the_rule(shape: list[int]) -> None:
     generator = torch.Generator().manual_seed(len(shape))
     batch, heads, t, dk, dv = 2, 3, len(shape), 16, 40
