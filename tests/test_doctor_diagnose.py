@@ -86,3 +86,21 @@ def test_curve_distance_pads_with_zeros_and_is_relative() -> None:
     assert curve_distance([0.5, 0.25], [0.5, 0.25, 0.25], scale=1.0) == pytest.approx(0.25)
     assert curve_distance([], [0.5], scale=1.0) is None
     assert curve_distance([0.2], [0.4], scale=0.5) == pytest.approx(0.4)
+
+
+def test_a_server_drafting_fewer_tokens_is_compared_at_its_depth() -> None:
+    """A 3-token server with taps one layer late: against the probes' whole 15-position curves its missing tail
+    looked like the fault with the least tail acceptance (the wrong direction); at its own depth it is the fault it
+    came from, and the reference's tau it is held to is the one of 3 drafted tokens."""
+    reference = Fingerprint(2.15, None, [0.5, 0.3, 0.15] + [0.02] * 10, 500, 14, "probe")
+    late = Fingerprint(1.98, None, [0.46, 0.27, 0.13] + [0.012] * 10, 500, 14, "probe")  # taps L+1
+    early = Fingerprint(1.8, None, [0.43, 0.24, 0.12] + [0.001] * 10, 500, 14, "probe")  # taps L-1
+    observed = Fingerprint(1.86, None, [0.46, 0.27, 0.13], 500, 4, "server, 3 tokens a step")
+    faults = {"taps one layer late": late, "taps one layer early": early}
+    from blockdraft.doctor.diagnose import at_depth, compare
+
+    whole = sorted((compare(observed, fp, name, 1.15) for name, fp in faults.items()), key=lambda h: h.distance)
+    assert whole[0].name == "taps one layer early"  # what comparing against the whole block said
+    assert rank_hypotheses(observed, reference, faults)[0].name == "taps one layer late"
+    assert at_depth(reference, 3).tau == pytest.approx(1.95) and at_depth(reference, 20) is reference
+    assert "vs reference 1.95 at the 3 tokens drafted a step" in verdict(observed, reference, faults)
