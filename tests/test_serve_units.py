@@ -51,7 +51,7 @@ def refusal(body: dict, model=CompletionRequest, endpoint="completion") -> ApiEr
 
 @pytest.mark.parametrize(
     "extra, param",
-    [({"n": 2}, "n"), ({"logprobs": 21}, "logprobs"), ({"best_of": 3}, "best_of"), ({"echo": True}, "echo"),
+    [({"n": 2}, "n"), ({"logprobs": 21}, "logprobs"), ({"best_of": 3}, "best_of"), ({"echo": 1}, "echo"),
      ({"suffix": "x"}, "suffix"), ({"presence_penalty": 2.5}, "presence_penalty"), ({"min_p": 0.5}, "min_p"),
      ({"use_beam_search": True}, "use_beam_search"), ({"frobnicate": 1}, "frobnicate"),
      ({"temperature": "0.5"}, "temperature"), ({"temperature": -0.1}, "temperature"), ({"top_p": 0}, "top_p"),

@@ -44,8 +44,10 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "return_mm_kwargs": (False,), "kv_transfer_params": (), "ec_transfer_params": (), "vllm_xargs": ({},),
     "repetition_detection": (), "stream_interval": (1,),
 }
-# add_special_tokens defaults differ per endpoint (vLLM: chat False, completions True).
-_ENDPOINT_NEUTRAL = {"chat": {"add_special_tokens": (False,)}, "completion": {"add_special_tokens": (True,)}}
+# add_special_tokens defaults differ per endpoint (vLLM: chat False, completions True); chat's `echo` (vLLM: repeat
+# the last message in the response) is not served, completions' is.
+_ENDPOINT_NEUTRAL = {"chat": {"add_special_tokens": (False,), "echo": (False,)},
+                     "completion": {"add_special_tokens": (True,)}}
 
 _INTERNAL_LOC = re.compile(r"[\[\](){}]|^(str|int|float|bool|list|dict|none|function-\w+|union|json-or-python)$")
 
