@@ -151,6 +151,20 @@ def test_sampling_matches_the_target(method: str) -> None:
     assert p_value(sample_counts(target, proposer, params, 3), exact_joint(model, params, 3)) > 1e-3
 
 
+def decode_all(decoder: BatchDecoder, prompts: list[list[int]], lengths: list[int]) -> list[list[int]]:
+    """Every prompt through the decoder, each joining as soon as a slot frees: the ids, in the prompts' order."""
+    results: dict[int, list[int]] = {}
+    owner: dict[int, int] = {}
+    pending = list(enumerate(prompts))
+    while pending or decoder.running:
+        joining, pending = pending[: decoder.free], pending[decoder.free :]
+        for (index, _), seq in zip(joining, decoder.join_many([Request(p, lengths[i]) for i, p in joining])):
+            owner[id(seq)] = index
+        for seq in decoder.step():
+            results[owner[id(seq)]] = seq.result().token_ids
+    return [results[i] for i in range(len(prompts))]
+
+
 @pytest.mark.parametrize("method", ["ar", "dflash", "ddtree"])
 def test_batched_decode_equals_each_alone(pair, method: str) -> None:
     """Continuous batching on the hybrid's slots (each slot its own linear states; sequences joining, leaving and
@@ -163,17 +177,8 @@ def test_batched_decode_equals_each_alone(pair, method: str) -> None:
     def proposer() -> DFlashProposer | DDTreeProposer | None:
         return {"ar": None, "dflash": DFlashProposer(drafter, fast), "ddtree": DDTreeProposer(drafter, fast, 6)}[method]
 
-    decoder = BatchDecoder(fast, proposer, 3)
-    results: dict[int, list[int]] = {}
-    owner: dict[int, int] = {}
-    pending = list(enumerate(prompts))
-    while pending or decoder.running:
-        joining, pending = pending[: decoder.free], pending[decoder.free :]
-        for (index, _), seq in zip(joining, decoder.join_many([Request(p, lengths[i]) for i, p in joining])):
-            owner[id(seq)] = index
-        for seq in decoder.step():
-            results[owner[id(seq)]] = seq.result().token_ids
-    assert [results[i] for i in range(len(prompts))] == [hf_greedy(model, p, n) for p, n in zip(prompts, lengths)]
+    got = decode_all(BatchDecoder(fast, proposer, 3), prompts, lengths)
+    assert got == [hf_greedy(model, p, n) for p, n in zip(prompts, lengths)]
 
 
 @pytest.mark.parametrize("method", ["dflash", "ddtree"])
@@ -187,17 +192,8 @@ def test_a_lone_sequence_in_flight_moves_into_the_batch_with_its_rows(pair, meth
     def proposer() -> DFlashProposer | DDTreeProposer:
         return DFlashProposer(drafter, fast) if method == "dflash" else DDTreeProposer(drafter, fast, 12)
 
-    decoder = BatchDecoder(fast, proposer, 4)
-    results: dict[int, list[int]] = {}
-    owner: dict[int, int] = {}
-    pending = list(enumerate(prompts))
-    while pending or decoder.running:
-        joining, pending = pending[: decoder.free], pending[decoder.free :]
-        for (index, _), seq in zip(joining, decoder.join_many([Request(p, 24) for _, p in joining])):
-            owner[id(seq)] = index
-        for seq in decoder.step():
-            results[owner[id(seq)]] = seq.result().token_ids
-    assert [results[i] for i in range(len(prompts))] == [hf_greedy(model, p, 24) for p in prompts]
+    got = decode_all(BatchDecoder(fast, proposer, 4), prompts, [24] * len(prompts))
+    assert got == [hf_greedy(model, p, 24) for p in prompts]
 
 
 def test_padded_batched_forward_matches_each_sequence(pair) -> None:
