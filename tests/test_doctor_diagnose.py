@@ -104,3 +104,12 @@ def test_a_server_drafting_fewer_tokens_is_compared_at_its_depth() -> None:
     assert rank_hypotheses(observed, reference, faults)[0].name == "taps one layer late"
     assert at_depth(reference, 3).tau == pytest.approx(1.95) and at_depth(reference, 20) is reference
     assert "vs reference 1.95 at the 3 tokens drafted a step" in verdict(observed, reference, faults)
+
+
+def test_a_faults_cost_is_stated_in_tokens_per_second() -> None:
+    """tokens/s = tau / step time: at the served depth and the same step time, the fault costs 1 - tau / tau_ref."""
+    from blockdraft.doctor.diagnose import throughput_lost
+
+    observed = Fingerprint(1.4, 0.03, [0.27, 0.1, 0.03] + [0.0] * 12, 500, 16, "vLLM")
+    assert throughput_lost(observed, REFERENCE) == pytest.approx(1 - 1.4 / 6.5)
+    assert f"{1 - 1.4 / 6.5:.0%} of the tokens/s this drafter gives" in verdict(observed, REFERENCE, FAULTS)

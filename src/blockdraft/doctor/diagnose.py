@@ -88,6 +88,12 @@ def gain_deficit(observed: Fingerprint, reference: Fingerprint) -> float:
     return 1.0 - (observed.tau - 1.0) / _scale(at_depth(reference, depth(observed)))
 
 
+def throughput_lost(observed: Fingerprint, reference: Fingerprint) -> float:
+    """The share of tokens/s the deployment loses against the drafter run right, at the same draft length (the
+    observation's depth) and the same step time: tokens/s is tau / step time, so 1 - tau / reference tau."""
+    return 1.0 - observed.tau / at_depth(reference, depth(observed)).tau
+
+
 COLLAPSE_TAU = 1.35
 SMALL_DEFICIT = 0.25
 _CAUSES = {
@@ -132,7 +138,8 @@ def verdict(
             f"the drafter is the limit: {summary} (within {tolerance:.0%} of its gain); better acceptance needs "
             "a better drafter or prompts closer to its training data"
         )
-    lost = f"{summary}, {deficit:.0%} of the drafter's gain lost"
+    lost = (f"{summary}, {deficit:.0%} of the drafter's gain lost: {throughput_lost(observed, reference):.0%} of "
+            "the tokens/s this drafter gives at the same draft length and step time")
     ranked = [h for h in rank_hypotheses(observed, reference, faults) if h.name != HEALTHY]
     if not ranked:
         return (
