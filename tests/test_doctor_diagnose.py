@@ -97,12 +97,12 @@ def test_a_server_drafting_fewer_tokens_is_compared_at_its_depth() -> None:
     early = Fingerprint(1.8, None, [0.43, 0.24, 0.12] + [0.001] * 10, 500, 14, "probe")  # taps L-1
     observed = Fingerprint(1.86, None, [0.46, 0.27, 0.13], 500, 4, "server, 3 tokens a step")
     faults = {"taps one layer late": late, "taps one layer early": early}
-    from blockdraft.doctor.diagnose import at_depth, compare
+    from blockdraft.doctor.diagnose import compare
 
     whole = sorted((compare(observed, fp, name, 1.15) for name, fp in faults.items()), key=lambda h: h.distance)
     assert whole[0].name == "taps one layer early"  # what comparing against the whole block said
     assert rank_hypotheses(observed, reference, faults)[0].name == "taps one layer late"
-    assert at_depth(reference, 3).tau == pytest.approx(1.95) and at_depth(reference, 20) is reference
+    assert reference.at_depth(3).tau == pytest.approx(1.95) and reference.at_depth(20) is reference
     assert "vs reference 1.95 at the 3 tokens drafted a step" in verdict(observed, reference, faults)
 
 

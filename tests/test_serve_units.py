@@ -23,7 +23,7 @@ from blockdraft.serve.output import OutputText, StopRules, held_back
 from blockdraft.serve.prepare import ServedModel, generation_defaults, prepare
 from blockdraft.serve.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from blockdraft.serve.render import speculative_metrics
-from blockdraft.serve.self_check import at_depth, judge
+from blockdraft.serve.self_check import judge
 
 
 @pytest.fixture(scope="module")
@@ -284,7 +284,7 @@ def test_judge_against_a_probe_at_the_served_depth() -> None:
     assert "expected" in judge(healthy, probe, 3, "probe.json").summary
     with pytest.raises(BlockdraftError, match="deployment fault, most likely wrong mask token"):
         judge(fingerprint([1, 1, 2, 1, 1], 4), probe, 3, "probe.json")
-    assert at_depth(reference, 3).tau == pytest.approx(1 + sum(reference.per_position[:3]))
+    assert reference.at_depth(3).tau == pytest.approx(1 + sum(reference.per_position[:3]))
 
 
 def test_judge_without_figures_refuses_only_a_collapse() -> None:

@@ -6,7 +6,7 @@ If the deployment delivers (nearly) what the drafter delivers offline, the draft
 closest fault fingerprint names the most likely deployment fault.
 
 Like is compared with like: a server that drafts k tokens a step (vLLM's num_speculative_tokens, a blockdraft
-server's --draft-tokens) is compared with the probes' first k positions (`at_depth`), not with their whole block. A
+server's --draft-tokens) is compared with the probes' first k positions (`Fingerprint.at_depth`), not with their whole block. A
 probe drafting the whole block accepts at positions past k that the server never drafted: padded with zeros, the
 observation then sat closest to whichever fault had the least acceptance there, not to the fault it came from (a
 3-token server with taps one layer late was called "taps one layer early").
@@ -41,17 +41,6 @@ def depth(fingerprint: Fingerprint) -> int | None:
     return fingerprint.block_size - 1 if fingerprint.block_size else None
 
 
-def at_depth(fingerprint: Fingerprint, k: int | None) -> Fingerprint:
-    """What the same deployment drafting only its first `k` tokens a step accepts: its first k unconditional rates,
-    tau 1 + their sum (a drafter's first k slots are the same whatever it drafts after them)."""
-    if k is None or not fingerprint.per_position or len(fingerprint.per_position) <= k:
-        return fingerprint
-    rates = fingerprint.per_position[:k]
-    return Fingerprint(tau=1.0 + sum(rates), acceptance_rate=sum(rates) / k, per_position=rates,
-                       num_drafts=fingerprint.num_drafts, block_size=k + 1,
-                       source=f"{fingerprint.source}, first {k} draft positions")
-
-
 def _scale(reference: Fingerprint) -> float:
     return max(reference.tau - 1.0, _MIN_GAIN)
 
@@ -76,22 +65,22 @@ def rank_hypotheses(
 ) -> list[Hypothesis]:
     """`healthy` and every fault, closest to the observation first, each at the observation's depth."""
     k = depth(observed)
-    reference = at_depth(reference, k)
+    reference = reference.at_depth(k)
     scale = _scale(reference)
-    candidates = {HEALTHY: reference, **{name: at_depth(fp, k) for name, fp in faults.items()}}
+    candidates = {HEALTHY: reference, **{name: fp.at_depth(k) for name, fp in faults.items()}}
     return sorted((compare(observed, fp, name, scale) for name, fp in candidates.items()), key=lambda h: h.distance)
 
 
 def gain_deficit(observed: Fingerprint, reference: Fingerprint) -> float:
     """Share of the reference's gain (tau - 1), at the observation's depth, that the deployment loses; negative when
     it does better."""
-    return 1.0 - (observed.tau - 1.0) / _scale(at_depth(reference, depth(observed)))
+    return 1.0 - (observed.tau - 1.0) / _scale(reference.at_depth(depth(observed)))
 
 
 def throughput_lost(observed: Fingerprint, reference: Fingerprint) -> float:
     """The share of tokens/s the deployment loses against the drafter run right, at the same draft length (the
     observation's depth) and the same step time: tokens/s is tau / step time, so 1 - tau / reference tau."""
-    return 1.0 - observed.tau / at_depth(reference, depth(observed)).tau
+    return 1.0 - observed.tau / reference.at_depth(depth(observed)).tau
 
 
 COLLAPSE_TAU = 1.35
@@ -130,7 +119,7 @@ def verdict(
             "pairing first (`blockdraft doctor static`)"
         )
     deficit = gain_deficit(observed, reference)
-    shallower = at_depth(reference, depth(observed))
+    shallower = reference.at_depth(depth(observed))
     summary = f"observed tau {observed.tau:.2f} vs reference {shallower.tau:.2f}" + (
         f" at the {depth(observed)} tokens drafted a step" if shallower is not reference else "")
     if deficit <= tolerance:

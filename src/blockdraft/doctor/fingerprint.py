@@ -151,6 +151,20 @@ class Fingerprint:
             acceptance_rate = rate_from_tau(tau, block_size - 1)
         return cls(tau, acceptance_rate, per_position, None, block_size, source)
 
+    def at_depth(self, k: int | None) -> Fingerprint:
+        """What the same deployment drafting only its first `k` tokens a step accepts (a drafter's first k slots are
+        the same whatever it drafts after them): its first k unconditional rates and tau 1 + their sum; with no
+        per-position rates, tau capped at k + 1. Itself where it drafts no more than k (or k is None)."""
+        deeper = len(self.per_position) > k if k is not None and self.per_position else (
+            k is not None and (self.block_size is None or self.block_size - 1 > k))
+        if not deeper or k is None:
+            return self
+        source = f"{self.source}, first {k} draft positions"
+        if not self.per_position:
+            return Fingerprint(min(self.tau, k + 1.0), None, [], self.num_drafts, k + 1, source)
+        rates = self.per_position[:k]
+        return Fingerprint(1.0 + sum(rates), sum(rates) / k, rates, self.num_drafts, k + 1, source)
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (the format `--reference` files use)."""
         return asdict(self)

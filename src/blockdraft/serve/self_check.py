@@ -52,15 +52,6 @@ def measure(target: Target, drafter: DFlashDrafter, prompts: list[list[int]], de
     return probe_measure(chain, prompts, CHECK_TOKENS, stop_token_ids)
 
 
-def at_depth(fp: Fingerprint, depth: int) -> Fingerprint:
-    """A fingerprint cut to the first `depth` positions: what the same drafter delivers drafting `depth` tokens
-    (position i's rate does not depend on later positions; the drafter sees its whole block either way)."""
-    if not fp.per_position:
-        return Fingerprint(min(fp.tau, depth + 1.0), None, [], fp.num_drafts, depth + 1, fp.source)
-    rates = fp.per_position[:depth]
-    return Fingerprint(1.0 + sum(rates), None, rates, fp.num_drafts, depth + 1, f"{fp.source}, first {depth} positions")
-
-
 def expected_figures(expect: Path | None, drafter_dir: Path | None) -> ProbeResult | None:
     """--expect, else the drafter's recorded probe, else None (the floor)."""
     if expect is not None:
@@ -83,8 +74,8 @@ def judge(observed: Fingerprint, probe: ProbeResult | None, depth: int, source: 
             )
         return CheckResult(observed, None, f"tau {observed.tau:.2f}, first position {first:.2f} (above the floor "
                                            f"{FLOOR} that only a broken deployment falls under)")
-    reference = at_depth(probe.reference, depth)
-    faults = {name: at_depth(fp, depth) for name, fp in probe.faults.items()}
+    reference = probe.reference.at_depth(depth)
+    faults = {name: fp.at_depth(depth) for name, fp in probe.faults.items()}
     if gain_deficit(observed, reference) > FAR_BELOW:
         raise BlockdraftError(
             f"start-up self-check failed against {source}: {verdict(observed, reference, faults)}; pass "
