@@ -113,3 +113,59 @@ def test_a_faults_cost_is_stated_in_tokens_per_second() -> None:
     observed = Fingerprint(1.4, 0.03, [0.27, 0.1, 0.03] + [0.0] * 12, 500, 16, "vLLM")
     assert throughput_lost(observed, REFERENCE) == pytest.approx(1 - 1.4 / 6.5)
     assert f"{1 - 1.4 / 6.5:.0%} of the tokens/s this drafter gives" in verdict(observed, REFERENCE, FAULTS)
+
+
+def prompt_counts(rates: list[float], prompts: int, seed: int, drafts: int = 20) -> list[list[int]]:
+    """Per-prompt [drafts, accepted at 1, 2, ...] drawn from unconditional rates (each position a binomial of the
+    one before, so the counts can only fall)."""
+    import random
+
+    rng = random.Random(seed)
+    counts = []
+    for _ in range(prompts):
+        row, reached = [drafts], drafts
+        for i, rate in enumerate(rates):
+            keep = rate / rates[i - 1] if i and rates[i - 1] else (rate if not i else 0.0)
+            reached = sum(rng.random() < keep for _ in range(reached))
+            row.append(reached)
+        counts.append(row)
+    return counts
+
+
+def measured(rates: list[float], prompts: int, seed: int, name: str) -> Fingerprint:
+    return Fingerprint.from_prompt_counts(prompt_counts(rates, prompts, seed), len(rates) + 1, name)
+
+
+def test_tau_carries_its_interval_over_prompts() -> None:
+    """The bootstrap interval holds tau, narrows with more prompts, needs two prompts, and survives JSON."""
+    few, many = measured([0.6, 0.3, 0.1], 6, 1, "6 prompts"), measured([0.6, 0.3, 0.1], 60, 1, "60 prompts")
+    low, high = few.tau_interval()
+    assert low < few.tau < high
+    assert many.tau_interval()[1] - many.tau_interval()[0] < high - low
+    assert measured([0.6, 0.3, 0.1], 1, 1, "one").tau_interval() is None
+    assert Fingerprint.from_dict(few.to_dict(), "json").tau_interval() == few.tau_interval()
+    lengths = Fingerprint.from_prompt_lengths([[1, 2, 3], [4, 1]], 4, "probe")
+    assert lengths.prompts == [[3, 2, 1, 0], [2, 1, 1, 1]] and lengths.tau == pytest.approx(11 / 5)
+
+
+def test_a_fault_is_named_alone_only_when_the_noise_separates_it() -> None:
+    """Paired resampling of the prompts (the probe ran on the prompts the server was replayed with): a fault far
+    from the others is named with its certainty; two faults within the noise are named together, with the prompts
+    that would separate them."""
+    from blockdraft.doctor.diagnose import separation
+
+    reference = measured([0.8, 0.6, 0.45, 0.3], 12, 0, "reference")
+    far = {"wrong mask": measured([0.1, 0.0, 0.0, 0.0], 12, 1, "mask"),
+           "taps L+1": measured([0.6, 0.35, 0.2, 0.1], 12, 2, "late")}
+    observed = measured([0.6, 0.35, 0.2, 0.1], 12, 3, "server")
+    sure = separation(observed, reference, far)
+    assert sure is not None and sure.best == "taps L+1" and sure.separated
+    assert "most likely taps L+1" in verdict(observed, reference, far) and "of resamples of the 12" in verdict(
+        observed, reference, far)
+    close = {**far, "taps L-1": measured([0.61, 0.34, 0.2, 0.1], 12, 4, "early")}
+    unsure = separation(observed, reference, close)
+    assert unsure is not None and not unsure.separated and {unsure.best, unsure.runner_up} == {"taps L+1", "taps L-1"}
+    said = verdict(observed, reference, close)
+    assert "not told apart on 12 prompts" in said and "doctor static" in said
+    assert "95% interval" in said and separation(Fingerprint(1.5, None, [], None, None, "typed"), reference,
+                                                 close) is None

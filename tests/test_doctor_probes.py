@@ -105,7 +105,8 @@ def test_the_doctor_names_each_planted_fault(swa_zoo: Zoo, fault: str) -> None:
     """
     observed = swa_zoo.observe(fault)
     assert swa_zoo.ranked(observed)[0] == fault
-    assert swa_zoo.verdict(observed).startswith(f"deployment fault, most likely {fault}:")
+    said = swa_zoo.verdict(observed)  # named alone where the noise separates it, else first of the pair it cannot
+    assert said.startswith(f"deployment fault, most likely {fault}:") or f"; {fault} or " in said
 
 
 @pytest.mark.parametrize("fault", [probes.TAPS_NEXT_LAYER, probes.GUESSED_TAPS, probes.WRONG_ROPE_THETA])
@@ -119,13 +120,15 @@ def test_faults_that_cost_the_same_are_grouped_on_the_all_full_pair(full_zoo: Zo
     combinations, the L1 gap used by `diagnose`, a noise-weighted chi-square, L2, and KL / Hellinger distances
     between acceptance-length histograms all name the right one of the three only 10-26 times in 30.
     What must hold: the group, and not healthy, taps L-1 or a collapse, tops the ranking (30/30 for the two tap
-    faults, 20/30 for RoPE, which sometimes lets taps L-1 at tau 1.73 in).
+    faults, 20/30 for RoPE, which sometimes lets taps L-1 at tau 1.73 in), and the verdict says that the first two
+    are not told apart instead of naming one.
     """
     group = {probes.TAPS_NEXT_LAYER, probes.GUESSED_TAPS, probes.WRONG_ROPE_THETA}
     observed = full_zoo.observe(fault)
     ranked = full_zoo.ranked(observed)
     assert set(ranked[:3]) == group
-    assert full_zoo.verdict(observed).startswith(f"deployment fault, most likely {ranked[0]}:")
+    said = full_zoo.verdict(observed)
+    assert f"; {ranked[0]} or {ranked[1]}, not told apart on" in said and "doctor static" in said
 
 
 @pytest.mark.parametrize("zoo_name", ["swa_zoo", "full_zoo"])

@@ -12,10 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from blockdraft.doctor.diagnose import HEALTHY, rank_hypotheses
-from blockdraft.doctor.fingerprint import Fingerprint
+from blockdraft.doctor.fingerprint import Fingerprint, prompt_digest
 from blockdraft.doctor.live import fetch
 from blockdraft.doctor.replay import Endpoint, complete_ids
-from blockdraft.doctor.server_metrics import detect_engine, parse_samples, parse_sglang_metrics, vllm_window
+from blockdraft.doctor.server_metrics import (detect_engine, parse_samples, parse_sglang_metrics, parse_vllm_metrics,
+                                             vllm_window)
 from blockdraft.errors import BlockdraftError
 
 
@@ -41,13 +42,28 @@ def acceptance_while(endpoint: Endpoint, traffic: Callable[[], None], model_name
 def replay_acceptance(
     endpoint: Endpoint, prompts: list[list[int]], max_tokens: int, model_name: str | None = None
 ) -> Fingerprint:
-    """Replay every prompt (greedy, EOS ignored) and measure the server's acceptance over those requests only."""
-
-    def traffic() -> None:
-        for prompt in prompts:
-            complete_ids(endpoint, prompt, max_tokens)
-
-    return acceptance_while(endpoint, traffic, model_name)
+    """Replay every prompt (greedy, EOS ignored) and measure the server's acceptance over those requests only: prompt
+    by prompt where the server counts (vLLM's counters, blockdraft's), so the measurement carries its noise; over the
+    whole replay where it averages (SGLang's gauges)."""
+    metrics_url = f"{endpoint.url}/metrics"
+    first = fetch(metrics_url, endpoint.timeout, missing_ok=True)
+    if first is None or detect_engine(parse_samples(first, metrics_url)) != "vllm":
+        return acceptance_while(endpoint, lambda: [complete_ids(endpoint, p, max_tokens) for p in prompts], model_name)
+    source = f"{metrics_url} while the doctor replayed its prompts"
+    counts: list[list[int]] = []
+    scrape = first
+    for prompt in prompts:
+        complete_ids(endpoint, prompt, max_tokens)
+        later = fetch(metrics_url, endpoint.timeout) or ""
+        window = parse_vllm_metrics(later, model_name, source).since(
+            parse_vllm_metrics(scrape, model_name, source), source)
+        counts.append([round(window.drafts), *(round(n) for n in window.accepted_per_position)])
+        scrape = later
+    pooled = vllm_window(first, scrape, model_name, source)
+    if pooled.per_position and all(len(c) == 1 + len(pooled.per_position) for c in counts):
+        pooled.prompts = counts  # per-position counters on every window: the noise over prompts can be read
+        pooled.prompt_set = prompt_digest(prompts)
+    return pooled
 
 
 def served_width(observed: Fingerprint, whole: int, given: int | None) -> int | None:

@@ -14,10 +14,13 @@ observation then sat closest to whichever fault had the least acceptance there, 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from itertools import zip_longest
 
-from blockdraft.doctor.fingerprint import Fingerprint
+import torch
+
+from blockdraft.doctor.fingerprint import Fingerprint, bootstrap_indices, resampled
 
 HEALTHY = "healthy"
 DEFAULT_TOLERANCE = 0.1
@@ -71,6 +74,68 @@ def rank_hypotheses(
     return sorted((compare(observed, fp, name, scale) for name, fp in candidates.items()), key=lambda h: h.distance)
 
 
+SEPARATED = 0.95  # a fault is named alone when it is the closest in this share of resamples
+RESAMPLES = 1000
+
+
+@dataclass(frozen=True)
+class Separation:
+    """How sure the ranking is: the closest fault, the hypothesis after it, the share of bootstrap resamples of the
+    prompts in which the closest stays closest, and the prompts that would separate them (None: more prompts would
+    not: their fingerprints coincide)."""
+
+    best: str
+    runner_up: str
+    share: float
+    prompts: int
+    prompts_needed: int | None
+
+    @property
+    def separated(self) -> bool:
+        return self.share >= SEPARATED
+
+
+def separation(observed: Fingerprint, reference: Fingerprint, faults: dict[str, Fingerprint],
+               resamples: int = RESAMPLES) -> Separation | None:
+    """The ranking's certainty, by a bootstrap over the prompts of every measurement that kept them (None: the
+    observation kept no prompts, or no fault is ranked). Measurements of the observation's own prompts (the probe
+    beside `doctor compare`'s replay) are resampled with the same prompts, the others each on their own; a
+    fingerprint without prompts is taken as it is."""
+    ranked = rank_hypotheses(observed, reference, faults)
+    best = next((h.name for h in ranked if h.name != HEALTHY), None)
+    if best is None or not observed.prompts or len(observed.prompts) < 2:
+        return None
+    runner_up = next(h.name for h in ranked if h.name != best)
+    n, k = len(observed.prompts), depth(observed)
+    candidates = {HEALTHY: reference, **faults}
+    width = max(len(fp.at_depth(k).per_position) for fp in [observed, *candidates.values()])
+    seeds = iter(range(1, 2 + len(candidates)))
+    shared = bootstrap_indices(n, resamples)
+
+    def draws(fp: Fingerprint) -> tuple[torch.Tensor, torch.Tensor]:
+        if not fp.prompts:
+            return resampled(fp, None, k, width, resamples)
+        paired = fp.prompt_set is not None and fp.prompt_set == observed.prompt_set and len(fp.prompts) == n
+        index = shared if paired else bootstrap_indices(len(fp.prompts), resamples, next(seeds))
+        return resampled(fp, index, k, width, resamples)
+
+    tau_o, rates_o = draws(observed)
+    drawn = {name: draws(fp) for name, fp in candidates.items()}
+    scale = (drawn[HEALTHY][0] - 1.0).clamp_min(_MIN_GAIN)
+    distances = {}
+    for name, fp in candidates.items():  # as `compare` measures them, in each resample
+        tau_c, rates_c = drawn[name]
+        tau_gap = (tau_o - tau_c).abs() / scale
+        curves = bool(observed.per_position) and bool(fp.per_position)
+        distances[name] = (tau_gap + (rates_o - rates_c).abs().sum(1) / scale) / 2 if curves else tau_gap
+    others = torch.stack([d for name, d in distances.items() if name != best])
+    share = float((distances[best] < others.min(0).values).double().mean())
+    gap = distances[runner_up] - distances[best]
+    mean, spread = float(gap.mean()), float(gap.std())
+    needed = math.ceil(n * (1.645 * spread / mean) ** 2) if mean > 0 and spread > 0 else None
+    return Separation(best, runner_up, share, n, needed)
+
+
 def gain_deficit(observed: Fingerprint, reference: Fingerprint) -> float:
     """Share of the reference's gain (tau - 1), at the observation's depth, that the deployment loses; negative when
     it does better."""
@@ -120,7 +185,9 @@ def verdict(
         )
     deficit = gain_deficit(observed, reference)
     shallower = reference.at_depth(depth(observed))
-    summary = f"observed tau {observed.tau:.2f} vs reference {shallower.tau:.2f}" + (
+    interval = observed.tau_interval()
+    spread = "" if interval is None else f" (95% interval {interval[0]:.2f}-{interval[1]:.2f})"
+    summary = f"observed tau {observed.tau:.2f}{spread} vs reference {shallower.tau:.2f}" + (
         f" at the {depth(observed)} tokens drafted a step" if shallower is not reference else "")
     if deficit <= tolerance:
         return (
@@ -136,4 +203,13 @@ def verdict(
             "run `blockdraft doctor static` to check the configs"
         )
     best = ranked[0]
-    return f"deployment fault, most likely {best.name}: {lost} (distance {best.distance:.2f} to that fault)"
+    sure = separation(observed, reference, faults)
+    if sure is None or sure.separated:
+        certainty = "" if sure is None else f"; the closest in {sure.share:.0%} of resamples of the {sure.prompts} prompts"
+        return (f"deployment fault, most likely {best.name}: {lost} (distance {best.distance:.2f} to that fault"
+                f"{certainty})")
+    more = ("more prompts would not separate them" if sure.prompts_needed is None else
+            f"about {max(sure.prompts_needed, sure.prompts + 1)} prompts would separate them (run again with --limit)")
+    return (f"deployment fault: {lost}; {sure.best} or {sure.runner_up}, not told apart on {sure.prompts} prompts "
+            f"({sure.best} the closest in {sure.share:.0%} of resamples); {more}, or check the config fields both "
+            "name with `blockdraft doctor static`")

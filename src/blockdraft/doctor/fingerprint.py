@@ -7,15 +7,21 @@ that `diagnose` compares like with like:
 - `tau`: mean tokens committed per verify step, bonus included (1 + accepted / drafts), in 1..B;
 - `acceptance_rate`: accepted / draft tokens (vLLM's "Avg Draft acceptance rate"), in 0..1;
 - `per_position[i]`: unconditional rate at draft position i (accepted_per_pos[i] / drafts), so
-  `tau == 1 + sum(per_position)` when every position is listed.
+  `tau == 1 + sum(per_position)` when every position is listed;
+- `prompts`, where the measurement went prompt by prompt (the probe, `doctor compare` against a vLLM-style server):
+  each prompt's counts [drafts, accepted at position 1, at 2, ...], which give the measurement's noise: a bootstrap
+  over prompts (`tau_interval`, and `diagnose.separation` for the hypotheses).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from blockdraft.errors import BlockdraftError
 
@@ -63,6 +69,8 @@ class Fingerprint:
     num_drafts: int | None
     block_size: int | None
     source: str
+    prompts: list[list[int]] | None = None  # per prompt: [drafts, accepted at position 1, 2, ...]
+    prompt_set: str | None = None  # which prompts (`prompt_digest`): measurements of one set are resampled together
 
     def __post_init__(self) -> None:
         if self.tau < 1.0 - _ROUNDING:
@@ -131,6 +139,44 @@ class Fingerprint:
         )
 
     @classmethod
+    def from_prompt_counts(cls, counts: list[list[int]], block_size: int | None, source: str,
+                           prompt_set: str | None = None) -> Fingerprint:
+        """From each prompt's [drafts, accepted at position 1, 2, ...]: the pooled fingerprint, the counts kept."""
+        width = max(len(c) for c in counts)
+        totals = [sum(c[i] if i < len(c) else 0 for c in counts) for i in range(width)]
+        drafts = totals[0]
+        if drafts <= 0:
+            raise BlockdraftError(f"{source}: no drafts were counted; generate more tokens before measuring")
+        rates = [n / drafts for n in totals[1:]]
+        k = len(rates)
+        return cls(1.0 + sum(rates), sum(rates) / k if k else None, rates, drafts, block_size or (k + 1 if k else None),
+                   source, [list(c) for c in counts], prompt_set)
+
+    @classmethod
+    def from_prompt_lengths(cls, lengths: list[list[int]], block_size: int, source: str,
+                            prompt_set: str | None = None) -> Fingerprint:
+        """From each prompt's tokens committed per verify step (bonus included), as the probe records them."""
+        pooled = cls.from_acceptance_lengths([n for prompt in lengths for n in prompt], block_size, source)
+        k = block_size - 1
+        counts = [[len(prompt), *(sum(1 for n in prompt if n - 1 > i) for i in range(k))] for prompt in lengths if prompt]
+        pooled.prompts, pooled.prompt_set = counts, prompt_set
+        return pooled
+
+    def tau_interval(self, level: float = 0.95, resamples: int = 2000) -> tuple[float, float] | None:
+        """The `level` bootstrap interval of tau over prompts (None: fewer than two prompts behind it)."""
+        if not self.prompts or len(self.prompts) < 2:
+            return None
+        taus = resampled(self, bootstrap_indices(len(self.prompts), resamples), None)[0]
+        low, high = torch.quantile(taus, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=taus.dtype))
+        return float(low), float(high)
+
+    def at_depth_counts(self, k: int | None) -> list[list[int]] | None:
+        """The per-prompt counts cut to the first `k` positions (None: none kept)."""
+        if self.prompts is None:
+            return None
+        return [c[: 1 + k] for c in self.prompts] if k is not None else self.prompts
+
+    @classmethod
     def from_numbers(
         cls,
         tau: float | None,
@@ -181,7 +227,39 @@ class Fingerprint:
             num_drafts=raw.get("num_drafts"),
             block_size=raw.get("block_size"),
             source=str(raw.get("source") or source),
+            prompts=raw.get("prompts"),
+            prompt_set=raw.get("prompt_set"),
         )
+
+
+def prompt_digest(prompts: Any) -> str:
+    """A short name for a prompt set (its token ids): measurements on the same prompts share it."""
+    return hashlib.sha256(json.dumps([list(map(int, p)) for p in prompts]).encode()).hexdigest()[:16]
+
+
+def bootstrap_indices(prompts: int, resamples: int, seed: int = 0) -> torch.Tensor:
+    """[resamples, prompts] prompt indices drawn with replacement (seeded: a report reads the same every run)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, prompts, (resamples, prompts), generator=generator)
+
+
+def resampled(fp: Fingerprint, index: torch.Tensor | None, k: int | None, width: int | None = None,
+              resamples: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """tau [R] and per-position rates [R, width] of `fp` in each resample of its prompts `index` [R, P] (cut to k
+    positions, padded with zeros to `width`); a fingerprint without prompts is the same in every resample."""
+    cut = fp.at_depth(k)
+    width = width if width is not None else len(cut.per_position)
+    if fp.prompts is None or index is None:
+        rates = torch.zeros(resamples if index is None else index.shape[0], width, dtype=torch.float64)
+        fixed = torch.tensor(cut.per_position[:width], dtype=torch.float64)
+        rates[:, : fixed.numel()] = fixed
+        return torch.full((rates.shape[0],), cut.tau, dtype=torch.float64), rates
+    counts = torch.zeros(len(fp.prompts), 1 + width, dtype=torch.float64)
+    for row, prompt in enumerate(fp.at_depth_counts(k) or []):
+        counts[row, : min(len(prompt), 1 + width)] = torch.tensor(prompt[: 1 + width], dtype=torch.float64)
+    summed = counts[index].sum(1)
+    rates = summed[:, 1:] / summed[:, :1].clamp_min(1)
+    return 1.0 + rates.sum(1), rates
 
 
 @dataclass

@@ -24,7 +24,7 @@ from blockdraft.config import parse_draft_config
 from blockdraft.decoding.draft import DFlashProposer
 from blockdraft.decoding.generate import generate
 from blockdraft.doctor.diagnose import HEALTHY
-from blockdraft.doctor.fingerprint import Fingerprint, ProbeResult
+from blockdraft.doctor.fingerprint import Fingerprint, ProbeResult, prompt_digest
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.drafter import DFlashDrafter, DrafterContextCache
 from blockdraft.models.target import Target, TargetOutput
@@ -346,14 +346,14 @@ def measure(
     """Greedy generation over all prompts; the fingerprint of every verify step's acceptance length."""
     if not prompts:
         raise BlockdraftError("the probe needs at least one prompt")
-    lengths: list[int] = []
+    lengths: list[list[int]] = []
     for ids in prompts:
         result = generate(
             deployment.target, list(ids), deployment.proposer, max_new_tokens, stop_token_ids=stop_token_ids
         )
-        lengths.extend(result.acceptance_lengths)
+        lengths.append(list(result.acceptance_lengths))
     source = f"probe: {deployment.detail}, {len(prompts)} prompts"
-    return Fingerprint.from_acceptance_lengths(lengths, deployment.proposer.block_size, source)
+    return Fingerprint.from_prompt_lengths(lengths, deployment.proposer.block_size, source, prompt_digest(prompts))
 
 
 def run_probes(

@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 
-from blockdraft.doctor.diagnose import Hypothesis, rank_hypotheses, verdict
+from blockdraft.doctor.diagnose import Hypothesis, Separation, rank_hypotheses, separation, verdict
 from blockdraft.doctor.fingerprint import Fingerprint
 from blockdraft.doctor.plot import per_position_png
 from blockdraft.doctor.static_checks import Finding
@@ -49,6 +49,13 @@ class DoctorReport:
         return rank_hypotheses(self.observed, self.reference, self.faults)
 
     @property
+    def separation(self) -> Separation | None:
+        """How sure the ranking is (a bootstrap over the observation's prompts), where it kept them."""
+        if self.observed is None or self.reference is None:
+            return None
+        return separation(self.observed, self.reference, self.faults)
+
+    @property
     def verdict(self) -> str | None:
         """The one-sentence answer, when there is both an observation and a reference."""
         if self.observed is None or self.reference is None:
@@ -61,8 +68,10 @@ def to_dict(report: DoctorReport) -> dict[str, Any]:
     return {
         "title": report.title,
         "findings": [asdict(f) for f in report.findings],
-        "fingerprints": {name: fp.to_dict() for name, fp in report.fingerprints.items()},
+        "fingerprints": {name: {**fp.to_dict(), "tau_interval": fp.tau_interval()}
+                         for name, fp in report.fingerprints.items()},
         "hypotheses": [asdict(h) for h in report.hypotheses],
+        "separation": None if report.separation is None else asdict(report.separation),
         "verdict": report.verdict,
     }
 
@@ -75,6 +84,12 @@ def to_json(report: DoctorReport) -> str:
 def _positions(fp: Fingerprint) -> str:
     shown = " ".join(f"{p:.3f}" for p in fp.per_position[:_SHOWN_POSITIONS])
     return shown + (" ..." if len(fp.per_position) > _SHOWN_POSITIONS else "") if shown else "-"
+
+
+def tau_text(fp: Fingerprint) -> str:
+    """tau, with its 95% interval over prompts where the fingerprint kept them."""
+    interval = fp.tau_interval()
+    return f"{fp.tau:.2f}" if interval is None else f"{fp.tau:.2f} [{interval[0]:.2f}, {interval[1]:.2f}]"
 
 
 def _optional(value: float | int | None, fmt: str) -> str:
@@ -103,7 +118,7 @@ def print_report(report: DoctorReport, console: Console | None = None) -> None:
             table.add_column(column)
         for name, fp in report.fingerprints.items():
             table.add_row(
-                name, f"{fp.tau:.2f}", _optional(fp.acceptance_rate, ".1%"), _positions(fp),
+                name, tau_text(fp), _optional(fp.acceptance_rate, ".1%"), _positions(fp),
                 _optional(fp.num_drafts, "d"), _optional(fp.block_size, "d"), fp.source,
             )
         console.print(table)
@@ -135,8 +150,8 @@ td, th { border: 1px solid #ccc; padding: 4px 8px; text-align: left; }
 <td>{{ f.message }}</td><td>{{ f.cost }}</td><td>{{ f.fix }}</td></tr>
 {% endfor %}</table>{% endif %}
 {% if r.fingerprints %}<h2>Acceptance</h2>
-<table><tr><th></th><th>tau</th><th>rate</th><th>drafts</th><th>B</th><th>source</th></tr>
-{% for name, fp in r.fingerprints.items() %}<tr><td>{{ name }}</td><td>{{ "%.2f"|format(fp.tau) }}</td>
+<table><tr><th></th><th>tau [95% interval]</th><th>rate</th><th>drafts</th><th>B</th><th>source</th></tr>
+{% for name, fp in r.fingerprints.items() %}<tr><td>{{ name }}</td><td>{{ tau_text(fp) }}</td>
 <td>{{ "-" if fp.acceptance_rate is none else "%.1f%%"|format(100 * fp.acceptance_rate) }}</td>
 <td>{{ fp.num_drafts if fp.num_drafts is not none else "-" }}</td>
 <td>{{ fp.block_size if fp.block_size is not none else "-" }}</td><td>{{ fp.source }}</td></tr>
@@ -157,7 +172,7 @@ def render_html(report: DoctorReport) -> str:
     png = per_position_png(report.fingerprints)
     plot = base64.b64encode(png).decode("ascii") if png else None
     template = Environment(autoescape=True).from_string(_HTML)
-    return template.render(r=report, plot=plot)
+    return template.render(r=report, plot=plot, tau_text=tau_text)
 
 
 def write_html(report: DoctorReport, path: str | Path) -> Path:
