@@ -190,8 +190,14 @@ def verdict(
     summary = f"observed tau {observed.tau:.2f}{spread} vs reference {shallower.tau:.2f}" + (
         f" at the {depth(observed)} tokens drafted a step" if shallower is not reference else "")
     if deficit <= tolerance:
+        closest = rank_hypotheses(observed, reference, faults)[0].name if faults else HEALTHY
+        sure = separation(observed, reference, faults) if closest != HEALTHY else None
+        minor = "" if sure is None else (
+            f"; the closest fingerprint is {closest}'s (the closest in {sure.share:.0%} of resamples of the "
+            f"{sure.prompts} prompts, {sure.runner_up} next), a fault that would cost this drafter at most "
+            f"{max(deficit, 0.0):.0%} of its gain")
         return (
-            f"the drafter is the limit: {summary} (within {tolerance:.0%} of its gain); better acceptance needs "
+            f"the drafter is the limit: {summary} (within {tolerance:.0%} of its gain){minor}; better acceptance needs "
             "a better drafter or prompts closer to its training data"
         )
     lost = (f"{summary}, {deficit:.0%} of the drafter's gain lost: {throughput_lost(observed, reference):.0%} of "
