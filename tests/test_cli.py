@@ -62,6 +62,8 @@ def test_bench_writes_json_and_plot(tiny_dirs: tuple[Path, Path], tmp_path: Path
     assert set(data["methods"]) == {"ar", "dflash"}
     assert data["methods"]["dflash"]["identical_to_ar"] == 2
     assert set(data["methods"]["dflash"]["by_category"]) == {"a", "b"}
+    low, high = data["methods"]["dflash"]["tau_interval"]  # over the two prompts; AR has none
+    assert low <= data["methods"]["dflash"]["stats"]["tau"] <= high and data["methods"]["ar"]["tau_interval"] is None
     assert (tmp_path / "p.png").stat().st_size > 1000
 
 

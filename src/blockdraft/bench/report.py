@@ -7,6 +7,7 @@ from typing import Any
 
 from rich.table import Table
 
+from blockdraft.doctor.fingerprint import Fingerprint
 from blockdraft.bench.runner import MethodRun, identical_to
 from blockdraft.errors import BlockdraftError
 from blockdraft.metrics import SpecStats
@@ -16,12 +17,27 @@ def _baseline(runs: list[MethodRun]) -> MethodRun | None:
     return next((r for r in runs if r.spec.method == "ar"), None)
 
 
+def tau_interval(run: MethodRun) -> tuple[float, float] | None:
+    """tau's 95% bootstrap interval over the prompts (None for AR, or with fewer than two prompts that drafted)."""
+    lengths = [list(r.result.acceptance_lengths) for r in run.runs if r.result.acceptance_lengths]
+    if run.spec.method == "ar" or len(lengths) < 2:
+        return None
+    deepest = max(2, max(max(one) for one in lengths))  # a bound for the check only (a tree commits up to its depth)
+    return Fingerprint.from_prompt_lengths(lengths, deepest, run.spec.label).tau_interval()
+
+
+def _tau(run: MethodRun) -> str:
+    interval = tau_interval(run)
+    tau = f"{run.stats.tau:.2f}"
+    return tau if interval is None else f"{tau} [{interval[0]:.2f}, {interval[1]:.2f}]"
+
+
 def summary_table(runs: list[MethodRun], title: str = "blockdraft bench") -> Table:
     """One row per method: tau, acceptance, speed, speedup vs AR, and the lossless check."""
     base = _baseline(runs)
     table = Table(title=title)
     table.add_column("method", no_wrap=True, min_width=max(len(r.spec.label) for r in runs) if runs else 6)
-    for col in ("tau", "accept rate", "pos 1..4 accept", "tok/s", "decode tok/s", "speedup", "TTFT ms", "same ids as AR"):
+    for col in ("tau [95% over prompts]", "accept rate", "pos 1..4 accept", "tok/s", "decode tok/s", "speedup", "TTFT ms", "same ids as AR"):
         table.add_column(col, justify="right")
     for run in runs:
         s = run.stats
@@ -31,7 +47,7 @@ def summary_table(runs: list[MethodRun], title: str = "blockdraft bench") -> Tab
         same = f"{identical_to(base, run)}/{len(run.runs)}" if base else "-"
         ttft = 1000 * s.ttft_s / max(s.num_prompts, 1)
         table.add_row(
-            run.spec.label, f"{s.tau:.2f}", rate, pos, f"{s.tokens_per_s:.1f}", f"{s.decode_tokens_per_s:.1f}",
+            run.spec.label, _tau(run), rate, pos, f"{s.tokens_per_s:.1f}", f"{s.decode_tokens_per_s:.1f}",
             speedup, f"{ttft:.1f}", same,
         )
     return table
@@ -147,6 +163,7 @@ def to_json(runs: list[MethodRun], settings: dict) -> dict:
             "draft_tokens": run.spec.draft_tokens,
             "lookup": run.spec.lookup,
             "stats": s.to_dict(),
+            "tau_interval": tau_interval(run),
             "batched_wall_s": run.wall_s,
             "first_uses_while_timed": run.first_uses,
             "by_category": {c: v.to_dict() for c, v in run.by_category().items()},
