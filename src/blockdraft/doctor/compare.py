@@ -51,15 +51,14 @@ def replay_acceptance(
         return acceptance_while(endpoint, lambda: [complete_ids(endpoint, p, max_tokens) for p in prompts], model_name)
     source = f"{metrics_url} while the doctor replayed its prompts"
     counts: list[list[int]] = []
-    scrape = first
+    start = before = parse_vllm_metrics(first, model_name, source)
     for prompt in prompts:
         complete_ids(endpoint, prompt, max_tokens)
-        later = fetch(metrics_url, endpoint.timeout) or ""
-        window = parse_vllm_metrics(later, model_name, source).since(
-            parse_vllm_metrics(scrape, model_name, source), source)
+        after = parse_vllm_metrics(fetch(metrics_url, endpoint.timeout) or "", model_name, source)
+        window = after.since(before, source)
         counts.append([round(window.drafts), *(round(n) for n in window.accepted_per_position)])
-        scrape = later
-    pooled = vllm_window(first, scrape, model_name, source)
+        before = after
+    pooled = before.since(start, source).fingerprint(source)
     if pooled.per_position and all(len(c) == 1 + len(pooled.per_position) for c in counts):
         pooled.prompts = counts  # per-position counters on every window: the noise over prompts can be read
         pooled.prompt_set = prompt_digest(prompts)

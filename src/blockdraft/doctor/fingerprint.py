@@ -170,12 +170,6 @@ class Fingerprint:
         low, high = torch.quantile(taus, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=taus.dtype))
         return float(low), float(high)
 
-    def at_depth_counts(self, k: int | None) -> list[list[int]] | None:
-        """The per-prompt counts cut to the first `k` positions (None: none kept)."""
-        if self.prompts is None:
-            return None
-        return [c[: 1 + k] for c in self.prompts] if k is not None else self.prompts
-
     @classmethod
     def from_numbers(
         cls,
@@ -201,15 +195,19 @@ class Fingerprint:
         """What the same deployment drafting only its first `k` tokens a step accepts (a drafter's first k slots are
         the same whatever it drafts after them): its first k unconditional rates and tau 1 + their sum; with no
         per-position rates, tau capped at k + 1. Itself where it drafts no more than k (or k is None)."""
-        deeper = len(self.per_position) > k if k is not None and self.per_position else (
-            k is not None and (self.block_size is None or self.block_size - 1 > k))
-        if not deeper or k is None:
+        if k is None:
             return self
         source = f"{self.source}, first {k} draft positions"
         if not self.per_position:
+            if self.block_size is not None and self.block_size - 1 <= k:
+                return self
             return Fingerprint(min(self.tau, k + 1.0), None, [], self.num_drafts, k + 1, source)
+        if len(self.per_position) <= k:
+            return self
         rates = self.per_position[:k]
-        return Fingerprint(1.0 + sum(rates), sum(rates) / k, rates, self.num_drafts, k + 1, source)
+        prompts = None if self.prompts is None else [c[: 1 + k] for c in self.prompts]
+        return Fingerprint(1.0 + sum(rates), sum(rates) / k, rates, self.num_drafts, k + 1, source, prompts,
+                           self.prompt_set)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (the format `--reference` files use)."""
@@ -249,13 +247,13 @@ def resampled(fp: Fingerprint, index: torch.Tensor | None, k: int | None, width:
     positions, padded with zeros to `width`); a fingerprint without prompts is the same in every resample."""
     cut = fp.at_depth(k)
     width = width if width is not None else len(cut.per_position)
-    if fp.prompts is None or index is None:
+    if cut.prompts is None or index is None:
         rates = torch.zeros(resamples if index is None else index.shape[0], width, dtype=torch.float64)
         fixed = torch.tensor(cut.per_position[:width], dtype=torch.float64)
         rates[:, : fixed.numel()] = fixed
         return torch.full((rates.shape[0],), cut.tau, dtype=torch.float64), rates
-    counts = torch.zeros(len(fp.prompts), 1 + width, dtype=torch.float64)
-    for row, prompt in enumerate(fp.at_depth_counts(k) or []):
+    counts = torch.zeros(len(cut.prompts), 1 + width, dtype=torch.float64)
+    for row, prompt in enumerate(cut.prompts):
         counts[row, : min(len(prompt), 1 + width)] = torch.tensor(prompt[: 1 + width], dtype=torch.float64)
     summed = counts[index].sum(1)
     rates = summed[:, 1:] / summed[:, :1].clamp_min(1)

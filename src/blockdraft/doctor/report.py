@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import json
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -41,21 +42,21 @@ class DoctorReport:
         named = {"observed": self.observed, "reference": self.reference}
         return {**{k: v for k, v in named.items() if v is not None}, **self.faults}
 
-    @property
+    @cached_property
     def hypotheses(self) -> list[Hypothesis]:
         """Ranked explanations, when there is both an observation and a reference."""
         if self.observed is None or self.reference is None:
             return []
         return rank_hypotheses(self.observed, self.reference, self.faults)
 
-    @property
+    @cached_property
     def separation(self) -> Separation | None:
         """How sure the ranking is (a bootstrap over the observation's prompts), where it kept them."""
         if self.observed is None or self.reference is None:
             return None
         return separation(self.observed, self.reference, self.faults)
 
-    @property
+    @cached_property
     def verdict(self) -> str | None:
         """The one-sentence answer, when there is both an observation and a reference."""
         if self.observed is None or self.reference is None:
