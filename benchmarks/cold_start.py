@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 METHODS = ("ar", "dflash", "ddtree", "schedule")  # schedule: the server's --schedule auto (no --method)
 CHECKS = ("serve", "speed", "graphs")
 SERVING = re.compile(r"serving .* at (http://\S+)/v1 ")
-KEPT = ("loaded in", "schedule (", "self-check passed", "warmed up in", "engine started in", "serving ")
+KEPT = ("loaded in", "schedule (", "self-check passed", "warm-up", "warmed up in", "engine started in", "serving ")
 QUESTION = "What is the capital of France? Answer in one sentence."
 
 

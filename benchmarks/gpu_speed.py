@@ -41,6 +41,7 @@ import torch
 
 from blockdraft.decoding.fused_steps import FusedSteps
 from blockdraft.kernels.kernel_choice import choices
+from blockdraft.kernels.tuned_configs import save_if_asked
 from blockdraft.numbers import count_list, int_list
 
 # The published Qwen3.6-27B-DFlash drafter's layers (4 sliding, window 2048, then 1 full), its heads Qwen3's
@@ -727,6 +728,9 @@ def main(argv: list[str] | None = None) -> None:
         for shape, runs_on in sorted(rec.data["kernel_choices"].items()):
             print(f"- {shape}: {runs_on}")
     rec.save()
+    kept = save_if_asked()
+    if kept:
+        log(kept)
 
 
 if __name__ == "__main__":

@@ -117,13 +117,19 @@ class InProcess:
             torch.set_num_threads(args.threads)
         drafter = None if method == "ar" else default_drafter(args.target, args.drafter)
         self.loaded = Loaded(args.target, drafter, args.device, args.dtype, args.engine)
+        if args.synthetic_acceptance and self.loaded.drafter is not None:  # as the server dials its own
+            from blockdraft.decoding.synthetic import SyntheticAcceptance
+
+            self.loaded.target.synthetic = SyntheticAcceptance.parse(args.synthetic_acceptance,
+                                                                     self.loaded.drafter.cfg.block_size - 1)
         self.budget = self.draft_tokens = None
         if self.loaded.drafter is not None:
             self.budget, self.draft_tokens = device_settings(
                 self.loaded.target.device.type, self.loaded.drafter.cfg.block_size, args.budget, args.draft_tokens)
         self.proposer = build_proposer(method, self.loaded.target, self.loaded.drafter,
                                        self.budget if method == "ddtree" else None, self.draft_tokens)
-        self.stops = self.loaded.stops([], False)
+        self.ignores_eos = bool(args.synthetic_acceptance)  # dialled outputs run to max_tokens, here and served
+        self.stops = self.loaded.stops([], self.ignores_eos)
         self.max_tokens = args.max_tokens
 
     def run(self, messages: list[dict], max_tokens: int | None = None) -> tuple[int, float]:
@@ -266,7 +272,7 @@ def paired(local: InProcess, url: str, model: str, requests: int, prompts: list[
             def through_server() -> tuple[RequestRecord, float]:
                 pins.client()
                 start = time.perf_counter()
-                record = one_request(client, url, model, messages, max_tokens)
+                record = one_request(client, url, model, messages, max_tokens, local.ignores_eos)
                 return record, time.perf_counter() - start
 
             if index % 2 == 0:
@@ -299,7 +305,8 @@ class Server:
         for flag, value in (("--drafter", args.drafter), ("--device", args.device), ("--dtype", args.dtype),
                             ("--engine", args.engine), ("--stream-interval-ms", args.stream_interval_ms),
                             ("--max-num-seqs", args.max_num_seqs),
-                            ("--schedule", args.schedule if scheduled else None)):
+                            ("--schedule", args.schedule if scheduled else None),
+                            ("--synthetic-acceptance", args.synthetic_acceptance if method != "ar" else None)):
             if value is not None:
                 command += [flag, value]
         env = {**os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {})}
@@ -333,8 +340,10 @@ class Server:
         self.proc.wait(timeout=120)
 
 
-def one_request(client: httpx.Client, url: str, model: str, messages: list[dict], max_tokens: int) -> RequestRecord:
+def one_request(client: httpx.Client, url: str, model: str, messages: list[dict], max_tokens: int,
+                ignore_eos: bool = False) -> RequestRecord:
     body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": ignore_eos,
             "stream_options": {"include_usage": True}}
     start = time.perf_counter()
     record = RequestRecord(ok=False)
@@ -499,7 +508,7 @@ def by_batch_line(engine: dict[str, Any]) -> str:
 
 
 def run_requests(url: str, model: str, concurrency: int, indices: list[int], prompts: list[list[dict]],
-                 max_tokens: int, deadline: float) -> tuple[list[RequestRecord], float]:
+                 max_tokens: int, deadline: float, ignore_eos: bool = False) -> tuple[list[RequestRecord], float]:
     """The requests of `indices` (prompts cycled) through a pool of `concurrency` clients; their records and the
     wall time. No new request starts after `deadline`."""
     records: list[RequestRecord] = []
@@ -513,7 +522,7 @@ def run_requests(url: str, model: str, concurrency: int, indices: list[int], pro
                     index = next(pending, None)
                 if index is None:
                     return
-                record = one_request(client, url, model, prompts[index % len(prompts)], max_tokens)
+                record = one_request(client, url, model, prompts[index % len(prompts)], max_tokens, ignore_eos)
                 with lock:
                     records.append(record)
 
@@ -555,7 +564,7 @@ def rotate(methods: list[str], servers: dict[str, "Server"], args: argparse.Name
         url = servers[method].url
         assert url is not None
         run_requests(url, args.target, concurrency, list(range(concurrency)), prompts, args.max_tokens,
-                     time.monotonic() + args.time_cap / args.rounds)
+                     time.monotonic() + args.time_cap / args.rounds, bool(args.synthetic_acceptance))
     for r in range(args.rounds):
         for method in methods if r % 2 == 0 else methods[::-1]:
             url = servers[method].url
@@ -564,7 +573,8 @@ def rotate(methods: list[str], servers: dict[str, "Server"], args: argparse.Name
             pid = servers[method].proc.pid
             cpu_before = CpuShare.read(pid)
             got, wall = run_requests(url, args.target, concurrency, list(range(bounds[r], bounds[r + 1])), prompts,
-                                     args.max_tokens, time.monotonic() + args.time_cap / args.rounds)
+                                     args.max_tokens, time.monotonic() + args.time_cap / args.rounds,
+                                     bool(args.synthetic_acceptance))
             cpus[method] = cpus[method].plus(CpuShare.read(pid).minus(cpu_before))
             engines[method] = engines[method].plus(EngineShare.read(url).minus(before))
             records[method] += got
@@ -607,6 +617,10 @@ def main() -> None:
                         help="The schedule method's server --schedule FILE|auto (with --max-num-seqs).")
     parser.add_argument("--pin", default=None,
                         help="DECODE:HTTP:CLIENT core lists for the paired c=1 runs, e.g. 2-5:6-7:8 (class Pins).")
+    parser.add_argument("--synthetic-acceptance", default=None,
+                        help="Benchmarks at the acceptance real drafters reach on random weights: the servers' (and "
+                        "the in-process runs') --synthetic-acceptance, e.g. 6.35 (AR runs as it is). Token counts "
+                        "then differ between the two sides where a dialled output meets a stop id.")
     parser.add_argument("--json-out", type=Path, default=None)
     args = parser.parse_args()
     args.concurrency_levels = args.concurrency

@@ -153,11 +153,11 @@ def test_numbers_command() -> None:
 
 @pytest.fixture
 def vllm_server() -> Iterator[str]:
-    scrapes = iter([(100, 300, [60, 30, 10]), (200, 600, [150, 90, 40])])
+    scrapes = [(100, 300, [60, 30, 10]), (200, 600, [150, 90, 40])]  # the last one repeats
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (http.server API)
-            drafts, tokens, per_pos = next(scrapes)
+            drafts, tokens, per_pos = scrapes.pop(0) if len(scrapes) > 1 else scrapes[0]
             lines = [
                 "# TYPE vllm:spec_decode_num_drafts_total counter",
                 f'vllm:spec_decode_num_drafts_total{{engine="0",model_name="m"}} {drafts}.0',
@@ -191,6 +191,12 @@ def test_server_command(vllm_server: str, tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     # window: 100 drafts, 300 draft tokens, per position [90, 60, 30] -> tau 2.8
-    assert data["fingerprints"]["observed"]["tau"] == pytest.approx(2.8)
+    observed = data["fingerprints"]["observed"]
+    assert observed["tau"] == pytest.approx(2.8)
     assert data["verdict"].startswith("the drafter is the limit")
-    assert (tmp_path / "s.html").exists()
+    # drafts fell in one of the scrape windows alone, so the figures carry a normal interval over its 100 drafts
+    assert observed["intervals"]["kind"].startswith("normal approximation over 100 drafts")
+    low, high = observed["intervals"]["tau"]
+    assert low < 2.8 < high and observed["tau_interval"] == [low, high]
+    html = (tmp_path / "s.html").read_text()
+    assert f"2.80 [{low:.2f}, {high:.2f}]" in html and "normal approximation over 100 drafts" in html

@@ -104,7 +104,7 @@ def test_vllm_window_between_two_scrapes(server: tuple[str, Recorded]) -> None:
         (200, vllm_text(1000, 15000, [900, 700, 500] + [0] * 12)),
         (200, vllm_text(1200, 18000, [1080, 820, 560] + [0] * 12)),
     ]
-    fp = measure_server(url, interval=0.01)
+    fp = measure_server(url, interval=0.01, windows=1)
     # window: 200 drafts, 3000 draft tokens, per position [180, 120, 60, 0...] -> 360 accepted
     assert fp.tau == pytest.approx(2.8)
     assert fp.acceptance_rate == pytest.approx(360 / 3000)

@@ -117,15 +117,15 @@ def test_an_idle_window_on_a_server_that_had_traffic_reads_its_totals_since_star
     """`doctor server` on a server idle while it measures: the counters' totals since start, and the source says so;
     a window with drafts is the window; a server that never drafted is still the clear error."""
     text = vllm_exposition(AFTER)
-    fp = vllm_recent(text, text, QWEN, "window", "totals since start")
+    fp = vllm_recent([text, text], QWEN, "window", "totals since start")
     # QWEN totals: drafts 3000, draft tokens 9000, per position [1500, 650, 200]
     assert fp.source.startswith("totals since start") and fp.num_drafts == 3000
     assert fp.per_position == pytest.approx([0.5, 650 / 3000, 200 / 3000])
-    windowed = vllm_recent(vllm_exposition(BEFORE), text, QWEN, "window", "totals since start")
+    windowed = vllm_recent([vllm_exposition(BEFORE), text], QWEN, "window", "totals since start")
     assert windowed.source.startswith("window") and windowed.tau == pytest.approx(1.75)
     never = vllm_exposition({key: (0, 0, [0, 0, 0]) for key in AFTER})
     with pytest.raises(BlockdraftError, match="no speculative drafts"):
-        vllm_recent(never, never, None, "window", "totals since start")
+        vllm_recent([never, never], None, "window", "totals since start")
 
 
 def test_vllm_without_speculative_decoding() -> None:

@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from blockdraft.config import parse_draft_config
 from blockdraft.decoding.draft import DFlashProposer
-from blockdraft.doctor import probes
+from blockdraft.doctor import probes, thinking
 from blockdraft.doctor.cli import doctor_app
 from blockdraft.doctor.diagnose import HEALTHY, rank_hypotheses, verdict
 from blockdraft.doctor.fingerprint import Fingerprint, ProbeResult
@@ -249,7 +249,9 @@ def test_doctor_probe_writes_a_reference_and_gives_a_verdict_in_one_step(tmp_pat
     data = json.loads(result.stdout)
     assert data["verdict"].startswith("deployment fault, most likely ")
     assert {"observed", "reference", probes.WRONG_MASK} <= set(data["fingerprints"])
-    assert {f["field"] for f in data["findings"]} == {probes.SWA_AS_FULL, probes.CONTEXT_EVICTED}
+    assert {f["field"] for f in data["findings"]} == {probes.SWA_AS_FULL, probes.CONTEXT_EVICTED, thinking.FIELD}
+    (mode,) = [f for f in data["findings"] if f["field"] == thinking.FIELD]
+    assert mode["message"] == "the prompts are not chat messages, so no chat template renders them; probed once"
     saved = ProbeResult.load(out)
     assert saved.reference.num_drafts and probes.GUESSED_TAPS in saved.faults
     assert "verdict" in html.read_text()

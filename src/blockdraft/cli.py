@@ -14,6 +14,7 @@ from typing import Any, Optional
 import typer
 from rich.console import Console
 
+from blockdraft.decoding.synthetic import SyntheticAcceptance
 from blockdraft.errors import BlockdraftError
 from blockdraft.pair import EMBEDDED_DRAFTER, Loaded, default_drafter, encode_item
 
@@ -71,6 +72,13 @@ DraftTokensOpt = typer.Option(
 )
 LOOKUP_HELP = ("DDTree only: merge a prompt-lookup chain of up to N tokens (what followed the context's last tokens "
                "where they occurred before) into each tree, in at most half its nodes; 0: off.")
+SyntheticOpt = typer.Option(
+    None, "--synthetic-acceptance",
+    help="BENCHMARKS ONLY: every speculative step accepts as this profile says, not as the model agrees (the real "
+    "drafter and verify run): a mean acceptance length at the drafter's full depth (6.35, or 6.35,decay=0.97), "
+    "per-position rates (0.9:0.8:0.7, vLLM's synthetic_acceptance_rates) or a `doctor probe` JSON; trees' later "
+    "siblings take ,siblings=S (default 0.5) of what the earlier left. Outputs are not the model's; temperature 0.",
+)
 EngineOpt = typer.Option(
     "auto", "--engine",
     help="hf (HF forward, any model), fast (static cache + CUDA graphs; Qwen3/Qwen2/Llama/Mistral) or auto "
@@ -284,6 +292,7 @@ def bench(
     batch_size: int = typer.Option(
         1, "--batch-size", help="Prompts decoded together per method (continuous batching; see generate --batch-size)."
     ),
+    synthetic_acceptance: Optional[str] = SyntheticOpt,
 ) -> None:
     """Methods x prompts -> tau, acceptance, tokens/s and speedup vs AR, overall and per category."""
     from rich.progress import Progress
@@ -303,6 +312,7 @@ def bench(
     items = load_prompt_set(prompts, limit=limit, per_category=per_category)
     needs_drafter = any(spec.method != "ar" for spec in specs)
     loaded = Loaded(target, default_drafter(target, drafter) if needs_drafter else drafter, device, dtype, engine)
+    dial = _synthetic(synthetic_acceptance, loaded, temperature)
     encoded = [BenchPrompt(i.id, i.category, encode_item(i, loaded.tokenizer, thinking)) for i in items]
     stops = loaded.stops([], ignore_eos)
     with Progress(console=err, transient=True) as progress:
@@ -311,10 +321,13 @@ def bench(
             loaded.target, loaded.drafter, encoded, specs, max_new_tokens, sampling, stops, seed,
             on_progress=lambda label, n: progress.update(task, advance=n, description=label), batch_size=batch_size,
         )
-    out.print(summary_table(runs))
+    out.print(summary_table(runs, "blockdraft bench" if dial is None else "blockdraft bench: SYNTHETIC ACCEPTANCE"))
     out.print(category_table(runs))
     dtype_name = str(loaded.target.dtype).removeprefix("torch.")
-    for note in (exactness_note(runs, dtype_name, temperature), steadiness_note(runs),
+    exactness = exactness_note(runs, dtype_name, temperature) if dial is None else (
+        f"synthetic acceptance ({dial.describe()}): the speculative outputs are the drafter's tokens under dialled "
+        "verdicts, not the model's; speeds are the real computation's")
+    for note in (exactness, steadiness_note(runs),
                  speedup_note(runs, loaded.target.engine, loaded.target.device.type, dtype_name)):
         if note:
             err.print(f"note: {note}", soft_wrap=True)
@@ -323,6 +336,8 @@ def bench(
         "max_new_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "top_k": top_k,
         "device": str(loaded.target.device), "dtype": dtype_name,
         "engine": loaded.target.engine, "batch_size": batch_size,
+        "synthetic_acceptance": None if dial is None else {"spec": synthetic_acceptance, "profile": dial.describe(),
+                                                           "rates": list(dial.rates), "siblings": dial.siblings},
     }
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
@@ -333,6 +348,22 @@ def bench(
         if sum(spec.method == "ddtree" for spec in specs) > 1:
             sweep = plot.with_name(f"{plot.stem}_budgets{plot.suffix or '.png'}")
             err.print(f"budget sweep plot: {plot_budget_sweep(runs, sweep)}")
+
+
+def _synthetic(spec: str | None, loaded: Loaded, temperature: float) -> SyntheticAcceptance | None:
+    """--synthetic-acceptance for `bench`: the dialled profile set on the target, and said (benchmarks only)."""
+    if spec is None:
+        return None
+    if loaded.drafter is None:
+        raise BlockdraftError("--synthetic-acceptance dials a drafter's acceptance: bench --methods dflash or ddtree "
+                              "with a drafter, or leave it out")
+    if temperature > 0:
+        raise BlockdraftError(f"--synthetic-acceptance decodes at temperature 0: drop --temperature {temperature:g}")
+    dial = SyntheticAcceptance.parse(spec, loaded.drafter.cfg.block_size - 1)
+    loaded.target.synthetic = dial
+    err.print(f"SYNTHETIC ACCEPTANCE (benchmarks only): every speculative step's verdict follows {dial.describe()}; "
+              "outputs are the drafter's tokens, not the model's", markup=False, soft_wrap=True)
+    return dial
 
 
 def _register_subcommands() -> None:
@@ -433,6 +464,7 @@ def serve(
         help="Streamed text is sent at most this often (the commits in between form one chunk); 0: every commit.",
     ),
     lookup: int = typer.Option(0, "--lookup", help=f"{LOOKUP_HELP} Under --schedule, in its DDTree steps."),
+    synthetic_acceptance: Optional[str] = SyntheticOpt,
 ) -> None:
     """An OpenAI-compatible server (chat, completions, models, /health, /metrics in vLLM's names) for AR, DFlash, DDTree."""
     from blockdraft.serve.server import BlockdraftServer
@@ -445,7 +477,7 @@ def serve(
         api_key=api_key, served_model_name=served_model_name, max_model_len=max_model_len, max_queue=max_queue,
         max_num_seqs=max_num_seqs, schedule=schedule, schedule_adapt=schedule_adapt, device=device, dtype=dtype,
         engine=engine, self_check=self_check, expect=expect, drain_timeout=drain_timeout,
-        stream_interval_ms=stream_interval_ms, lookup=lookup,
+        stream_interval_ms=stream_interval_ms, lookup=lookup, synthetic_acceptance=synthetic_acceptance,
     )
     BlockdraftServer(settings, lambda line: err.print(line, markup=False, highlight=False, soft_wrap=True)).run()
 

@@ -31,6 +31,7 @@ import torch
 from blockdraft.decoding.draft import Draft, OverChain, StepShape
 from blockdraft.decoding.grammar import GrammarState
 from blockdraft.decoding.sampling import SamplingParams, probabilities
+from blockdraft.decoding.synthetic import SyntheticAcceptance
 from blockdraft.kernels.top_k import kernel_runs as top_k_runs
 from blockdraft.kernels.top_k import log_softmax_top_k
 from blockdraft.kernels.tree_search import kernel_runs, tree_rows
@@ -65,20 +66,23 @@ def check_budget(budget: int | None) -> int:
     return budget
 
 
-def build_tree(log_probs: torch.Tensor, budget: int, allowed: PathFilter | None = None) -> Draft:
+def build_tree(log_probs: torch.Tensor, budget: int, allowed: PathFilter | None = None,
+               synthetic: SyntheticAcceptance | None = None) -> Draft:
     """The `budget` highest-scoring prefixes of [L, V] per-slot log-probabilities, as a Draft in pop order.
 
     Prefixes of score -inf (probability 0 under q) are never added, so the tree can be smaller than the budget;
     it is also smaller when fewer than `budget` prefixes exist (tiny vocabularies). With `allowed` (a grammar's
     `path_filter`), a child is added only where it may follow its path: the budget goes to the best prefixes the
-    grammar allows, not to tokens the verify would mask (the search then runs on the host).
+    grammar allows, not to tokens the verify would mask (the search then runs on the host). `synthetic` (benchmarks
+    only) scores the drafter's ranking by a dialled profile (`SyntheticAcceptance.scores`).
     """
     if allowed is None:
-        return build_trees(log_probs.unsqueeze(0), [log_probs.shape[0]], budget)[0]
+        return build_trees(log_probs.unsqueeze(0), [log_probs.shape[0]], budget, synthetic=synthetic)[0]
     check_budget(budget)
     top = torch.topk(log_probs, min(budget, log_probs.shape[-1]), dim=-1)
     indices: list[list[int]] = top.indices.cpu().tolist()
-    parents, depths, chosen = best_prefixes(top.values.double().cpu().tolist(), budget, indices, allowed)
+    values = top.values if synthetic is None else synthetic.scores(top.values)
+    parents, depths, chosen = best_prefixes(values.double().cpu().tolist(), budget, indices, allowed)
     if not chosen:
         return Draft.empty(log_probs.device)
     k = top.indices.shape[1]
@@ -86,15 +90,15 @@ def build_tree(log_probs: torch.Tensor, budget: int, allowed: PathFilter | None 
     return Draft(tokens=tokens, parents=parents, depths=depths)
 
 
-def build_trees(log_probs: torch.Tensor, slots: list[int], budget: int, on_device: bool | None = None
-                ) -> list[Draft]:
+def build_trees(log_probs: torch.Tensor, slots: list[int], budget: int, on_device: bool | None = None,
+                synthetic: SyntheticAcceptance | None = None) -> list[Draft]:
     """`build_tree` for each sequence b of a batch's [n, L, V] log-probabilities over its first `slots[b]` slots,
     with one top-k, one read back and one token gather for the whole batch: a read per sequence cost a batch of 64
     a device round trip each per step (H200, embedded pair: 25 ms DDTree steps at batch 64, 2026-12-01). On a GPU
     the search itself runs there too (`best_prefixes_on_device`: no Python heap per sequence, and what is read
     back is the trees' shape, not the [n, L, k] scores) once the batch's trees are a few (KERNEL_SEARCH_TREES, with
     the tree kernel) or its nodes many (DEVICE_SEARCH_NODES, without); elsewhere the host heap is faster (module
-    docstring). `on_device` forces either search (tests)."""
+    docstring). `on_device` forces either search (tests); `synthetic` as `build_tree`'s."""
     check_budget(budget)
     n, most, vocab = log_probs.shape
     device = log_probs.device
@@ -102,6 +106,8 @@ def build_trees(log_probs: torch.Tensor, slots: list[int], budget: int, on_devic
         return [Draft.empty(device) for _ in slots]
     k = min(budget, vocab)
     top = torch.topk(log_probs, k, dim=-1)
+    if synthetic is not None:
+        top = torch.return_types.topk((synthetic.scores(top.values), top.indices))
     if on_device is None:
         on_device = device.type == "cuda" and (n >= KERNEL_SEARCH_TREES if kernel_runs(device, budget)
                                                else n * budget >= DEVICE_SEARCH_NODES)
@@ -267,14 +273,22 @@ class DeviceTrees:
     def budget(self) -> int:
         return self.ids.shape[1] - 1
 
-    def verdicts(self, logits: torch.Tensor) -> tuple[list[Draft], list[Verdict]]:
+    def verdicts(self, logits: torch.Tensor, synthetic: SyntheticAcceptance | None = None
+                 ) -> tuple[list[Draft], list[Verdict]]:
         """The step's one read, given the verify's logits [n, 1 + m, V] of these rows: `readout`, then `walks`."""
-        return self.walks(self.readout(logits).tolist())
+        return self.walks(self.readout(logits, synthetic).tolist())
 
-    def readout(self, logits: torch.Tensor) -> torch.Tensor:
-        """Every sequence's target picks, tree tokens and tree shape as one device tensor [n, 2 + 3m], to read back
-        in one transfer (now, or by a step in flight later: it is a fresh tensor, no graph's buffer)."""
-        return torch.cat([logits.argmax(dim=-1), self.ids[:, 1:], self.shape], dim=1)
+    def readout(self, logits: torch.Tensor, synthetic: SyntheticAcceptance | None = None) -> torch.Tensor:
+        """Every sequence's target picks (dialled by `synthetic`, benchmarks only), tree tokens and tree shape as
+        one device tensor [n, 2 + 3m], to read back in one transfer (now, or by a step in flight later: it is a
+        fresh tensor, no graph's buffer)."""
+        picks = logits.argmax(dim=-1)
+        if synthetic is not None:
+            rows = torch.arange(1 + self.budget, device=picks.device)
+            valid = (rows >= 1) & (rows <= self.shape[:, :1])
+            picks = synthetic.picks(picks, self.ids, tree_parent_rows(self.shape, self.budget),
+                                    self.positions - self.positions[:, :1], valid)
+        return torch.cat([picks, self.ids[:, 1:], self.shape], dim=1)
 
     def walks(self, read: list[list[int]]) -> tuple[list[Draft], list[Verdict]]:
         """`readout`'s rows on the host -> each tree as a Draft (its tokens left on the device) and its greedy walk,
@@ -292,24 +306,29 @@ class DeviceTrees:
 
 
 def trees_on_device(logits: torch.Tensor, slots: list[int], budget: int, anchors: list[int],
-                    starts: list[int], kernel: bool | None = None) -> DeviceTrees:
+                    starts: list[int], kernel: bool | None = None,
+                    synthetic: SyntheticAcceptance | None = None) -> DeviceTrees:
     """`build_trees`'s greedy trees for a batch's [n, L, V] drafter slot logits, scored by their log-softmax
     (`slot_log_probs` at T=0; sequence b over its first `slots[b]` slots, its anchor `anchors[b]` at position
     `starts[b]`), searched and laid out as verify rows on the device with no read back (`DeviceTrees`): one top-k
     of the log-probabilities (`top_k_kernel`), then the tree kernel (`tree_kernel`, where it runs; `kernel` forces
-    either path in tests and benchmarks), else the tensor search, on a GPU as one graph replay."""
+    either path in tests and benchmarks), else the tensor search, on a GPU as one graph replay; `synthetic` as
+    `build_tree`'s."""
     check_budget(budget)
     host = long_tensor([list(row) for row in zip(slots, anchors, starts)], logits.device)
-    return DeviceTrees(*tree_layout(logits, host, budget, kernel))
+    return DeviceTrees(*tree_layout(logits, host, budget, kernel, synthetic))
 
 
-def tree_layout(logits: torch.Tensor, host: torch.Tensor, budget: int, kernel: bool | None = None
+def tree_layout(logits: torch.Tensor, host: torch.Tensor, budget: int, kernel: bool | None = None,
+                synthetic: SyntheticAcceptance | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`trees_on_device`'s rows (DeviceTrees' fields) from the [n, L, V] slot logits and each tree's (slots,
     anchor, start) already on the device as `host` [n, 3], with no read back: what a fused step's draft graph lays
     out (`fused_steps`)."""
     n, _, vocab = logits.shape
     values, indices = log_softmax_top_k(logits, min(budget, vocab))
+    if synthetic is not None:
+        values = synthetic.scores(values)
     if kernel_runs(logits.device, budget) if kernel is None else kernel:
         ids, positions, own, shape, _ = tree_rows(values, indices, host, budget)
         return ids, positions, own, shape
@@ -433,7 +452,8 @@ class DDTreeProposer(OverChain):
             torch.cuda.synchronize(logits.device)  # the drafter pass is not tree-building time
         t0 = time.perf_counter()
         allowed = self.grammar.path_filter() if self.grammar is not None and sampling.greedy else None
-        draft = build_tree(slot_log_probs(logits, sampling), self.budget if budget is None else budget, allowed)
+        draft = build_tree(slot_log_probs(logits, sampling), self.budget if budget is None else budget, allowed,
+                           self.chain.target.synthetic)
         self.build_s += time.perf_counter() - t0
         return draft
 
@@ -444,7 +464,8 @@ class DDTreeProposer(OverChain):
         if planned is None:
             return None
         logits = self.chain.slot_logits(anchor, start, *planned)
-        return trees_on_device(logits.unsqueeze(0), [planned[0]], self.budget, [anchor], [start])
+        return trees_on_device(logits.unsqueeze(0), [planned[0]], self.budget, [anchor], [start],
+                               synthetic=self.chain.target.synthetic)
 
     @torch.inference_mode()
     def propose(

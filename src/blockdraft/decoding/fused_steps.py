@@ -260,7 +260,12 @@ class FusedSteps:
         """The verify graph's work: forward, walk, result, cache compaction, length, next anchor."""
         target = self.target
         hidden, taps = target.verify_pass(self.ids, self.positions, self.own, cap, self.tap_layers)
-        self._walk(greedy_picks(target.head(hidden)[0]))
+        picks = greedy_picks(target.head(hidden)[0])
+        if target.synthetic is not None:  # benchmarks only: the verdict follows a dialled profile
+            valid = (self.row_ids >= 1) & (self.row_ids <= self.nodes)
+            picks = target.synthetic.picks(picks[None], self.ids, self.parent_rows[None],
+                                           (self.positions - self.positions[0])[None], valid[None])[0]
+        self._walk(picks)
         length = target.storage.length
         if self.budget is not None:  # a tree's accepted rows move to the slots after the context
             kv = target.storage.kv
@@ -317,7 +322,8 @@ class FusedSteps:
             self.positions.copy_(start + self.row_ids)
             return
         self.host[0, 1:].copy_(torch.stack([self.anchor, start]))
-        ids, positions, own, shape = tree_layout(logits.unsqueeze(0), self.host, self.budget)
+        ids, positions, own, shape = tree_layout(logits.unsqueeze(0), self.host, self.budget,
+                                                 synthetic=self.target.synthetic)
         ids, positions, own, nodes = ids[0], positions[0], own[0], shape[0, 0]
         parent_rows = tree_parent_rows(shape, self.budget)[0]
         if self.lookup:

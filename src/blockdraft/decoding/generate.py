@@ -20,6 +20,7 @@ from blockdraft.decoding.fused_steps import fused_steps
 from blockdraft.decoding.grammar import GrammarState
 from blockdraft.decoding.logprobs import TokenLogprobs, position_logprobs, step_logprobs
 from blockdraft.decoding.row_processing import processed_rows
+from blockdraft.decoding.synthetic import check_greedy
 from blockdraft.decoding.sampling import SamplingParams, pick
 from blockdraft.decoding.verify import verify
 from blockdraft.errors import BlockdraftError
@@ -199,7 +200,7 @@ class _Steps:
             t_verify = stages.mark()
             out = target.forward(trees.ids, trees.positions[0], cache, self.tap_layers,
                                  attention_mask=trees.own[:, None])
-            (draft,), (verdict,) = trees.verdicts(out.logits)
+            (draft,), (verdict,) = trees.verdicts(out.logits, target.synthetic)
             logits = out.logits[0]
         else:
             draft = (proposer.propose(anchor, start, depth_left, self.sampling, self.generator) if proposer
@@ -214,7 +215,7 @@ class _Steps:
                                                 self.prompt_ids, self.sampling, self.stops, self.grammar)
             else:
                 picked = logits
-            verdict = verify(draft, picked, self.sampling, self.generator)
+            verdict = verify(draft, picked, self.sampling, self.generator, target.synthetic)
         if self.sampling.logprobs is not None:
             self.logprobs = step_logprobs(logits, verdict, self.sampling.logprobs)
         stages.add("draft", t_draft, t_verify)
@@ -257,6 +258,7 @@ def generate(
     """
     check_context(target, len(prompt_ids), max_new_tokens)
     check_prompt_ids(target.embedding_weight.shape[0], prompt_ids)
+    check_greedy(target.synthetic, sampling.greedy)
     device = target.device
     generator = torch.Generator(device=device).manual_seed(seed)
     clock = _Clock(device)

@@ -17,6 +17,7 @@ import torch
 
 from blockdraft.decoding.draft import Draft
 from blockdraft.decoding.sampling import SamplingParams, pick, probabilities, sample
+from blockdraft.decoding.synthetic import SyntheticAcceptance, check_greedy, draft_picks
 
 
 @dataclass
@@ -76,14 +77,18 @@ def speculative_sample(
 
 
 def verify(
-    draft: Draft, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None
+    draft: Draft, logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None,
+    synthetic: SyntheticAcceptance | None = None,
 ) -> Verdict:
-    """logits: [len(draft) + 1, V] target logits for [anchor] + nodes.
+    """logits: [len(draft) + 1, V] target logits for [anchor] + nodes; `synthetic` dials a greedy verdict
+    (benchmarks only).
 
     Deterministic drafts read the target's tokens and the draft's back in one transfer: the decode step's one
     wait for the device."""
+    check_greedy(synthetic, sampling.greedy)
     if sampling.greedy:
-        return verify_greedy([draft], [logits])[0]
+        picks = None if synthetic is None else draft_picks(synthetic, [draft], [logits.argmax(dim=-1)])
+        return verify_greedy([draft], [logits], picks)[0]
     if draft.draft_probs is not None:
         return speculative_sample(draft, logits, sampling, generator)
     rows = logits.shape[0]

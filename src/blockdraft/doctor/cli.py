@@ -24,7 +24,7 @@ from blockdraft.doctor.launch import (
     vllm_mtp_command,
     write_python_launcher,
 )
-from blockdraft.doctor.live import measure_server
+from blockdraft.doctor.live import DEFAULT_WINDOWS, measure_server
 from blockdraft.doctor.log_line import parse_spec_decoding_log
 from blockdraft.doctor.lossless import DEFAULT_TIE_TOLERANCE
 from blockdraft.doctor.report import DoctorReport, print_report, to_json, write_html
@@ -35,6 +35,7 @@ from blockdraft.errors import BlockdraftError
 
 if TYPE_CHECKING:
     from blockdraft.doctor.probes import ProbeRun
+    from blockdraft.doctor.thinking import Renders
     from blockdraft.pair import Loaded
 
 doctor_app = typer.Typer(
@@ -115,13 +116,17 @@ def server_command(
     ] = 10.0,
     model: Annotated[str | None, typer.Option(help="Only this model_name label (default: sum over all).")] = None,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for each HTTP request.")] = 5.0,
+    windows: Annotated[
+        int, typer.Option(help="vLLM scrape windows --interval is split into: the spread of their counts gives each "
+                          "figure's 95% interval (1: a normal approximation from the window's counts).")
+    ] = DEFAULT_WINDOWS,
     reference: ReferenceOpt = None,
     reference_tau: ReferenceTauOpt = None,
     json_out: JsonOpt = False,
     html: HtmlOpt = None,
 ) -> None:
     """Measure acceptance on a live vLLM or SGLang server (and judge it against a reference when given)."""
-    observed = measure_server(url, interval, model, timeout)
+    observed = measure_server(url, interval, model, timeout, windows)
     _emit(_observed_report(f"doctor server: {url}", observed, reference, reference_tau), json_out, html)
 
 
@@ -201,8 +206,10 @@ def probe_command(
     json_out: JsonOpt = False,
     html: HtmlOpt = None,
 ) -> None:
-    """Measure the drafter's healthy acceptance and its acceptance under each known deployment fault (T = 0)."""
+    """Measure the drafter's healthy acceptance and its acceptance under each known deployment fault (T = 0), and
+    with the chat template's thinking on where the template has that switch."""
     from blockdraft.doctor.probes import healthy_deployment, measure, run_probes
+    from blockdraft.doctor.thinking import thinking_findings
     from blockdraft.pair import Loaded
 
     observed = None
@@ -211,12 +218,12 @@ def probe_command(
         observed = Fingerprint.from_numbers(observed_tau, rates, source="--observed-tau/--observed-per-position")
     loaded = Loaded(target, str(drafter), device, dtype)
     assert loaded.drafter is not None
-    encoded = _encoded_prompts(loaded, prompts, limit)
-    run = run_probes(loaded.target, loaded.drafter, encoded, max_new_tokens, loaded.stops([], False),
-                     on_measure=_say_probing, served_tokens=num_speculative_tokens)
+    renders = _rendered_prompts(loaded, prompts, limit)
+    run = run_probes(loaded.target, loaded.drafter, renders.off, max_new_tokens, loaded.stops([], False),
+                     on_measure=_say_probing, served_tokens=num_speculative_tokens, thinking_prompts=renders.on)
     run.result.save(out)
     typer.echo(f"wrote {out} (pass it as --reference to doctor server/log/numbers)", err=True)
-    findings = _not_probed(run)
+    findings = [*thinking_findings(renders, run.result.reference, run.result.faults), *_not_probed(run)]
     if base_target is not None:
         typer.echo(f"probing: the drafter on its base model {base_target}", err=True)
         base = Loaded(base_target, str(drafter), device, dtype)
@@ -270,6 +277,15 @@ def _encoded_prompts(loaded: Loaded, prompts: str, limit: int | None) -> list[li
     return [encode_item(item, loaded.tokenizer) for item in load_prompt_set(prompts, limit=limit)]
 
 
+def _rendered_prompts(loaded: Loaded, prompts: str, limit: int | None) -> Renders:
+    """The prompt set as token ids with the chat template's thinking off (what is sent) and, where the template has
+    that switch, on."""
+    from blockdraft.doctor.thinking import render_modes
+    from blockdraft.prompt_sets import load_prompt_set
+
+    return render_modes(load_prompt_set(prompts, limit=limit), loaded.tokenizer)
+
+
 @doctor_app.command("lossless")
 def lossless_command(
     url: UrlOpt,
@@ -285,20 +301,24 @@ def lossless_command(
     device: DeviceOpt = None,
     dtype: DtypeOpt = None,
     json_out: JsonOpt = False,
+    html: HtmlOpt = None,
 ) -> None:
-    """Replay prompts at T=0 through a live server; compare with the target's own greedy ids; exits 1 on a fault."""
-    from blockdraft.doctor.lossless import check_lossless, print_lossless
+    """Replay prompts at T=0 through a live server; compare with the target's own greedy ids; exits 1 on a fault.
+    The server's acceptance over the replay is read from its /metrics where it has them."""
+    from blockdraft.doctor.lossless import check_lossless, print_lossless, write_lossless_html
     from blockdraft.doctor.replay import connect
     from blockdraft.pair import Loaded
 
     endpoint = connect(url, model, api_key)
     loaded = Loaded(target, None, device, dtype)
     report = check_lossless(loaded.target, endpoint, _encoded_prompts(loaded, prompts, limit), max_new_tokens,
-                            tie_tolerance)
+                            tie_tolerance, model)
     if json_out:
         typer.echo(json.dumps(report.to_dict(), indent=2))
     else:
         print_lossless(report, Console(), loaded.decode if loaded.tokenizer is not None else None)
+    if html is not None:
+        typer.echo(f"wrote {write_lossless_html(report, html)}", err=True)
     if report.faulty:
         raise typer.Exit(1)
 
@@ -323,20 +343,22 @@ def compare_command(
     from blockdraft.doctor.compare import closest_fault, replay_acceptance, served_width
     from blockdraft.doctor.probes import FAULT_FIELDS, run_probes
     from blockdraft.doctor.replay import connect
+    from blockdraft.doctor.thinking import thinking_findings
     from blockdraft.pair import Loaded
 
     endpoint = connect(url, model, api_key)
     loaded = Loaded(target, str(drafter), device, dtype)
     assert loaded.drafter is not None
-    encoded = _encoded_prompts(loaded, prompts, limit)
+    renders = _rendered_prompts(loaded, prompts, limit)
+    encoded = renders.off
     typer.echo(f"replaying {len(encoded)} prompts through {endpoint.url} ({endpoint.model})", err=True)
     observed = replay_acceptance(endpoint, encoded, max_new_tokens, model)
     whole = loaded.drafter.cfg.block_size - 1
     served = served_width(observed, whole, num_speculative_tokens)
     run = run_probes(loaded.target, loaded.drafter, encoded, max_new_tokens, on_measure=_say_probing,
-                     served_tokens=served)
+                     served_tokens=served, thinking_prompts=renders.on)
     reference, faults = run.result.reference, run.result.faults
-    findings = _not_probed(run)
+    findings = [*thinking_findings(renders, reference, faults, observed), *_not_probed(run)]
     if served is not None and served < whole:
         findings.append(Finding(
             "warning", "num_speculative_tokens",

@@ -10,22 +10,29 @@ that `diagnose` compares like with like:
   `tau == 1 + sum(per_position)` when every position is listed;
 - `prompts`, where the measurement went prompt by prompt (the probe, `doctor compare` against a vLLM-style server):
   each prompt's counts [drafts, accepted at position 1, at 2, ...], which give the measurement's noise: a bootstrap
-  over prompts (`tau_interval`, and `diagnose.separation` for the hypotheses).
+  over prompts (`intervals`, and `diagnose.separation` for the hypotheses);
+- `windows`, where a server's counters were read (vLLM's, blockdraft's): the same counts per scrape window, for
+  the figures' intervals when no prompt's own counts are known.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from statistics import NormalDist
 from typing import Any
 
+import numpy as np
 import torch
 
 from blockdraft.errors import BlockdraftError
 
 _ROUNDING = 1e-6
+LEVEL = 0.95
+RESAMPLES = 2000
 
 
 def tau_from_counts(accepted: float, drafts: float) -> float:
@@ -71,6 +78,7 @@ class Fingerprint:
     source: str
     prompts: list[list[int]] | None = None  # per prompt: [drafts, accepted at position 1, 2, ...]
     prompt_set: str | None = None  # which prompts (`prompt_digest`): measurements of one set are resampled together
+    windows: list[list[int]] | None = None  # per scrape window of a server's counters: [drafts, accepted at 1, ...]
 
     def __post_init__(self) -> None:
         if self.tau < 1.0 - _ROUNDING:
@@ -162,13 +170,39 @@ class Fingerprint:
         pooled.prompts, pooled.prompt_set = counts, prompt_set
         return pooled
 
-    def tau_interval(self, level: float = 0.95, resamples: int = 2000) -> tuple[float, float] | None:
-        """The `level` bootstrap interval of tau over prompts (None: fewer than two prompts behind it)."""
-        if not self.prompts or len(self.prompts) < 2:
+    def intervals(self, level: float = LEVEL, resamples: int = RESAMPLES) -> Intervals | None:
+        """The figures' `level` intervals from the counts kept behind them: a bootstrap over prompts; else over a
+        server's scrape windows; else, for one window of counters, a normal approximation over its drafts. None
+        where no counts were kept (a gauge, typed numbers, a log line, a single prompt)."""
+        if not self.per_position:
             return None
-        taus = resampled(self, bootstrap_indices(len(self.prompts), resamples), None)[0]
-        low, high = torch.quantile(taus, torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=taus.dtype))
-        return float(low), float(high)
+        width = len(self.per_position)
+        if self.prompts and len(self.prompts) > 1:
+            kind = f"bootstrap over {len(self.prompts)} prompts"
+            tau, rates = bootstrapped(self.prompts, width, level, resamples)
+        elif self.windows and len(self.windows) > 1:
+            kind = f"bootstrap over {len(self.windows)} scrape windows, each weighted by its drafts"
+            tau, rates = bootstrapped(self.windows, width, level, resamples)
+        elif self.windows and self.windows[0][0] > 0:
+            kind = f"normal approximation over {self.windows[0][0]} drafts (Wilson per position)"
+            tau, rates = normal_approximation(self.windows[0][: 1 + width], level)
+        else:
+            return None
+        return Intervals(kind, level, tau, self._rate_interval(tau), rates)
+
+    def _rate_interval(self, tau: Span) -> Span | None:
+        """The acceptance rate's interval from tau's: the rate is (tau - 1) x drafts / draft tokens, so it moves
+        with tau at this measurement's draft tokens per draft."""
+        if self.acceptance_rate is None:
+            return None
+        per_token = self.acceptance_rate / (self.tau - 1.0) if self.tau > 1.0 else 1.0 / len(self.per_position)
+        low, high = ((end - 1.0) * per_token for end in tau)
+        return max(low, 0.0), min(high, 1.0)
+
+    def tau_interval(self, level: float = LEVEL, resamples: int = RESAMPLES) -> Span | None:
+        """tau's `level` interval (see `intervals`)."""
+        found = self.intervals(level, resamples)
+        return None if found is None else found.tau
 
     @classmethod
     def from_numbers(
@@ -206,8 +240,9 @@ class Fingerprint:
             return self
         rates = self.per_position[:k]
         prompts = None if self.prompts is None else [c[: 1 + k] for c in self.prompts]
+        windows = None if self.windows is None else [c[: 1 + k] for c in self.windows]
         return Fingerprint(1.0 + sum(rates), sum(rates) / k, rates, self.num_drafts, k + 1, source, prompts,
-                           self.prompt_set)
+                           self.prompt_set, windows)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (the format `--reference` files use)."""
@@ -227,6 +262,7 @@ class Fingerprint:
             source=str(raw.get("source") or source),
             prompts=raw.get("prompts"),
             prompt_set=raw.get("prompt_set"),
+            windows=raw.get("windows"),
         )
 
 
@@ -252,12 +288,59 @@ def resampled(fp: Fingerprint, index: torch.Tensor | None, k: int | None, width:
         fixed = torch.tensor(cut.per_position[:width], dtype=torch.float64)
         rates[:, : fixed.numel()] = fixed
         return torch.full((rates.shape[0],), cut.tau, dtype=torch.float64), rates
-    counts = torch.zeros(len(cut.prompts), 1 + width, dtype=torch.float64)
-    for row, prompt in enumerate(cut.prompts):
-        counts[row, : min(len(prompt), 1 + width)] = torch.tensor(prompt[: 1 + width], dtype=torch.float64)
+    return resampled_counts(cut.prompts, index, width)
+
+
+def resampled_counts(rows: list[list[int]], index: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """tau [R] and per-position rates [R, width] of count rows [drafts, accepted at 1, ...] in each resample `index`
+    [R, rows]: the counts are summed before dividing, so each row weighs as much as its drafts."""
+    counts = torch.zeros(len(rows), 1 + width, dtype=torch.float64)
+    for number, row in enumerate(rows):
+        counts[number, : min(len(row), 1 + width)] = torch.tensor(row[: 1 + width], dtype=torch.float64)
     summed = counts[index].sum(1)
     rates = summed[:, 1:] / summed[:, :1].clamp_min(1)
     return 1.0 + rates.sum(1), rates
+
+
+Span = tuple[float, float]
+
+
+@dataclass(frozen=True)
+class Intervals:
+    """A fingerprint's figures as `level` intervals, and how they were drawn (`kind`, which every report states)."""
+
+    kind: str
+    level: float
+    tau: Span
+    acceptance_rate: Span | None
+    per_position: list[Span]
+
+
+def bootstrapped(rows: list[list[int]], width: int, level: float, resamples: int) -> tuple[Span, list[Span]]:
+    """tau's and each position's `level` interval over resamples of the count rows (prompts or scrape windows)."""
+    taus, rates = resampled_counts(rows, bootstrap_indices(len(rows), resamples), width)
+    ends = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=torch.float64)
+    low, high = torch.quantile(taus, ends)
+    per_position = torch.quantile(rates, ends, dim=0)
+    return (float(low), float(high)), [(float(a), float(b)) for a, b in zip(*per_position.tolist())]
+
+
+def normal_approximation(row: list[int], level: float) -> tuple[Span, list[Span]]:
+    """Intervals from one window's counts [drafts, accepted at 1, ...], each draft a trial. A draft accepts a
+    prefix, so position i's rate is P(L >= i) for the accepted length L, which gives L's variance
+    (E[L^2] = sum (2i - 1) P(L >= i)) and tau's normal interval; each position's rate gets a Wilson interval, which
+    stays honest at the 0 and 1 a collapsed or perfect position shows."""
+    drafts = row[0]
+    rates = np.clip(np.asarray(row[1:], dtype=np.float64) / drafts, 0.0, 1.0)
+    z = NormalDist().inv_cdf((1 + level) / 2)
+    mean = float(rates.sum())
+    variance = max(float(((2 * np.arange(1, rates.size + 1) - 1) * rates).sum()) - mean**2, 0.0)
+    half = z * math.sqrt(variance / drafts)
+    tau = (1.0 + max(mean - half, 0.0), 1.0 + min(mean + half, float(rates.size)))
+    shrink = 1 + z**2 / drafts
+    centre = (rates + z**2 / (2 * drafts)) / shrink
+    spread = z / shrink * np.sqrt(rates * (1 - rates) / drafts + z**2 / (4 * drafts**2))
+    return tau, [(float(max(c - s, 0.0)), float(min(c + s, 1.0))) for c, s in zip(centre, spread)]
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """Measure a running vLLM or SGLang server: scrape its endpoints and return a Fingerprint.
 
 vLLM's counters are cumulative since start-up, which would mix warm-up and old traffic into the answer, so
-vLLM is scraped twice and only the window between the scrapes counts; a server idle in that window is judged on
-its totals since it started, and the report's source says so. SGLang's gauges are already recent
+only the window between a first and a last scrape counts; scrapes between them split it into sub-windows whose
+spread gives the figures' intervals. A server idle in that window is judged on its totals since it started, and
+the report's source says so. SGLang's gauges are already recent
 averages (one per rank), so one reading of /metrics is the answer; without --enable-metrics SGLang serves no
 /metrics and /server_info's average since start is the fallback (its Fingerprint source says so).
 """
@@ -64,10 +65,17 @@ def fetch_json(url: str, timeout: float) -> Any:
         raise BlockdraftError(f"{url} did not return JSON; is this SGLang's /server_info?") from None
 
 
+DEFAULT_WINDOWS = 10
+
+
 def measure_server(
-    url: str, interval: float = 10.0, model_name: str | None = None, timeout: float = 5.0
+    url: str, interval: float = 10.0, model_name: str | None = None, timeout: float = 5.0,
+    windows: int = DEFAULT_WINDOWS,
 ) -> Fingerprint:
-    """Acceptance of a live server: vLLM over `interval` seconds, SGLang as it reports now."""
+    """Acceptance of a live server: vLLM over `interval` seconds, scraped `windows` times so that the spread of the
+    windows' counts gives the figures' intervals; SGLang as it reports now."""
+    if windows < 1:
+        raise BlockdraftError(f"--windows {windows} must be at least 1 (the scrape windows --interval is split into)")
     base = base_url(url)
     metrics_url = f"{base}/metrics"
     info_url = f"{base}/server_info"
@@ -76,9 +84,11 @@ def measure_server(
         return parse_server_info(fetch_json(info_url, timeout), info_url)
     engine = detect_engine(parse_samples(first, metrics_url))
     if engine == "vllm":
-        time.sleep(interval)
-        second = fetch(metrics_url, timeout) or ""
-        return vllm_recent(first, second, model_name, f"{metrics_url} over {interval:g} s",
+        scrapes = [first]
+        for _ in range(windows):
+            time.sleep(interval / windows)
+            scrapes.append(fetch(metrics_url, timeout) or "")
+        return vllm_recent(scrapes, model_name, f"{metrics_url} over {interval:g} s",
                            f"{metrics_url}: no drafts in {interval:g} s, so the totals since the server started")
     if engine == "sglang":
         return parse_sglang_metrics(first, model_name, metrics_url)

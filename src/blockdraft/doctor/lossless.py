@@ -4,17 +4,26 @@ Speculative decoding must not change greedy output. Where a server's ids leave t
 margin at that token tells numerics from a fault: a near-tie (a gap of a fraction of a logit, as bf16 kernels that
 batch differently flip) is numerics; a large margin means the server emitted a token the target clearly did not
 choose (a lossy acceptance rule, other weights, a quantized or mis-loaded target, sampling left on).
+
+The replay also reads the server's acceptance from its /metrics (prompt by prompt where it counts, so the figures
+carry 95% intervals over the prompts); a server whose metrics cannot be read is still checked, the report saying
+why its acceptance is missing.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from rich.console import Console
 from rich.table import Table
 
-from blockdraft.doctor.replay import Endpoint, complete_ids
+from blockdraft.doctor.fingerprint import Fingerprint, Intervals
+from blockdraft.doctor.replay import Endpoint, ReplayMeter, complete_ids
+from blockdraft.doctor.report import acceptance_tables, fingerprint_json, render_page
+from blockdraft.errors import BlockdraftError
 
 if TYPE_CHECKING:  # torch loads when a check runs, not when the CLI starts
     from blockdraft.models.target import Target
@@ -56,6 +65,13 @@ class LosslessReport:
     max_tokens: int
     tie_tolerance: float
     checks: list[PromptCheck] = field(default_factory=list)
+    acceptance: Fingerprint | None = None
+    acceptance_note: str = ""  # why the acceptance is missing, when it is
+
+    @cached_property
+    def acceptance_intervals(self) -> Intervals | None:
+        """The server's acceptance figures' 95% intervals, drawn once for the table, the JSON and the HTML."""
+        return None if self.acceptance is None else self.acceptance.intervals()
 
     def count(self, verdict: Verdict) -> int:
         return sum(c.verdict(self.tie_tolerance) == verdict for c in self.checks)
@@ -91,6 +107,9 @@ class LosslessReport:
             "url": self.url, "model": self.model, "max_tokens": self.max_tokens, "tie_tolerance": self.tie_tolerance,
             "summary": self.summary, "faulty": self.faulty,
             "checks": [{**asdict(c), "verdict": c.verdict(self.tie_tolerance)} for c in self.checks],
+            "acceptance": None if self.acceptance is None else fingerprint_json(self.acceptance,
+                                                                              self.acceptance_intervals),
+            "acceptance_note": self.acceptance_note,
         }
 
 
@@ -128,11 +147,24 @@ def check_lossless(
     prompts: list[list[int]],
     max_tokens: int,
     tie_tolerance: float = DEFAULT_TIE_TOLERANCE,
+    model_name: str | None = None,
 ) -> LosslessReport:
-    """Every prompt through the server and through the target alone, compared token by token."""
+    """Every prompt through the server and through the target alone, compared token by token; the server's
+    acceptance over the replay read from its /metrics where it has them."""
     report = LosslessReport(endpoint.url, endpoint.model, max_tokens, tie_tolerance)
+    try:
+        meter: ReplayMeter | None = ReplayMeter(endpoint, model_name)
+    except BlockdraftError as exc:
+        meter, report.acceptance_note = None, f"acceptance not measured: {exc}"
     for index, prompt in enumerate(prompts):
         report.checks.append(check_prompt(target, endpoint, index, prompt, max_tokens))
+        if meter is not None:
+            meter.prompt_done()
+    if meter is not None:
+        try:
+            report.acceptance = meter.fingerprint(prompts)
+        except BlockdraftError as exc:
+            report.acceptance_note = f"acceptance not measured: {exc}"
     return report
 
 
@@ -150,4 +182,34 @@ def print_lossless(report: LosslessReport, console: Console, decode: Any = None)
             tokens, "-" if c.margin is None else f"{c.margin:.3f}", c.verdict(report.tie_tolerance),
         )
     console.print(table)
+    if report.acceptance is not None:
+        for acceptance in acceptance_tables({"server": report.acceptance}, {"server": report.acceptance_intervals}):
+            console.print(acceptance)
+    else:
+        console.print(report.acceptance_note, soft_wrap=True)
     console.print(report.summary, style="bold red" if report.faulty else "bold green", soft_wrap=True)
+
+
+_HTML = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>doctor lossless: {{ r.url }}</title>
+{% include "style.html" %}</head><body>
+<h1>doctor lossless: {{ r.url }} ({{ r.model }}), {{ r.max_tokens }} tokens at T=0</h1>
+<p class="verdict{{ ' error' if r.faulty }}">{{ r.summary }}</p>
+<table><tr><th>prompt</th><th>tokens</th><th>served</th><th>first divergence</th><th>server / target token</th>
+<th>margin</th><th>verdict</th></tr>
+{% for c in r.checks %}<tr><td>{{ c.index }}</td><td>{{ c.prompt_tokens }}</td><td>{{ c.served | length }}</td>
+<td>{{ "-" if c.position is none else c.position }}</td>
+<td>{{ "-" if c.position is none else "%s / %s"|format(c.served_token, c.reference_token) }}</td>
+<td>{{ "-" if c.margin is none else "%.3f"|format(c.margin) }}</td><td>{{ c.verdict(r.tie_tolerance) }}</td></tr>
+{% endfor %}</table>
+{% include "acceptance.html" %}{% if r.acceptance_note %}<p>{{ r.acceptance_note }}</p>{% endif %}
+</body></html>
+"""
+
+
+def write_lossless_html(report: LosslessReport, path: str | Path) -> Path:
+    """A self-contained HTML page of the check: the summary, every prompt's comparison, the server's acceptance."""
+    served = {} if report.acceptance is None else {"server": report.acceptance}
+    path = Path(path)
+    path.write_text(render_page(_HTML, served, {"server": report.acceptance_intervals}, r=report))
+    return path

@@ -25,6 +25,7 @@ from blockdraft.decoding.draft import DFlashProposer
 from blockdraft.decoding.generate import generate
 from blockdraft.doctor.diagnose import HEALTHY
 from blockdraft.doctor.fingerprint import Fingerprint, ProbeResult, prompt_digest
+from blockdraft.doctor.thinking import THINKING_ON
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.drafter import DFlashDrafter, DrafterContextCache
 from blockdraft.models.target import Target, TargetOutput
@@ -54,6 +55,7 @@ FAULT_FIELDS = {
     WRONG_ROPE_THETA: "rope_theta / rope_parameters of the drafter",
     GUESSED_TAPS: "dflash_config.target_layer_ids guessed from a wrong formula instead of the drafter's config",
     SHORT_BLOCK: "num_speculative_tokens below block_size - 1 (the engine cuts the drafter's block)",
+    THINKING_ON: "chat_template_kwargs.enable_thinking: requests rendered with thinking on",
 }
 
 # Mask ids of published drafters: Qwen3 and Qwen3.5/3.6. Swapping one for the other is the classic mistake.
@@ -300,6 +302,12 @@ def healthy_deployment(target: Target, drafter: DFlashDrafter) -> Deployment:
     return Deployment(HEALTHY, "the drafter's own config", target, DFlashProposer(drafter, target))
 
 
+def thinking_deployment(target: Target, drafter: DFlashDrafter) -> Deployment:
+    """The drafter run as its config says on prompts rendered with thinking on: the other mode's fingerprint."""
+    return Deployment(THINKING_ON, "the drafter's own config, prompts rendered with thinking on", target,
+                      DFlashProposer(drafter, target))
+
+
 def _short_block(target: Target, drafter: DFlashDrafter, served: int) -> Deployment | str:
     """vLLM with num_speculative_tokens k < B-1 builds a block of k+1 rows: the drafter, trained on B rows, sees
     fewer masks and accepts less at every slot, not only past k."""
@@ -364,13 +372,19 @@ def run_probes(
     stop_token_ids: tuple[int, ...] = (),
     on_measure: Callable[[str], None] | None = None,
     served_tokens: int | None = None,
+    thinking_prompts: Sequence[Sequence[int]] | None = None,
 ) -> ProbeRun:
-    """The healthy reference and every applicable fault's fingerprint on the same prompts."""
+    """The healthy reference and every applicable fault's fingerprint on the same prompts; with
+    `thinking_prompts` (the same prompts rendered with thinking on), the healthy drafter's fingerprint on those
+    too, kept among the faults as `thinking on`."""
     faults, skipped = fault_deployments(target, drafter, prompts, served_tokens)
+    plan = [(deployment, prompts) for deployment in [healthy_deployment(target, drafter), *faults]]
+    if thinking_prompts is not None:
+        plan.append((thinking_deployment(target, drafter), thinking_prompts))
     fingerprints: dict[str, Fingerprint] = {}
-    for deployment in [healthy_deployment(target, drafter), *faults]:
+    for deployment, ids in plan:
         if on_measure is not None:
             on_measure(deployment.name)
-        fingerprints[deployment.name] = measure(deployment, prompts, max_new_tokens, stop_token_ids)
+        fingerprints[deployment.name] = measure(deployment, ids, max_new_tokens, stop_token_ids)
     reference = fingerprints.pop(HEALTHY)
     return ProbeRun(ProbeResult(reference, fingerprints), skipped)

@@ -3,6 +3,7 @@
 Lossless and acceptance checks must compare ids, not text: the prompt goes in as a token-id list and the server is
 asked for its output ids (`return_token_ids`, which vLLM, SGLang and blockdraft all implement) and to ignore EOS
 (`ignore_eos`, likewise), so a run is exactly `max_tokens` greedy tokens and comparable with our engine's.
+`ReplayMeter` reads the server's acceptance over the replayed requests alone.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from blockdraft.doctor.live import base_url
+from blockdraft.doctor.fingerprint import Fingerprint, prompt_digest
+from blockdraft.doctor.live import base_url, fetch
+from blockdraft.doctor.server_metrics import detect_engine, parse_samples, parse_sglang_metrics, parse_vllm_metrics
 from blockdraft.errors import BlockdraftError
 
 
@@ -80,3 +83,42 @@ def complete_ids(endpoint: Endpoint, prompt_ids: list[int], max_tokens: int) -> 
             "output ids (vLLM, SGLang and blockdraft serve do)"
         )
     return ids
+
+
+class ReplayMeter:
+    """The server's acceptance over the doctor's own requests, read from its /metrics: prompt by prompt where the
+    server counts (vLLM's counters, blockdraft's), so the figures carry their noise over prompts; over the whole
+    replay where it averages (SGLang's gauges, read once the replay is done)."""
+
+    def __init__(self, endpoint: Endpoint, model_name: str | None = None) -> None:
+        self.url = f"{endpoint.url}/metrics"
+        self.timeout = endpoint.timeout
+        self.model_name = model_name
+        self.source = f"{self.url} while the doctor replayed its prompts"
+        first = fetch(self.url, self.timeout, missing_ok=True)
+        if first is None:
+            raise BlockdraftError(f"{self.url} does not exist; start the server with metrics on "
+                                  "(SGLang: --enable-metrics)")
+        engine = detect_engine(parse_samples(first, self.url))
+        if engine is None:
+            raise BlockdraftError(f"{self.url} has neither vllm: nor sglang: metrics; point --url at a vLLM, SGLang or "
+                                  "blockdraft server running speculative decoding")
+        self.start = self.last = parse_vllm_metrics(first, model_name, self.source) if engine == "vllm" else None
+        self.counts: list[list[int]] = []
+
+    def prompt_done(self) -> None:
+        """Read the counters after one prompt's request: their growth is that prompt's counts."""
+        if self.last is None:
+            return
+        now = parse_vllm_metrics(fetch(self.url, self.timeout) or "", self.model_name, self.source)
+        self.counts.append(now.since(self.last, self.source).row())
+        self.last = now
+
+    def fingerprint(self, prompts: list[list[int]]) -> Fingerprint:
+        """The acceptance over the replay of `prompts`, each prompt's counts kept where every window has them all."""
+        if self.start is None or self.last is None:
+            return parse_sglang_metrics(fetch(self.url, self.timeout) or "", self.model_name, self.source)
+        pooled = self.last.since(self.start, self.source).fingerprint(self.source)
+        if pooled.per_position and all(len(c) == 1 + len(pooled.per_position) for c in self.counts):
+            pooled.prompts, pooled.prompt_set = self.counts, prompt_digest(prompts)
+        return pooled

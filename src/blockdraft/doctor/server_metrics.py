@@ -11,6 +11,7 @@ sum in).
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import zip_longest
 from typing import Any, Literal
@@ -18,6 +19,7 @@ from typing import Any, Literal
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
+from blockdraft.decoding.synthetic import METRIC as SYNTHETIC_METRIC
 from blockdraft.doctor.fingerprint import Fingerprint
 from blockdraft.errors import BlockdraftError
 
@@ -91,21 +93,31 @@ class VllmCounters:
             engines=self.engines,
         )
 
+    def row(self) -> list[int]:
+        """The counts as a fingerprint keeps them per window: [drafts, accepted at position 1, 2, ...]."""
+        return [round(self.drafts), *(round(n) for n in self.accepted_per_position)]
+
     def fingerprint(self, source: str) -> Fingerprint:
-        """Convert counts to tau, rate and unconditional per-position rates."""
+        """Convert counts to tau, rate and unconditional per-position rates, the counts kept as one window."""
         if self.drafts <= 0:
             raise BlockdraftError(
                 f"{source}: no speculative drafts were counted; send requests while measuring or lengthen --interval"
             )
         summed = f" ({self.engines} engines summed)" if self.engines > 1 else ""
-        return Fingerprint.from_counts(
+        measured = Fingerprint.from_counts(
             self.drafts, self.draft_tokens, self.accepted, list(self.accepted_per_position), source + summed
         )
+        measured.windows = [self.row()]
+        return measured
 
 
 def parse_vllm_metrics(text: str, model_name: str | None = None, source: str = "/metrics") -> VllmCounters:
-    """Sum vLLM's spec-decode counters out of one /metrics scrape."""
+    """Sum vLLM's spec-decode counters out of one /metrics scrape (refused where the acceptance is dialled)."""
     samples = parse_samples(text, source)
+    if any(s.name == SYNTHETIC_METRIC for s in samples):
+        raise BlockdraftError(f"{source}: this server dials its acceptance (blockdraft serve --synthetic-acceptance, "
+                              "benchmarks only), so its counters measure the dial, not the drafter; diagnose a server "
+                              "started without it")
 
     def total(name: str) -> float:
         chosen = _select(samples, name, model_name, source)
@@ -141,15 +153,22 @@ def vllm_window(before: str, after: str, model_name: str | None, source: str) ->
     return later.since(earlier, source).fingerprint(source)
 
 
-def vllm_recent(before: str, after: str, model_name: str | None, source: str, since_start: str) -> Fingerprint:
-    """Acceptance over the window between two scrapes; where no draft fell in it (a server that had traffic, idle
-    now), the totals since the server started, the fingerprint's `since_start` source saying so."""
-    earlier = parse_vllm_metrics(before, model_name, source)
-    later = parse_vllm_metrics(after, model_name, source)
-    window = later.since(earlier, source)
-    if window.drafts > 0 or later.drafts <= 0:
-        return window.fingerprint(source)
-    return later.fingerprint(since_start)
+def vllm_recent(scrapes: Sequence[str], model_name: str | None, source: str, since_start: str) -> Fingerprint:
+    """Acceptance over the span of successive scrapes, the counts of each window between two of them that drafted
+    kept for the figures' intervals; where no draft fell in the span (a server that had traffic, idle now), the
+    totals since the server started, the fingerprint's `since_start` source saying so."""
+    if len(scrapes) < 2:
+        raise BlockdraftError(f"{source}: a window needs two scrapes of /metrics, got {len(scrapes)}")
+    counters = [parse_vllm_metrics(text, model_name, source) for text in scrapes]
+    windows = [later.since(earlier, source) for earlier, later in zip(counters, counters[1:])]
+    span = counters[-1].since(counters[0], source)
+    if span.drafts <= 0 < counters[-1].drafts:
+        return counters[-1].fingerprint(since_start)
+    observed = span.fingerprint(source)
+    drafted = [window.row() for window in windows if window.drafts > 0]
+    if len(drafted) > 1:
+        observed.windows = drafted
+    return observed
 
 
 def _rank(sample: Sample) -> tuple[tuple[str, str], ...]:

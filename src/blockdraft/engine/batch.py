@@ -33,6 +33,7 @@ from blockdraft.decoding.generate import OnCommit, check_context, check_prompt_i
 from blockdraft.decoding.sampling import SamplingParams, pick
 from blockdraft.decoding.logprobs import position_logprobs, step_logprobs
 from blockdraft.decoding.row_processing import processed_rows
+from blockdraft.decoding.synthetic import check_greedy, draft_picks
 from blockdraft.decoding.verify import Verdict, greedy_read, greedy_walks, verify
 from blockdraft.engine import batch_drafts
 from blockdraft.engine.deferred_taps import DeferredTaps
@@ -100,6 +101,7 @@ class BatchDecoder:
         does, before it joins: a bad request must not fail the others prefilled with it."""
         check_context(self.target, len(request.prompt_ids), request.max_new_tokens)
         check_prompt_ids(self.target.embedding_weight.shape[0], request.prompt_ids)
+        check_greedy(self.target.synthetic, request.sampling.greedy)
 
     def join(self, prompt_ids: list[int], max_new_tokens: int, sampling: SamplingParams = SamplingParams(),
              stop_token_ids: tuple[int, ...] = (), seed: int = 0, on_commit: OnCommit | None = None) -> Sequence:
@@ -312,7 +314,8 @@ class BatchDecoder:
             verified = self.verifier.forward_rows(  # type: ignore[union-attr]
                 trees.ids, trees.positions, trees.own, tap_layers)
             assert verified.logits is not None
-            return Flight(list(self.running), starts, None, trees, verified, trees.readout(verified.logits),
+            return Flight(list(self.running), starts, None, trees, verified,
+                          trees.readout(verified.logits, self.target.synthetic),
                           candidate, deferring, method, began)
         drafts = batch_drafts.drafts(self.drafting, self.running, starts) if self.drafting is not None else [
             seq.proposer.propose(seq.tokens[-1], start, seq.max_new_tokens - len(seq.tokens), seq.sampling,
@@ -358,6 +361,8 @@ class BatchDecoder:
             picks = [every[b, : len(drafts[b]) + 1] for b in greedy]
         else:
             picks = [verified.rows[b][0].argmax(dim=-1) for b in greedy]
+        if self.target.synthetic is not None:  # benchmarks only: the verdicts follow a dialled profile
+            picks = draft_picks(self.target.synthetic, [drafts[b] for b in greedy], picks)
         return greedy_read([drafts[b] for b in greedy], picks)
 
     def _land(self, flight: Flight) -> tuple[list[Sequence], list[tuple[Sequence, list[int]]]]:
@@ -466,7 +471,8 @@ class BatchDecoder:
         assert flight.drafts is not None
         greedy = [b for b, seq in enumerate(flight.seqs) if seq.raw_greedy]
         walked = iter(greedy_walks([flight.drafts[b] for b in greedy], read or []))
-        return [next(walked) if seq.raw_greedy else verify(draft, rows, seq.sampling, seq.generator)
+        return [next(walked) if seq.raw_greedy else verify(draft, rows, seq.sampling, seq.generator,
+                                                             self.target.synthetic)
                 for seq, draft, rows in zip(flight.seqs, flight.drafts, picked)]
 
     def _leave(self) -> list[Sequence]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from blockdraft.decoding.ddtree import DeviceTrees, build_trees, slot_log_probs, trees_on_device
+from blockdraft.decoding.synthetic import SyntheticAcceptance
 from blockdraft.decoding.draft import Draft, DrafterProposer
 from blockdraft.decoding.lookup_device import merged_trees
 from blockdraft.decoding.sampling import SamplingParams
@@ -40,7 +41,7 @@ def drafts(drafting: BatchDrafter, running: list[Sequence], starts: list[int]) -
     if all(plan is None for plan in planned):
         return [Draft.empty(device) for _ in planned]
     logits = slot_logits(drafting, running, starts, planned)
-    made = _trees(proposers, planned, logits, running)
+    made = _trees(proposers, planned, logits, running, drafting.target.synthetic)
     greedy = [b for b, (proposer, seq, plan) in enumerate(zip(proposers, running, planned))
               if plan is not None and b not in made and seq.sampling.greedy and proposer.drafts_plain_chain()]
     if greedy:  # one argmax for the batch's greedy chains (what each one's `finish` takes, one launch each)
@@ -52,10 +53,11 @@ def drafts(drafting: BatchDrafter, running: list[Sequence], starts: list[int]) -
 
 
 def _trees(proposers: list[DrafterProposer], planned: list[Plan], logits: torch.Tensor,
-           running: list[Sequence]) -> dict[int, Draft]:
+           running: list[Sequence], synthetic: SyntheticAcceptance | None) -> dict[int, Draft]:
     """The greedy sequences' DDTrees of this step, built together per budget (`ddtree.build_trees`: one top-k and
     one read for the batch, not one per sequence); what each proposer's own `finish` would build (a sequence under
-    a grammar builds its own: its search tests each child against the grammar)."""
+    a grammar builds its own: its search tests each child against the grammar); `synthetic`: the target's dialled
+    profile, benchmarks only."""
     groups: dict[int, list[int]] = {}
     for b, (proposer, plan, seq) in enumerate(zip(proposers, planned, running)):
         budget = proposer.tree_budget()
@@ -65,7 +67,8 @@ def _trees(proposers: list[DrafterProposer], planned: list[Plan], logits: torch.
     for budget, members in groups.items():
         rows = logits if len(members) == logits.shape[0] else logits[long_tensor(members, logits.device)]
         slots = [plan[0] for plan in (planned[b] for b in members) if plan is not None]
-        trees.update(zip(members, build_trees(slot_log_probs(rows, SamplingParams()), slots, budget)))
+        trees.update(zip(members, build_trees(slot_log_probs(rows, SamplingParams()), slots, budget,
+                                              synthetic=synthetic)))
         for b, n in zip(members, slots):
             lookup = proposers[b].lookup_trees()
             if lookup is not None:
@@ -85,7 +88,8 @@ def device_trees(drafting: BatchDrafter, running: list[Sequence], starts: list[i
         return None
     logits = slot_logits(drafting, running, starts, planned)
     slots = [0 if plan is None else plan[0] for plan in planned]
-    trees = trees_on_device(logits, slots, budget, [seq.tokens[-1] for seq in running], starts)
+    trees = trees_on_device(logits, slots, budget, [seq.tokens[-1] for seq in running], starts,
+                            synthetic=drafting.target.synthetic)
     lookups = [seq.proposer.lookup_trees() for seq in running]  # type: ignore[union-attr]
     chains = [lookup.lookup_chain(budget, n) if lookup is not None else [] for lookup, n in zip(lookups, slots)]
     return merged_trees(trees, chains, compiled)

@@ -3,6 +3,7 @@ warm-up that decodes at every batch bucket before anything is timed or served.""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 from blockdraft.decoding.draft import Proposer
@@ -43,14 +44,18 @@ def decode_batch(decoder: BatchDecoder, prompts: list[list[int]], max_new_tokens
 
 
 def warm_buckets(decoder: BatchDecoder, prompt_ids: list[int], tokens: int,
-                 prepare: Callable[[Sequence], None] | None = None) -> None:
+                 prepare: Callable[[Sequence], None] | None = None,
+                 done: Callable[[int, float], None] | None = None) -> None:
     """Decode `tokens` tokens of the prompt at every batch bucket the decoder's graphs are captured for (1, 2, 4,
     ... its max_seqs sequences at once), so that what each size first meets (compiling, tuning, graph
     capture) is paid here and not by the decodes that follow; `prepare` sees each joined sequence first (a
-    schedule's warm-up picks its candidate there)."""
+    schedule's warm-up picks its candidate there); `done` hears each size and its seconds."""
     for size in bucket_sizes(decoder.max_seqs):
+        began = time.perf_counter()
         for seq in decoder.join_many([Request(prompt_ids, tokens)] * size):
             if prepare is not None:
                 prepare(seq)
         while decoder.running:
             decoder.step()
+        if done is not None:
+            done(size, time.perf_counter() - began)

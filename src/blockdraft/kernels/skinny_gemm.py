@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from blockdraft.kernels.sizes import power_of_two_at_least
 from blockdraft.kernels.kernel_choice import fastest
+from blockdraft.kernels.tuned_configs import preload_current, register
 from blockdraft.kernels.warm_costs import TUNING, charge
 
 WEIGHTS_FIRST_MAX_ROWS = 128  # `_weights_first_kernel`'s rows are its dot's N side, 128 of them a tile at most: a
@@ -34,27 +35,36 @@ GEMV_MAX_ROWS = 4  # the most rows `_gemv_rows_kernel` takes: at 8 its sm_90 loo
 TUNED_ON_DISK = True  # each shape's tuned tiles kept in Triton's cache (TRITON_CACHE_DIR, by default ~/.triton): a
 # server's warm-up tunes every product at every row tile (4 row tiles x 5 products x the drafter's), which a restart,
 # the next server of a benchmark or the next test process then reads instead of timing every config again
+TIMING_MS = (5, 25)  # an autotuned config's warm-up and timing (Triton's default 25 and 100: ~0.15 s a config, most
+# of a cold start's 134 s of tuning on the H100; these kernels take microseconds, so 25 ms is thousands of runs)
 SPLIT_MAX_N = 16384  # K is split only for products of at most this many features (64-feature tiles fewer than two
 # an H200 SM); the LM head's 150K features never are, so no partials are kept for it
 
 try:
     import triton
     import triton.language as tl
+    import triton.testing
 except ImportError:  # no Triton (a CPU install): F.linear everywhere
     triton = None
 
 
 class Tuning:
     """A Triton autotuner whose launches say when they tuned: a key it had not met (every config compiled and timed,
-    or read from the disk cache) is charged to `warm_costs`, so that a start-up can say what tuning cost it."""
+    or read from the disk cache) is charged to `warm_costs`, so that a start-up can say what tuning cost it. Before
+    its first launch it reads this card's shipped table (`tuned_configs`), whose keys it then does not tune."""
 
-    def __init__(self, tuner: Any) -> None:
+    def __init__(self, name: str, tuner: Any) -> None:
         self.tuner = tuner
+        self.ready = False
+        register(name, tuner)
 
     def __getitem__(self, grid: Callable[..., tuple[int, ...]]) -> Callable[..., None]:
         launch = self.tuner[grid]
 
         def run(*args: Any, **kwargs: Any) -> None:
+            if not self.ready:
+                preload_current()
+                self.ready = True
             known, began = len(self.tuner.cache), time.perf_counter()
             launch(*args, **kwargs)
             if len(self.tuner.cache) > known:
@@ -270,8 +280,10 @@ if triton is not None:
         for n, k, splits, w, s in ((64, 64, 1, 4, 6), (64, 128, 1, 4, 4), (128, 64, 1, 4, 4), (64, 128, 2, 4, 4),
                                    (64, 128, 4, 4, 4), (64, 64, 2, 4, 6), (128, 128, 2, 8, 3), (64, 256, 2, 4, 3))]
 
-    _tuned_weights_first = Tuning(triton.autotune(
-        configs=WEIGHTS_FIRST_CONFIGS,
+    QUICK_BENCH = functools.partial(triton.testing.do_bench, warmup=TIMING_MS[0], rep=TIMING_MS[1])
+
+    _tuned_weights_first = Tuning("weights_first", triton.autotune(
+        configs=WEIGHTS_FIRST_CONFIGS, do_bench=QUICK_BENCH,
         key=["N", "K", "ROWS", "GLU", "NORM", "RESIDUAL"],
         prune_configs_by={"early_config_prune": lambda configs, named_args, **kwargs: [
             c for c in configs if c.kwargs["SPLITS"] == 1 or named_args["N"] <= SPLIT_MAX_N]},
@@ -284,8 +296,8 @@ if triton is not None:
                            (8, 256, 4, 4), (8, 512, 4, 3), (8, 1024, 8, 3), (16, 256, 4, 4), (16, 512, 8, 3),
                            (32, 256, 8, 3))]
 
-    _tuned_gemv = Tuning(triton.autotune(
-        configs=GEMV_CONFIGS,
+    _tuned_gemv = Tuning("gemv", triton.autotune(
+        configs=GEMV_CONFIGS, do_bench=QUICK_BENCH,
         key=["N", "K", "GLU", "NORM", "RESIDUAL"],  # and the tensors' dtypes, which the autotuner adds to every key
         cache_results=TUNED_ON_DISK,
     )(_gemv_kernel))
@@ -294,8 +306,9 @@ if triton is not None:
         triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=w, num_stages=s)
         for n, k, w, s in ((16, 256, 4, 3), (16, 128, 2, 3), (8, 128, 2, 3), (8, 256, 4, 3), (16, 512, 8, 3))]
 
-    _tuned_gemv_rows = Tuning(triton.autotune(
+    _tuned_gemv_rows = Tuning("gemv_rows", triton.autotune(
         configs=GEMV_ROWS_CONFIGS, key=["N", "K", "ROWS", "GLU", "NORM", "RESIDUAL"], cache_results=TUNED_ON_DISK,
+        do_bench=QUICK_BENCH,
     )(_gemv_rows_kernel))
 
 

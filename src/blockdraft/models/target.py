@@ -8,6 +8,7 @@ KV-cache operations the decode loop needs (crop after a rejected chain, gather-c
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,9 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.hybrid import HybridCache
 from blockdraft.models.target_cache import TargetCache
+
+if TYPE_CHECKING:
+    from blockdraft.decoding.synthetic import SyntheticAcceptance
 
 # Attention implementations that take an arbitrary (tree) mask; flash-attention kernels only know causal masks.
 TREE_ATTENTION = ("sdpa", "eager")
@@ -44,6 +48,8 @@ class Target:
     use_graphs = False  # its forwards replay CUDA graphs (captured at each new shape)
     fused = False  # it runs greedy steps as fused graphs (`decoding.fused_steps`)
     row_masks = False  # a forward's tree mask may be the new rows' own [t, t] (the cache's columns are implied)
+    # Benchmarks only: its greedy verdicts follow a dialled acceptance profile, not its picks (`decoding.synthetic`)
+    synthetic: SyntheticAcceptance | None = None
 
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model.eval()

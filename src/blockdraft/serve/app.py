@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from blockdraft.serve.engine_client import EngineClient
 from blockdraft.serve.errors import ApiError, error_body
@@ -30,6 +30,7 @@ from blockdraft.serve.render import DONE, Rendering, sse
 from blockdraft.serve.tools import ToolPlan
 
 GUARDED_PREFIX = "/v1"  # as vLLM: /health and /metrics stay open with --api-key
+SYNTHETIC_HEADER = b"x-blockdraft-synthetic-acceptance"
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class ServerState:
     method: str
     num_spec_tokens: int | None
     api_key: str | None
+    synthetic: str | None = None  # --synthetic-acceptance's profile: every /v1 response is marked with it
 
 
 class BearerAuth:
@@ -60,6 +62,27 @@ class BearerAuth:
                 await JSONResponse(error_body(401, message), status_code=401)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class SyntheticMark:
+    """Pure ASGI middleware: under --synthetic-acceptance every /v1 response (streams too) carries the header
+    `x-blockdraft-synthetic-acceptance`: its tokens are the drafter's under a dialled verdict, not the model's."""
+
+    def __init__(self, app: ASGIApp, profile: str) -> None:
+        self.app = app
+        self.header = (SYNTHETIC_HEADER, profile.encode("ascii", "replace"))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(GUARDED_PREFIX):
+            await self.app(scope, receive, send)
+            return
+
+        async def marked(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, marked)
 
 
 async def _json_body(request: Request) -> Any:
@@ -199,4 +222,5 @@ def build_app(state: ServerState) -> ASGIApp:
         return await _run(request, state, prepared, rendering("completion", ids, req, request, echo=echo),
                           bool(req.stream), include_usage)
 
-    return BearerAuth(app, state.api_key) if state.api_key else app
+    marked: ASGIApp = SyntheticMark(app, state.synthetic) if state.synthetic else app
+    return BearerAuth(marked, state.api_key) if state.api_key else marked

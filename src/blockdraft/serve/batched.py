@@ -7,6 +7,7 @@ still its batch-1 ids (the decoder's lossless tests).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -23,6 +24,7 @@ from blockdraft.engine.schedule import Schedule
 from blockdraft.engine.switching import SwitchingProposer
 from blockdraft.errors import BlockdraftError
 from blockdraft.fast.static_cache import SLOT_STEP
+from blockdraft.kernels.warm_costs import warm_costs
 from blockdraft.models.target import Target
 from blockdraft.serve.errors import ApiError
 from blockdraft.serve.jobs import Failed, Finished, Job
@@ -61,7 +63,7 @@ class BatchedEngine:
         """Sequences in the batch."""
         return len(self.decoder.running)
 
-    def warm_up(self, prompt_ids: list[int]) -> None:
+    def warm_up(self, prompt_ids: list[int], say: Callable[[str], None] | None = None) -> None:
         """The prefill graphs of every size, then decodes at every batch bucket (1, 2, 4, ... --max-num-seqs sequences
         at once), with each method a schedule may pick, so the first requests at each size do not pay for compiling
         and capturing its graphs (on the H200 the first batched steps stalled concurrency 4 below concurrency 1
@@ -73,10 +75,14 @@ class BatchedEngine:
         too. In that order: a K/V buffer that grows drops every graph captured on it (which is also why the batch's
         K/V buffers are first reserved for `max_model_len`, when given). Longer contexts still capture when first
         met, a step the measured schedule leaves out as stalled and the server names when it is slow. The schedule
-        hears none of these steps."""
+        hears none of these steps. `say` hears each batch size's seconds and what compiling, tuning and capturing
+        took of them, as a cold start's progress."""
         decoder, schedule = self.decoder, self.decoder.schedule
         proposer = decoder.new_proposer()
+        costs, began = warm_costs(), time.perf_counter()
         decoder.target.warm_prefill(proposer.tap_layers if proposer else None)
+        if say is not None:
+            say(f"warm-up: prefill in {time.perf_counter() - began:.1f} s ({warm_costs().since(costs).describe()})")
         prompts, tokens = [prompt_ids], _WARMUP_TOKENS
         drafter = getattr(proposer, "drafter", None)
         if decoder.target.use_graphs:
@@ -92,9 +98,21 @@ class BatchedEngine:
                 prompts.insert(0, longer)  # first: the K/V buffers grow once, before any graph is captured on them
         decoder.schedule = None
         try:
-            for prompt in prompts:
+            for context, prompt in enumerate(prompts, 1):
                 for candidate in schedule.candidates if schedule is not None else [None]:
-                    warm_buckets(decoder, prompt, tokens, None if candidate is None else partial(_use, candidate))
+                    label = "" if candidate is None else f"{candidate.label}, "
+                    costs = warm_costs()
+
+                    def done(size: int, seconds: float) -> None:
+                        nonlocal costs
+                        now = warm_costs()
+                        if say is not None:
+                            say(f"warm-up ({label}context {context} of {len(prompts)}): batch {size} in "
+                                f"{seconds:.1f} s ({now.since(costs).describe()})")
+                        costs = now
+
+                    warm_buckets(decoder, prompt, tokens, None if candidate is None else partial(_use, candidate),
+                                 done)
         finally:
             decoder.schedule = schedule
 

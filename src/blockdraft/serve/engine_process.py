@@ -20,12 +20,14 @@ import torch
 from blockdraft.decoding.draft import Proposer, check_draft_tokens
 from blockdraft.decoding.lookup import chain_room
 from blockdraft.decoding.methods import GPU_BUDGET, build_proposer, device_settings
+from blockdraft.decoding.synthetic import SyntheticAcceptance
 from blockdraft.engine.batch_sizes import check_kv_room, default_max_num_seqs
 from blockdraft.engine.measured import MeasuredSchedule
 from blockdraft.engine.schedule import Schedule
 from blockdraft.engine.switching import SwitchingProposer
 from blockdraft.engine.tune import auto_schedule
 from blockdraft.fast.engines import engine_note
+from blockdraft.kernels.tuned_configs import save_if_asked
 from blockdraft.errors import BlockdraftError
 from blockdraft.pair import Loaded, demo_prompt_ids
 from blockdraft.serve.jobs import Job, JobSpec
@@ -86,6 +88,8 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
         depth = check_draft_tokens(draft_tokens, loaded.drafter.cfg.block_size)
         budget = tree_budget if method == "ddtree" else None
     served_depth = depth
+    synthetic = dial(settings.synthetic_acceptance, loaded, method, say)
+    target.synthetic = synthetic
 
     def new_proposer() -> Proposer | None:
         return build_proposer(method, target, loaded.drafter, budget, served_depth, settings.lookup)
@@ -117,7 +121,10 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
         depth = loaded.drafter.cfg.block_size - 1  # what a scheduled step may draft, as the metrics count it
     info = EngineInfo(
         tokenizer=loaded.tokenizer, vocab_size=target.embedding_weight.shape[0], max_model_len=model_len, eos_ids=stops,
-        sampling_defaults=generation_defaults(target.model), method=method, num_spec_tokens=depth, max_num_seqs=seqs,
+        sampling_defaults=generation_defaults(target.model) | ({} if synthetic is None else {"temperature": 0.0}),
+        method=method, num_spec_tokens=depth, max_num_seqs=seqs,
+        synthetic=None if synthetic is None else synthetic.describe(),
+        synthetic_length=None if synthetic is None else synthetic.mean_length(depth),
     )
     if seqs > 1:
         check_kv_room(target, seqs, info.max_model_len)
@@ -131,7 +138,7 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
     note = engine_note(target)
     if note is not None:
         say(note)
-    if settings.self_check and loaded.drafter is not None and depth is not None:
+    if settings.self_check and loaded.drafter is not None and depth is not None and synthetic is None:
         with clock.phase("self-check") as checking:
             check = self_check(target, loaded.drafter, loaded.tokenizer, depth, stops, settings.expect,
                                Path(drafter_dir) if drafter_dir else None)
@@ -155,11 +162,30 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
         say(f"continuous batching: up to {seqs} requests decode together (--max-num-seqs)")
     worker = Worker(engine, lambda job: outbox.send(Started(job.spec.job_id)), EngineClock(outbox.send, say))
     with clock.phase("warm-up") as warming:
-        worker.start(warmup_ids=demo_prompt_ids(loaded.tokenizer, target.vocab_size)[0])
+        worker.start(demo_prompt_ids(loaded.tokenizer, target.vocab_size)[0], say)
     say(f"warmed up in {warming}" + (" (kernels compiled and timed, CUDA graphs captured now, so no request waits "
                                      "for them)" if fast_gpu else ""))
     say(clock.summary())
+    kept = save_if_asked()
+    if kept:
+        say(kept)
     return worker, info
+
+
+def dial(spec: str | None, loaded: Loaded, method: str, say: Callable[[str], None]) -> SyntheticAcceptance | None:
+    """--synthetic-acceptance: the dialled profile, said at start-up so it cannot be on unnoticed (benchmarks
+    only: the verdicts follow it, the self-check is skipped, every response and metric is marked)."""
+    if spec is None:
+        return None
+    if loaded.drafter is None:
+        raise BlockdraftError("--synthetic-acceptance dials a drafter's acceptance: serve --method dflash or ddtree "
+                              "(or --schedule auto) with a drafter, or leave it out")
+    synthetic = SyntheticAcceptance.parse(spec, loaded.drafter.cfg.block_size - 1)
+    say(f"SYNTHETIC ACCEPTANCE (benchmarks only): every speculative step's verdict follows {synthetic.describe()}; the "
+        "outputs are the drafter's tokens, not the model's; requests decode at temperature 0; no self-check; "
+        "responses carry the header x-blockdraft-synthetic-acceptance and the metrics the label "
+        "acceptance=\"synthetic\"")
+    return synthetic
 
 
 def schedule_choice(settings: ServeSettings, seqs: int, plain_drafter: bool, fast_gpu: bool) -> str:

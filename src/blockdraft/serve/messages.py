@@ -47,6 +47,8 @@ class EngineInfo:
     method: str
     num_spec_tokens: int | None
     max_num_seqs: int  # --max-num-seqs, resolved for this pair and device
+    synthetic: str | None = None  # --synthetic-acceptance's profile as said at start-up (benchmarks only)
+    synthetic_length: float | None = None  # its mean tokens a chain step
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
+from blockdraft.decoding.synthetic import METRIC as SYNTHETIC_METRIC
 from blockdraft.serve.engine_clock import SLOW_STEP_S
 from blockdraft.serve.jobs import JobOutput, Timing
 from blockdraft.serve.messages import EngineTime
@@ -62,7 +63,8 @@ class ServeMetrics:
     """One registry per server (tests run several in a process); `num_spec_tokens` None serves no spec counters,
     as vLLM without a speculative config."""
 
-    def __init__(self, model_name: str, max_model_len: int, num_spec_tokens: int | None) -> None:
+    def __init__(self, model_name: str, max_model_len: int, num_spec_tokens: int | None,
+                 synthetic_length: float | None = None) -> None:
         self.registry = CollectorRegistry()
         for collector in (ProcessCollector, PlatformCollector, GCCollector):
             collector(registry=self.registry)
@@ -143,14 +145,25 @@ class ServeMetrics:
                                      "with --max-num-seqs 1, a request's whole decode).")
         self.spec: tuple[Counter, Counter, Counter, list[Counter]] | None = None
         if num_spec_tokens:
+            # dialled acceptance (benchmarks only) counts under a label of its own: never mistaken for a drafter's
+            spec_labels, spec_values = (labels, values) if synthetic_length is None else (
+                [*labels, "acceptance"], (*values, "synthetic"))
+
+            def spec_counter(name: str, doc: str) -> Counter:
+                return Counter(name, doc, spec_labels, registry=reg).labels(*spec_values)
+
             per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
-                              [*labels, "position"], registry=reg)
+                              [*spec_labels, "position"], registry=reg)
             self.spec = (
-                counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
-                counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
-                counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."),
-                [per_pos.labels(*values, str(i)) for i in range(num_spec_tokens)],
+                spec_counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
+                spec_counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
+                spec_counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+                [per_pos.labels(*spec_values, str(i)) for i in range(num_spec_tokens)],
             )
+        if synthetic_length is not None:
+            gauge(SYNTHETIC_METRIC, "Benchmarks only: the mean tokens a chain step commits under the dialled "
+                  "acceptance (--synthetic-acceptance); the spec_decode counters count the dial, not the drafter."
+                  ).set(synthetic_length)
 
     def exposition(self) -> tuple[bytes, str]:
         """The text a Prometheus scrape gets, and its content type."""

@@ -38,6 +38,7 @@ class ServedModel:
     max_model_len: int
     eos_ids: tuple[int, ...]
     sampling_defaults: dict[str, float]
+    synthetic: bool = False  # --synthetic-acceptance: greedy requests only
 
     def check_model(self, requested: str | None) -> None:
         """A request for another model is a 404, as in vLLM (a missing `model` means this one)."""
@@ -121,8 +122,13 @@ def _sampling(req: SamplingRequest, served: ServedModel) -> SamplingParams:
         value = getattr(req, name)
         return value if value is not None else served.sampling_defaults.get(name, OPENAI_DEFAULTS[name])
 
-    return SamplingParams(float(pick("temperature")), float(pick("top_p")), max(int(pick("top_k")), 0),
-                          req.logprobs_asked, _penalties(req, served, pick))
+    sampling = SamplingParams(float(pick("temperature")), float(pick("top_p")), max(int(pick("top_k")), 0),
+                              req.logprobs_asked, _penalties(req, served, pick))
+    if served.synthetic and not sampling.greedy:
+        raise ApiError(400, f"`temperature` {sampling.temperature:g}: this server dials its acceptance "
+                       "(--synthetic-acceptance, benchmarks only) and decodes at temperature 0; send 0 or leave it "
+                       "out", "temperature")
+    return sampling
 
 
 def _penalties(req: SamplingRequest, served: ServedModel, pick: Any) -> Penalties:

@@ -37,10 +37,11 @@ class SequentialEngine:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
 
-    def warm_up(self, prompt_ids: list[int]) -> None:
+    def warm_up(self, prompt_ids: list[int], say: Callable[[str], None] | None = None) -> None:
         """Every graph a decode of up to min(max_model_len, the target's positions, WARM_POSITIONS) positions meets
         (`warm_decode`: the prefill's too), then one short decode, so no request pays for first-call costs (kernels,
-        graphs) within that context: a capture mid-decode is a stall of tens of ms."""
+        graphs) within that context: a capture mid-decode is a stall of tens of ms. One decode at one size: the
+        phase's own line says what it cost, so `say` hears nothing more."""
         bounds = (self.max_model_len, self.target.max_positions, WARM_POSITIONS)
         warm_decode(self.target, self.proposer, min(b for b in bounds if b is not None))
         generate(self.target, prompt_ids, self.proposer, _WARMUP_TOKENS)

@@ -83,13 +83,14 @@ class BlockdraftServer:
             raise
         info = self.engine.info
         name = settings.served_model_name or settings.target
-        self.metrics = ServeMetrics(name, info.max_model_len, info.num_spec_tokens)
+        self.metrics = ServeMetrics(name, info.max_model_len, info.num_spec_tokens, info.synthetic_length)
         self.engine.serve(self.metrics)
         served = ServedModel(name, settings.target, info.vocab_size, info.tokenizer, info.max_model_len,
-                             info.eos_ids, info.sampling_defaults)
+                             info.eos_ids, info.sampling_defaults, info.synthetic is not None)
         host, port = self.socket.getsockname()[:2]
         self.url = f"http://{host if ':' not in host else f'[{host}]'}:{port}"
-        state = ServerState(served, self.engine, self.metrics, info.method, info.num_spec_tokens, settings.api_key)
+        state = ServerState(served, self.engine, self.metrics, info.method, info.num_spec_tokens, settings.api_key,
+                            info.synthetic)
         config = uvicorn.Config(
             build_app(state), lifespan="off", log_level="info",
             timeout_graceful_shutdown=int(settings.drain_timeout + _FORCE_MARGIN_S),

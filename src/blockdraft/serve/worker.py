@@ -38,15 +38,16 @@ class Worker:
         self._deadline: float | None = None
         self._thread: threading.Thread | None = None
 
-    def start(self, warmup_ids: list[int] | None = None) -> None:
-        """Start the thread; with `warmup_ids`, return once a warm-up decode has run on it."""
+    def start(self, warmup_ids: list[int] | None = None, say: Callable[[str], None] | None = None) -> None:
+        """Start the thread; with `warmup_ids`, return once a warm-up decode has run on it (`say` hears its
+        progress)."""
         ready = threading.Event()
         failure: list[BaseException] = []
 
         def main() -> None:
             try:
                 if warmup_ids:
-                    self.engine.warm_up(warmup_ids)
+                    self.engine.warm_up(warmup_ids, say)
             except BaseException as exc:  # surfaced to the starting thread below
                 failure.append(exc)
                 return

@@ -1,0 +1,94 @@
+"""Tuned tiles shipped per card: the best config each autotuned kernel found at each shape it was tuned at, read
+into the autotuners before their first launch, so a cold machine does not time every config of every shape again
+(vLLM ships its fused-MoE tiles per card the same way).
+
+On a cold H100 `blockdraft serve` of the embedded pair spent 134 s of its 199 s start-up in Triton's autotuning
+(60 keys, every config compiled and timed; benchmarks/RESULTS.md, 2026-12-07); with a key's best config known, the
+start compiles that one config and times nothing. A key the table lacks (another card, another model's shapes) is
+tuned as before, and `BLOCKDRAFT_SAVE_TUNING=FILE` makes a process write what its tuners hold (merged into FILE)
+after a server's warm-up or a benchmark, which is how the tables in `tuned/` were made.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TABLES = Path(__file__).parent / "tuned"
+SAVE_ENV = "BLOCKDRAFT_SAVE_TUNING"
+
+_tuners: dict[str, Any] = {}  # kernel name -> its triton Autotuner
+_read: set[str] = set()  # the cards whose table was read into the tuners
+
+
+def register(name: str, tuner: Any) -> None:
+    """An autotuner whose results the tables keep, under its kernel's name."""
+    _tuners[name] = tuner
+
+
+def table_path(card: str) -> Path:
+    """Where `card`'s (torch.cuda.get_device_name) table is shipped."""
+    return TABLES / (re.sub(r"[^A-Za-z0-9]+", "_", card).strip("_") + ".json")
+
+
+def preload(card: str, path: Path | None = None) -> int:
+    """Every registered tuner's best configs at the shapes `card`'s table holds (once per card); the keys read. A
+    config the kernel no longer has is skipped: its key is tuned again."""
+    if card in _read:
+        return 0
+    _read.add(card)
+    path = path or table_path(card)
+    if not path.exists():
+        return 0
+    kernels = json.loads(path.read_text()).get("kernels", {})
+    read = 0
+    for name, tuner in _tuners.items():
+        configs = {str(config): config for config in tuner.configs}
+        for entry in kernels.get(name, []):
+            config = configs.get(entry["config"])
+            if config is not None:
+                tuner.cache.setdefault(tuple(entry["key"]), config)
+                read += 1
+    return read
+
+
+def preload_current() -> None:
+    """`preload` for the current CUDA card."""
+    if torch.cuda.is_available():
+        preload(torch.cuda.get_device_name(torch.cuda.current_device()))
+
+
+def held() -> dict[str, list[dict[str, Any]]]:
+    """What the tuners hold now, by kernel: each key and its best config."""
+    return {name: [{"key": list(key), "config": str(config)} for key, config in tuner.cache.items()]
+            for name, tuner in _tuners.items() if tuner.cache}
+
+
+def save(path: Path, card: str) -> int:
+    """Merge what the tuners hold into the table at `path` (a key already there keeps its config); the keys added."""
+    table = json.loads(path.read_text()) if path.exists() else {"card": card, "kernels": {}}
+    added = 0
+    for name, entries in held().items():
+        kept = table["kernels"].setdefault(name, [])
+        known = {tuple(entry["key"]) for entry in kept}
+        new = [entry for entry in entries if tuple(entry["key"]) not in known]
+        kept.extend(new)
+        added += len(new)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(table, indent=1) + "\n")
+    return added
+
+
+def save_if_asked() -> str | None:
+    """With BLOCKDRAFT_SAVE_TUNING=FILE set and a CUDA card, `save` into FILE; a line saying what was kept."""
+    target = os.environ.get(SAVE_ENV)
+    if not target or not torch.cuda.is_available():
+        return None
+    card = torch.cuda.get_device_name(torch.cuda.current_device())
+    added = save(Path(target), card)
+    return f"{SAVE_ENV}: {added} tuned keys added to {target} ({card})"

@@ -1,0 +1,56 @@
+"""Shipped tuning tables (`kernels.tuned_configs`): a card's table fills the autotuners' caches before their first
+launch (those keys are then not tuned), a config the kernel no longer has is skipped, and what a process tuned is
+merged into a table without overwriting what it held."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from blockdraft.kernels import tuned_configs
+
+
+class FakeTuner:
+    """What the tables read and fill of a Triton Autotuner: its configs and its cache of best configs by key."""
+
+    def __init__(self, configs: list[str]) -> None:
+        self.configs = configs
+        self.cache: dict[tuple, str] = {}
+
+
+@pytest.fixture
+def tuner(monkeypatch: pytest.MonkeyPatch) -> FakeTuner:
+    fake = FakeTuner(["BLOCK_N: 64, num_warps: 4", "BLOCK_N: 128, num_warps: 8"])
+    monkeypatch.setattr(tuned_configs, "_tuners", {"gemv": fake})
+    monkeypatch.setattr(tuned_configs, "_read", set())
+    return fake
+
+
+def test_a_cards_table_fills_the_tuners_once_and_skips_configs_gone(tuner: FakeTuner, tmp_path: Path) -> None:
+    table = tmp_path / "card.json"
+    table.write_text(json.dumps({"kernels": {"gemv": [
+        {"key": [4096, 1024, True, "torch.bfloat16"], "config": "BLOCK_N: 128, num_warps: 8"},
+        {"key": [4096, 2048, False, "torch.bfloat16"], "config": "BLOCK_N: 32, num_warps: 2"},
+    ]}}))
+    assert tuned_configs.preload("Card X", table) == 1
+    assert tuner.cache == {(4096, 1024, True, "torch.bfloat16"): "BLOCK_N: 128, num_warps: 8"}
+    assert tuned_configs.preload("Card X", table) == 0  # once per card
+
+
+def test_saving_merges_and_keeps_what_the_table_held(tuner: FakeTuner, tmp_path: Path) -> None:
+    path = tmp_path / "tuned.json"
+    tuner.cache[(1, 2, "torch.bfloat16")] = "BLOCK_N: 64, num_warps: 4"
+    assert tuned_configs.save(path, "Card X") == 1
+    tuner.cache[(1, 2, "torch.bfloat16")] = "BLOCK_N: 128, num_warps: 8"
+    tuner.cache[(3, 4, "torch.bfloat16")] = "BLOCK_N: 128, num_warps: 8"
+    assert tuned_configs.save(path, "Card X") == 1
+    kept = json.loads(path.read_text())
+    assert kept["card"] == "Card X"
+    assert kept["kernels"]["gemv"] == [{"key": [1, 2, "torch.bfloat16"], "config": "BLOCK_N: 64, num_warps: 4"},
+                                       {"key": [3, 4, "torch.bfloat16"], "config": "BLOCK_N: 128, num_warps: 8"}]
+
+
+def test_a_table_is_named_for_its_card() -> None:
+    assert tuned_configs.table_path("NVIDIA H100 80GB HBM3").name == "NVIDIA_H100_80GB_HBM3.json"
