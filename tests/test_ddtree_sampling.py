@@ -35,7 +35,8 @@ def test_ddtree_sampling_matches_target(setup, params: SamplingParams) -> None:
     assert p_value(sample_counts(target, proposer, params, 3), exact_joint(model, params, 3)) > 1e-3
 
 
-def min_p_over_q_rule(draft: Draft, logits: torch.Tensor, sampling: SamplingParams, generator) -> Verdict:
+def min_p_over_q_rule(draft: Draft, logits: torch.Tensor, sampling: SamplingParams, generator,
+                      synthetic: object = None) -> Verdict:
     """Accept a deterministic child c with probability min(1, p(c)/q(c)), q(c) = 1: NOT lossless."""
     p = probabilities(logits, sampling)
     tokens = draft.tokens.tolist()

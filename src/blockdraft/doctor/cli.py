@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 
 from blockdraft.config import load_draft_config
+from blockdraft.doctor.diagnose import Separation, separation
 from blockdraft.doctor.fingerprint import Fingerprint, ProbeResult, parse_number_list
 from blockdraft.doctor.launch import (
     DEFAULT_MTP_STEPS,
@@ -338,6 +339,10 @@ def compare_command(
     dtype: DtypeOpt = None,
     json_out: JsonOpt = False,
     html: HtmlOpt = None,
+    separate: Annotated[bool, typer.Option(
+        "--separate", help="When the closest faults are not told apart, measure again (replay and probe) on as many "
+        "prompts as the spread says would separate them, up to --max-prompts.")] = False,
+    max_prompts: Annotated[int, typer.Option(help="The most prompts --separate measures on.", min=2)] = 64,
 ) -> None:
     """Replay prompts through a live server and our engine: acceptance side by side, and the field at fault."""
     from blockdraft.doctor.compare import closest_fault, replay_acceptance, served_width
@@ -349,14 +354,27 @@ def compare_command(
     endpoint = connect(url, model, api_key)
     loaded = Loaded(target, str(drafter), device, dtype)
     assert loaded.drafter is not None
-    renders = _rendered_prompts(loaded, prompts, limit)
-    encoded = renders.off
-    typer.echo(f"replaying {len(encoded)} prompts through {endpoint.url} ({endpoint.model})", err=True)
-    observed = replay_acceptance(endpoint, encoded, max_new_tokens, model)
     whole = loaded.drafter.cfg.block_size - 1
-    served = served_width(observed, whole, num_speculative_tokens)
-    run = run_probes(loaded.target, loaded.drafter, encoded, max_new_tokens, on_measure=_say_probing,
-                     served_tokens=served, thinking_prompts=renders.on)
+
+    def measure(count: int | None) -> tuple[Renders, Fingerprint, int | None, ProbeRun]:
+        renders = _rendered_prompts(loaded, prompts, count)
+        typer.echo(f"replaying {len(renders.off)} prompts through {endpoint.url} ({endpoint.model})", err=True)
+        observed = replay_acceptance(endpoint, renders.off, max_new_tokens, model)
+        served = served_width(observed, whole, num_speculative_tokens)
+        run = run_probes(loaded.target, loaded.drafter, renders.off, max_new_tokens, on_measure=_say_probing,
+                         served_tokens=served, thinking_prompts=renders.on)
+        return renders, observed, served, run
+
+    renders, observed, served, run = measure(limit)
+    wanted = _separating_prompts(separation(observed, run.result.reference, run.result.faults), len(renders.off),
+                                 max_prompts) if separate else None
+    if wanted is not None and len(_rendered_prompts(loaded, prompts, wanted).off) <= len(renders.off):
+        typer.echo(f"--separate: the closest faults are not told apart on {len(renders.off)} prompts and the set has "
+                   "no more; pass a larger --prompts set (e.g. spec-bench)", err=True)
+    elif wanted is not None:
+        typer.echo(f"--separate: the closest faults are not told apart on {len(renders.off)} prompts; measuring "
+                   f"again on {wanted}", err=True)
+        renders, observed, served, run = measure(wanted)
     reference, faults = run.result.reference, run.result.faults
     findings = [*thinking_findings(renders, reference, faults, observed), *_not_probed(run)]
     if served is not None and served < whole:
@@ -378,6 +396,14 @@ def compare_command(
     report = DoctorReport(f"doctor compare: {endpoint.url} vs blockdraft on {target}", findings, observed,
                           reference, faults)
     _emit(report, json_out, html)
+
+
+def _separating_prompts(sure: Separation | None, measured: int, most: int) -> int | None:
+    """How many prompts `--separate` measures on next: the estimate that would separate the closest two faults,
+    at most `most`; None when the ranking is separated, more prompts would not separate it, or no more are allowed."""
+    if sure is None or sure.separated or sure.prompts_needed is None or measured >= most:
+        return None
+    return min(max(sure.prompts_needed, measured + 1), most)
 
 
 def _launch_plan(
