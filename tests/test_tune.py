@@ -14,6 +14,7 @@ from blockdraft.engine.acceptance import AcceptanceProfile
 from blockdraft.engine.candidate import AR, Candidate
 from blockdraft.engine.cost_table import CostTable
 from blockdraft.engine.schedule import estimate, Schedule
+from blockdraft.errors import BlockdraftError
 
 
 def test_tune_writes_costs_and_a_consistent_schedule(trained_pairs: dict[str, tuple[Path, Path]],
@@ -187,3 +188,27 @@ def test_a_speculative_step_splits_into_device_time_and_its_own_commit_cost(monk
         for candidate, method in ((tree, "ddtree"), (AR, "ar")):
             step_ms = estimate(costs, profile, candidate, batch).step_ms
             assert step_ms == pytest.approx(1000 * steps[(method, batch)], rel=1e-12)
+
+
+def test_tune_at_a_dialled_acceptance_says_so_and_serve_refuses_it_for_real_outputs(
+        tiny_dirs: tuple[Path, Path], tmp_path: Path) -> None:
+    """A random pair dialled to accept every drafted token: the schedule's chain tau is the whole depth + 1, its
+    acceptance is named synthetic, and a server without the dial refuses to start from it."""
+    from blockdraft.serve.engine_process import start_engine
+    from blockdraft.serve.settings import ServeSettings
+
+    target, drafter = tiny_dirs
+    out = tmp_path / "dialled"
+    result = CliRunner().invoke(app, ["tune", "--target", str(target), "--drafter", str(drafter), "--device", "cpu",
+                                      "--batch-sizes", "1,2", "--budget", "4", "--draft-tokens", "3", "--context",
+                                      "40", "--repeats", "1", "--max-new-tokens", "16", "--out", str(out),
+                                      "--synthetic-acceptance", "1:1:1:1:1:1:1:1:1:1:1:1:1:1:1"])
+    assert result.exit_code == 0, result.output
+    schedule = Schedule.load(out / "schedule.json")
+    assert schedule.acceptance.startswith("SYNTHETIC ACCEPTANCE")
+    tau = {e.candidate.label: e.tau for e in schedule.entries[0].estimates}
+    assert tau["dflash/3"] > 3.5  # 4 a step, less the last step cut at --max-new-tokens
+    settings = ServeSettings(target=str(target), drafter=str(drafter), device="cpu", max_num_seqs=2,
+                             schedule=str(out / "schedule.json"), self_check=False)
+    with pytest.raises(BlockdraftError, match="tuned at a dialled acceptance"):
+        start_engine(settings, str(drafter), lambda line: None, None)  # type: ignore[arg-type]

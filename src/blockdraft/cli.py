@@ -14,6 +14,7 @@ from typing import Any, Optional
 import typer
 from rich.console import Console
 
+from blockdraft.decoding.synthetic import SOURCE as SYNTHETIC_SOURCE
 from blockdraft.decoding.synthetic import SyntheticAcceptance
 from blockdraft.errors import BlockdraftError
 from blockdraft.pair import EMBEDDED_DRAFTER, Loaded, default_drafter, encode_item
@@ -219,6 +220,7 @@ def tune(
     out_dir: Path = typer.Option(Path("tune"), "--out", help="Folder for costs.json and schedule.json."),
     lookup: int = typer.Option(0, "--lookup", help=f"{LOOKUP_HELP} Here: the trees' tau is measured holding it, for a "
                                "server run with the same --lookup."),
+    synthetic_acceptance: Optional[str] = SyntheticOpt,
 ) -> None:
     """Time batched steps on this device and measure acceptance; print and write the speculation schedule."""
     from blockdraft.decoding.lookup import check_lookup
@@ -243,6 +245,7 @@ def tune(
     if not loaded.drafter.plain:
         raise BlockdraftError("tune measures a schedule over a DFlash drafter's plain chain and trees, which this "
                               "drafter's DFlash-2 selector or DSpark head does not draft; serve it with one --method")
+    dial = _synthetic(synthetic_acceptance, loaded, 0.0)
     chains = parse_ids(draft_tokens, "--draft-tokens") if draft_tokens else None
     candidates = tune_candidates(loaded.drafter.cfg.block_size, chains, trees)
     if prompts == "demo":  # the start-up self-check's prompts: demo's, or counting ids for a target without a template
@@ -251,7 +254,8 @@ def tune(
         encoded = [encode_item(item, loaded.tokenizer) for item in load_prompt_set(prompts)]
     costs, schedule = tune_schedule(loaded.target, loaded.drafter, target, drafter_dir, sizes, candidates, context,
                                     repeats, encoded, max_new_tokens, loaded.stops([], False),
-                                    f"greedy decodes of {prompts}",
+                                    f"greedy decodes of {prompts}" if dial is None else
+                                    f"{SYNTHETIC_SOURCE}, {dial.describe()}",
                                     commit_work(loaded.tokenizer), lookup, lambda line: err.print(line))
     out_dir.mkdir(parents=True, exist_ok=True)
     costs.save(out_dir / "costs.json")

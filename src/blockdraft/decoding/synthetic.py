@@ -37,7 +37,8 @@ from blockdraft.models.host_to_device import long_tensor
 
 SIBLINGS = 0.5  # a later sibling's share of what the earlier ones left (see the module's docstring)
 FIELD = "--synthetic-acceptance"
-METRIC = "blockdraft:synthetic_acceptance_length"  # a dialled server's gauge: the doctor refuses its counters
+METRIC = "blockdraft:synthetic_acceptance_length"
+SOURCE = "SYNTHETIC ACCEPTANCE"  # how a schedule tuned under the dial names its acceptance  # a dialled server's gauge: the doctor refuses its counters
 
 
 @dataclass(frozen=True)

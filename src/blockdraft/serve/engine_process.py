@@ -20,6 +20,7 @@ import torch
 from blockdraft.decoding.draft import Proposer, check_draft_tokens
 from blockdraft.decoding.lookup import chain_room
 from blockdraft.decoding.methods import GPU_BUDGET, build_proposer, device_settings
+from blockdraft.decoding.synthetic import SOURCE as SYNTHETIC_SOURCE
 from blockdraft.decoding.synthetic import SyntheticAcceptance
 from blockdraft.engine.batch_sizes import check_kv_room, default_max_num_seqs
 from blockdraft.engine.measured import MeasuredSchedule
@@ -215,6 +216,9 @@ def _schedule(choice: str, seqs: int, drafter_dir: str, loaded: Loaded, depth: i
     else:
         schedule = Schedule.load(choice)
         source = choice
+        if schedule.acceptance.startswith(SYNTHETIC_SOURCE) and settings.synthetic_acceptance is None:
+            raise BlockdraftError(f"--schedule {source} was tuned at a dialled acceptance (blockdraft tune "
+                                  "--synthetic-acceptance): run `blockdraft tune` without it to serve real outputs")
         if schedule.device != target.device.type:
             raise BlockdraftError(f"--schedule {source} was tuned on {schedule.device}, this server runs on "
                                   f"{target.device.type}; run `blockdraft tune` on this device")
