@@ -118,7 +118,7 @@ class InProcess:
         drafter = None if method == "ar" else default_drafter(args.target, args.drafter)
         self.loaded = Loaded(args.target, drafter, args.device, args.dtype, args.engine)
         if args.synthetic_acceptance and self.loaded.drafter is not None:  # as the server dials its own
-            from blockdraft.decoding.synthetic import SyntheticAcceptance
+            from blockdraft.synthetic_acceptance import SyntheticAcceptance
 
             self.loaded.target.synthetic = SyntheticAcceptance.parse(args.synthetic_acceptance,
                                                                      self.loaded.drafter.cfg.block_size - 1)

@@ -1,4 +1,4 @@
-"""Dialled acceptance (`decoding.synthetic`): the profile parses as stated, the dialled picks accept at the stated
+"""Dialled acceptance (`synthetic_acceptance`): the profile parses as stated, the dialled picks accept at the stated
 rates for chains and trees whatever the target picked, and every decode path (step by step, fused steps, device
 trees, the batch decoder) commits the dialled lengths."""
 
@@ -16,11 +16,11 @@ from blockdraft.decoding.draft import Draft
 from blockdraft.decoding.generate import generate
 from blockdraft.decoding.methods import build_proposer
 from blockdraft.decoding.sampling import SamplingParams
-from blockdraft.decoding.synthetic import SyntheticAcceptance, conditional, draft_picks, rates_for_mean
-from blockdraft.decoding.verify import walk
+from blockdraft.decoding.verify import draft_picks, walk
 from blockdraft.engine.decode_batch import generate_batch
 from blockdraft.errors import BlockdraftError
 from blockdraft.fast.target import FastTarget
+from blockdraft.synthetic_acceptance import SyntheticAcceptance, conditional, rates_for_mean
 
 from test_batched_decode import prompts
 

@@ -14,8 +14,8 @@ from typing import Any, Optional
 import typer
 from rich.console import Console
 
-from blockdraft.decoding.synthetic import SOURCE as SYNTHETIC_SOURCE
-from blockdraft.decoding.synthetic import SyntheticAcceptance
+from blockdraft.synthetic_acceptance import SOURCE as SYNTHETIC_SOURCE
+from blockdraft.synthetic_acceptance import SyntheticAcceptance
 from blockdraft.errors import BlockdraftError
 from blockdraft.pair import EMBEDDED_DRAFTER, Loaded, default_drafter, encode_item
 

@@ -31,7 +31,7 @@ import torch
 from blockdraft.decoding.draft import Draft, OverChain, StepShape
 from blockdraft.decoding.grammar import GrammarState
 from blockdraft.decoding.sampling import SamplingParams, probabilities
-from blockdraft.decoding.synthetic import SyntheticAcceptance
+from blockdraft.synthetic_acceptance import SyntheticAcceptance
 from blockdraft.kernels.top_k import kernel_runs as top_k_runs
 from blockdraft.kernels.top_k import log_softmax_top_k
 from blockdraft.kernels.tree_search import kernel_runs, tree_rows

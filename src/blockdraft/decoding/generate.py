@@ -20,7 +20,7 @@ from blockdraft.decoding.fused_steps import fused_steps
 from blockdraft.decoding.grammar import GrammarState
 from blockdraft.decoding.logprobs import TokenLogprobs, position_logprobs, step_logprobs
 from blockdraft.decoding.row_processing import processed_rows
-from blockdraft.decoding.synthetic import check_greedy
+from blockdraft.synthetic_acceptance import check_greedy
 from blockdraft.decoding.sampling import SamplingParams, pick
 from blockdraft.decoding.verify import verify
 from blockdraft.errors import BlockdraftError

@@ -19,7 +19,7 @@ from typing import Any, Literal
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from blockdraft.decoding.synthetic import METRIC as SYNTHETIC_METRIC
+from blockdraft.synthetic_acceptance import METRIC as SYNTHETIC_METRIC
 from blockdraft.doctor.fingerprint import Fingerprint
 from blockdraft.errors import BlockdraftError
 

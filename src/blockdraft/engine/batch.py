@@ -33,8 +33,7 @@ from blockdraft.decoding.generate import OnCommit, check_context, check_prompt_i
 from blockdraft.decoding.sampling import SamplingParams, pick
 from blockdraft.decoding.logprobs import position_logprobs, step_logprobs
 from blockdraft.decoding.row_processing import processed_rows
-from blockdraft.decoding.synthetic import check_greedy, draft_picks
-from blockdraft.decoding.verify import Verdict, greedy_read, greedy_walks, verify
+from blockdraft.decoding.verify import Verdict, draft_picks, greedy_read, greedy_walks, verify
 from blockdraft.engine import batch_drafts
 from blockdraft.engine.deferred_taps import DeferredTaps
 from blockdraft.engine.flight import Flight, FusedRead
@@ -45,6 +44,7 @@ from blockdraft.engine.schedule import Schedule
 from blockdraft.engine.sequence import Request, Sequence
 from blockdraft.engine.switching import SwitchingProposer
 from blockdraft.engine.verifiers import LoopVerifier, SlotVerifier, Verified
+from blockdraft.synthetic_acceptance import check_greedy
 from blockdraft.errors import BlockdraftError
 from blockdraft.fast.batch_drafter import BatchDrafter
 from blockdraft.fast.target import PREFILL_ROWS

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from blockdraft.decoding.ddtree import DeviceTrees, build_trees, slot_log_probs, trees_on_device
-from blockdraft.decoding.synthetic import SyntheticAcceptance
+from blockdraft.synthetic_acceptance import SyntheticAcceptance
 from blockdraft.decoding.draft import Draft, DrafterProposer
 from blockdraft.decoding.lookup_device import merged_trees
 from blockdraft.decoding.sampling import SamplingParams

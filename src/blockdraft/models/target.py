@@ -21,7 +21,7 @@ from blockdraft.models.hybrid import HybridCache
 from blockdraft.models.target_cache import TargetCache
 
 if TYPE_CHECKING:
-    from blockdraft.decoding.synthetic import SyntheticAcceptance
+    from blockdraft.synthetic_acceptance import SyntheticAcceptance
 
 # Attention implementations that take an arbitrary (tree) mask; flash-attention kernels only know causal masks.
 TREE_ATTENTION = ("sdpa", "eager")
@@ -48,7 +48,7 @@ class Target:
     use_graphs = False  # its forwards replay CUDA graphs (captured at each new shape)
     fused = False  # it runs greedy steps as fused graphs (`decoding.fused_steps`)
     row_masks = False  # a forward's tree mask may be the new rows' own [t, t] (the cache's columns are implied)
-    # Benchmarks only: its greedy verdicts follow a dialled acceptance profile, not its picks (`decoding.synthetic`)
+    # Benchmarks only: its greedy verdicts follow a dialled acceptance profile, not its picks (`synthetic_acceptance`)
     synthetic: SyntheticAcceptance | None = None
 
     def __init__(self, model: PreTrainedModel) -> None:

@@ -20,8 +20,8 @@ import torch
 from blockdraft.decoding.draft import Proposer, check_draft_tokens
 from blockdraft.decoding.lookup import chain_room
 from blockdraft.decoding.methods import GPU_BUDGET, build_proposer, device_settings
-from blockdraft.decoding.synthetic import SOURCE as SYNTHETIC_SOURCE
-from blockdraft.decoding.synthetic import SyntheticAcceptance
+from blockdraft.synthetic_acceptance import SOURCE as SYNTHETIC_SOURCE
+from blockdraft.synthetic_acceptance import SyntheticAcceptance
 from blockdraft.engine.batch_sizes import check_kv_room, default_max_num_seqs
 from blockdraft.engine.measured import MeasuredSchedule
 from blockdraft.engine.schedule import Schedule

@@ -28,7 +28,7 @@ from prometheus_client.gc_collector import GCCollector
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 
-from blockdraft.decoding.synthetic import METRIC as SYNTHETIC_METRIC
+from blockdraft.synthetic_acceptance import METRIC as SYNTHETIC_METRIC
 from blockdraft.serve.engine_clock import SLOW_STEP_S
 from blockdraft.serve.jobs import JobOutput, Timing
 from blockdraft.serve.messages import EngineTime

@@ -34,7 +34,7 @@ class ServeSettings:
     stream_interval_ms: float = 20.0
     schedule_adapt: bool = True
     lookup: int = 0  # DDTree's prompt-lookup chain (`decoding/lookup.py`), a schedule's DDTree steps' too
-    synthetic_acceptance: str | None = None  # benchmarks only: dialled verdicts (`decoding.synthetic`)
+    synthetic_acceptance: str | None = None  # benchmarks only: dialled verdicts (`synthetic_acceptance`)
 
     @property
     def served_method(self) -> str:

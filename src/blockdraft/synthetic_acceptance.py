@@ -31,9 +31,7 @@ from pathlib import Path
 
 import torch
 
-from blockdraft.decoding.draft import Draft
 from blockdraft.errors import BlockdraftError
-from blockdraft.models.host_to_device import long_tensor
 
 SIBLINGS = 0.5  # a later sibling's share of what the earlier ones left (see the module's docstring)
 FIELD = "--synthetic-acceptance"
@@ -192,32 +190,6 @@ def _number(text: str, what: str, spec: str) -> float:
         return float(text)
     except ValueError:
         raise BlockdraftError(f"{FIELD} {spec!r}: {what} {text!r} is not a number") from None
-
-
-def draft_picks(dial: SyntheticAcceptance, drafts: list[Draft], picks: list[torch.Tensor]) -> list[torch.Tensor]:
-    """`SyntheticAcceptance.picks` for drafts whose shape is on the host (a step-by-step verify, a batch's
-    sequences): each draft's target picks [1 + n] in, its dialled picks out; one copy to the device and one call
-    for all of them."""
-    n, rows = len(drafts), max(len(draft) + 1 for draft in drafts)
-    device = picks[0].device
-    parents, depths, valid, nodes, picked = [], [], [], [], []
-    for b, draft in enumerate(drafts):
-        pad = rows - 1 - len(draft)
-        parents += [0, *(p + 1 for p in draft.parents)] + [0] * pad
-        depths += [0, *draft.depths] + [0] * pad
-        valid += [0] + [1] * len(draft) + [0] * pad
-        nodes += range(b * rows + 1, b * rows + 1 + len(draft))
-        picked += range(b * rows, b * rows + 1 + len(draft))
-    layout = long_tensor(parents + depths + valid + nodes + picked, device)
-    cut = 3 * n * rows
-    shape = layout[:cut].view(3, n, rows)
-    nodes_at, picks_at = layout[cut : cut + len(nodes)], layout[cut + len(nodes) :]
-    ids = torch.zeros(n * rows, dtype=picks[0].dtype, device=device)
-    ids[nodes_at] = torch.cat([draft.tokens.to(device) for draft in drafts])
-    padded = torch.zeros_like(ids)
-    padded[picks_at] = torch.cat(picks)
-    dialled = dial.picks(padded.view(n, rows), ids.view(n, rows), shape[0], shape[1], shape[2].bool())
-    return [dialled[b, : len(draft) + 1] for b, draft in enumerate(drafts)]
 
 
 def check_greedy(dial: SyntheticAcceptance | None, greedy: bool) -> None:
