@@ -169,3 +169,17 @@ def test_a_fault_is_named_alone_only_when_the_noise_separates_it() -> None:
     assert "not told apart on 12 prompts" in said and "doctor static" in said
     assert "95% interval" in said and separation(Fingerprint(1.5, None, [], None, None, "typed"), reference,
                                                  close) is None
+
+
+def test_within_tolerance_close_faults_are_named_together_not_one_of_them() -> None:
+    """A server within the tolerance of the reference whose closest fingerprints sit within the noise of the next
+    (taps L+1, taps L-1, healthy): the verdict says the drafter is the limit and that the closest is not told apart,
+    not that it is the one."""
+    reference = measured([0.6, 0.3, 0.15], 12, 0, "reference")
+    close = {"taps L+1": measured([0.55, 0.27, 0.13], 12, 2, "late"),
+             "taps L-1": measured([0.55, 0.275, 0.125], 12, 4, "early"),
+             "wrong mask": measured([0.05, 0.0, 0.0], 12, 1, "mask")}
+    observed = measured([0.55, 0.27, 0.13], 12, 3, "server")
+    said = verdict(observed, reference, close)
+    assert said.startswith("the drafter is the limit")
+    assert "taps L+1" in said and "is not told apart from" in said and "on 12 prompts" in said

@@ -192,10 +192,17 @@ def verdict(
     if deficit <= tolerance:
         closest = rank_hypotheses(observed, reference, faults)[0].name if faults else HEALTHY
         sure = separation(observed, reference, faults) if closest != HEALTHY else None
-        minor = "" if sure is None else (
-            f"; the closest fingerprint is {closest}'s (the closest in {sure.share:.0%} of resamples of the "
-            f"{sure.prompts} prompts, {sure.runner_up} next), a fault that would cost this drafter at most "
-            f"{max(deficit, 0.0):.0%} of its gain")
+        cost = f"would cost this drafter at most {max(deficit, 0.0):.0%} of its gain"
+        if sure is None:
+            minor = ""
+        elif sure.separated:
+            minor = (f"; the closest fingerprint is {closest}'s (the closest in {sure.share:.0%} of resamples of the "
+                     f"{sure.prompts} prompts, {sure.runner_up} next), a fault that {cost}")
+        else:
+            pair = ("not told apart from a healthy deployment" if sure.runner_up == HEALTHY else
+                    f"not told apart from {sure.runner_up}")
+            minor = (f"; the closest fingerprint, {closest}'s, is {pair} on {sure.prompts} prompts (the closest in "
+                     f"only {sure.share:.0%} of resamples): such a fault {cost}")
         return (
             f"the drafter is the limit: {summary} (within {tolerance:.0%} of its gain){minor}; better acceptance needs "
             "a better drafter or prompts closer to its training data"
