@@ -183,3 +183,13 @@ def test_within_tolerance_close_faults_are_named_together_not_one_of_them() -> N
     said = verdict(observed, reference, close)
     assert said.startswith("the drafter is the limit")
     assert "taps L+1" in said and "is not told apart from" in said and "on 12 prompts" in said
+
+
+def test_within_tolerance_says_how_large_a_loss_the_noise_still_allows() -> None:
+    """Few prompts: "the drafter is the limit" comes with the largest loss the interval does not rule out; many
+    prompts narrow it under the tolerance and the sentence goes."""
+    reference = measured([0.6, 0.3, 0.15], 200, 0, "reference")
+    few = verdict(measured([0.6, 0.3, 0.15], 3, 5, "server"), reference)
+    assert few.startswith("the drafter is the limit") and "the noise of 3 prompts does not rule out a fault" in few
+    many = verdict(measured([0.6, 0.3, 0.15], 400, 5, "server"), reference)
+    assert many.startswith("the drafter is the limit") and "does not rule out" not in many

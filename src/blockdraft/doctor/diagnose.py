@@ -170,6 +170,18 @@ def typical_causes(observed: Fingerprint, reference: Fingerprint) -> str:
     return _CAUSES["partial"]
 
 
+def _loss_not_excluded(low: float, reference_tau: float, observed: Fingerprint, tolerance: float) -> str:
+    """What the noise still allows: the share of the drafter's gain lost at the low end of the observed tau's
+    interval, said where it exceeds the tolerance (a fault that costs that much is not ruled out by these prompts)."""
+    gain = reference_tau - 1.0
+    worst = 1.0 - (low - 1.0) / gain if gain > 0 else 0.0
+    if worst <= tolerance:
+        return ""
+    prompts = len(observed.prompts) if observed.prompts else 0
+    return (f"; the noise of {prompts} prompts does not rule out a fault costing up to {worst:.0%} of the gain "
+            "(more prompts, --limit, narrow it)")
+
+
 def verdict(
     observed: Fingerprint,
     reference: Fingerprint,
@@ -203,9 +215,10 @@ def verdict(
                     f"not told apart from {sure.runner_up}")
             minor = (f"; the closest fingerprint, {closest}'s, is {pair} on {sure.prompts} prompts (the closest in "
                      f"only {sure.share:.0%} of resamples): such a fault {cost}")
+        hidden = "" if interval is None else _loss_not_excluded(interval[0], shallower.tau, observed, tolerance)
         return (
-            f"the drafter is the limit: {summary} (within {tolerance:.0%} of its gain){minor}; better acceptance needs "
-            "a better drafter or prompts closer to its training data"
+            f"the drafter is the limit: {summary} (within {tolerance:.0%} of its gain){minor}{hidden}; better "
+            "acceptance needs a better drafter or prompts closer to its training data"
         )
     lost = (f"{summary}, {deficit:.0%} of the drafter's gain lost: {throughput_lost(observed, reference):.0%} of "
             "the tokens/s this drafter gives at the same draft length and step time")
