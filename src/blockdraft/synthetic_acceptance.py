@@ -35,8 +35,8 @@ from blockdraft.errors import BlockdraftError
 
 SIBLINGS = 0.5  # a later sibling's share of what the earlier ones left (see the module's docstring)
 FIELD = "--synthetic-acceptance"
-METRIC = "blockdraft:synthetic_acceptance_length"
-SOURCE = "SYNTHETIC ACCEPTANCE"  # how a schedule tuned under the dial names its acceptance  # a dialled server's gauge: the doctor refuses its counters
+METRIC = "blockdraft:synthetic_acceptance_length"  # a dialled server's gauge: the doctor refuses its counters
+SOURCE = "SYNTHETIC ACCEPTANCE"  # how a schedule tuned under the dial names its acceptance
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,8 @@ class SyntheticAcceptance:
         inside a fused step's graph as on the host path."""
         n, rows = ids.shape
         device = ids.device
-        c = _on_device(self.rates, device)[depths.clamp(0, len(self.rates) + 1)]  # depth 0 (the anchor) and past the profile: 0
+        # each row's rate: 0 at depth 0 (the anchor) and past the profile
+        c = _on_device(self.rates, device)[depths.clamp(0, len(self.rates) + 1)]
         parents = torch.where(valid, parents, 0)
         same = (parents.unsqueeze(2) == parents.unsqueeze(1)) & valid.unsqueeze(1)  # [N, R, R]: j's sibling k
         earlier = torch.ones(rows, rows, dtype=torch.bool, device=device).tril(-1)
