@@ -10,6 +10,7 @@ import pytest
 from serve_support import running, settings, text_pair_dirs
 from typer.testing import CliRunner
 
+from blockdraft import prompt_sets
 from blockdraft.doctor import cli
 from blockdraft.doctor.diagnose import Separation
 
@@ -39,7 +40,7 @@ def test_compare_measures_again_on_more_prompts(text_pair: tuple[Path, Path], mo
         "taps off by one (next layer, L+1)", "taps off by one (layer input, L-1)", 0.7, 2, 4))
     limit = "2"
     if said == "the set has no more":  # a set of two prompts: nothing more to measure on
-        monkeypatch.setattr(cli, "_rendered_prompts", _only_two(cli._rendered_prompts))
+        monkeypatch.setattr(prompt_sets, "load_prompt_set", _only_two(prompt_sets.load_prompt_set))
     with running(settings(target, drafter, method="dflash", draft_tokens=3)) as server:
         result = CliRunner().invoke(cli.doctor_app, [
             "compare", "--url", server.url, "--target", str(target), "--drafter", str(drafter), "--prompts", prompts,
@@ -49,5 +50,5 @@ def test_compare_measures_again_on_more_prompts(text_pair: tuple[Path, Path], mo
     assert len(json.loads(result.stdout)["fingerprints"]["observed"]["prompts"]) == measured
 
 
-def _only_two(render):  # type: ignore[no-untyped-def]
-    return lambda loaded, prompts, limit: render(loaded, prompts, 2)
+def _only_two(load):  # type: ignore[no-untyped-def]
+    return lambda prompts, limit=None, **kwargs: load(prompts, limit=2, **kwargs)

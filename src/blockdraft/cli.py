@@ -355,16 +355,13 @@ def bench(
 
 
 def _synthetic(spec: str | None, loaded: Loaded, temperature: float) -> SyntheticAcceptance | None:
-    """--synthetic-acceptance for `bench`: the dialled profile set on the target, and said (benchmarks only)."""
-    if spec is None:
-        return None
-    if loaded.drafter is None:
-        raise BlockdraftError("--synthetic-acceptance dials a drafter's acceptance: bench --methods dflash or ddtree "
-                              "with a drafter, or leave it out")
-    if temperature > 0:
+    """--synthetic-acceptance for `bench` and `tune`: the dialled profile set on the target, and said (benchmarks
+    only)."""
+    if spec is not None and temperature > 0:
         raise BlockdraftError(f"--synthetic-acceptance decodes at temperature 0: drop --temperature {temperature:g}")
-    dial = SyntheticAcceptance.parse(spec, loaded.drafter.cfg.block_size - 1)
-    loaded.target.synthetic = dial
+    dial = loaded.dial(spec, "bench --methods dflash or ddtree")
+    if dial is None:
+        return None
     err.print(f"SYNTHETIC ACCEPTANCE (benchmarks only): every speculative step's verdict follows {dial.describe()}; "
               "outputs are the drafter's tokens, not the model's", markup=False, soft_wrap=True)
     return dial

@@ -7,7 +7,10 @@ the default pair everywhere: the embedded target with no --drafter gets the draf
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    from blockdraft.synthetic_acceptance import SyntheticAcceptance
 
 EMBEDDED_DRAFTER = Path(__file__).resolve().parent / "drafters" / "smollm2-135m-instruct-dflash"
 
@@ -48,6 +51,20 @@ class Loaded:
         from blockdraft.prompting import stop_tokens
 
         return tuple(extra) if ignore_eos else stop_tokens(self.tokenizer, self.generation_eos, extra)
+
+    def dial(self, spec: Optional[str], instead: str) -> Optional[SyntheticAcceptance]:
+        """--synthetic-acceptance: the dialled profile at this drafter's depth, set on the target (benchmarks only;
+        None without the flag). Without a drafter there is nothing to dial: the error says to run `instead`."""
+        from blockdraft.errors import BlockdraftError
+        from blockdraft.synthetic_acceptance import SyntheticAcceptance
+
+        if spec is None:
+            return None
+        if self.drafter is None:
+            raise BlockdraftError(f"--synthetic-acceptance dials a drafter's acceptance: {instead} with a drafter, or "
+                                  "leave it out")
+        self.target.synthetic = SyntheticAcceptance.parse(spec, self.drafter.cfg.block_size - 1)
+        return self.target.synthetic
 
     def decode(self, ids: list[int]) -> Optional[str]:
         return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)

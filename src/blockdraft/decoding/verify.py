@@ -18,7 +18,7 @@ import torch
 from blockdraft.decoding.draft import Draft
 from blockdraft.decoding.sampling import SamplingParams, pick, probabilities, sample
 from blockdraft.models.host_to_device import long_tensor
-from blockdraft.synthetic_acceptance import SyntheticAcceptance, check_greedy
+from blockdraft.synthetic_acceptance import SyntheticAcceptance
 
 
 @dataclass
@@ -82,11 +82,10 @@ def verify(
     synthetic: SyntheticAcceptance | None = None,
 ) -> Verdict:
     """logits: [len(draft) + 1, V] target logits for [anchor] + nodes; `synthetic` dials a greedy verdict
-    (benchmarks only).
+    (benchmarks only; `generate` and the batch decoder refuse it with sampling).
 
     Deterministic drafts read the target's tokens and the draft's back in one transfer: the decode step's one
     wait for the device."""
-    check_greedy(synthetic, sampling.greedy)
     if sampling.greedy:
         picks = None if synthetic is None else draft_picks(synthetic, [draft], [logits.argmax(dim=-1)])
         return verify_greedy([draft], [logits], picks)[0]

@@ -350,6 +350,7 @@ def compare_command(
     from blockdraft.doctor.replay import connect
     from blockdraft.doctor.thinking import thinking_findings
     from blockdraft.pair import Loaded
+    from blockdraft.prompt_sets import load_prompt_set
 
     endpoint = connect(url, model, api_key)
     loaded = Loaded(target, str(drafter), device, dtype)
@@ -368,7 +369,7 @@ def compare_command(
     renders, observed, served, run = measure(limit)
     wanted = _separating_prompts(separation(observed, run.result.reference, run.result.faults), len(renders.off),
                                  max_prompts) if separate else None
-    if wanted is not None and len(_rendered_prompts(loaded, prompts, wanted).off) <= len(renders.off):
+    if wanted is not None and len(load_prompt_set(prompts, limit=wanted)) <= len(renders.off):
         typer.echo(f"--separate: the closest faults are not told apart on {len(renders.off)} prompts and the set has "
                    "no more; pass a larger --prompts set (e.g. spec-bench)", err=True)
     elif wanted is not None:

@@ -89,8 +89,7 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
         depth = check_draft_tokens(draft_tokens, loaded.drafter.cfg.block_size)
         budget = tree_budget if method == "ddtree" else None
     served_depth = depth
-    synthetic = dial(settings.synthetic_acceptance, loaded, method, say)
-    target.synthetic = synthetic
+    synthetic = dial(settings.synthetic_acceptance, loaded, say)
 
     def new_proposer() -> Proposer | None:
         return build_proposer(method, target, loaded.drafter, budget, served_depth, settings.lookup)
@@ -173,15 +172,12 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None, say: Callable
     return worker, info
 
 
-def dial(spec: str | None, loaded: Loaded, method: str, say: Callable[[str], None]) -> SyntheticAcceptance | None:
-    """--synthetic-acceptance: the dialled profile, said at start-up so it cannot be on unnoticed (benchmarks
-    only: the verdicts follow it, the self-check is skipped, every response and metric is marked)."""
-    if spec is None:
+def dial(spec: str | None, loaded: Loaded, say: Callable[[str], None]) -> SyntheticAcceptance | None:
+    """--synthetic-acceptance: the dialled profile set on the target, said at start-up so it cannot be on unnoticed
+    (benchmarks only: the verdicts follow it, the self-check is skipped, every response and metric is marked)."""
+    synthetic = loaded.dial(spec, "serve --method dflash or ddtree (or --schedule auto)")
+    if synthetic is None:
         return None
-    if loaded.drafter is None:
-        raise BlockdraftError("--synthetic-acceptance dials a drafter's acceptance: serve --method dflash or ddtree "
-                              "(or --schedule auto) with a drafter, or leave it out")
-    synthetic = SyntheticAcceptance.parse(spec, loaded.drafter.cfg.block_size - 1)
     say(f"SYNTHETIC ACCEPTANCE (benchmarks only): every speculative step's verdict follows {synthetic.describe()}; the "
         "outputs are the drafter's tokens, not the model's; requests decode at temperature 0; no self-check; "
         "responses carry the header x-blockdraft-synthetic-acceptance and the metrics the label "
