@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from blockdraft.kernels import tuned_configs
 
@@ -25,6 +26,8 @@ def tuner(monkeypatch: pytest.MonkeyPatch) -> FakeTuner:
     fake = FakeTuner(["BLOCK_N: 64, num_warps: 4", "BLOCK_N: 128, num_warps: 8"])
     monkeypatch.setattr(tuned_configs, "_tuners", {"gemv": fake})
     monkeypatch.setattr(tuned_configs, "_read", set())
+    monkeypatch.setattr(tuned_configs, "_picks", {})
+    monkeypatch.setattr(tuned_configs, "_shipped", {})
     return fake
 
 
@@ -54,3 +57,27 @@ def test_saving_merges_and_keeps_what_the_table_held(tuner: FakeTuner, tmp_path:
 
 def test_a_table_is_named_for_its_card() -> None:
     assert tuned_configs.table_path("NVIDIA H100 80GB HBM3").name == "NVIDIA_H100_80GB_HBM3.json"
+
+
+def test_kernel_choices_picks_are_kept_and_read_back(tuner: FakeTuner, tmp_path: Path) -> None:
+    path = tmp_path / "tuned.json"
+    tuned_configs.record_pick("few-row linear", (16, 4096, 1024, "torch.bfloat16"), "library")
+    assert tuned_configs.save(path, "Card X") == 1
+    assert json.loads(path.read_text())["picks"] == [
+        {"kind": "few-row linear", "key": "(16, 4096, 1024, 'torch.bfloat16')", "pick": "library"}]
+    tuned_configs.preload("Card Y", path)
+    assert tuned_configs._shipped[("few-row linear", "(16, 4096, 1024, 'torch.bfloat16')")] == "library"
+
+
+def test_a_shipped_pick_is_taken_untimed(tuner: FakeTuner, monkeypatch: pytest.MonkeyPatch) -> None:
+    from blockdraft.kernels import kernel_choice
+
+    monkeypatch.setattr(kernel_choice, "_TIMES", {})
+    tuned_configs._shipped[("argmax", str((4, 151936, "torch.bfloat16")))] = "library"
+
+    def untimed() -> None:
+        raise AssertionError("a shipped pick must not be timed")
+
+    options = {"kernel": untimed, "library": untimed}
+    assert kernel_choice.fastest("argmax", (4, 151936, "torch.bfloat16"), torch.device("cuda"), options) == "library"
+    assert kernel_choice.choices() == {"argmax (4, 151936, 'torch.bfloat16')": "library (shipped table)"}

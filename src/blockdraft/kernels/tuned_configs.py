@@ -7,6 +7,9 @@ On a cold H100 `blockdraft serve` of the embedded pair spent 134 s of its 199 s 
 start compiles that one config and times nothing. A key the table lacks (another card, another model's shapes) is
 tuned as before, and `BLOCKDRAFT_SAVE_TUNING=FILE` makes a process write what its tuners hold (merged into FILE)
 after a server's warm-up or a benchmark, which is how the tables in `tuned/` were made.
+
+The same table keeps `kernel_choice`'s picks (which of a kernel and its library call ran each shape faster on this
+card: 14.4 s of that cold start timed them), so a shipped pick is taken without timing or compiling the loser.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ SAVE_ENV = "BLOCKDRAFT_SAVE_TUNING"
 
 _tuners: dict[str, Any] = {}  # kernel name -> its triton Autotuner
 _read: set[str] = set()  # the cards whose table was read into the tuners
+_picks: dict[tuple[str, str], str] = {}  # (kind, str(key)) -> the option kernel_choice ran that shape with
+_shipped: dict[tuple[str, str], str] = {}  # the picks the card's table holds
 
 
 def register(name: str, tuner: Any) -> None:
@@ -45,8 +50,12 @@ def preload(card: str, path: Path | None = None) -> int:
     path = path or table_path(card)
     if not path.exists():
         return 0
-    kernels = json.loads(path.read_text()).get("kernels", {})
+    table = json.loads(path.read_text())
+    kernels = table.get("kernels", {})
     read = 0
+    for entry in table.get("picks", []):
+        _shipped.setdefault((entry["kind"], entry["key"]), entry["pick"])
+        read += 1
     for name, tuner in _tuners.items():
         configs = {str(config): config for config in tuner.configs}
         for entry in kernels.get(name, []):
@@ -63,6 +72,17 @@ def preload_current() -> None:
         preload(torch.cuda.get_device_name(torch.cuda.current_device()))
 
 
+def shipped_pick(kind: str, key: object) -> str | None:
+    """The option this card's table says runs `kind` at shape `key`, or None where it holds no pick."""
+    preload_current()
+    return _shipped.get((kind, str(key)))
+
+
+def record_pick(kind: str, key: object, pick: str) -> None:
+    """The option a process chose (timed or shipped) for `kind` at `key`, for `save`."""
+    _picks[(kind, str(key))] = pick
+
+
 def held() -> dict[str, list[dict[str, Any]]]:
     """What the tuners hold now, by kernel: each key and its best config."""
     return {name: [{"key": list(key), "config": str(config)} for key, config in tuner.cache.items()]
@@ -70,7 +90,8 @@ def held() -> dict[str, list[dict[str, Any]]]:
 
 
 def save(path: Path, card: str) -> int:
-    """Merge what the tuners hold into the table at `path` (a key already there keeps its config); the keys added."""
+    """Merge what the tuners hold and the picks made into the table at `path` (a key already there keeps its entry);
+    the entries added."""
     table = json.loads(path.read_text()) if path.exists() else {"card": card, "kernels": {}}
     added = 0
     for name, entries in held().items():
@@ -79,6 +100,12 @@ def save(path: Path, card: str) -> int:
         new = [entry for entry in entries if tuple(entry["key"]) not in known]
         kept.extend(new)
         added += len(new)
+    picks = table.setdefault("picks", [])
+    known_picks = {(entry["kind"], entry["key"]) for entry in picks}
+    for (kind, key), pick in _picks.items():
+        if (kind, key) not in known_picks:
+            picks.append({"kind": kind, "key": key, "pick": pick})
+            added += 1
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(table, indent=1) + "\n")
     return added
