@@ -7,13 +7,14 @@ exits 1 when it finds an error, so it can gate CI.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Literal
 
 import typer
 from rich.console import Console
 
-from blockdraft.config import load_draft_config
+from blockdraft.config import DraftConfig, load_draft_config
 from blockdraft.doctor.diagnose import Separation, separation
 from blockdraft.doctor.fingerprint import Fingerprint, ProbeResult, parse_number_list
 from blockdraft.doctor.launch import (
@@ -343,6 +344,10 @@ def compare_command(
         "--separate", help="When the closest faults are not told apart, measure again (replay and probe) on as many "
         "prompts as the spread says would separate them, up to --max-prompts.")] = False,
     max_prompts: Annotated[int, typer.Option(help="The most prompts --separate measures on.", min=2)] = 64,
+    served_drafter: Annotated[Path | None, typer.Option(
+        help="The drafter folder (or config.json) the server actually loaded, where you can read it: every field "
+        "that differs from --drafter's is named, and it is checked against the target as `doctor static` does. "
+        "This tells apart config faults whose acceptance the prompts cannot.")] = None,
 ) -> None:
     """Replay prompts through a live server and our engine: acceptance side by side, and the field at fault."""
     from blockdraft.doctor.compare import closest_fault, replay_acceptance, served_width
@@ -352,6 +357,7 @@ def compare_command(
     from blockdraft.pair import Loaded
     from blockdraft.prompt_sets import load_prompt_set
 
+    served_config = load_draft_config(served_drafter) if served_drafter is not None else None
     endpoint = connect(url, model, api_key)
     loaded = Loaded(target, str(drafter), device, dtype)
     assert loaded.drafter is not None
@@ -378,6 +384,8 @@ def compare_command(
         renders, observed, served, run = measure(wanted)
     reference, faults = run.result.reference, run.result.faults
     findings = [*thinking_findings(renders, reference, faults, observed), *_not_probed(run)]
+    if served_config is not None:
+        findings += _served_config_findings(loaded, served_config, str(served_drafter), target)
     if served is not None and served < whole:
         findings.append(Finding(
             "warning", "num_speculative_tokens",
@@ -397,6 +405,18 @@ def compare_command(
     report = DoctorReport(f"doctor compare: {endpoint.url} vs blockdraft on {target}", findings, observed,
                           reference, faults)
     _emit(report, json_out, html)
+
+
+def _served_config_findings(loaded: Loaded, served: DraftConfig, source: str, target: str) -> list[Finding]:
+    """--served-drafter: its fields against the drafter's own, then `doctor static`'s errors and warnings on it."""
+    from blockdraft.doctor.served_config import served_config_findings
+
+    assert loaded.drafter is not None
+    files = load_target_files(target)
+    static = [replace(finding, message=f"the served drafter config: {finding.message}")
+              for finding in check_pair(served, files.config, files.tokenizer, chat_template=files.chat_template)
+              if finding.severity != "info"]
+    return [*served_config_findings(loaded.drafter.cfg, served, source), *static]
 
 
 def _separating_prompts(sure: Separation | None, measured: int, most: int) -> int | None:

@@ -235,7 +235,8 @@ def verdict(
         return (f"deployment fault, most likely {best.name}: {lost} (distance {best.distance:.2f} to that fault"
                 f"{certainty})")
     more = ("more prompts would not separate them" if sure.prompts_needed is None else
-            f"about {max(sure.prompts_needed, sure.prompts + 1)} prompts would separate them (run again with --limit)")
+            f"about {max(sure.prompts_needed, sure.prompts + 1)} prompts would separate them (`doctor compare "
+            "--separate` measures them)")
     return (f"deployment fault: {lost}; {sure.best} or {sure.runner_up}, not told apart on {sure.prompts} prompts "
             f"({sure.best} the closest in {sure.share:.0%} of resamples); {more}, or check the config fields both "
-            "name with `blockdraft doctor static`")
+            "name (`blockdraft doctor static`; `doctor compare --served-drafter` reads what the server loaded)")
