@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from blockdraft.config import load_draft_config
 from blockdraft.doctor import cli
-from blockdraft.doctor.served_config import differences, served_config_findings
+from blockdraft.doctor.served_config import config_fault, differences, served_config_findings
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +42,10 @@ def test_a_changed_field_is_named_with_both_values(text_pair: tuple[Path, Path],
     findings = served_config_findings(intended, served, "served")
     assert [f.field for f in findings] == ["dflash_config.mask_token_id", "rope_theta"]
     assert all(f.severity == "warning" and "set " in f.fix for f in findings)
+    assert config_fault(intended, intended) is None
+    assert config_fault(intended, served) == (f"dflash_config.mask_token_id = 2 where the drafter ships "
+                                              f"{intended.mask_token_id}, rope_theta = 1.0 where the drafter ships "
+                                              f"{intended.raw.get('rope_theta')!r} (set them back)")
 
 
 def test_a_matching_config_rules_out_config_faults(text_pair: tuple[Path, Path], tmp_path: Path) -> None:
@@ -62,5 +66,7 @@ def test_compare_names_the_planted_field(text_pair: tuple[Path, Path], tmp_path:
             "compare", "--url", server.url, "--target", str(target), "--drafter", str(drafter), "--limit", "2",
             "--max-new-tokens", "4", "--device", "cpu", "--json", "--served-drafter", str(served)])
     assert result.exit_code == 0, result.output
-    fields = [finding["field"] for finding in json.loads(result.stdout)["findings"]]
-    assert "dflash_config.mask_token_id" in fields
+    report = json.loads(result.stdout)
+    assert "dflash_config.mask_token_id" in [finding["field"] for finding in report["findings"]]
+    assert report["verdict"].startswith("deployment fault in the served config: dflash_config.mask_token_id = 2 "
+                                        f"where the drafter ships {load_draft_config(drafter).mask_token_id}")

@@ -353,6 +353,7 @@ def compare_command(
     from blockdraft.doctor.compare import closest_fault, replay_acceptance, served_width
     from blockdraft.doctor.probes import FAULT_FIELDS, run_probes
     from blockdraft.doctor.replay import connect
+    from blockdraft.doctor.served_config import config_fault
     from blockdraft.doctor.thinking import thinking_findings
     from blockdraft.pair import Loaded
     from blockdraft.prompt_sets import load_prompt_set
@@ -403,7 +404,8 @@ def compare_command(
             "fix that setting in the deployment, then run doctor compare again",
         ))
     report = DoctorReport(f"doctor compare: {endpoint.url} vs blockdraft on {target}", findings, observed,
-                          reference, faults)
+                          reference, faults, None if served_config is None else config_fault(loaded.drafter.cfg,
+                                                                                              served_config))
     _emit(report, json_out, html)
 
 

@@ -38,6 +38,7 @@ class DoctorReport:
     observed: Fingerprint | None = None
     reference: Fingerprint | None = None
     faults: dict[str, Fingerprint] = field(default_factory=dict)
+    config_fault: str | None = None  # a fault read from a file (the served config), which settles what noise cannot
 
     @property
     def fingerprints(self) -> dict[str, Fingerprint]:
@@ -69,7 +70,10 @@ class DoctorReport:
         """The one-sentence answer, when there is both an observation and a reference."""
         if self.observed is None or self.reference is None:
             return None
-        return verdict(self.observed, self.reference, self.faults)
+        measured = verdict(self.observed, self.reference, self.faults)
+        if self.config_fault is None:
+            return measured
+        return f"deployment fault in the served config: {self.config_fault}; what the acceptance says: {measured}"
 
 
 def fingerprint_json(fp: Fingerprint, found: Intervals | None) -> dict[str, Any]:

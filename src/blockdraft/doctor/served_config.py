@@ -49,3 +49,13 @@ def served_config_findings(intended: DraftConfig, served: DraftConfig, source: s
                     f"ships {mine!r}", "the server drafts with a config the drafter was not trained with",
                     f"set {name} to {mine!r} in the deployment's drafter config")
             for name, (mine, theirs) in changed.items()]
+
+
+def config_fault(intended: DraftConfig, served: DraftConfig) -> str | None:
+    """The verdict's first clause where the served config differs: each field, as served and as shipped."""
+    changed = differences(intended, served)
+    if not changed:
+        return None
+    fields = ", ".join(f"{name} = {theirs!r} where the drafter ships {mine!r}" for name, (mine, theirs) in
+                       changed.items())
+    return f"{fields} (set {'it' if len(changed) == 1 else 'them'} back)"
