@@ -193,3 +193,13 @@ def test_within_tolerance_says_how_large_a_loss_the_noise_still_allows() -> None
     assert few.startswith("the drafter is the limit") and "the noise of 3 prompts does not rule out a fault" in few
     many = verdict(measured([0.6, 0.3, 0.15], 400, 5, "server"), reference)
     assert many.startswith("the drafter is the limit") and "does not rule out" not in many
+
+
+def test_a_fault_read_from_the_served_config_is_named_and_the_acceptance_says_its_cost() -> None:
+    reference = Fingerprint.from_acceptance_lengths([4, 3, 5, 2, 4, 3], 8, "reference")
+    observed = Fingerprint.from_acceptance_lengths([4, 3, 4, 2, 4, 3], 8, "observed")
+    said = verdict(observed, reference, config_fault="dflash_config.mask_token_id = 2 where the drafter ships 16")
+    assert said.startswith("deployment fault in the served config: dflash_config.mask_token_id = 2")
+    assert "what it costs on these prompts: observed tau" in said and "the drafter is the limit" not in said
+    flat = Fingerprint.from_acceptance_lengths([1, 1, 1, 1], 8, "reference")
+    assert "cannot be measured" in verdict(observed, flat, config_fault="rope_theta = 1.0 where the drafter ships 1e4")

@@ -70,3 +70,4 @@ def test_compare_names_the_planted_field(text_pair: tuple[Path, Path], tmp_path:
     assert "dflash_config.mask_token_id" in [finding["field"] for finding in report["findings"]]
     assert report["verdict"].startswith("deployment fault in the served config: dflash_config.mask_token_id = 2 "
                                         f"where the drafter ships {load_draft_config(drafter).mask_token_id}")
+    assert "what it costs" in report["verdict"] and "the drafter is the limit" not in report["verdict"]

@@ -70,10 +70,7 @@ class DoctorReport:
         """The one-sentence answer, when there is both an observation and a reference."""
         if self.observed is None or self.reference is None:
             return None
-        measured = verdict(self.observed, self.reference, self.faults)
-        if self.config_fault is None:
-            return measured
-        return f"deployment fault in the served config: {self.config_fault}; what the acceptance says: {measured}"
+        return verdict(self.observed, self.reference, self.faults, config_fault=self.config_fault)
 
 
 def fingerprint_json(fp: Fingerprint, found: Intervals | None) -> dict[str, Any]:
