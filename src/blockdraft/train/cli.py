@@ -16,7 +16,6 @@ from typing import Optional
 import typer
 
 from blockdraft.numbers import comma_numbers
-from blockdraft.train.pipeline import run_training
 from blockdraft.train.settings import TrainSettings, TrainSummary
 
 
@@ -106,6 +105,8 @@ def train_command(
         precompute_features=precompute_features, distill_topk=distill_topk, init=init, attention=attention,
         compile=compile_layers, device=device, dtype=dtype, seed=seed, parallel=parallel,
     )
+    from blockdraft.train.pipeline import run_training  # the models' stack, only for a training run
+
     summary = run_training(settings)
     if os.environ.get("RANK", "0") == "0":
         print_summary(summary)

@@ -36,8 +36,8 @@ from blockdraft.train.features import OnlineTaps, StoredTaps, TapSource, precomp
 from blockdraft.train.loop import LoopResult, LoopSettings, train_loop
 from blockdraft.train.objective import BlockObjective
 from blockdraft.train.regenerate import Worker, read_cache, regenerate, response_id
-from blockdraft.train.self_prompts import SELF_SOURCE, load_self_prompts, write_self_prompts
-from blockdraft.train.settings import RESUME_FREE, SETTINGS_NAME, SUMMARY_NAME, TrainSettings, TrainSummary
+from blockdraft.train.self_prompts import load_self_prompts, write_self_prompts
+from blockdraft.train.settings import SELF_SOURCE, RESUME_FREE, SETTINGS_NAME, SUMMARY_NAME, TrainSettings, TrainSummary
 from blockdraft.train.shape import ShapeRequest, build_draft_config, init_from_target
 
 def _check_resume(settings: TrainSettings) -> dict[str, Any] | None:

@@ -25,7 +25,6 @@ from blockdraft.train.batched_generation import generate_batch
 from blockdraft.train.data import TokenizedPrompt
 from blockdraft.train.regenerate import Worker, open_for_append, read_records
 
-SELF_SOURCE = "self"
 CACHE_GLOB = "self-prompts-*.jsonl"
 TEMPERATURE, TOP_P = 1.0, 0.95
 _SENTINEL = "\x00blockdraft-user-turn\x00"

@@ -12,7 +12,8 @@ from typing import Any
 
 from blockdraft.prompt_sets import BUILTIN_SETS
 from blockdraft.errors import BlockdraftError
-from blockdraft.train.self_prompts import SELF_SOURCE
+
+SELF_SOURCE = "self"  # --prompts self: the target writes its own prompts (train.self_prompts)
 
 SETTINGS_NAME = "train_settings.json"
 SUMMARY_NAME = "train_summary.json"
