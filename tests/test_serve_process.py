@@ -102,6 +102,22 @@ def test_sigterm_answers_every_request_and_exits_0(text_pair, drain_timeout: flo
         httpx.get(f"{url}/health", timeout=2)
 
 
+def test_a_stop_signal_the_moment_it_serves_still_stops_it(text_pair) -> None:
+    target, drafter = text_pair
+    server = ServeProcess("--target", str(target), "--drafter", str(drafter), "--no-self-check")
+    server._serving.wait(timeout=120)
+    server.proc.send_signal(signal.SIGTERM)  # before or while uvicorn installs its handlers
+    assert server.proc.wait(timeout=60) == 0, "".join(server.lines)
+
+
+def test_a_stop_signal_before_uvicorn_runs_stops_it_at_once(text_pair) -> None:
+    server = BlockdraftServer(settings(*text_pair), print)
+    server._stop_signal(signal.SIGTERM, None)  # what the handler run() installs does with a signal then
+    began = time.monotonic()
+    server.run()
+    assert time.monotonic() - began < 30 and not server.engine.process.is_alive()
+
+
 @pytest.fixture(scope="module")
 def broken_drafter(trained_pairs: dict[str, tuple[Path, Path]], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The trained drafter with another mask token id: a deployment fault that collapses acceptance silently."""

@@ -120,7 +120,7 @@ def generate(
 ) -> None:
     """Generate with AR, DFlash or DDTree; identical to the target's own greedy output at T=0."""
     from blockdraft.decoding.generate import generate as run
-    from blockdraft.decoding.lookup import check_lookup_method
+    from blockdraft.decoding.method_flags import check_lookup_method
     from blockdraft.decoding.methods import build_proposer
     from blockdraft.decoding.sampling import SamplingParams
     from blockdraft.engine.decode_batch import generate_batch
@@ -223,7 +223,7 @@ def tune(
     synthetic_acceptance: Optional[str] = SyntheticOpt,
 ) -> None:
     """Time batched steps on this device and measure acceptance; print and write the speculation schedule."""
-    from blockdraft.decoding.lookup import check_lookup
+    from blockdraft.decoding.method_flags import check_lookup
     from blockdraft.engine.schedule import render
     from blockdraft.engine.tune import tune as tune_schedule
     from blockdraft.engine.tune import tune_candidates
@@ -468,7 +468,7 @@ def serve(
     synthetic_acceptance: Optional[str] = SyntheticOpt,
 ) -> None:
     """An OpenAI-compatible server (chat, completions, models, /health, /metrics in vLLM's names) for AR, DFlash, DDTree."""
-    from blockdraft.serve.server import BlockdraftServer
+    from blockdraft.serve.early_start import early_start
     from blockdraft.serve.settings import ServeSettings
 
     if max_queue < 0:
@@ -480,7 +480,17 @@ def serve(
         engine=engine, self_check=self_check, expect=expect, drain_timeout=drain_timeout,
         stream_interval_ms=stream_interval_ms, lookup=lookup, synthetic_acceptance=synthetic_acceptance,
     )
-    BlockdraftServer(settings, lambda line: err.print(line, markup=False, highlight=False, soft_wrap=True)).run()
+    early = early_start(settings)  # the engine loads while this process imports the HTTP side
+    try:
+        from blockdraft.serve.server import BlockdraftServer
+    except BaseException:
+        early.abandon()
+        raise
+
+    def say(line: str) -> None:
+        err.print(line, markup=False, highlight=False, soft_wrap=True)
+
+    BlockdraftServer(settings, say, early).run()
 
 
 def main() -> None:

@@ -17,7 +17,7 @@ from rich.text import Text
 from blockdraft.bench.report import category_table, plot_acceptance, speedup_note, summary_table
 from blockdraft.bench.runner import BenchPrompt, MethodRun, MethodSpec, PromptRun, warmed_proposers
 from blockdraft.decoding.generate import generate
-from blockdraft.decoding.methods import METHODS
+from blockdraft.decoding.method_flags import METHODS
 from blockdraft.decoding.sampling import SamplingParams
 from blockdraft.models.drafter import DFlashDrafter
 from blockdraft.models.target import Target

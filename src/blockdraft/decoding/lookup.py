@@ -19,28 +19,12 @@ import torch
 from blockdraft.decoding.ddtree import DDTreeProposer
 from blockdraft.decoding.draft import Draft
 from blockdraft.decoding.sampling import SamplingParams
-from blockdraft.errors import BlockdraftError
+from blockdraft.decoding.method_flags import check_lookup
 from blockdraft.models.drafter import DFlashDrafter
 from blockdraft.models.host_to_device import long_tensor
 from blockdraft.models.target import Target
 
 MAX_NGRAM, MIN_NGRAM = 3, 1  # the context's suffix matched, longest first (2 or 5 moved tau by under 1%, RESULTS)
-
-
-def check_lookup(lookup: int) -> int:
-    """A chain of 0 (off) or more tokens; refuse anything else before any compute."""
-    if isinstance(lookup, bool) or not isinstance(lookup, int) or lookup < 0:
-        raise BlockdraftError(f"--lookup {lookup} must be an integer >= 0 (the most tokens of a prompt-lookup chain "
-                              "in each DDTree tree, e.g. 15; 0: off)")
-    return lookup
-
-
-def check_lookup_method(lookup: int, method: str) -> int:
-    """`check_lookup`, and a chain only for DDTree: checked before any model loads."""
-    if check_lookup(lookup) and method != "ddtree":
-        raise BlockdraftError(f"--lookup {lookup} adds a prompt-lookup chain to DDTree's trees: use it with --method "
-                              f"ddtree, not {method}")
-    return lookup
 
 
 def chain_room(lookup: int, budget: int, slots: int) -> int:

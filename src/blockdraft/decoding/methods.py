@@ -6,12 +6,12 @@ from blockdraft.decoding.ddtree import DDTreeProposer
 from blockdraft.decoding.dflash2 import DFlash2Proposer, SelectorTreeProposer
 from blockdraft.decoding.dspark import DSparkProposer
 from blockdraft.decoding.draft import DFlashProposer, Proposer
-from blockdraft.decoding.lookup import LookupTreeProposer, check_lookup_method
+from blockdraft.decoding.lookup import LookupTreeProposer
+from blockdraft.decoding.method_flags import METHODS, check_lookup_method
 from blockdraft.errors import BlockdraftError
 from blockdraft.models.drafter import DFlashDrafter
 from blockdraft.models.target import Target
 
-METHODS = ("ar", "dflash", "ddtree")
 
 # On a CPU a verify step is bound by compute, which grows with every drafted token (bench on the embedded pair,
 # benchmarks/RESULTS.md: 3 drafted tokens run 1.1-1.2x AR where the whole block of 15 runs 0.6-0.8x; a 4-node

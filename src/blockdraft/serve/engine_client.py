@@ -12,7 +12,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import multiprocessing
 import threading
 import time
 from collections.abc import Callable
@@ -37,6 +36,7 @@ from blockdraft.serve.messages import (
 from blockdraft.serve.metrics import ServeMetrics
 from blockdraft.serve.prepare import Prepared
 from blockdraft.serve.relay import EventRelay
+from blockdraft.serve.early_start import StartedEngine
 from blockdraft.serve.settings import ServeSettings
 
 log = logging.getLogger("blockdraft.serve")
@@ -56,20 +56,12 @@ class _InFlight:
 
 
 class EngineClient:
-    """Starts the engine process and waits for it to be ready (its start-up lines go to `say`); `info` is then what
-    it loaded. `serve(metrics)` starts reading its replies."""
+    """Talks to an engine process (`early_start.start_engine`): waits for it to be ready (its start-up lines go to
+    `say`); `info` is then what it loaded. `serve(metrics)` starts reading its replies."""
 
-    def __init__(self, settings: ServeSettings, drafter_dir: str | None, say: Callable[[str], None]) -> None:
-        from blockdraft.serve.engine_process import run_engine  # the engine's imports stay out of this process
-
-        context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
-        command_end, self._commands = context.Pipe(duplex=False)
-        self._replies, reply_end = context.Pipe(duplex=False)
-        self.process = context.Process(target=run_engine, args=(settings, drafter_dir, command_end, reply_end),
-                                       name="blockdraft-engine")
-        self.process.start()
-        command_end.close()
-        reply_end.close()
+    def __init__(self, settings: ServeSettings, started: StartedEngine, say: Callable[[str], None]) -> None:
+        self.process = started.process
+        self._commands, self._replies = started.commands, started.replies
         self.max_queue = settings.max_queue
         self._say = say  # the engine speaks while serving too (a measured schedule's choices)
         self._send_lock = threading.Lock()

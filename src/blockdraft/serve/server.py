@@ -9,7 +9,6 @@ queue until --drain-timeout, then ending the rest with an answer), and exits 0.
 from __future__ import annotations
 
 import signal
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -17,11 +16,8 @@ from types import FrameType
 
 import uvicorn
 
-from blockdraft.decoding.lookup import check_lookup_method
-from blockdraft.decoding.methods import METHODS
-from blockdraft.errors import BlockdraftError
-from blockdraft.pair import default_drafter
 from blockdraft.serve.app import ServerState, build_app
+from blockdraft.serve.early_start import EarlyStart, early_start
 from blockdraft.serve.engine_client import EngineClient
 from blockdraft.serve.metrics import ServeMetrics
 from blockdraft.serve.prepare import ServedModel
@@ -42,44 +38,17 @@ class _DrainingServer(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    """Bind before serving, so a busy port is one clear line, and --port 0 can report the port it got."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # proto IPPROTO_TCP, not 0: asyncio turns Nagle off only on sockets that say they are TCP, and with Nagle on
-    # every response after the first on a keep-alive connection waits ~40 ms for a delayed ACK.
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise BlockdraftError(f"--host {host} --port {port} cannot be bound ({exc.strerror}); pick another --port") from None
-    sock.set_inheritable(True)
-    return sock
-
-
 class BlockdraftServer:
     """A started engine and an app bound to its port; `run()` serves until stopped."""
 
-    def __init__(self, settings: ServeSettings, say: Callable[[str], None]) -> None:
-        began = time.perf_counter()
-        method = settings.served_method
-        if method not in METHODS:
-            raise BlockdraftError(f"--method {method!r} is not one of {', '.join(METHODS)}")
-        if settings.max_num_seqs is not None and settings.max_num_seqs < 1:
-            raise BlockdraftError(f"--max-num-seqs {settings.max_num_seqs} must be >= 1 (1: one request at a time)")
-        check_lookup_method(settings.lookup, method)
-        if settings.stream_interval_ms < 0:
-            raise BlockdraftError(f"--stream-interval-ms {settings.stream_interval_ms:g} must be >= 0 (0: every commit)")
-        drafter_dir = None if method == "ar" else default_drafter(settings.target, settings.drafter)
-        if method != "ar" and drafter_dir is None:
-            raise BlockdraftError(f"--method {method} needs --drafter PATH (only the embedded target has a default "
-                                  "drafter); or serve --method ar")
-        self.socket = _bind(settings.host, settings.port)  # before minutes of loading, as vLLM does
+    def __init__(self, settings: ServeSettings, say: Callable[[str], None], early: EarlyStart | None = None) -> None:
+        early = early or early_start(settings)
+        began = early.began
+        self.socket = early.socket
         try:
-            self.engine = EngineClient(settings, drafter_dir, say)
+            self.engine = EngineClient(settings, early.engine, say)
         except BaseException:
-            self.socket.close()
+            early.abandon()
             raise
         info = self.engine.info
         name = settings.served_model_name or settings.target
@@ -105,14 +74,20 @@ class BlockdraftServer:
     def run(self) -> None:
         """Serve until a stop signal (or `stop()`), drain, and return; the caller then exits 0."""
         main = threading.current_thread() is threading.main_thread()
-        # uvicorn re-raises the stop signal once it is done; ignored, the process exits 0 instead of dying by it.
-        previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
+        # A stop signal before uvicorn installs its handlers stops it as one after would (ignored, it was lost and the
+        # server ran on); uvicorn re-raises the signal once it is done, which then changes nothing, so the process
+        # exits 0 instead of dying by it.
+        previous = {sig: signal.signal(sig, self._stop_signal) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
         try:
             self._server.run(sockets=[self.socket])
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             self.engine.stop()
+
+    def _stop_signal(self, sig: int, frame: FrameType | None) -> None:
+        if not self._server.should_exit:
+            self._server.handle_exit(sig, frame)
 
     @property
     def started(self) -> bool:
