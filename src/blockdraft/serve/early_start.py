@@ -26,12 +26,11 @@ from blockdraft.serve.settings import ServeSettings
 
 @dataclass
 class StartedEngine:
-    """An engine process starting: its pipes (commands to it, replies from it) and the drafter folder it loads."""
+    """An engine process starting, and its pipes: commands to it, replies from it."""
 
     process: BaseProcess
     commands: Connection
     replies: Connection
-    drafter_dir: str | None
 
 
 @dataclass
@@ -100,7 +99,7 @@ def start_engine(settings: ServeSettings, drafter_dir: str | None) -> StartedEng
     process.start()
     command_end.close()
     reply_end.close()
-    return StartedEngine(process, commands, replies, drafter_dir)
+    return StartedEngine(process, commands, replies)
 
 
 def early_start(settings: ServeSettings) -> EarlyStart:

@@ -67,9 +67,10 @@ class BlockdraftServer:
         # uvicorn calls this from its signal handler: the drain's pipe write goes on a thread of its own
         self._server = _DrainingServer(config, lambda: threading.Thread(
             target=self.engine.drain, args=(settings.drain_timeout,), daemon=True).start())
-        say(f"serving {name!r} at {self.url}/v1 (OpenAI API; also /health and /metrics); max-model-len "
-            f"{info.max_model_len}, up to {settings.max_queue} waiting requests; ready {time.perf_counter() - began:.1f} "
-            "s after start-up began; Ctrl-C or SIGTERM drains and stops")
+        self._say = say
+        self._ready = (f"serving {name!r} at {self.url}/v1 (OpenAI API; also /health and /metrics); max-model-len "
+                       f"{info.max_model_len}, up to {settings.max_queue} waiting requests; ready "
+                       f"{time.perf_counter() - began:.1f} s after start-up began; Ctrl-C or SIGTERM drains and stops")
 
     def run(self) -> None:
         """Serve until a stop signal (or `stop()`), drain, and return; the caller then exits 0."""
@@ -78,6 +79,7 @@ class BlockdraftServer:
         # server ran on); uvicorn re-raises the signal once it is done, which then changes nothing, so the process
         # exits 0 instead of dying by it.
         previous = {sig: signal.signal(sig, self._stop_signal) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
+        self._say(self._ready)  # said once a stop signal has a handler: whoever reads it may send one at once
         try:
             self._server.run(sockets=[self.socket])
         finally:
