@@ -192,10 +192,10 @@ def verdict(
     """One sentence: the drafter is the limit, or which deployment fault most likely explains the gap. A fault read
     from the served config (`config_fault`) is named as found, and the acceptance then says only what it costs."""
     faults = faults or {}
-    if config_fault is not None and reference.tau - 1.0 < _MIN_GAIN:
-        return (f"deployment fault in the served config: {config_fault}; what it costs cannot be measured: the "
-                f"drafter itself accepts almost nothing on these prompts (reference tau {reference.tau:.2f})")
     if reference.tau - 1.0 < _MIN_GAIN:
+        if config_fault is not None:
+            return (f"deployment fault in the served config: {config_fault}; what it costs cannot be measured: the "
+                    f"drafter itself accepts almost nothing on these prompts (reference tau {reference.tau:.2f})")
         return (
             f"the drafter itself accepts almost nothing (reference tau {reference.tau:.2f}): fix the drafter/target "
             "pairing first (`blockdraft doctor static`)"
@@ -206,8 +206,8 @@ def verdict(
     spread = "" if interval is None else f" (95% interval {interval[0]:.2f}-{interval[1]:.2f})"
     summary = f"observed tau {observed.tau:.2f}{spread} vs reference {shallower.tau:.2f}" + (
         f" at the {depth(observed)} tokens drafted a step" if shallower is not reference else "")
+    hidden = "" if interval is None else _loss_not_excluded(interval[0], shallower.tau, observed, tolerance)
     if config_fault is not None:
-        hidden = "" if interval is None else _loss_not_excluded(interval[0], shallower.tau, observed, tolerance)
         return (f"deployment fault in the served config: {config_fault}; what it costs on these prompts: {summary}, "
                 f"{max(deficit, 0.0):.0%} of the drafter's gain ({max(throughput_lost(observed, reference), 0.0):.0%} "
                 f"of its tokens/s){hidden}")
@@ -225,7 +225,6 @@ def verdict(
                     f"not told apart from {sure.runner_up}")
             minor = (f"; the closest fingerprint, {closest}'s, is {pair} on {sure.prompts} prompts (the closest in "
                      f"only {sure.share:.0%} of resamples): such a fault {cost}")
-        hidden = "" if interval is None else _loss_not_excluded(interval[0], shallower.tau, observed, tolerance)
         return (
             f"the drafter is the limit: {summary} (within {tolerance:.0%} of its gain){minor}{hidden}; better "
             "acceptance needs a better drafter or prompts closer to its training data"
