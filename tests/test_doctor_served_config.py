@@ -71,3 +71,12 @@ def test_compare_names_the_planted_field(text_pair: tuple[Path, Path], tmp_path:
     assert report["verdict"].startswith("deployment fault in the served config: dflash_config.mask_token_id = 2 "
                                         f"where the drafter ships {load_draft_config(drafter).mask_token_id}")
     assert "what it costs" in report["verdict"] and "the drafter is the limit" not in report["verdict"]
+
+
+def test_a_missing_served_config_is_one_line_naming_the_flag(text_pair: tuple[Path, Path], tmp_path: Path) -> None:
+    target, drafter = text_pair
+    result = CliRunner().invoke(cli.doctor_app, [
+        "compare", "--url", "http://127.0.0.1:1", "--target", str(target), "--drafter", str(drafter),
+        "--served-drafter", str(tmp_path / "absent")])
+    assert isinstance(result.exception, cli.BlockdraftError)
+    assert str(result.exception).startswith("--served-drafter: drafter config not found")

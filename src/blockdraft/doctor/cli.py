@@ -358,7 +358,10 @@ def compare_command(
     from blockdraft.pair import Loaded
     from blockdraft.prompt_sets import load_prompt_set
 
-    served_config = load_draft_config(served_drafter) if served_drafter is not None else None
+    try:
+        served_config = load_draft_config(served_drafter) if served_drafter is not None else None
+    except BlockdraftError as exc:
+        raise BlockdraftError(f"--served-drafter: {exc}") from None
     endpoint = connect(url, model, api_key)
     loaded = Loaded(target, str(drafter), device, dtype)
     assert loaded.drafter is not None
