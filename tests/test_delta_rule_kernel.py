@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from blockdraft.fast.delta_net import advance_state, advance_state_counted, path_delta_rule, path_layout
-from blockdraft.kernels.delta_rule import advance_state_kernel, delta_rule_runs, path_delta_rule_kernel, visit_order
+from blockdraft.kernels.delta_rule import advance_state_kernel, delta_rule_runs, leaf_walks, path_delta_rule_kernel
 from blockdraft.kernels.skinny_gemm import kernel_available
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -25,17 +25,19 @@ def ancestors(parents: list[int]) -> torch.Tensor:
     return own
 
 
-def test_rows_are_visited_depth_first() -> None:
-    """The kernel's row order: a preorder (every row after its parent, each subtree's rows together), the search's
-    index order among siblings; a chain keeps its own order. In a pop-ordered tree only a branch point restarts."""
+def test_each_leaf_walks_its_path_root_first() -> None:
+    """The kernel's walks: a leaf's ancestors-or-self in order (padded with row 0) and its depth; every other row
+    starts no walk. A chain is one walk; a tree whose branches interleave, as a best-first search pops them, has a
+    walk per leaf, and every row lies on one."""
     chain = ancestors([-1, 0, 1, 2]).unsqueeze(0)
-    assert visit_order(path_layout(chain, 4)[0], chain).tolist() == [[0, 1, 2, 3]]
-    shape = [-1, -1, 0, 1, 2, 0, 3, 5, 2, 6]  # two roots; the branches interleaved as a best-first search pops them
-    own = ancestors(shape).unsqueeze(0)
-    order = visit_order(path_layout(own, 4)[0], own)[0].tolist()
-    assert order == [0, 2, 4, 8, 5, 7, 1, 3, 6, 9]
-    restarts = sum(shape[row] != previous for previous, row in zip([-1, *order], order))
-    assert restarts == 3 < sum(shape[row] != row - 1 for row in range(len(shape))) == 9
+    walks, lengths = leaf_walks(chain)
+    assert lengths.tolist() == [[0, 0, 0, 4]] and walks[0, 3].tolist() == [0, 1, 2, 3]
+    shape = [-1, -1, 0, 1, 2, 0, 3, 5, 2, 6]  # two roots; the branches interleaved
+    walks, lengths = leaf_walks(ancestors(shape).unsqueeze(0))
+    leaves = {row: walks[0, row, :n].tolist() for row, n in enumerate(lengths[0].tolist()) if n}
+    assert leaves == {4: [0, 2, 4], 7: [0, 5, 7], 8: [0, 2, 8], 9: [1, 3, 6, 9]}
+    assert walks[0, 4].tolist() == [0, 2, 4] + [0] * 7
+    assert set().union(*leaves.values()) == set(range(len(shape)))
 
 
 @needs_kernel
@@ -54,7 +56,7 @@ def test_kernel_matches_the_rule(shape: list[int]) -> None:
     with torch.inference_mode():
         assert delta_rule_runs(args[1], args[5])
         want = path_delta_rule(*args)
-        got = path_delta_rule_kernel(*args, own.to(DEVICE))
+        got = path_delta_rule_kernel(*args[:6], leaf_walks(own.to(DEVICE)))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     path = torch.tensor([0, 1, 3], device=DEVICE)  # a root-to-node path of both shapes
     parts = [x[:, :, path] for x in args[1:5]]
@@ -68,3 +70,24 @@ def test_kernel_matches_the_rule(shape: list[int]) -> None:
         got_counted = advance_state_kernel(*parts, args[5].clone(), count)
     torch.testing.assert_close(got_counted, want_counted, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(want_counted, advance_state(*[x[:, :, :2] for x in parts], args[5]))
+
+
+@needs_kernel
+def test_kernel_walks_each_sequence_own_tree() -> None:
+    """A batch whose sequences verify different trees (a chain, a wide tree, a deep one, padding rows that see only
+    the anchor): every row's output is its own path's, the rows on several paths included."""
+    shapes = [[-1, 0, 1, 2, 3, 4], [-1, 0, 0, 0, 1, 2], [-1, 0, 1, 1, 3, 0]]
+    generator = torch.Generator().manual_seed(7)
+    batch, heads, t, dk, dv = len(shapes), 2, 6, 8, 64
+    own = torch.stack([ancestors(shape) for shape in shapes])
+    parents, _ = path_layout(own, 4)
+    q, k = (torch.nn.functional.normalize(torch.randn(batch, heads, t, dk, generator=generator), dim=-1)
+            for _ in range(2))
+    v = torch.randn(batch, heads, t, dv, generator=generator)
+    g, beta = -torch.rand(batch, heads, t, generator=generator), torch.rand(batch, heads, t, generator=generator)
+    state = torch.randn(batch, heads, dk, dv, generator=generator)
+    args = [x.to(DEVICE) for x in (q, k, v, g, beta, state)]
+    with torch.inference_mode():
+        want = path_delta_rule(*args, parents.to(DEVICE))
+        got = path_delta_rule_kernel(*args, leaf_walks(own.to(DEVICE)))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -1,5 +1,5 @@
-"""Where a fast-engine decode step spends its GPU time: the top CUDA kernels of AR and verify-16 steps, alone or
-batched.
+"""Where a fast-engine decode step spends its GPU time: the top CUDA kernels of AR, verify-16 and DDTree verify
+steps, alone or batched.
 
 `benchmarks/gpu_speed.py` says how far a step is from the weights-read floor; this says why. It runs the fast
 engine eagerly (no CUDA graphs: the same kernels, each visible to the profiler) on the same random 8B-shaped
@@ -10,6 +10,10 @@ goal holds to 1.3x its roofline.
 
     python3 benchmarks/gpu/profile_step.py --shape 8b --rows 1,16 --configs compiled
     python3 benchmarks/gpu/profile_step.py --rows 1 --batch 4,64 --configs compiled
+    python3 benchmarks/gpu/profile_step.py --shape qwen3.6-27b --rows 1,16 --trees 32 --configs compiled
+
+A hybrid shape (qwen3.6-27b, qwen3.5-4b) runs on `HybridFastTarget`; `--trees` adds the batch-1 verify of a DDTree of
+each budget (its tree searched from random slot logits, as gpu_speed.py's rows).
 """
 
 from __future__ import annotations
@@ -24,7 +28,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_speed import build_synthetic  # noqa: E402  (the benchmark's own target, so the numbers line up)
 
+from blockdraft.decoding.ddtree import build_tree, slot_log_probs  # noqa: E402
+from blockdraft.decoding.sampling import SamplingParams  # noqa: E402
 from blockdraft.fast.batch import BatchKV, forward_batch  # noqa: E402
+from blockdraft.fast.hybrid_target import HybridFastTarget, hybrid_engine_problem  # noqa: E402
 from blockdraft.fast.target import FastTarget  # noqa: E402
 from blockdraft.kernels.kernel_choice import choices  # noqa: E402
 from blockdraft.numbers import int_list  # noqa: E402
@@ -33,8 +40,9 @@ STEPS = 5
 CONFIGS = {"plain": dict(compiled=False), "compiled": dict(compiled=True)}
 
 
-def single_step(target: FastTarget, rows: int, context: int) -> Callable[[], None]:
-    """One sequence's forward of `rows` new tokens after a `context`-token prefill (the batch-1 engine's)."""
+def single_step(target: FastTarget, rows: int, context: int, tree: int = 0) -> Callable[[], None]:
+    """One sequence's forward of `rows` new causal tokens (or, with `tree`, a DDTree of that budget) after a
+    `context`-token prefill (the batch-1 engine's)."""
     device = target.device
     cache = target.new_cache()
     vocab = target.vocab_size
@@ -42,9 +50,16 @@ def single_step(target: FastTarget, rows: int, context: int) -> Callable[[], Non
                    last_logits_only=True)
     ids = torch.randint(0, vocab, (1, rows), device=device)
     positions = torch.arange(context, context + rows, device=device)
+    mask = None
+    if tree:
+        generator = torch.Generator().manual_seed(0)
+        draft = build_tree(slot_log_probs(torch.randn(15, vocab, generator=generator).to(device), SamplingParams()),
+                           tree)
+        ids = torch.cat([ids[0, :1], draft.tokens]).unsqueeze(0)
+        positions, mask = draft.positions(context, device), draft.tree_mask(context, device)
 
     def step() -> None:
-        target.forward(ids, positions, cache)
+        target.forward(ids, positions, cache, attention_mask=mask)
         cache.crop(context)
 
     return step
@@ -71,6 +86,7 @@ CATEGORIES = (  # what a kernel's name says it does, first match wins: the step'
                          "splitkreduce", "cutlass", "xmma")),
     ("attention", ("_block_split_kernel", "_combine_kernel", "_split_kernel", "sdpa", "flash", "fmha", "softmax")),
     ("q|k|v epilogue", ("_qkv_rope_kernel",)),
+    ("delta rule", ("_path_delta_rule_kernel", "_advance_kernel", "chunk_", "fused_recurrent")),
     ("norms", ("rsqrt",)),
     ("glu", ("silu",)),
 )
@@ -109,6 +125,7 @@ def main() -> None:
     parser.add_argument("--shape", default="8b")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--rows", type=int_list, default="1,16", help="new tokens per profiled step (1: AR, 16: DFlash verify)")
+    parser.add_argument("--trees", type=int_list, default="", help="DDTree budgets whose batch-1 verify to profile")
     parser.add_argument("--batch", type=int_list, default="1", help="sequences per step (more than 1: the batched forward)")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
     args = parser.parse_args()
@@ -120,17 +137,20 @@ def main() -> None:
         sys.exit("profile_step.py needs a CUDA device")
     device = torch.device("cuda")
     model, _ = build_synthetic(args.shape, device, torch.bfloat16)
+    engine = FastTarget if hybrid_engine_problem(model) else HybridFastTarget
     for config in configs:
-        target = FastTarget(model, graphs=False, **CONFIGS[config])
+        target = engine(model, graphs=False, **CONFIGS[config])
         for batch in args.batch:
             for rows in args.rows:
                 step = (single_step(target, rows, args.context) if batch == 1
                         else batched_step(target, batch, rows, args.context))
                 profile(step, device, f"fast engine, {config} ops, eager, batch {batch}", rows)
-        if target.ops.kernels:
-            print("shapes, kernel or library call (timed on first use):", flush=True)
-            for shape, runs_on in choices().items():
-                print(f"  {shape}: {runs_on}", flush=True)
+        for budget in args.trees:
+            profile(single_step(target, 1, args.context, budget), device,
+                    f"fast engine, {config} ops, eager, batch 1, DDTree@{budget}", 1 + budget)
+        print("shapes, kernel or library call (timed on first use):", flush=True)
+        for shape, runs_on in choices().items():
+            print(f"  {shape}: {runs_on}", flush=True)
         del target
         torch.cuda.empty_cache()
 

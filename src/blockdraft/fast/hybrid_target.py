@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +28,7 @@ from blockdraft.fast.delta_net import (DeltaNetWeights, advance_state, advance_s
 from blockdraft.fast.gated_attention import batched_gated_attention_heads, gated_attention_heads
 from blockdraft.fast.linear_states import LinearStates, slid_window
 from blockdraft.fast.ops import ACTIVATIONS, CompiledOrPlain, LayerOps
-from blockdraft.kernels.delta_rule import advance_state_kernel, delta_rule_runs, path_delta_rule_kernel
+from blockdraft.kernels.delta_rule import advance_state_kernel, delta_rule_runs, leaf_walks, path_delta_rule_kernel
 from blockdraft.fast.static_cache import KVStorage, StaticTargetCache
 from blockdraft.fast.target import (FastTarget, LayerWeights, attend, attention_masks, graph_rows, layer_mlp,
                                     pack_linears, run_stack)
@@ -88,6 +89,15 @@ def pack_delta_net(layer: nn.Module) -> DeltaNetWeights:
     )
 
 
+class VerifyRows(NamedTuple):
+    """A verify's rows as its linear layers read them: each row's parent [B, t] (-1: the committed sequence), its
+    conv columns [B, t, kernel] (`fast.delta_net.path_layout`), and the kernel's `leaf_walks` (None off the kernel)."""
+
+    parents: torch.Tensor
+    columns: torch.Tensor
+    walks: tuple[torch.Tensor, torch.Tensor] | None
+
+
 class HybridUnits:
     """The hybrid layers' fusion units, compiled on request as `LayerOps`'s are, and the verify's delta rule from
     its Triton kernel where asked and it runs (`kernels.delta_rule`: one launch a layer instead of ten a row)."""
@@ -101,12 +111,17 @@ class HybridUnits:
         self.batched_gated_attention_heads = wrap(batched_gated_attention_heads)
         self.rule_kernel = rule_kernel
 
+    def verify_rows(self, own: torch.Tensor, kernel: int) -> VerifyRows:
+        """What every linear layer of one verify reads about its rows (own [B, t, t]), computed once a forward."""
+        parents, columns = path_layout(own, kernel)
+        return VerifyRows(parents, columns, leaf_walks(own) if self.rule_kernel else None)
+
     def path_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                  state: torch.Tensor, parents: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
-        """`fast.delta_net.path_delta_rule`, from the kernel where it runs (which reads each row's ancestors `own`)."""
-        if self.rule_kernel and delta_rule_runs(k, state):
-            return path_delta_rule_kernel(q, k, v, g, beta, state, parents, own)
-        return path_delta_rule(q, k, v, g, beta, state, parents)
+                  state: torch.Tensor, rows: VerifyRows) -> torch.Tensor:
+        """`fast.delta_net.path_delta_rule`, from the kernel where it runs (which walks each leaf's path)."""
+        if rows.walks is not None and delta_rule_runs(k, state):
+            return path_delta_rule_kernel(q, k, v, g, beta, state, rows.walks)
+        return path_delta_rule(q, k, v, g, beta, state, rows.parents)
 
     def advance(self, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
                 count: torch.Tensor | None = None) -> torch.Tensor:
@@ -321,8 +336,7 @@ class HybridFastTarget(FastTarget):
         cos, sin = self.cos[positions][None, None], self.sin[positions][None, None]
         groups = self.heads // self.kv_heads
         prefill = self.states.prefilling
-        layout = None if prefill else (*path_layout(own.unsqueeze(0), self.states.window.shape[-1] + 1),
-                                       own.unsqueeze(0))
+        layout = None if prefill else self.units.verify_rows(own.unsqueeze(0), self.states.window.shape[-1] + 1)
 
         def dense(window: int | None) -> torch.Tensor:
             return ops.attention_bias(self.storage.length, self.slot_ids[:cap], positions, own, window, groups,
@@ -365,7 +379,7 @@ class HybridFastTarget(FastTarget):
         batch, t = ids.shape
         ops = self.ops
         seq, cols, cos, sin, mask, biases = self.batch_layout(lengths, positions, own, cap, {None})
-        layout = (*path_layout(own, linear.window.shape[-1] + 1), own)
+        layout = self.units.verify_rows(own, linear.window.shape[-1] + 1)
 
         def step(i: int, layer: LayerWeights | DeltaNetWeights, x: torch.Tensor, proj: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -385,7 +399,7 @@ class HybridFastTarget(FastTarget):
                          self.final_norm, self.eps, tap_layers)
 
     def _delta_net(self, states: LinearStates, n: int, layer: DeltaNetWeights, proj: torch.Tensor,
-                   layout: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+                   layout: VerifyRows | None) -> torch.Tensor:
         """Linear layer n's mixer output [B, t, value heads * dv] for out_proj, from slots 0..B-1 of `states`: a
         prefill (`layout` None, batch 1) advances its window and state in place; a verify reads them and keeps
         what each row's commit needs."""
@@ -400,9 +414,8 @@ class HybridFastTarget(FastTarget):
             window.copy_(slid_window(window, inputs.transpose(1, 2)))
             state.copy_(final)
         else:
-            parents, columns, own = layout
-            q, k, v, g, beta, z = units.verify_heads(window, proj, layer.conv, columns, layer.neg_decay, layer.dt_bias,
-                                                     *sizes)
+            q, k, v, g, beta, z = units.verify_heads(window, proj, layer.conv, layout.columns, layer.neg_decay,
+                                                     layer.dt_bias, *sizes)
             states.keep_rows(n, inputs, k, v, g, beta)
-            out = units.path_rule(q, k, v, g, beta, state, parents, own)
+            out = units.path_rule(q, k, v, g, beta, state, layout)
         return units.gated_norm(out.transpose(1, 2).to(proj.dtype), z, layer.gated_norm, self.eps)

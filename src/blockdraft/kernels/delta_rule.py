@@ -2,14 +2,15 @@
 `advance_state`).
 
 In PyTorch the per-token rule is about ten small kernels a row, each reading and writing the whole state: a 16-row
-verify of a 48-linear-layer target would launch some 7,700 of them. Here one program per (sequence, value head,
-block of value dims) holds its slice of the state [key dim, value block] in registers:
-- the verify walks the rows in depth-first order (`visit_order`); a row whose parent is the row visited before (every
-  row of a chain, and in a tree every row but the first after a backtrack) continues the registers, any other row
-  starts again from the committed state and applies its ancestors (its row of the ancestor mask) first. A tree's
-  rows come in the search's pop order, which interleaves its branches: walked that way nearly every row restarted,
-  depth-first only the branch points do (a 33-row DDTree@32 of depth ~10: about 200 serial row updates against about
-  60). No row's state is stored: only each row's output.
+verify of a 48-linear-layer target would launch some 7,700 of them. Here a program holds a slice of one head's state
+[key dim, value block] in registers and applies rows to it, each row's k, v, decay and beta loaded while the row
+before is applied (a row's update is a few hundred cycles; a load's wait as long again):
+- the verify gives every leaf of a sequence's rows its own programs (`leaf_walks`): each walks its leaf's path from
+  the committed state, root first, and stores every row's output on the way. The paths run side by side, so a tree
+  costs its depth, not its size, in serial updates (a 33-row DDTree@32 of depth ~10: ~10 against the ~60 of one
+  depth-first walk that restarts at each branch point); a row on several paths is applied once per path, and
+  stores the same bits each time (the same updates in the same order). A chain is one path. No row's state is
+  stored: only each row's output.
 - the commit applies the accepted rows to the committed state in place: one read and one write of the state (a
   fused step's count of accepted rows read on the device).
 float32 throughout, as HF's rule.
@@ -28,49 +29,53 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _row_update(state, k_ptr, v_ptr, g_ptr, beta_ptr, i, dk, dv, mk, mv, s_q_t, s_v_t):
-        """One row of the rule on a register tile: decay, then the correction towards v along k."""
-        state = state * tl.exp(tl.load(g_ptr + i))
-        key = tl.load(k_ptr + i * s_q_t + dk, mask=mk, other=0.0)
+    def _row(k_ptr, v_ptr, g_ptr, beta_ptr, i, dk, dv, mk, mv, s_k_t, s_v_t, s_g_t):
+        """Row i's key, value, decay and beta (masked lanes 0)."""
+        key = tl.load(k_ptr + i * s_k_t + dk, mask=mk, other=0.0)
         value = tl.load(v_ptr + i * s_v_t + dv, mask=mv, other=0.0)
-        delta = (value - tl.sum(state * key[:, None], axis=0)) * tl.load(beta_ptr + i)
+        return key, value, tl.load(g_ptr + i * s_g_t), tl.load(beta_ptr + i * s_g_t)
+
+    @triton.jit
+    def _apply(state, key, value, decay, beta):
+        """One row of the rule on a register tile: decay, then the correction towards v along k."""
+        state = state * tl.exp(decay)
+        delta = (value - tl.sum(state * key[:, None], axis=0)) * beta
         return state + key[:, None] * delta[None, :]
 
     @triton.jit
-    def _path_delta_rule_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, parent_ptr, own_ptr, order_ptr,
-                                out_ptr, T, H, DK, DV, s_q_b, s_q_h, s_q_t, s_v_b, s_v_h, s_v_t, s_g_b, s_g_h, s_s_b,
-                                s_s_h, s_p_b, s_o_b, s_o_r, BK: tl.constexpr, BV: tl.constexpr):
-        bh, vb = tl.program_id(0), tl.program_id(1)
+    def _path_delta_rule_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, walk_ptr, length_ptr, out_ptr, T, H,
+                                DK, DV, s_q_b, s_q_h, s_q_t, s_v_b, s_v_h, s_v_t, s_g_b, s_g_h, s_g_t, s_s_b, s_s_h,
+                                s_w_b, s_w_r, s_l_b, BK: tl.constexpr, BV: tl.constexpr):
+        bh, vb, leaf = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, h = bh // H, bh % H
+        n = tl.load(length_ptr + b * s_l_b + leaf)  # the leaf's depth; 0: not a leaf, nothing to walk
         dk = tl.arange(0, BK)
         dv = vb * BV + tl.arange(0, BV)
-        mk, mv = dk < DK, dv < DV
-        tile = dk[:, None] * DV + dv[None, :]
+        mk, mv = dk < tl.where(n > 0, DK, 0), dv < tl.where(n > 0, DV, 0)  # a row that starts no walk reads nothing
         q_ptr += b * s_q_b + h * s_q_h
         k_ptr += b * s_q_b + h * s_q_h
         v_ptr += b * s_v_b + h * s_v_h
         g_ptr += b * s_g_b + h * s_g_h
         beta_ptr += b * s_g_b + h * s_g_h
-        committed = tl.load(state_ptr + b * s_s_b + h * s_s_h + tile, mask=mk[:, None] & mv[None, :], other=0.0)
-        state = committed
-        previous = tl.full((), -1, tl.int32)
-        for n in range(T):
-            i = tl.load(order_ptr + b * s_p_b + n).to(tl.int32)
-            parent = tl.load(parent_ptr + b * s_p_b + i).to(tl.int32)
-            if (parent != previous) | (parent < 0):  # not the last row's child: the committed state, then its path
-                state = committed
-                for j in range(i):
-                    if tl.load(own_ptr + b * s_o_b + i * s_o_r + j) != 0:
-                        state = _row_update(state, k_ptr, v_ptr, g_ptr, beta_ptr, j, dk, dv, mk, mv, s_q_t, s_v_t)
-            state = _row_update(state, k_ptr, v_ptr, g_ptr, beta_ptr, i, dk, dv, mk, mv, s_q_t, s_v_t)
-            previous = i
-            query = tl.load(q_ptr + i * s_q_t + dk, mask=mk, other=0.0)
-            tl.store(out_ptr + b * s_v_b + h * s_v_h + i * s_v_t + dv, tl.sum(state * query[:, None], axis=0),
-                     mask=mv)
+        out_ptr += b * s_v_b + h * s_v_h
+        walk_ptr += b * s_w_b + leaf * s_w_r
+        state = tl.load(state_ptr + b * s_s_b + h * s_s_h + dk[:, None] * DV + dv[None, :],
+                        mask=mk[:, None] & mv[None, :], other=0.0)
+        i = tl.load(walk_ptr)
+        key, value, decay, beta = _row(k_ptr, v_ptr, g_ptr, beta_ptr, i, dk, dv, mk, mv, s_q_t, s_v_t, s_g_t)
+        query = tl.load(q_ptr + i * s_q_t + dk, mask=mk, other=0.0)
+        for step in range(n):
+            after = tl.load(walk_ptr + tl.minimum(step + 1, T - 1))  # the next row's inputs, loaded meanwhile
+            next_key, next_value, next_decay, next_beta = _row(k_ptr, v_ptr, g_ptr, beta_ptr, after, dk, dv, mk, mv,
+                                                               s_q_t, s_v_t, s_g_t)
+            next_query = tl.load(q_ptr + after * s_q_t + dk, mask=mk, other=0.0)
+            state = _apply(state, key, value, decay, beta)
+            tl.store(out_ptr + i * s_v_t + dv, tl.sum(state * query[:, None], axis=0), mask=mv)
+            i, key, value, decay, beta, query = after, next_key, next_value, next_decay, next_beta, next_query
 
     @triton.jit
     def _advance_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, count_ptr, N, H, DK, DV, s_k_b, s_k_h, s_k_t, s_v_b,
-                        s_v_h, s_v_t, s_g_b, s_g_h, s_s_b, s_s_h, COUNTED: tl.constexpr, BK: tl.constexpr,
+                        s_v_h, s_v_t, s_g_b, s_g_h, s_g_t, s_s_b, s_s_h, COUNTED: tl.constexpr, BK: tl.constexpr,
                         BV: tl.constexpr):
         bh, vb = tl.program_id(0), tl.program_id(1)
         b, h = bh // H, bh % H
@@ -82,10 +87,17 @@ if triton is not None:
         state = tl.load(pointers, mask=both, other=0.0)
         if COUNTED:  # a fused step's accepted rows: their count on the device
             N = tl.minimum(N, tl.load(count_ptr).to(tl.int32))
+        k_ptr += b * s_k_b + h * s_k_h
+        v_ptr += b * s_v_b + h * s_v_h
+        g_ptr += b * s_g_b + h * s_g_h
+        beta_ptr += b * s_g_b + h * s_g_h
+        key, value, decay, beta = _row(k_ptr, v_ptr, g_ptr, beta_ptr, 0, dk, dv, mk, mv, s_k_t, s_v_t, s_g_t)
         for i in range(N):
-            state = _row_update(state, k_ptr + b * s_k_b + h * s_k_h, v_ptr + b * s_v_b + h * s_v_h,
-                                g_ptr + b * s_g_b + h * s_g_h, beta_ptr + b * s_g_b + h * s_g_h, i, dk, dv, mk, mv,
-                                s_k_t, s_v_t)
+            after = tl.minimum(i + 1, N - 1)  # the next row's inputs, loaded meanwhile
+            next_key, next_value, next_decay, next_beta = _row(k_ptr, v_ptr, g_ptr, beta_ptr, after, dk, dv, mk, mv,
+                                                               s_k_t, s_v_t, s_g_t)
+            state = _apply(state, key, value, decay, beta)
+            key, value, decay, beta = next_key, next_value, next_decay, next_beta
         tl.store(pointers, state, mask=both)
 
 
@@ -100,34 +112,34 @@ def _blocks(key_dim: int, value_dim: int) -> tuple[int, int, int]:
     return power_of_two_at_least(key_dim), block, triton.cdiv(value_dim, block)
 
 
-def visit_order(parents: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
-    """Each sequence's rows in depth-first preorder [B, t] (siblings in index order), from the parents [B, t] (-1: a
-    root) and the ancestor-or-self mask own [B, t, t], on the device (a graph captures it): a row's preorder number
-    is the sum, over its ancestors-or-self, of 1 + the sizes of the subtrees of their earlier siblings. A chain's
-    order is its own."""
-    rows = torch.arange(parents.shape[-1], device=parents.device)
-    ancestry = own.to(torch.int32)
-    size = ancestry.sum(1)  # each row's subtree: the rows it is an ancestor-or-self of
-    earlier = (parents.unsqueeze(-1) == parents.unsqueeze(-2)) & (rows[None, :] < rows[:, None])  # [B, row, sibling]
-    offset = 1 + (earlier.to(torch.int32) * size.unsqueeze(1)).sum(-1)
-    return (ancestry * offset.unsqueeze(1)).sum(-1).argsort(dim=-1).to(torch.int32)
+def leaf_walks(own: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the verify kernel walks, from the rows' ancestor-or-self mask own [B, t, t] (a row's ancestors come
+    before it), on the device (a graph captures it; one forward computes it for all its layers): each row's
+    ancestors-or-self in order, root first [B, t, t] int32 (padded with row 0), and the length of the walk a row
+    starts [B, t] int32: its depth for a leaf (no row below it), 0 for any other row (a leaf's walk passes it)."""
+    t = own.shape[-1]
+    rows = torch.arange(t, device=own.device)
+    walks = torch.where(own, rows, t).sort(dim=-1).values
+    walks = torch.where(walks < t, walks, 0).to(torch.int32)
+    leaf = own.sum(-2) == 1  # no row but itself has it as an ancestor
+    return walks, torch.where(leaf, own.sum(-1), 0).to(torch.int32)
 
 
 def path_delta_rule_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                           state: torch.Tensor, parents: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+                           state: torch.Tensor, walks: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """`fast.delta_net.path_delta_rule` (q, k, v [B, H, t, d], g and beta [B, H, t], the committed state
-    [B, H, dk, dv], each row's parent [B, t]) with each row's ancestors `own` [B, t, t]: the outputs [B, H, t, dv]."""
+    [B, H, dk, dv]) with the rows' `leaf_walks`: the outputs [B, H, t, dv]."""
     batch, heads, t, key_dim = q.shape
     value_dim = v.shape[-1]
-    q, k, v, g, beta, state, parents = (x.contiguous() for x in (q, k, v, g, beta, state, parents))
-    order = visit_order(parents, own).contiguous()
-    own = own.to(torch.uint8).contiguous()
+    q, k, v, g, beta, state = (x.contiguous() for x in (q, k, v, g, beta, state))
+    paths, lengths = (x.contiguous() for x in walks)
     out = torch.empty_like(v)
     bk, bv, programs = _blocks(key_dim, value_dim)
-    _path_delta_rule_kernel[(batch * heads, programs)](
-        q, k, v, g, beta, state, parents, own, order, out, t, heads, key_dim, value_dim,
+    _path_delta_rule_kernel[(batch * heads, programs, t)](
+        q, k, v, g, beta, state, paths, lengths, out, t, heads, key_dim, value_dim,
         q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1),
-        state.stride(0), state.stride(1), parents.stride(0), own.stride(0), own.stride(1), BK=bk, BV=bv,
+        g.stride(2), state.stride(0), state.stride(1), paths.stride(0), paths.stride(1), lengths.stride(0),
+        BK=bk, BV=bv,
     )
     return out
 
@@ -138,11 +150,13 @@ def advance_state_kernel(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta
     [B, H, dk, dv] (unit strides in its last two dims) advanced in place; returns it."""
     batch, heads, n, key_dim = k.shape
     value_dim = v.shape[-1]
+    if n == 0:
+        return state
     k, v, g, beta = (x.contiguous() for x in (k, v, g, beta))
     bk, bv, programs = _blocks(key_dim, value_dim)
     _advance_kernel[(batch * heads, programs)](
         k, v, g, beta, state, state if count is None else count, n, heads, key_dim, value_dim, k.stride(0),
-        k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1), state.stride(0),
-        state.stride(1), COUNTED=count is not None, BK=bk, BV=bv,
+        k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1), g.stride(2),
+        state.stride(0), state.stride(1), COUNTED=count is not None, BK=bk, BV=bv,
     )
     return state
