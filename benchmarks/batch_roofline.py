@@ -15,7 +15,13 @@ for the largest --budget, capped at 1 + budget; chain per-position rates assumed
     python benchmarks/batch_roofline.py --json roofline.json            # on the H200
     python benchmarks/batch_roofline.py --verify-only --batch-sizes 1,4,16,64 --rows 1   # the batched AR table alone
     python benchmarks/batch_roofline.py --shape qwen3.6-27b --verify-only --batch-sizes 1,4,16,64 --rows 1
+    python benchmarks/batch_roofline.py --acceptance 2,4,6.35,8 --json accept.json    # tok/s by acceptance x batch
     python benchmarks/batch_roofline.py --device cpu --shape tiny --batch-sizes 1,2 --rows 1,4 --context 32  # smoke
+
+`--acceptance` adds the table a user reads off where speculation pays: for each mean acceptance length (a chain's
+tokens a step at the drafter's 15 drafted tokens, every depth's conditional rate the same, as `--synthetic-acceptance
+MEAN` dials it), each method's tokens/s per batch size from the measured steps: DFlash at that mean, DDTree at the
+mean its tree of each budget commits under the same dial (`SyntheticAcceptance.tree_length`), and the schedule's pick.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -47,6 +54,39 @@ def geometric_rates(tau: float, positions: int) -> list[float]:
     return [p ** (i + 1) for i in range(positions)]
 
 
+def float_list(text: str) -> list[float]:
+    """"2,4,6.35" -> [2.0, 4.0, 6.35]."""
+    return [float(part) for part in text.split(",") if part.strip()]
+
+
+def by_acceptance(costs: Any, means: list[float], depth: int, budgets: list[int], sizes: list[int],
+                  console: Console) -> list[dict[str, Any]]:
+    """Each method's tokens/s per batch size at each mean acceptance length (dialled as `--synthetic-acceptance MEAN`
+    dials a server), and the schedule's pick; printed as one table, returned as its rows."""
+    from blockdraft.engine.acceptance import AcceptanceProfile
+    from blockdraft.engine.candidate import AR, Candidate
+    from blockdraft.engine.schedule import choose
+    from blockdraft.synthetic_acceptance import SyntheticAcceptance
+
+    candidates = [AR, Candidate("dflash", depth), *(Candidate("ddtree", budget=b) for b in budgets)]
+    table = Table(title=f"tokens/s by mean acceptance length and batch size ({costs.target}, {costs.device})")
+    for column in ("acceptance", "batch", *(c.label for c in candidates), "pick", "x AR"):
+        table.add_column(column, justify="right")
+    rows = []
+    for mean in means:
+        dial = SyntheticAcceptance.parse(f"{mean:g}", depth)
+        trees = {b: dial.tree_length(b) for b in budgets}
+        profile = AcceptanceProfile(dial.unconditional(), trees, f"dialled mean acceptance length {mean:g}")
+        for entry in choose(costs, profile, candidates, sizes).entries:
+            rates = {e.candidate.label: e.tokens_per_s for e in entry.estimates}
+            rows.append(dict(acceptance=mean, tree_tau=trees, batch=entry.batch, tokens_per_s=rates,
+                             pick=entry.choice.label, gain=entry.gain))
+            table.add_row(f"{mean:g}", str(entry.batch), *(f"{rates[c.label]:,.0f}" for c in candidates),
+                          entry.choice.label, f"{entry.gain:.2f}")
+    console.print(table)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="8b", choices=sorted(SHAPES))
@@ -56,11 +96,16 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--peak-flops", type=float, default=H200_BF16_FLOPS)
+    parser.add_argument("--acceptance", type=float_list, default=None,
+                        help="Mean acceptance lengths (e.g. 2,4,6.35,8): tokens/s of each method per batch size at "
+                             "each, from the measured steps (not with --verify-only).")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--verify-only", action="store_true",
                         help="Time the verify forward at --rows alone (no drafter, whole steps or schedule): the "
                              "roofline table in a fraction of the time.")
     args = parser.parse_args()
+    if args.acceptance and args.verify_only:
+        parser.error("--acceptance needs whole steps: leave out --verify-only")
     from blockdraft.engine.acceptance import AcceptanceProfile
     from blockdraft.engine.candidate import AR, Candidate
     from blockdraft.engine.schedule import choose, render
@@ -117,6 +162,8 @@ def main() -> None:
         schedule = choose(costs, profile, candidates, sizes)
         console.print(render(schedule))
         extra = dict(costs=costs.to_json(), schedule=schedule.to_json())
+        if args.acceptance:
+            extra["by_acceptance"] = by_acceptance(costs, args.acceptance, depth, budgets, sizes, console)
     attention = {shape: runs_on for shape, runs_on in choices().items() if shape.startswith("block_attention")}
     console.print("attention per shape (kernel_choice):\n" + "\n".join(f"- {k}: {v}" for k, v in attention.items()))
     if args.json:

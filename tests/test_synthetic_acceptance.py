@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import make_drafter, make_target_model
 
+from blockdraft.decoding.ddtree import build_tree
 from blockdraft.decoding.draft import Draft
 from blockdraft.decoding.generate import generate
 from blockdraft.decoding.methods import build_proposer
@@ -156,3 +157,22 @@ def test_sampled_decoding_is_refused_not_silently_dialled() -> None:
     with pytest.raises(BlockdraftError, match="temperature 0"):
         generate(target, prompts(1)[0], None, 4, SamplingParams(temperature=0.8))
     assert rates_for_mean(2.0, 1, 1.0) == pytest.approx([1.0])
+
+
+def test_a_tree_commits_the_length_the_dial_predicts() -> None:
+    """`tree_length`, what the schedule and the acceptance table weigh a DDTree step by, is what dialled steps of the
+    tree the dial's scores build commit on average (siblings included); one node is the chain's first rate."""
+    dial = SyntheticAcceptance.parse("4,decay=0.95", 15)
+    assert dial.tree_length(1) == pytest.approx(1 + dial.rates[0])
+    torch.manual_seed(2)
+    log_probs = torch.randn(15, 64).log_softmax(-1)
+    n = 6000
+    for budget in (8, 32):
+        tree = build_tree(log_probs, budget, synthetic=dial)
+        dialled = draft_picks(dial, [tree] * n, [torch.zeros(len(tree) + 1, dtype=torch.long)] * n)
+        lengths = torch.tensor([1.0 + len(walk(tree, p.tolist(), tree.tokens.tolist()).tokens) for p in dialled],
+                               dtype=torch.float64)
+        error = lengths.std() / math.sqrt(n)
+        assert abs(lengths.mean() - dial.tree_length(budget)) < 4 * error, budget
+    assert dial.mean_length(8) < dial.tree_length(8) < dial.tree_length(32)  # siblings add to a chain of as many nodes
+    assert dial.unconditional()[:2] == pytest.approx([dial.rates[0], dial.rates[0] * dial.rates[1]])

@@ -24,6 +24,7 @@ the model's output.
 from __future__ import annotations
 
 import functools
+import heapq
 import json
 import math
 from dataclasses import dataclass
@@ -85,6 +86,30 @@ class SyntheticAcceptance:
     def mean_length(self, depth: int | None = None) -> float:
         """Tokens a DFlash chain step commits on average (accepted + the bonus) at `depth` drafted tokens."""
         return 1.0 + sum(math.prod(self.rates[:k]) for k in range(1, 1 + len(self.rates[:depth])))
+
+    def unconditional(self) -> list[float]:
+        """Each draft position's own acceptance rate (vLLM's accepted_per_pos / drafts): the products of the rates."""
+        return [math.prod(self.rates[:k]) for k in range(1, 1 + len(self.rates))]
+
+    def tree_length(self, budget: int) -> float:
+        """Tokens a DDTree step of `budget` nodes commits on average (accepted + the bonus) under this dial: the tree
+        `scores` builds holds the `budget` nodes most likely accepted (a node's chance, the product of c q^r along its
+        path, never exceeds its parent's, so the best-first search takes exactly those), and a step accepts each
+        with that chance; the sum is taken in the same best-first order."""
+        frontier = [(-self.rates[0], 1, 0, self.rates[0])] if self.rates and budget > 0 else []
+        total = 1.0
+        for _ in range(budget):
+            if not frontier or frontier[0][3] <= 0.0:
+                break
+            _, depth, rank, chance = heapq.heappop(frontier)
+            total += chance
+            c = self.rates[depth - 1]
+            sibling = chance * (1.0 - c) * self.siblings  # the next child of the same parent: one more factor q
+            heapq.heappush(frontier, (-sibling, depth, rank + 1, sibling))
+            if depth < len(self.rates):
+                child = chance * self.rates[depth]
+                heapq.heappush(frontier, (-child, depth + 1, 0, child))
+        return total
 
     def describe(self) -> str:
         return (f"{self.source}: {self.mean_length():.2f} tokens a chain step, trees' later siblings "
