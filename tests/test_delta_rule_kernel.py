@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from blockdraft.fast.delta_net import advance_state, advance_state_counted, path_delta_rule, path_layout
-from blockdraft.kernels.delta_rule import advance_state_kernel, delta_rule_runs, leaf_walks, path_delta_rule_kernel
+from blockdraft.kernels.delta_rule import (advance_state_kernel, delta_rule_runs, leaf_walks, path_delta_rule_kernel,
+                                          walk_lanes)
 from blockdraft.kernels.skinny_gemm import kernel_available
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -26,18 +27,21 @@ def ancestors(parents: list[int]) -> torch.Tensor:
 
 
 def test_each_leaf_walks_its_path_root_first() -> None:
-    """The kernel's walks: a leaf's ancestors-or-self in order (padded with row 0) and its depth; every other row
-    starts no walk. A chain is one walk; a tree whose branches interleave, as a best-first search pops them, has a
-    walk per leaf, and every row lies on one."""
+    """The kernel's walks: the leaves first, in row order, each as its ancestors-or-self (padded with row 0) with its
+    depth, and the count of leaves. A chain is one walk; a tree whose branches interleave, as a best-first search pops
+    them, has a walk per leaf, and every row lies on one."""
     chain = ancestors([-1, 0, 1, 2]).unsqueeze(0)
-    walks, lengths = leaf_walks(chain)
-    assert lengths.tolist() == [[0, 0, 0, 4]] and walks[0, 3].tolist() == [0, 1, 2, 3]
+    walks = leaf_walks(chain)
+    assert walks.counts.tolist() == [1] and walks.depths.tolist() == [[4, 0, 0, 0]]
+    assert walks.paths[0, 0].tolist() == [0, 1, 2, 3]
     shape = [-1, -1, 0, 1, 2, 0, 3, 5, 2, 6]  # two roots; the branches interleaved
-    walks, lengths = leaf_walks(ancestors(shape).unsqueeze(0))
-    leaves = {row: walks[0, row, :n].tolist() for row, n in enumerate(lengths[0].tolist()) if n}
-    assert leaves == {4: [0, 2, 4], 7: [0, 5, 7], 8: [0, 2, 8], 9: [1, 3, 6, 9]}
-    assert walks[0, 4].tolist() == [0, 2, 4] + [0] * 7
-    assert set().union(*leaves.values()) == set(range(len(shape)))
+    walks = leaf_walks(ancestors(shape).unsqueeze(0))
+    assert walks.counts.tolist() == [4] and walks.depths[0].tolist() == [3, 3, 3, 4] + [0] * 6
+    paths = [walks.paths[0, leaf, :n].tolist() for leaf, n in enumerate(walks.depths[0, :4].tolist())]
+    assert paths == [[0, 2, 4], [0, 5, 7], [0, 2, 8], [1, 3, 6, 9]]
+    assert walks.paths[0, 0].tolist() == [0, 2, 4] + [0] * 7
+    assert set().union(*paths) == set(range(len(shape)))
+    assert walk_lanes(192, 33) == 21 and walk_lanes(64 * 192, 33) == 1 and walk_lanes(4, 3) == 3
 
 
 @needs_kernel
@@ -74,8 +78,8 @@ def test_kernel_matches_the_rule(shape: list[int]) -> None:
 
 @needs_kernel
 def test_kernel_walks_each_sequence_own_tree() -> None:
-    """A batch whose sequences verify different trees (a chain, a wide tree, a deep one, padding rows that see only
-    the anchor): every row's output is its own path's, the rows on several paths included."""
+    """A batch whose sequences verify different trees (a chain, a wide tree, a deep one): every row's output is its
+    own path's, the rows on several paths included, however the leaves share lanes."""
     shapes = [[-1, 0, 1, 2, 3, 4], [-1, 0, 0, 0, 1, 2], [-1, 0, 1, 1, 3, 0]]
     generator = torch.Generator().manual_seed(7)
     batch, heads, t, dk, dv = len(shapes), 2, 6, 8, 64
@@ -89,5 +93,7 @@ def test_kernel_walks_each_sequence_own_tree() -> None:
     args = [x.to(DEVICE) for x in (q, k, v, g, beta, state)]
     with torch.inference_mode():
         want = path_delta_rule(*args, parents.to(DEVICE))
-        got = path_delta_rule_kernel(*args, leaf_walks(own.to(DEVICE)))
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        walks = leaf_walks(own.to(DEVICE))
+        for lanes in (None, 1, 2):  # every leaf its own lane; one lane for all; two taking turns
+            got = path_delta_rule_kernel(*args, walks, lanes)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

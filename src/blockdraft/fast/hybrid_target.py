@@ -28,7 +28,8 @@ from blockdraft.fast.delta_net import (DeltaNetWeights, advance_state, advance_s
 from blockdraft.fast.gated_attention import batched_gated_attention_heads, gated_attention_heads
 from blockdraft.fast.linear_states import LinearStates, slid_window
 from blockdraft.fast.ops import ACTIVATIONS, CompiledOrPlain, LayerOps
-from blockdraft.kernels.delta_rule import advance_state_kernel, delta_rule_runs, leaf_walks, path_delta_rule_kernel
+from blockdraft.kernels.delta_rule import (Walks, advance_state_kernel, delta_rule_runs, leaf_walks,
+                                          path_delta_rule_kernel)
 from blockdraft.fast.static_cache import KVStorage, StaticTargetCache
 from blockdraft.fast.target import (FastTarget, LayerWeights, attend, attention_masks, graph_rows, layer_mlp,
                                     pack_linears, run_stack)
@@ -95,7 +96,7 @@ class VerifyRows(NamedTuple):
 
     parents: torch.Tensor
     columns: torch.Tensor
-    walks: tuple[torch.Tensor, torch.Tensor] | None
+    walks: Walks | None
 
 
 class HybridUnits:
