@@ -20,7 +20,8 @@ def test_the_kernels_of_an_h200_step_fall_in_their_parts() -> None:
                ("_weights_first_kernel", 500.0), ("_block_split_kernel", 300.0), ("_combine_kernel", 100.0),
                ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7", 700.0),
                ("_qkv_rope_kernel", 50.0), ("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_0", 80.0),
-               ("triton_poi_fused_mul_silu_split_0", 40.0), ("triton_poi_fused_clone_transpose_view_0", 30.0)]
+               ("triton_poi_fused_mul_silu_split_0", 40.0), ("triton_poi_fused_clone_transpose_view_0", 30.0),
+               ("_path_delta_rule_kernel", 60.0), ("_advance_kernel", 20.0)]  # a hybrid target's linear layers
     parts = profile_step.by_category(kernels, steps=2)
-    assert parts == pytest.approx({"weight products": 1.8, "attention": 0.55, "q|k|v epilogue": 0.025, "norms": 0.04,
-                                   "glu": 0.02, "other": 0.015})
+    assert parts == pytest.approx({"weight products": 1.8, "attention": 0.55, "q|k|v epilogue": 0.025,
+                                   "delta rule": 0.04, "norms": 0.04, "glu": 0.02, "other": 0.015})
