@@ -26,6 +26,17 @@ def ancestors(parents: list[int]) -> torch.Tensor:
     return own
 
 
+def rule_inputs(batch: int, heads: int, t: int, dk: int, dv: int, seed: int) -> list[torch.Tensor]:
+    """A verify's q, k (l2-normed), v, decay g (<= 0), beta and committed state, on DEVICE."""
+    generator = torch.Generator().manual_seed(seed)
+    q, k = (torch.nn.functional.normalize(torch.randn(batch, heads, t, dk, generator=generator), dim=-1)
+            for _ in range(2))
+    v = torch.randn(batch, heads, t, dv, generator=generator)
+    g, beta = -torch.rand(batch, heads, t, generator=generator), torch.rand(batch, heads, t, generator=generator)
+    state = torch.randn(batch, heads, dk, dv, generator=generator)
+    return [x.to(DEVICE) for x in (q, k, v, g, beta, state)]
+
+
 def test_each_leaf_walks_its_path_root_first() -> None:
     """The kernel's walks: the leaves first, in row order, each as its ancestors-or-self (padded with row 0) with its
     depth, and the count of leaves. A chain is one walk; a tree whose branches interleave, as a best-first search pops
@@ -47,16 +58,10 @@ def test_each_leaf_walks_its_path_root_first() -> None:
 @needs_kernel
 @pytest.mark.parametrize("shape", [[-1, 0, 1, 2, 3], [-1, 0, 0, 1, 3, 2, -1], [-1, -1, 0, 1, 2, 0, 3, 5, 2, 6]])
 def test_kernel_matches_the_rule(shape: list[int]) -> None:
-    generator = torch.Generator().manual_seed(len(shape))
-    batch, heads, t, dk, dv = 2, 3, len(shape), 16, 40
+    batch, t = 2, len(shape)
     own = ancestors(shape).unsqueeze(0).expand(batch, t, t)
     parents, _ = path_layout(own, 4)
-    q, k = (torch.nn.functional.normalize(torch.randn(batch, heads, t, dk, generator=generator), dim=-1)
-            for _ in range(2))
-    v = torch.randn(batch, heads, t, dv, generator=generator)
-    g, beta = -torch.rand(batch, heads, t, generator=generator), torch.rand(batch, heads, t, generator=generator)
-    state = torch.randn(batch, heads, dk, dv, generator=generator)
-    args = [x.to(DEVICE) for x in (q, k, v, g, beta, state, parents)]
+    args = [*rule_inputs(batch, 3, t, 16, 40, seed=len(shape)), parents.to(DEVICE)]
     with torch.inference_mode():
         assert delta_rule_runs(args[1], args[5])
         want = path_delta_rule(*args)
@@ -81,16 +86,9 @@ def test_kernel_walks_each_sequence_own_tree() -> None:
     """A batch whose sequences verify different trees (a chain, a wide tree, a deep one): every row's output is its
     own path's, the rows on several paths included, however the leaves share lanes."""
     shapes = [[-1, 0, 1, 2, 3, 4], [-1, 0, 0, 0, 1, 2], [-1, 0, 1, 1, 3, 0]]
-    generator = torch.Generator().manual_seed(7)
-    batch, heads, t, dk, dv = len(shapes), 2, 6, 8, 64
     own = torch.stack([ancestors(shape) for shape in shapes])
     parents, _ = path_layout(own, 4)
-    q, k = (torch.nn.functional.normalize(torch.randn(batch, heads, t, dk, generator=generator), dim=-1)
-            for _ in range(2))
-    v = torch.randn(batch, heads, t, dv, generator=generator)
-    g, beta = -torch.rand(batch, heads, t, generator=generator), torch.rand(batch, heads, t, generator=generator)
-    state = torch.randn(batch, heads, dk, dv, generator=generator)
-    args = [x.to(DEVICE) for x in (q, k, v, g, beta, state)]
+    args = rule_inputs(len(shapes), 2, 6, 8, 64, seed=7)
     with torch.inference_mode():
         want = path_delta_rule(*args, parents.to(DEVICE))
         walks = leaf_walks(own.to(DEVICE))
