@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
 import torch
 from test_hybrid_fast import make_hybrid
 from test_lossless import hf_greedy
@@ -16,7 +17,7 @@ check_batch_graphs = importlib.util.module_from_spec(SPEC)
 SPEC.loader.exec_module(check_batch_graphs)
 
 
-def test_a_clear_difference_is_a_fault_and_the_same_ids_are_not(capsys) -> None:  # noqa: ANN001
+def test_a_clear_difference_is_a_fault_and_the_same_ids_are_not(capsys: pytest.CaptureFixture[str]) -> None:
     model = make_hybrid("qwen3_5")
     prompt = [3, 9, 27, 17]
     theirs = hf_greedy(model, prompt, 6)

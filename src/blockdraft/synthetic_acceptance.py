@@ -85,7 +85,7 @@ class SyntheticAcceptance:
 
     def mean_length(self, depth: int | None = None) -> float:
         """Tokens a DFlash chain step commits on average (accepted + the bonus) at `depth` drafted tokens."""
-        return 1.0 + sum(math.prod(self.rates[:k]) for k in range(1, 1 + len(self.rates[:depth])))
+        return 1.0 + sum(self.unconditional()[:depth])
 
     def unconditional(self) -> list[float]:
         """Each draft position's own acceptance rate (vLLM's accepted_per_pos / drafts): the products of the rates."""

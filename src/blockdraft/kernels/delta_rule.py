@@ -36,6 +36,7 @@ class Walks(NamedTuple):
     depths: torch.Tensor
     counts: torch.Tensor
 
+
 if triton is not None:
     import triton.language as tl
 
