@@ -10,7 +10,8 @@ fault or a near-tie that another order of float32 additions breaks the other way
 its pick over ours at the first differing token, against the spread of its logits there, and one within
 NEAR_TIE of the spread is counted as a tie, not a failure.
 
-    python3 benchmarks/gpu/check_batch_graphs.py [--hybrid]       # exits 1 on any difference
+    python3 benchmarks/gpu/check_batch_graphs.py [--hybrid] [--methods ar,dflash] [--orders linear-first]
+                                                        # exits 1 on any difference
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -39,6 +41,7 @@ from blockdraft.engine.switching import SwitchingProposer  # noqa: E402
 from blockdraft.fast.target import FastTarget  # noqa: E402
 
 
+METHODS = ("ar", "dflash", "ddtree", "scheduled")
 NEAR_TIE = 1e-4  # HF's lead at a differing token, as a share of its logits' spread, under which it is a tie
 
 
@@ -60,9 +63,9 @@ def differs(model: torch.nn.Module, prompt: list[int], ours: list[int], theirs: 
     return not tie
 
 
-def check(target: FastTarget, drafter: torch.nn.Module, truth: object) -> int:
-    """Every case on one target: the number of sequences whose ids differ (from batch 1, or beyond a near-tie from
-    `truth`, a (prompt, new tokens, our ids) -> differs function)."""
+def check(target: FastTarget, drafter: torch.nn.Module, truth: object, methods: list[str]) -> int:
+    """The `methods`' cases on one target: the number of sequences whose ids differ (from batch 1, or beyond a
+    near-tie from `truth`, a (prompt, new tokens, our ids) -> differs function)."""
     prompts = [[(7 * i + 3 * j + 1) % 63 for j in range(1 + (5 * i) % 23)] for i in range(7)]
     failures = 0
     cases = [(method, budget, None, 24) for method, budget in (("ar", None), ("dflash", None), ("ddtree", 12))]
@@ -72,7 +75,8 @@ def check(target: FastTarget, drafter: torch.nn.Module, truth: object) -> int:
     table = choose(costs, AcceptanceProfile([0.9, 0.8, 0.7], {12: 3.0}), [AR, Candidate("dflash", 3),
                                                                          Candidate("ddtree", budget=12)], [1])
     cases.append(("scheduled", None, MeasuredSchedule(table), 200))
-    for method, budget, schedule, new_tokens in cases:
+    for method, budget, schedule, new_tokens in (case for case in cases if case[0] in methods):
+        began = time.perf_counter()
         def new_proposer():  # noqa: ANN202
             if schedule is not None:
                 return SwitchingProposer(drafter, target, 12)
@@ -99,7 +103,8 @@ def check(target: FastTarget, drafter: torch.nn.Module, truth: object) -> int:
         same = sum(got[i] == ids for i, ids in enumerate(alone))
         failures += len(prompts) - same
         print(f"{method}: {same}/{len(prompts)} sequences identical to batch 1, "
-              f"{len(decoder.verifier.batched.entries)} batched graphs captured", flush=True)
+              f"{len(decoder.verifier.batched.entries)} batched graphs captured ({time.perf_counter() - began:.0f} s)",
+              flush=True)
     return failures
 
 
@@ -107,24 +112,35 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hybrid", action="store_true", help="a tiny Qwen3.5 hybrid target, both layer orders")
     parser.add_argument("--device", default="cuda", help="cpu: the script itself, eagerly")
+    parser.add_argument("--methods", default=",".join(METHODS), help=f"some of {', '.join(METHODS)}")
+    parser.add_argument("--orders", default=None, help="--hybrid: some of linear-first, attention-first (default both)")
     args = parser.parse_args()
+    methods = args.methods.split(",")
+    unknown = sorted(set(methods) - set(METHODS))
+    if unknown:
+        parser.error(f"--methods: {unknown[0]!r} is none of {', '.join(METHODS)}")
     device = torch.device(args.device)
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False  # float32 as the CPU computes it
     drafter = make_drafter("all_full").to(device)
     if not args.hybrid:
-        return 1 if check(FastTarget(make_target_model("qwen3").to(device)), drafter, None) else 0
+        return 1 if check(FastTarget(make_target_model("qwen3").to(device)), drafter, None, methods) else 0
     from test_hybrid_fast import ORDERS, make_hybrid
     from test_lossless import hf_greedy
 
     from blockdraft.fast.hybrid_target import HybridFastTarget
 
     failures = 0
-    for order, layer_types in sorted(ORDERS.items()):
+    orders = args.orders.split(",") if args.orders else sorted(ORDERS)
+    for order in orders:
+        if order not in ORDERS:
+            parser.error(f"--orders: {order!r} is none of {', '.join(sorted(ORDERS))}")
+    for order in orders:
+        layer_types = ORDERS[order]
         print(f"hybrid, {order}:", flush=True)
         model = make_hybrid("qwen3_5", layer_types=layer_types)
         on_cpu = copy.deepcopy(model)
         failures += check(HybridFastTarget(model.to(device)), drafter,
-                          lambda p, n, ours, m=on_cpu: differs(m, p, ours, hf_greedy(m, p, n)))
+                          lambda p, n, ours, m=on_cpu: differs(m, p, ours, hf_greedy(m, p, n)), methods)
     return 1 if failures else 0
 
 

@@ -132,7 +132,7 @@ class FusedSteps:
     def _state(self) -> list[torch.Tensor]:
         """Every buffer a step's graphs write, the device lengths included (a capture's warm-up runs write them)."""
         state = [self.ids, self.positions, self.own, self.parent_rows, self.nodes, self.anchor, self.result,
-                 self.path, self.target.storage.length]
+                 self.path, *self.target.committed_buffers()]
         if self.drafter is not None:
             state += [self.taps, self.block_ids, self.host, self.drafter.storage.length]
         if self.lookup:

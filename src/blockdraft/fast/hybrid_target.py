@@ -90,6 +90,13 @@ def pack_delta_net(layer: nn.Module) -> DeltaNetWeights:
     )
 
 
+def prompt_rows(own: torch.Tensor) -> torch.Tensor:
+    """A prefill's rows of its prompt [t] bool, from its mask own [t, t]: a prompt's row i sees rows 0..i, a padding
+    row (a graph's rows past the prompt) only itself. Padding rows then neither decay nor update the linear
+    states (decay 0, beta 0), and the conv window slides by the prompt's rows alone."""
+    return own.sum(-1) == torch.arange(1, own.shape[-1] + 1, device=own.device)
+
+
 class VerifyRows(NamedTuple):
     """A verify's rows as its linear layers read them: each row's parent [B, t] (-1: the committed sequence), its
     conv columns [B, t, kernel] (`fast.delta_net.path_layout`), and the kernel's `leaf_walks` (None off the kernel)."""
@@ -316,15 +323,10 @@ class HybridFastTarget(FastTarget):
             self._room_for_rows(max(counts))
         super().warm_verify(counts, positions, tap_layers)
 
-    def _capture(self, rows: int, cap: int, tap_layers: tuple[int, ...] | None, head: bool) -> object:
-        """FastTarget's capture, the committed linear states kept: a prefill's warm-up runs advance them."""
-        saved = (self.states.window.clone(), self.states.state.clone())
-        try:
-            return super()._capture(rows, cap, tap_layers, head)
-        finally:
-            with torch.inference_mode():
-                self.states.window.copy_(saved[0])
-                self.states.state.copy_(saved[1])
+    def committed_buffers(self) -> list[torch.Tensor]:
+        """FastTarget's, and the committed linear states: a prefill's forward and a fused step's commit advance
+        them in place."""
+        return [*super().committed_buffers(), self.states.window, self.states.state]
 
     def _run(self, ids: torch.Tensor, positions: torch.Tensor, own: torch.Tensor, cap: int,
              tap_layers: tuple[int, ...] | None, ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -336,8 +338,8 @@ class HybridFastTarget(FastTarget):
         slots = self.storage.length + self.slot_ids[:t]
         cos, sin = self.cos[positions][None, None], self.sin[positions][None, None]
         groups = self.heads // self.kv_heads
-        prefill = self.states.prefilling
-        layout = None if prefill else self.units.verify_rows(own.unsqueeze(0), self.states.window.shape[-1] + 1)
+        layout = (prompt_rows(own) if self.states.prefilling
+                  else self.units.verify_rows(own.unsqueeze(0), self.states.window.shape[-1] + 1))
 
         def dense(window: int | None) -> torch.Tensor:
             return ops.attention_bias(self.storage.length, self.slot_ids[:cap], positions, own, window, groups,
@@ -400,19 +402,19 @@ class HybridFastTarget(FastTarget):
                          self.final_norm, self.eps, tap_layers)
 
     def _delta_net(self, states: LinearStates, n: int, layer: DeltaNetWeights, proj: torch.Tensor,
-                   layout: VerifyRows | None) -> torch.Tensor:
+                   layout: VerifyRows | torch.Tensor) -> torch.Tensor:
         """Linear layer n's mixer output [B, t, value heads * dv] for out_proj, from slots 0..B-1 of `states`: a
-        prefill (`layout` None, batch 1) advances its window and state in place; a verify reads them and keeps
-        what each row's commit needs."""
+        prefill (`layout` its `prompt_rows`, batch 1) advances its window and state in place over its prompt's
+        rows; a verify reads them and keeps what each row's commit needs."""
         units = self.units
         batch = proj.shape[0]
         sizes = (layer.key_heads, layer.value_heads, layer.key_dim, layer.value_dim, layer.act)
         inputs = proj[..., :conv_channels(layer)]
         window, state = states.window[n, :batch], states.state[n, :batch]
-        if layout is None:
+        if isinstance(layout, torch.Tensor):
             q, k, v, g, beta, z = units.prefill_heads(window, proj, layer.conv, layer.neg_decay, layer.dt_bias, *sizes)
-            out, final = chunked_delta_rule(q, k, v, g, beta, state)
-            window.copy_(slid_window(window, inputs.transpose(1, 2)))
+            out, final = chunked_delta_rule(q, k, v, g.where(layout, 0.0), beta.where(layout, 0.0), state)
+            window.copy_(slid_window(window, inputs.transpose(1, 2), layout.sum()))
             state.copy_(final)
         else:
             q, k, v, g, beta, z = units.verify_heads(window, proj, layer.conv, layout.columns, layer.neg_decay,

@@ -18,10 +18,13 @@ import torch
 Advance = Callable[..., torch.Tensor]  # (k, v, g, beta, state[, count]) -> the advanced state
 
 
-def slid_window(window: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
-    """A conv window [..., C, K - 1] after `inputs` [..., C, n] in order: its last K - 1 columns."""
+def slid_window(window: torch.Tensor, inputs: torch.Tensor, count: torch.Tensor | None = None) -> torch.Tensor:
+    """A conv window [..., C, K - 1] after `inputs` [..., C, n] in order (their first `count`, a 0-d device tensor
+    never read on the host, where given): the last K - 1 columns."""
     appended = torch.cat([window, inputs], dim=-1)
-    return appended[..., appended.shape[-1] - window.shape[-1]:]
+    if count is None:
+        return appended[..., appended.shape[-1] - window.shape[-1]:]
+    return appended.index_select(-1, count + torch.arange(window.shape[-1], device=count.device))
 
 
 class LinearStates:
@@ -107,10 +110,7 @@ class LinearStates:
 
         state = self.state[:, 0]
         state.copy_(self.advance(rows(self.keys), rows(self.values), rows(self.decay), rows(self.beta), state, count))
-        kernel = self.window.shape[-1]
-        appended = torch.cat([self.window[:, 0], self.inputs[:, 0, path].transpose(-1, -2)], dim=-1)
-        last = count + torch.arange(kernel, device=count.device)  # the window ends after the count-th path row
-        self.window[:, 0] = appended.index_select(-1, last)
+        self.window[:, 0] = slid_window(self.window[:, 0], self.inputs[:, 0, path].transpose(-1, -2), count)
 
     @torch.inference_mode()
     def load(self, slot: int, source: LinearStates, source_slot: int = 0) -> None:

@@ -441,6 +441,12 @@ class FastTarget(Target):
         """A fused step's commit beyond its K/V and length, inside its graph: nothing here (a hybrid target's
         linear states)."""
 
+    def committed_buffers(self) -> list[torch.Tensor]:
+        """The device buffers that hold what the cache has committed and that a forward or a fused step's commit
+        writes in place: a capture's warm-up runs execute, so whoever captures keeps these as they were (here the
+        device length; a hybrid target's linear states too)."""
+        return [self.storage.length]
+
     @property
     def kv_layers(self) -> int:
         """Layers with K/V in a cache: every one here."""
@@ -518,11 +524,8 @@ class FastTarget(Target):
         entry = self._entry(rows, round_up(len(cache) + rows), tap_layers, head)
         entry.ids[:, :t].copy_(input_ids)
         entry.positions[:t].copy_(positions)
-        if own is None:
-            entry.own.copy_(fixed_mask("tril", rows, self.device))
-        else:
-            entry.own.copy_(fixed_mask("eye", rows, self.device))
-            entry.own[:t, :t].copy_(own)
+        entry.own.copy_(fixed_mask("eye", rows, self.device))  # padding rows see only themselves
+        entry.own[:t, :t].copy_(fixed_mask("tril", t, self.device) if own is None else own)
         entry.graph.replay()
         taps = None if entry.taps is None else entry.taps[:, :t].clone()
         return entry.out[:, :t].clone(), taps
@@ -558,8 +561,9 @@ class FastTarget(Target):
         return entry
 
     def _capture(self, rows: int, cap: int, tap_layers: tuple[int, ...] | None, head: bool) -> _Graph:
-        """Capture the forward for one shape. Warm-up runs write only slots past the cache length (rows nobody
-        has committed yet), which the real replay then overwrites, so capturing never disturbs the cache."""
+        """Capture the forward for one shape. Warm-up runs write K/V only past the cache length (rows nobody has
+        committed yet), which the real replay then overwrites, and `committed_buffers` are restored after them, so
+        capturing never disturbs the cache."""
         if not head and self._prefill_pool is None:
             self._prefill_pool = graph_pool(True)
         ids = torch.zeros(1, rows, dtype=torch.long, device=self.device)
@@ -570,7 +574,11 @@ class FastTarget(Target):
             hidden, taps = self._run(ids, positions, own, cap, tap_layers, self.ops if head else self.prefill_ops)
             return (self.head(hidden) if head else hidden), taps
 
+        saved = [x.clone() for x in self.committed_buffers()]
         graph, (out, taps) = capture(run, self.device, None if head else self._prefill_pool)
+        with torch.inference_mode():
+            for x, old in zip(self.committed_buffers(), saved):
+                x.copy_(old)
         return _Graph(graph=graph, ids=ids, positions=positions, own=own, out=out, taps=taps)
 
     @property

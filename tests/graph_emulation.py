@@ -1,0 +1,52 @@
+"""CUDA graphs as the CPU can run them, for tests of what a capture does to the engine's state.
+
+A real capture runs its function twice to warm up (those runs execute), records a third run without executing it,
+and each replay executes the recording into the same output buffers. The emulation executes all three at capture
+time (so a function that moves committed state in its warm-up shows it, as on the GPU) and each replay runs the
+function again and copies its outputs into the captured ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+CAPTURING_MODULES = ("blockdraft.fast.target", "blockdraft.fast.batch", "blockdraft.fast.drafter",
+                     "blockdraft.fast.batch_drafter", "blockdraft.decoding.fused_steps", "blockdraft.decoding.ddtree")
+
+
+def _copy_into(static: Any, fresh: Any) -> None:
+    if isinstance(static, torch.Tensor):
+        static.copy_(fresh)
+    elif isinstance(static, (tuple, list)):
+        for a, b in zip(static, fresh):
+            _copy_into(a, b)
+
+
+class EmulatedGraph:
+    """A captured function: each replay runs it and writes its outputs into the capture's."""
+
+    def __init__(self, run: Callable[[], Any], out: Any) -> None:
+        self.run, self.out = run, out
+
+    def replay(self) -> None:
+        _copy_into(self.out, self.run())
+
+
+def emulated_capture(run: Callable[[], Any], device: torch.device, pool: Any = None) -> tuple[EmulatedGraph, Any]:
+    """`fast.graphs.capture` on the CPU: two warm-up runs and the capture's run, all executed."""
+    for _ in range(2):
+        run()
+    out = run()
+    return EmulatedGraph(run, out), out
+
+
+def emulate_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every capture of the engine emulated (a target then opts in with `use_graphs = True`)."""
+    for module in CAPTURING_MODULES:
+        monkeypatch.setattr(f"{module}.capture", emulated_capture)
+        if hasattr(__import__(module, fromlist=["_"]), "graph_pool"):
+            monkeypatch.setattr(f"{module}.graph_pool", lambda use_graphs: None)
