@@ -1,9 +1,9 @@
 """Reuse or retrain: does a base model's drafter still work on a fine-tune of that model?
 
 Users report both outcomes: a base drafter reused on a fine-tune drops to single-digit acceptance (z-lab/dflash
-#80), while some same-lineage pairs keep ~98% of it (z-lab/dflash #149). So measure: the drafter's healthy acceptance on the
-fine-tuned target against the same drafter on its base target, same prompts, T = 0, and decide from the share of
-the base pair's speculative gain (tau - 1) the fine-tune keeps.
+#80), while some same-lineage pairs keep ~98% of it (z-lab/dflash #149). So measure: the drafter's healthy
+acceptance on the fine-tuned target against the same drafter on its base target, same prompts, T = 0, and decide
+from the share of the base pair's speculative gain (tau - 1) the fine-tune keeps.
 """
 
 from __future__ import annotations
