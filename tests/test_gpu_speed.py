@@ -37,6 +37,7 @@ def test_cpu_smoke_run(tiny_dirs: tuple[Path, Path], tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert not data["errors"]
     assert set(data["rows"]["DDTree verify @8 (ms)"]) == {"hf", "fast"}
+    assert set(data["rows"]["prefill, warm: median of 3 (ms)"]) == {"hf", "fast"}  # a server's time to first token
     assert data["rows"][AGREEMENT_ROW]["fast"].startswith("1.00")
     methods = {e["method"]: e for e in data["e2e"]}
     assert {"ours fast dflash", "ours hf ddtree@6", "ours fast ddtree@3", "HF generate (greedy)",
@@ -109,5 +110,6 @@ def test_hybrid_shape_smoke_run(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert not data["errors"], data["errors"]
     assert set(data["rows"]["DDTree verify @8 (ms)"]) == {"hf", "fast"}
+    assert set(data["rows"]["prefill, warm: median of 3 (ms)"]) == {"hf", "fast"}  # a server's time to first token
     assert data["rows"][AGREEMENT_ROW]["fast"].startswith("1.00")
     assert data["rows"]["drafter path"]["fast"] != data["rows"]["drafter path"]["hf"]  # the static drafter on fast
