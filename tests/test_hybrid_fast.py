@@ -415,3 +415,26 @@ def test_captured_graphs_keep_the_committed_states(order: str, monkeypatch: pyte
     for method in range(3):
         decoder = BatchDecoder(fast, lambda m=method: proposers()[m], 2)
         assert decode_all(decoder, prompts, [12] * len(prompts)) == truth, method
+
+
+def test_a_server_engine_warmed_on_captured_graphs_decodes_hf_greedy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`blockdraft serve`'s batched engine on a hybrid target with graphs captured as the GPU does: its warm-up
+    (every prefill graph, decodes at every batch bucket from two contexts, the K/V reserved for max_model_len)
+    leaves the states clean, and the requests after it decode HF's greedy ids with every method."""
+    from graph_emulation import emulate_graphs
+
+    from blockdraft.decoding.methods import build_proposer
+    from blockdraft.serve.batched import BatchedEngine
+
+    emulate_graphs(monkeypatch)
+    model = make_hybrid("qwen3_5", seed=5)
+    drafter = make_drafter("all_full")
+    prompts = [[(7 * i + 3 * j + 1) % 63 for j in range(1 + (5 * i) % 23)] for i in range(4)]
+    truth = [hf_greedy(model, p, 12) for p in prompts]
+    for method, budget in (("ar", None), ("dflash", None), ("ddtree", 6)):
+        fast = HybridFastTarget(model)
+        fast.use_graphs = True
+        engine = BatchedEngine(fast, lambda m=method, b=budget, f=fast: build_proposer(
+            m, f, None if m == "ar" else drafter, b), None, 2, max_model_len=160)
+        engine.warm_up([3, 4, 5])
+        assert decode_all(engine.decoder, prompts, [12] * len(prompts)) == truth, method
