@@ -50,3 +50,34 @@ def emulate_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(f"{module}.capture", emulated_capture)
         if hasattr(__import__(module, fromlist=["_"]), "graph_pool"):
             monkeypatch.setattr(f"{module}.graph_pool", lambda use_graphs: None)
+
+
+def assert_greedy_on_graphs(make_target: Callable[[bool], Any], drafter: torch.nn.Module, prompts: list[list[int]],
+                            truth: list[list[int]]) -> None:
+    """On emulated graphs (`emulate_graphs` first), a target from `make_target(fused)` decodes `truth` (HF's greedy
+    ids of `prompts`) with AR, DFlash and DDTree@6: alone, with fused steps and without, then batched in 2 slots
+    (sequences joining and leaving)."""
+    from test_hybrid_fast import decode_all
+
+    from blockdraft.decoding.methods import build_proposer
+    from blockdraft.engine.batch import BatchDecoder
+
+    methods = [("ar", None), ("dflash", None), ("ddtree", 6)]
+    for fused in (True, False):
+        target = make_target(fused)
+        target.use_graphs = True
+        for method, budget in methods:
+            proposer = build_proposer(method, target, None if method == "ar" else drafter, budget)
+            got = [generate_ids(target, p, proposer, len(t)) for p, t in zip(prompts, truth)]
+            assert got == truth, (method, fused)
+    for method, budget in methods:
+        decoder = BatchDecoder(target, lambda m=method, b=budget: build_proposer(
+            m, target, None if m == "ar" else drafter, b), 2)
+        assert decode_all(decoder, prompts, [len(t) for t in truth]) == truth, method
+
+
+def generate_ids(target: Any, prompt: list[int], proposer: Any, tokens: int) -> list[int]:
+    """`generate`'s ids."""
+    from blockdraft.decoding.generate import generate
+
+    return generate(target, prompt, proposer, max_new_tokens=tokens).token_ids

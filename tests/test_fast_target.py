@@ -404,26 +404,11 @@ def test_captured_graphs_give_greedy_ids(monkeypatch: pytest.MonkeyPatch) -> Non
     to their prefill graph's rows, each draft and verify replayed): batch 1 (fused steps and plain) and batched
     (the batched drafter's graphs too, sequences joining and leaving), AR, DFlash and DDTree ids equal HF's greedy
     decode."""
-    from graph_emulation import emulate_graphs
-    from test_hybrid_fast import decode_all
+    from graph_emulation import assert_greedy_on_graphs, emulate_graphs
     from test_lossless import hf_greedy
-
-    from blockdraft.engine.batch import BatchDecoder
 
     emulate_graphs(monkeypatch)
     model = make_target_model("qwen3", seed=3)
-    drafter = make_drafter("all_full")
     prompts = [[(5 * i + 2 * j + 1) % 61 for j in range(2 + (7 * i) % 19)] for i in range(4)]
-    truth = [hf_greedy(model, p, 12) for p in prompts]
-    for fused in (True, False):
-        fast = FastTarget(model, fused=fused)
-        fast.use_graphs = True
-        methods = [("ar", None), ("dflash", None), ("ddtree", 6)]
-        for method, budget in methods:
-            proposer = build_proposer(method, fast, None if method == "ar" else drafter, budget)
-            got = [generate(fast, p, proposer, max_new_tokens=12).token_ids for p in prompts]
-            assert got == truth, (method, fused)
-    for method, budget in methods:
-        decoder = BatchDecoder(fast, lambda m=method, b=budget: build_proposer(m, fast, None if m == "ar" else drafter,
-                                                                               b), 2)
-        assert decode_all(decoder, prompts, [12] * len(prompts)) == truth, method
+    assert_greedy_on_graphs(lambda fused: FastTarget(model, fused=fused), make_drafter("all_full"), prompts,
+                            [hf_greedy(model, p, 12) for p in prompts])

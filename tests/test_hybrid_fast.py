@@ -395,26 +395,13 @@ def test_captured_graphs_keep_the_committed_states(order: str, monkeypatch: pyte
     graph's padding rows advanced the linear states, and a fused step's graph captured mid-decode ran its commit
     in its warm-up. Batch 1 (fused steps and plain) and batched (sequences joining and leaving), every method's ids
     are HF's greedy decode."""
-    from graph_emulation import emulate_graphs
+    from graph_emulation import assert_greedy_on_graphs, emulate_graphs
 
     emulate_graphs(monkeypatch)
     model = make_hybrid("qwen3_5", layer_types=ORDERS[order], seed=2)
-    drafter = make_drafter("all_full")
     prompts = [[(7 * i + 3 * j + 1) % 63 for j in range(1 + (5 * i) % 23)] for i in range(4)]
-    truth = [hf_greedy(model, p, 12) for p in prompts]
-    for fused in (True, False):
-        fast = HybridFastTarget(model, fused=fused)
-        fast.use_graphs = True
-
-        def proposers() -> list[DFlashProposer | DDTreeProposer | None]:
-            return [None, DFlashProposer(drafter, fast), DDTreeProposer(drafter, fast, 6)]  # noqa: B023
-
-        for proposer in proposers():
-            got = [generate(fast, p, proposer, max_new_tokens=12).token_ids for p in prompts]
-            assert got == truth, (getattr(proposer, "name", "ar"), fused)
-    for method in range(3):
-        decoder = BatchDecoder(fast, lambda m=method: proposers()[m], 2)
-        assert decode_all(decoder, prompts, [12] * len(prompts)) == truth, method
+    assert_greedy_on_graphs(lambda fused: HybridFastTarget(model, fused=fused), make_drafter("all_full"), prompts,
+                            [hf_greedy(model, p, 12) for p in prompts])
 
 
 def test_a_server_engine_warmed_on_captured_graphs_decodes_hf_greedy(monkeypatch: pytest.MonkeyPatch) -> None:

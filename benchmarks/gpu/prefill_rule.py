@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from gpu_speed import SHAPES, timer  # noqa: E402  (the benchmark's own shapes and clock)
 
 from blockdraft.fast.delta_net import chunked_delta_rule  # noqa: E402
+from blockdraft.fast.graphs import capture  # noqa: E402
 
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -58,17 +59,8 @@ def fla_rule() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
 
 
 def graphed(fn: Callable[[], object], device: torch.device) -> Callable[[], None]:
-    """`fn` captured as a CUDA graph after two warm-up runs on a side stream: its replay."""
-    stream = torch.cuda.Stream(device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+    """`fn` captured as a CUDA graph as the engine captures (`fast.graphs.capture`): its replay."""
+    return capture(fn, device)[0].replay
 
 
 def main() -> int:
