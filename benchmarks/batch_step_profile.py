@@ -33,50 +33,66 @@ def drain(replies: Connection) -> None:
             return
 
 
-PHASES = ("_catch_up", "_drafts", "_trees_on_device", "verifier.forward", "verifier.forward_rows", "_verdicts",
-          "verifier.keep", "_extend", "_leave")
+PHASES = (  # (where, attribute): the parts of BatchDecoder.step; where is the decoder, its verifier, or a module
+    ("decoder", "_catch_up"), ("batch_drafts", "drafts"), ("batch_drafts", "device_trees"),
+    ("verifier", "forward"), ("verifier", "forward_rows"), ("decoder", "_verdicts"), ("verifier", "keep"),
+    ("decoder", "_extend"), ("decoder", "_leave"))
+OPTIONAL = {("verifier", "forward_rows")}  # the HF engine's verifier has no rows forward (no trees on the device)
 
 
-def print_phases(decoder: Any, steps: Callable[[], list[float]], cuda: bool) -> None:
+def print_phases(decoder: Any, steps: Callable[[], list[float]], cuda: bool) -> dict[str, float]:
     """Median ms per step of each part of BatchDecoder.step, each run alone (the device drained before and after
     it, so a part's own device work counts in it and nowhere else); "rest": the step's other host work and the
-    server's (commits' text, the outbox)."""
+    server's (commits' text, the outbox). Returns what it prints."""
     import torch
 
+    from blockdraft.engine import batch_drafts
+
+    owners = {"decoder": decoder, "verifier": decoder.verifier, "batch_drafts": batch_drafts}
+    labels = [f"{where}.{name}" for where, name in PHASES]
     totals: dict[str, float] = {}
+    originals: list[tuple[Any, str, Any]] = []
+    for (where, name), label in zip(PHASES, labels):
+        owner = owners[where]
+        original = getattr(owner, name, None)
+        if original is None:
+            if (where, name) in OPTIONAL:
+                continue
+            raise SystemExit(f"PHASES names {where}.{name}, which the decoder no longer has: update PHASES to "
+                             "BatchDecoder.step's parts")
 
-    def timed(owner: Any, name: str, label: str) -> None:
-        original = getattr(owner, name)
-
-        def run(*args: Any, **kwargs: Any) -> Any:
+        def run(*args: Any, _original: Any = original, _label: str = label, **kwargs: Any) -> Any:
             if cuda:
                 torch.cuda.synchronize()
             began = time.perf_counter()
-            out = original(*args, **kwargs)
+            out = _original(*args, **kwargs)
             if cuda:
                 torch.cuda.synchronize()
-            totals[label] = totals.get(label, 0.0) + 1000 * (time.perf_counter() - began)
+            totals[_label] = totals.get(_label, 0.0) + 1000 * (time.perf_counter() - began)
             return out
 
+        originals.append((owner, name, original))
         setattr(owner, name, run)
-
-    wrapped = [((decoder.verifier, label.split(".")[1]) if label.startswith("verifier.") else (decoder, label), label)
-               for label in PHASES]
-    for (owner, name), label in wrapped:
-        timed(owner, name, label)
-    per_step: dict[str, list[float]] = {label: [] for label in (*PHASES, "rest", "step")}
-    for _ in range(3):  # three rounds of steps, each split into its parts; the median round of each part
-        totals.clear()
-        times = steps()
-        count = len(times)
-        for label in PHASES:
-            per_step[label].append(totals.get(label, 0.0) / count)
-        per_step["step"].append(sum(times) / count)
-        per_step["rest"].append(per_step["step"][-1] - sum(per_step[label][-1] for label in PHASES))
-    for (owner, name), _ in wrapped:  # the methods themselves again (the wrappers were instance attributes)
-        del owner.__dict__[name]
+    per_step: dict[str, list[float]] = {label: [] for label in (*labels, "rest", "step")}
+    try:
+        for _ in range(3):  # three rounds of steps, each split into its parts; the median round of each part
+            totals.clear()
+            times = steps()
+            count = len(times)
+            for label in labels:
+                per_step[label].append(totals.get(label, 0.0) / count)
+            per_step["step"].append(sum(times) / count)
+            per_step["rest"].append(per_step["step"][-1] - sum(per_step[label][-1] for label in labels))
+    finally:
+        for owner, name, original in originals:
+            if owner is batch_drafts:
+                setattr(owner, name, original)
+            else:  # the wrappers were instance attributes: the methods themselves again
+                delattr(owner, name)
+    medians = {label: statistics.median(values) for label, values in per_step.items()}
     print("parts of a step, each alone (ms per step, median of 3 rounds): " + ", ".join(
-        f"{label} {statistics.median(values):.2f}" for label, values in per_step.items()))
+        f"{label} {ms:.2f}" for label, ms in medians.items()))
+    return medians
 
 
 def print_device_time(steps: Callable[[], list[float]], count: int) -> None:
@@ -97,6 +113,7 @@ def print_device_time(steps: Callable[[], list[float]], count: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="smollm2-135m-instruct")
+    parser.add_argument("--drafter", default=None, help="default: the shipped drafter of the embedded target")
     parser.add_argument("--method", default="ar", choices=("ar", "dflash", "ddtree"))
     parser.add_argument("--budget", type=int, default=32)
     parser.add_argument("--batch", type=int, default=64)
@@ -122,7 +139,7 @@ def main() -> None:
     from blockdraft.serve.output import StopRules
     from blockdraft.serve.relay import Outbox
 
-    drafter = None if args.method == "ar" and not args.scheduled else default_drafter(args.target, None)
+    drafter = None if args.method == "ar" and not args.scheduled else default_drafter(args.target, args.drafter)
     loaded = Loaded(args.target, drafter, args.device, args.dtype, args.engine)
     target = loaded.target
     depth = None
