@@ -72,8 +72,8 @@ def measure_costs(target: Target, drafter: DFlashDrafter, target_name: str, draf
     rows or budget not measured) is skipped, not failed: without a device time its step cannot be split, and it
     pays AR's host work as tables without commit_by_candidate_s do."""
     if not target.batch_slots:
-        raise BlockdraftError("tune times the batched engine, which needs the fast engine's batch slots (dense "
-                              "targets); pass --engine fast with a dense target")
+        raise BlockdraftError("tune times the batched engine, which needs the fast engine's batch slots: pass "
+                              "--engine fast")
     device = target.device
     verify_s = verify_seconds(target, drafter.cfg.target_layer_ids, batch_sizes, rows, context, repeats)
     draft_s = _draft_costs(target, drafter, batch_sizes, context, repeats)
