@@ -1,0 +1,40 @@
+"""The serving benchmarks run end to end on the CPU with the embedded pair: serve_load.py (servers under bounded
+load against the same methods in-process, dialled acceptance included) and serve_latency.py (a streamed request's
+time, client and server side). Their GPU runs are the serving figures; these keep the scripts runnable."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def test_serve_load_reports_every_level_and_the_pairs(tmp_path: Path) -> None:
+    out = tmp_path / "load.json"
+    res = subprocess.run([sys.executable, str(BENCHMARKS / "serve_load.py"), "--methods", "ar,dflash",
+                          "--concurrency", "1,2", "--requests", "2", "--paired", "2", "--max-tokens", "8",
+                          "--device", "cpu", "--threads", "1", "--rounds", "1", "--time-cap", "60", "--max-num-seqs", "2",
+                          "--json-out", str(out)], capture_output=True, text=True, timeout=600, env=ENV)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    data = json.loads(out.read_text())
+    levels = {(level["method"], level["concurrency"]): level for level in data["levels"]}
+    assert set(levels) == {(m, c) for m in ("ar", "dflash") for c in (1, 2)}
+    for level in levels.values():
+        assert level["errors"] == 0 and level["output_tokens_per_s"] > 0
+        assert 0 < level["engine"]["step_share"] <= 1  # the batched server's own account, from /metrics
+    assert {ratio["method"] for ratio in data["ratios"]} == {"ar", "dflash"}
+    assert all(ratio["same_token_counts"] == ratio["requests"] for ratio in data["ratios"])  # T=0 both sides
+
+
+def test_serve_latency_with_dialled_acceptance() -> None:
+    res = subprocess.run([sys.executable, str(BENCHMARKS / "serve_latency.py"), "--device", "cpu", "--method",
+                          "dflash", "--requests", "3", "--max-tokens", "8", "--synthetic-acceptance", "6.35"],
+                         capture_output=True, text=True, timeout=600, env=ENV)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    for name in ("in-process TTFT ms", "client TTFT ms", "server TTFT ms", "server generation ms"):
+        assert any(line.startswith(name) for line in res.stdout.splitlines()), name
