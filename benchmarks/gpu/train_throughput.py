@@ -33,13 +33,16 @@ SMOLLM2 = dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num
                rope_theta=100000.0)
 
 
+LONGEST_PROMPT, SHORTEST_RESPONSE = 200, 50
+
+
 def samples(count: int, max_length: int, seed: int) -> list[Sample]:
     """Prompt 30-200 tokens, response up to max_length (the regenerated data's spread)."""
     rng = random.Random(seed)
     out = []
     for i in range(count):
-        start = rng.randint(30, 200)
-        length = rng.randint(start + 50, max_length)
+        start = rng.randint(30, LONGEST_PROMPT)
+        length = rng.randint(start + SHORTEST_RESPONSE, max_length)
         out.append(Sample(str(i), [rng.randrange(100, 49000) for _ in range(length)], start))
     return out
 
@@ -108,6 +111,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--profile", default="", help="attention:batch to profile, e.g. flex:16")
     args = parser.parse_args()
+    if args.max_length < LONGEST_PROMPT + SHORTEST_RESPONSE:
+        parser.error(f"--max-length must be at least {LONGEST_PROMPT + SHORTEST_RESPONSE} (prompts of up to "
+                     f"{LONGEST_PROMPT} tokens, responses of at least {SHORTEST_RESPONSE})")
     for attention in args.attention.split(","):
         for batch_size in map(int, args.batch_sizes.split(",")):
             try:
