@@ -391,7 +391,7 @@ def test_the_multimodal_wrapper_runs_its_text_model() -> None:
 @pytest.mark.parametrize("order", sorted(ORDERS))
 def test_captured_graphs_keep_the_committed_states(order: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """CUDA graphs as the GPU runs them (`graph_emulation`: a capture's warm-up runs execute, a prefill's rows are
-    padded to its graph's). Two faults an H100 showed, HF's greedy ids lost from the second token on: a prefill
+    padded to its graph's). Two faults an H100 showed, HF's greedy ids lost within the first five tokens: a prefill
     graph's padding rows advanced the linear states, and a fused step's graph captured mid-decode ran its commit
     in its warm-up. Batch 1 (fused steps and plain) and batched (sequences joining and leaving), every method's ids
     are HF's greedy decode."""
