@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-CAPTURING_MODULES = ("blockdraft.fast.target", "blockdraft.fast.batch", "blockdraft.fast.drafter",
-                     "blockdraft.fast.batch_drafter", "blockdraft.decoding.fused_steps", "blockdraft.decoding.ddtree")
+POOL_MODULES = ("blockdraft.fast.target", "blockdraft.fast.batch", "blockdraft.fast.batch_drafter",
+                "blockdraft.decoding.fused_steps")  # those that take a graph pool (CUDA's handle) by `graph_pool`
 
 
 def _copy_into(static: Any, fresh: Any) -> None:
@@ -36,8 +36,9 @@ class EmulatedGraph:
         _copy_into(self.out, self.run())
 
 
-def emulated_capture(run: Callable[[], Any], device: torch.device, pool: Any = None) -> tuple[EmulatedGraph, Any]:
-    """`fast.graphs.capture` on the CPU: two warm-up runs and the capture's run, all executed."""
+def emulated_record(run: Callable[[], Any], device: torch.device, pool: Any = None) -> tuple[EmulatedGraph, Any]:
+    """`fast.graphs.record` on the CPU: two warm-up runs and the capture's run, all executed (`fast.graphs.capture`
+    around it is the engine's own, restoring what it keeps)."""
     for _ in range(2):
         run()
     out = run()
@@ -46,10 +47,9 @@ def emulated_capture(run: Callable[[], Any], device: torch.device, pool: Any = N
 
 def emulate_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every capture of the engine emulated (a target then opts in with `use_graphs = True`)."""
-    for module in CAPTURING_MODULES:
-        monkeypatch.setattr(f"{module}.capture", emulated_capture)
-        if hasattr(__import__(module, fromlist=["_"]), "graph_pool"):
-            monkeypatch.setattr(f"{module}.graph_pool", lambda use_graphs: None)
+    monkeypatch.setattr("blockdraft.fast.graphs.record", emulated_record)
+    for module in POOL_MODULES:
+        monkeypatch.setattr(f"{module}.graph_pool", lambda use_graphs: None)
 
 
 def assert_greedy_on_graphs(make_target: Callable[[bool], Any], drafter: torch.nn.Module, prompts: list[list[int]],

@@ -250,10 +250,7 @@ class FusedSteps:
         if cap not in graphs:
             if self._pool is None:
                 self._pool = graph_pool(True)
-            saved = [x.clone() for x in self._state()]
-            graphs[cap], _ = capture(lambda: run(cap), self.device, self._pool)
-            for x, old in zip(self._state(), saved):
-                x.copy_(old)
+            graphs[cap], _ = capture(lambda: run(cap), self.device, self._pool, keep=self._state())
         return graphs[cap]
 
     def _verify_run(self, cap: int) -> None:

@@ -6,7 +6,7 @@ captured whichever part captured them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -30,18 +30,31 @@ def graphs_captured() -> int:
     return warm_costs().counts[CAPTURING]
 
 
-def capture(run: Callable[[], T], device: torch.device, pool: Any = None) -> tuple[Any, T]:
-    """A CUDA graph of `run` and its outputs (the graph's static outputs), after warm-up on a side stream (kernel
-    selection, torch.compile) so the capture records only the steady state; `pool` shares memory between graphs
-    that never run at the same time."""
+def capture(run: Callable[[], T], device: torch.device, pool: Any = None,
+            keep: Sequence[torch.Tensor] = ()) -> tuple[Any, T]:
+    """A CUDA graph of `run` and its outputs (the graph's static outputs), after warm-up runs (`record`); `pool`
+    shares memory between graphs that never run at the same time. The warm-up runs execute, so the buffers in
+    `keep` (what a cache has committed: a device length, a hybrid's linear states, a fused step's own state) are
+    restored after them: capturing in the middle of a decode changes nothing."""
+    saved = [x.clone() for x in keep]
     with spent(CAPTURING):
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                run()
-        torch.cuda.current_stream(device).wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with capturing(graph, pool):
-            out = run()
+        graph, out = record(run, device, pool)
+    with torch.inference_mode():
+        for x, old in zip(keep, saved):
+            x.copy_(old)
+    return graph, out
+
+
+def record(run: Callable[[], T], device: torch.device, pool: Any = None) -> tuple[Any, T]:
+    """The CUDA part of `capture`: two runs on a side stream (kernel selection, torch.compile) so the capture
+    records only the steady state, then the capture (tests replace this with runs the CPU can do)."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            run()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with capturing(graph, pool):
+        out = run()
     return graph, out

@@ -574,11 +574,8 @@ class FastTarget(Target):
             hidden, taps = self._run(ids, positions, own, cap, tap_layers, self.ops if head else self.prefill_ops)
             return (self.head(hidden) if head else hidden), taps
 
-        saved = [x.clone() for x in self.committed_buffers()]
-        graph, (out, taps) = capture(run, self.device, None if head else self._prefill_pool)
-        with torch.inference_mode():
-            for x, old in zip(self.committed_buffers(), saved):
-                x.copy_(old)
+        graph, (out, taps) = capture(run, self.device, None if head else self._prefill_pool,
+                                     keep=self.committed_buffers())
         return _Graph(graph=graph, ids=ids, positions=positions, own=own, out=out, taps=taps)
 
     @property
