@@ -90,11 +90,19 @@ def pack_delta_net(layer: nn.Module) -> DeltaNetWeights:
     )
 
 
-def prompt_rows(own: torch.Tensor) -> torch.Tensor:
-    """A prefill's rows of its prompt [t] bool, from its mask own [t, t]: a prompt's row i sees rows 0..i, a padding
-    row (a graph's rows past the prompt) only itself. Padding rows then neither decay nor update the linear
+class PromptRows(NamedTuple):
+    """A prefill's rows as its linear layers read them: which are its prompt's [t] bool, and how many (0-d)."""
+
+    mask: torch.Tensor
+    count: torch.Tensor
+
+
+def prompt_rows(own: torch.Tensor) -> PromptRows:
+    """A prefill's prompt rows, from its mask own [t, t], computed once a forward: a prompt's row i sees rows 0..i, a
+    padding row (a graph's rows past the prompt) only itself. Padding rows then neither decay nor update the linear
     states (decay 0, beta 0), and the conv window slides by the prompt's rows alone."""
-    return own.sum(-1) == torch.arange(1, own.shape[-1] + 1, device=own.device)
+    mask = own.sum(-1) == torch.arange(1, own.shape[-1] + 1, device=own.device)
+    return PromptRows(mask, mask.sum())
 
 
 class VerifyRows(NamedTuple):
@@ -402,7 +410,7 @@ class HybridFastTarget(FastTarget):
                          self.final_norm, self.eps, tap_layers)
 
     def _delta_net(self, states: LinearStates, n: int, layer: DeltaNetWeights, proj: torch.Tensor,
-                   layout: VerifyRows | torch.Tensor) -> torch.Tensor:
+                   layout: VerifyRows | PromptRows) -> torch.Tensor:
         """Linear layer n's mixer output [B, t, value heads * dv] for out_proj, from slots 0..B-1 of `states`: a
         prefill (`layout` its `prompt_rows`, batch 1) advances its window and state in place over its prompt's
         rows; a verify reads them and keeps what each row's commit needs."""
@@ -411,10 +419,10 @@ class HybridFastTarget(FastTarget):
         sizes = (layer.key_heads, layer.value_heads, layer.key_dim, layer.value_dim, layer.act)
         inputs = proj[..., :conv_channels(layer)]
         window, state = states.window[n, :batch], states.state[n, :batch]
-        if isinstance(layout, torch.Tensor):
+        if isinstance(layout, PromptRows):
             q, k, v, g, beta, z = units.prefill_heads(window, proj, layer.conv, layer.neg_decay, layer.dt_bias, *sizes)
-            out, final = chunked_delta_rule(q, k, v, g.where(layout, 0.0), beta.where(layout, 0.0), state)
-            window.copy_(slid_window(window, inputs.transpose(1, 2), layout.sum()))
+            out, final = chunked_delta_rule(q, k, v, g.where(layout.mask, 0.0), beta.where(layout.mask, 0.0), state)
+            window.copy_(slid_window(window, inputs.transpose(1, 2), layout.count))
             state.copy_(final)
         else:
             q, k, v, g, beta, z = units.verify_heads(window, proj, layer.conv, layout.columns, layer.neg_decay,
