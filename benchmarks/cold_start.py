@@ -150,20 +150,33 @@ def serve_check(args: argparse.Namespace, method: str, caches: str, env: dict[st
 
 def script_check(name: str, command: list[str], env: dict[str, str], timeout: float,
                  json_path: Path | None = None) -> Check:
-    """A benchmark script in a fresh process: it passes when it exits 0 and (with a JSON file) recorded no error."""
+    """A benchmark script in a fresh process: it passes when it exits 0 and (with a JSON file) recorded no error. Its
+    lines are printed as they come, so a script stopped at `timeout` still shows how far it got."""
     check = Check(name, "cold")
     began = time.perf_counter()
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
+                            start_new_session=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=_lines, args=(proc.stdout, lines), daemon=True).start()
     try:
-        done = subprocess.run(command, env=env, cwd=ROOT, timeout=timeout, text=True, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT)
-    except subprocess.TimeoutExpired:
-        check.detail = f"not done after {timeout:g} s"
-        return check
+        while True:
+            try:
+                line = lines.get(timeout=max(began + timeout - time.perf_counter(), 0.01))
+            except queue.Empty:
+                check.detail = f"not done after {timeout:g} s"
+                return check
+            if line is None:
+                break
+            print(f"  [{name}] {line}", flush=True)
+        code = proc.wait()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
     check.seconds = time.perf_counter() - began
-    print("\n".join(f"  [{name}] {line}" for line in done.stdout.splitlines()), flush=True)
     errors = json.loads(json_path.read_text()).get("errors", []) if json_path and json_path.exists() else []
-    check.ok = done.returncode == 0 and not errors
-    check.detail = (f"exit code {done.returncode}" + (f", {len(errors)} errors: {errors[0]}" if errors else "")
+    check.ok = code == 0 and not errors
+    check.detail = (f"exit code {code}" + (f", {len(errors)} errors: {errors[0]}" if errors else "")
                     if not check.ok else "complete")
     return check
 

@@ -33,12 +33,13 @@ from blockdraft.engine import measured  # noqa: E402
 from blockdraft.engine.batch import BatchDecoder  # noqa: E402
 from blockdraft.engine.sequence import Request  # noqa: E402
 from blockdraft.engine.measured import MeasuredSchedule  # noqa: E402
-from blockdraft.engine.acceptance import AcceptanceProfile# noqa: E402
-from blockdraft.engine.candidate import AR, Candidate# noqa: E402
-from blockdraft.engine.cost_table import CostTable# noqa: E402
-from blockdraft.engine.schedule import choose# noqa: E402
+from blockdraft.engine.acceptance import AcceptanceProfile  # noqa: E402
+from blockdraft.engine.candidate import AR, Candidate  # noqa: E402
+from blockdraft.engine.cost_table import CostTable  # noqa: E402
+from blockdraft.engine.schedule import choose  # noqa: E402
 from blockdraft.engine.switching import SwitchingProposer  # noqa: E402
 from blockdraft.fast.target import FastTarget  # noqa: E402
+from blockdraft.kernels.tuned_configs import save_if_asked  # noqa: E402
 
 
 METHODS = ("ar", "dflash", "ddtree", "scheduled")
@@ -119,11 +120,19 @@ def main() -> int:
     unknown = sorted(set(methods) - set(METHODS))
     if unknown:
         parser.error(f"--methods: {unknown[0]!r} is none of {', '.join(METHODS)}")
+    failures = run(args, methods, parser)
+    if kept := save_if_asked():
+        print(kept, flush=True)
+    return 1 if failures else 0
+
+
+def run(args: argparse.Namespace, methods: list[str], parser: argparse.ArgumentParser) -> int:
+    """The checks `args` ask for; the number of sequences that differ."""
     device = torch.device(args.device)
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False  # float32 as the CPU computes it
     drafter = make_drafter("all_full").to(device)
     if not args.hybrid:
-        return 1 if check(FastTarget(make_target_model("qwen3").to(device)), drafter, None, methods) else 0
+        return check(FastTarget(make_target_model("qwen3").to(device)), drafter, None, methods)
     from test_hybrid_fast import ORDERS, make_hybrid
     from test_lossless import hf_greedy
 
@@ -141,7 +150,7 @@ def main() -> int:
         on_cpu = copy.deepcopy(model)
         failures += check(HybridFastTarget(model.to(device)), drafter,
                           lambda p, n, ours, m=on_cpu: differs(m, p, ours, hf_greedy(m, p, n)), methods)
-    return 1 if failures else 0
+    return failures
 
 
 if __name__ == "__main__":
