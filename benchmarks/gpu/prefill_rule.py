@@ -26,6 +26,7 @@ from gpu_speed import SHAPES, timer  # noqa: E402  (the benchmark's own shapes a
 
 from blockdraft.fast.delta_net import chunked_delta_rule  # noqa: E402
 from blockdraft.fast.graphs import capture  # noqa: E402
+from blockdraft.kernels.fla_delta_rule import fla_delta_rule, library_rule  # noqa: E402
 
 Inputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
@@ -40,22 +41,6 @@ def rule_inputs(heads: int, dk: int, dv: int, tokens: int, device: torch.device)
     beta = torch.rand(1, heads, tokens, generator=gen)
     state = torch.randn(1, heads, dk, dv, generator=gen) * 0.1
     return tuple(x.to(device) for x in (q / dk ** 0.5, k, v, g, beta, state))  # type: ignore[return-value]
-
-
-def fla_rule() -> Callable[..., tuple[torch.Tensor, torch.Tensor]] | None:
-    """fla's chunked rule in our layout ([1, H, t, d] in, [1, H, t, dv] and the state out), or None without fla."""
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    except ImportError:
-        return None
-
-    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-            state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out, final = chunk_gated_delta_rule(*(x.transpose(1, 2) for x in (q, k, v, g, beta)), scale=1.0,
-                                            initial_state=state, output_final_state=True)
-        return out.transpose(1, 2), final
-
-    return run
 
 
 def graphed(fn: Callable[[], object], device: torch.device) -> Callable[[], None]:
@@ -99,12 +84,11 @@ def main() -> int:
                     rows.append((label + ", CUDA graph", None, f"cannot be captured: {type(exc).__name__}"))
 
     add("ours, float32", lambda: chunked_delta_rule(*inputs))
-    fla = fla_rule()
-    if fla is None:
+    if library_rule() is None:
         rows.append(("flash-linear-attention", None, "not installed"))
     else:
-        add("fla, float32 inputs", lambda: fla(*inputs))
-        add("fla, bf16 q/k/v", lambda: fla(*(x.bfloat16() for x in inputs[:3]), *inputs[3:]))
+        add("fla, float32 inputs", lambda: fla_delta_rule(*inputs, torch.float32))
+        add("fla, bf16 q/k/v (what the engine runs)", lambda: fla_delta_rule(*inputs, torch.bfloat16))
     print(f"## The prefill's delta rule, {args.shape} ({layers} linear layers, {heads} heads, dk {dk}, dv {dv}), "
           f"{args.tokens} rows, {device.type}: median of {args.iters}\n")
     print("| rule | ms a layer | ms, all linear layers | largest difference from float64 |\n|---|---|---|---|")

@@ -6,7 +6,7 @@ KV cache and attention path; the linear-attention layers (`fast.delta_net`) keep
 states in static buffers (`fast.linear_states`). A verify runs each row along its own path and keeps what the rule
 read per row, so the commit after acceptance (a chain's crop, a tree's compact) advances the state over the accepted
 path alone, without another target forward, and a DDTree step is one verify forward (one graph on CUDA). Prefills
-run the chunked delta rule.
+run the chunked delta rule (flash-linear-attention's in half precision where it is installed and timed faster).
 Qwen3.5's zero-centred norms scale by 1 + w: those weights are taken as 1 + w once, so every fused norm unit of the
 engine reads them unchanged (exact in float32; in bf16 the scale is rounded once, as the norm's output is).
 """
@@ -30,6 +30,8 @@ from blockdraft.fast.linear_states import LinearStates, slid_window
 from blockdraft.fast.ops import ACTIVATIONS, CompiledOrPlain, LayerOps
 from blockdraft.kernels.delta_rule import (Walks, advance_state_kernel, delta_rule_runs, leaf_walks,
                                           path_delta_rule_kernel)
+from blockdraft.kernels.fla_delta_rule import fla_delta_rule, library_rule
+from blockdraft.kernels.kernel_choice import fastest
 from blockdraft.fast.static_cache import KVStorage, StaticTargetCache
 from blockdraft.fast.target import (FastTarget, LayerWeights, attend, attention_masks, graph_rows, layer_mlp,
                                     pack_linears, run_stack)
@@ -138,6 +140,20 @@ class HybridUnits:
         if rows.walks is not None and delta_rule_runs(k, state):
             return path_delta_rule_kernel(q, k, v, g, beta, state, rows.walks)
         return path_delta_rule(q, k, v, g, beta, state, rows.parents)
+
+    def prefill_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prefill's rule (`fast.delta_net.chunked_delta_rule`), from flash-linear-attention where it is installed,
+        the model runs in half precision (`dtype`) and `kernel_choice` timed it faster at this shape; the engine's
+        own otherwise (always in float32, whose exactness the tests check)."""
+        def ours() -> tuple[torch.Tensor, torch.Tensor]:
+            return chunked_delta_rule(q, k, v, g, beta, state)
+
+        if not self.rule_kernel or dtype == torch.float32 or library_rule() is None:
+            return ours()
+        options = {"fla": lambda: fla_delta_rule(q, k, v, g, beta, state, dtype), "ours": ours}
+        key = (*q.shape[1:], v.shape[-1], dtype)
+        return options[fastest("prefill_delta_rule", key, q.device, options)]()
 
     def advance(self, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
                 count: torch.Tensor | None = None) -> torch.Tensor:
@@ -421,7 +437,8 @@ class HybridFastTarget(FastTarget):
         window, state = states.window[n, :batch], states.state[n, :batch]
         if isinstance(layout, PromptRows):
             q, k, v, g, beta, z = units.prefill_heads(window, proj, layer.conv, layer.neg_decay, layer.dt_bias, *sizes)
-            out, final = chunked_delta_rule(q, k, v, g.where(layout.mask, 0.0), beta.where(layout.mask, 0.0), state)
+            out, final = units.prefill_rule(q, k, v, g.where(layout.mask, 0.0), beta.where(layout.mask, 0.0), state,
+                                            proj.dtype)
             window.copy_(slid_window(window, inputs.transpose(1, 2), layout.count))
             state.copy_(final)
         else:
