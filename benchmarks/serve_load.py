@@ -22,6 +22,13 @@ request counts and `--time-cap` per method and level (no new request after it; t
     python benchmarks/serve_load.py --device cuda --dtype bfloat16 --concurrency 1,4,16 --requests 64 --max-tokens 256
     python benchmarks/serve_load.py --device cuda --dtype bfloat16 --methods ar,dflash,ddtree,schedule \
         --concurrency 1,4,16,64 --requests 128 --max-tokens 256 --max-num-seqs 64 [--schedule FILE]
+    python benchmarks/serve_load.py --shape 8b --shape-tokenizer .gpu/smol --device cuda --dtype bfloat16 \
+        --methods ar,dflash,ddtree,schedule --concurrency 1,4,8,16,32,64 --requests 128 --max-num-seqs 64 \
+        --prompt-tokens 1024 --max-tokens 256 --synthetic-acceptance 6.35 --paired 0     # a user's scale, one command
+
+`--shape` serves a random-weight target and drafter of a published shape (written to a temporary folder, removed at
+exit) and `--prompt-tokens` lengthens the prompts; with `--synthetic-acceptance` the steps run the real shapes at a
+trained drafter's acceptance.
 
 The method `schedule` is the server with `--method ddtree --schedule FILE|auto` (`--schedule`, default auto: it
 tunes at start-up), compared in-process with DDTree; the other methods run fixed, without a schedule.
@@ -64,6 +71,7 @@ out = Console(width=150)
 class RequestRecord:
     ok: bool
     tokens: int = 0
+    prompt_tokens: int = 0
     ttft: float | None = None
     gaps: list[float] = field(default_factory=list)
     error: str | None = None
@@ -82,6 +90,7 @@ class LevelResult:
     itl_p50_ms: float | None
     itl_p99_ms: float | None
     errors: int
+    prompt_tokens_mean: float | None = None  # usage.prompt_tokens: the prompts as the server counted them
     error_messages: list[str] = field(default_factory=list)
     engine: dict[str, Any] = field(default_factory=dict)  # EngineShare.delta: where the server's decode thread went
     cpu: dict[str, float] = field(default_factory=dict)  # CpuShare.delta: the server's processes' CPU per wall second
@@ -360,6 +369,7 @@ def one_request(client: httpx.Client, url: str, model: str, messages: list[dict]
                 now = time.perf_counter()
                 if chunk.get("usage"):
                     record.tokens = chunk["usage"]["completion_tokens"]
+                    record.prompt_tokens = chunk["usage"]["prompt_tokens"]
                 elif chunk.get("error"):
                     record.error = chunk["error"]["message"]
                     return record
@@ -543,6 +553,7 @@ def summarize(method: str, concurrency: int, records: list[RequestRecord], wall:
         requests_per_s=len(done) / wall, output_tokens_per_s=sum(r.tokens for r in done) / wall,
         ttft_p50_ms=percentile(ttfts, 50), ttft_p99_ms=percentile(ttfts, 99), itl_p50_ms=percentile(gaps, 50),
         itl_p99_ms=percentile(gaps, 99), errors=len(records) - len(done),
+        prompt_tokens_mean=statistics.fmean(r.prompt_tokens for r in done) if done else None,
         error_messages=sorted({str(r.error) for r in records if not r.ok})[:5], engine=engine.delta(wall),
         cpu=cpu.delta(wall),
     )
@@ -586,6 +597,58 @@ def fmt(value: float | None, spec: str = ".0f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def lengthened(prompts: list[list[dict]], tokenizer: Any, tokens: int) -> list[list[dict]]:
+    """Each prompt with its last turn extended (by its own text, then the other prompts', cycled) and cut so that the
+    chat-templated prompt holds about `tokens` tokens: long-context requests (a user's 1K-token prompts) from a set of
+    short ones, in the target's own tokenizer. Decoding a cut and encoding it again can merge or split a few tokens,
+    so the cut is corrected against the encoded length (the table's "prompt tokens" is the server's own count)."""
+    from blockdraft.prompting import encode_messages
+
+    texts = [messages[-1]["content"] for messages in prompts]
+    longer: list[list[dict]] = []
+    for i, messages in enumerate(prompts):
+        want = max(tokens - len(encode_messages(_with_last(messages, ""), tokenizer)), 1)
+        ids: list[int] = []
+        j = i
+        while len(ids) < 2 * want:  # room for the corrections below
+            ids += tokenizer(texts[j % len(texts)] + "\n\n", add_special_tokens=False)["input_ids"]
+            j += 1
+        cut = want
+        for _ in range(4):
+            over = len(encode_messages(_with_last(messages, tokenizer.decode(ids[:cut])), tokenizer)) - tokens
+            if over == 0 or cut - over < 1:
+                break
+            cut -= over
+        longer.append(_with_last(messages, tokenizer.decode(ids[:cut])))
+    return longer
+
+
+def _with_last(messages: list[dict], content: str) -> list[dict]:
+    """The messages with the last one's content replaced."""
+    return messages[:-1] + [{**messages[-1], "content": content}]
+
+
+def shaped_pair(shape: str, tokenizer_from: str, device: str | None) -> tuple[str, str]:
+    """--shape: a random-weight target and drafter of `gpu_speed.SHAPES[shape]` (bf16) in a temporary folder, the
+    tokenizer `tokenizer_from`'s widened to the shape's vocabulary (`gpu/shape_target.py`); their paths."""
+    import atexit
+    import shutil
+    import tempfile
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+    from shape_target import write_pair
+
+    from blockdraft.assets import resolve_target_path
+
+    folder = Path(tempfile.mkdtemp(prefix=f"bd-{shape}-"))
+    atexit.register(shutil.rmtree, folder, True)  # an 8B shape's weights are 16 GB
+    target, drafter = write_pair(shape, resolve_target_path(tokenizer_from), folder,
+                                 device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    return str(target), str(drafter)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="smollm2-135m-instruct")
@@ -604,6 +667,14 @@ def main() -> None:
                              "method served less at 64 than at 16).")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompts", default="demo", help="A built-in prompt set or JSONL file (chat prompts).")
+    parser.add_argument("--prompt-tokens", type=int, default=None,
+                        help="Lengthen every prompt to about this many tokens (chat template included), e.g. 1024.")
+    parser.add_argument("--shape", default=None,
+                        help="Serve a random-weight target and drafter of this gpu_speed.py shape (8b, qwen3.6-27b, "
+                        "...) instead of --target/--drafter; pair it with --synthetic-acceptance.")
+    parser.add_argument("--shape-tokenizer", default="smollm2-135m-instruct",
+                        help="--shape: the folder (or the embedded name) whose tokenizer is widened to the shape's "
+                        "vocabulary.")
     parser.add_argument("--time-cap", type=float, default=300,
                         help="Seconds per method and level; no new request after it.")
     parser.add_argument("--rounds", type=int, default=2, help="Rounds per level, the methods in ABBA order.")
@@ -629,10 +700,28 @@ def main() -> None:
                      f"({args.rounds * max(args.concurrency_levels)}): a round would never reach that concurrency "
                      "(32 requests in 2 rounds at concurrency 64 ran 16 at once)")
 
+    if args.prompt_tokens is not None and args.prompt_tokens < 1:
+        parser.error(f"--prompt-tokens {args.prompt_tokens}: give a positive count, e.g. 1024")
+    if args.shape is not None:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from gpu_speed import SHAPES
+
+        if args.shape not in SHAPES:
+            parser.error(f"--shape {args.shape}: not one of {', '.join(sorted(SHAPES))}")
+        console.print(f"# --shape {args.shape}: writing a random-weight target and drafter ...")
+        args.target, args.drafter = shaped_pair(args.shape, args.shape_tokenizer, args.device)
+
     from blockdraft.prompt_sets import load_prompt_set
 
     items = load_prompt_set(args.prompts)
     prompts = [item.messages or [{"role": "user", "content": item.prompt}] for item in items]
+    if args.prompt_tokens:
+        from transformers import AutoTokenizer
+
+        from blockdraft.assets import resolve_target_path
+
+        prompts = lengthened(prompts, AutoTokenizer.from_pretrained(resolve_target_path(args.target)),
+                             args.prompt_tokens)
     levels: list[LevelResult] = []
     ratios: list[dict[str, Any]] = []
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -687,12 +776,13 @@ def main() -> None:
                 console.print(f"# {method} server's last lines:\n" + "".join(server.lines[-30:]))
 
     table = Table(title=f"blockdraft serve under load ({args.target}, {args.max_tokens} max tokens, T=0)")
-    for column in ("method", "conc", "requests", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
+    for column in ("method", "conc", "requests", "prompt tokens", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
                    "ITL p99 ms", "errors", "steps % wall", "admit % wall", f"steps > {STALL_S} s", "HTTP CPU %",
                    "engine CPU %"):
         table.add_column(column, justify="right")
     for r in levels:
-        table.add_row(r.method, str(r.concurrency), str(r.requests), fmt(r.requests_per_s, ".2f"),
+        table.add_row(r.method, str(r.concurrency), str(r.requests), fmt(r.prompt_tokens_mean, ".0f"),
+                      fmt(r.requests_per_s, ".2f"),
                       fmt(r.output_tokens_per_s, ".1f"), fmt(r.ttft_p50_ms), fmt(r.ttft_p99_ms), fmt(r.itl_p50_ms),
                       fmt(r.itl_p99_ms), str(r.errors), fmt(100 * r.engine["step_share"]),
                       fmt(100 * r.engine["admit_share"]), str(r.engine["stalls"]),
