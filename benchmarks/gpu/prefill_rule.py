@@ -61,40 +61,42 @@ def main() -> int:
     config = SHAPES[args.shape]["target"]
     heads, dk, dv = config["linear_num_value_heads"], config["linear_key_head_dim"], config["linear_value_head_dim"]
     layers = config["num_hidden_layers"] * 3 // 4  # three Gated DeltaNet layers in four
+    print(f"## The prefill's delta rule, {args.shape} ({layers} linear layers, {heads} heads, dk {dk}, dv {dv}), "
+          f"{args.tokens} rows, {device.type}: median of {args.iters}\n")
+    print("| rule | ms a layer | ms, all linear layers | largest difference from float64 |\n|---|---|---|---|",
+          flush=True)
     inputs = rule_inputs(heads, dk, dv, args.tokens, device)
     with torch.inference_mode():
         exact_out, exact_state = chunked_delta_rule(*(x.double() for x in inputs))
     measure = timer(device, args.warmup, args.iters)
-    rows: list[tuple[str, float | None, str]] = []
+
+    def row(label: str, ms: float | None, note: str) -> None:
+        """One table row, printed as it is measured (a run stopped by a time limit keeps the rows it had)."""
+        cells = ("-", "-") if ms is None else (f"{ms:.3f}", f"{ms * layers:.1f}")
+        print(f"| {label} | {cells[0]} | {cells[1]} | {note} |", flush=True)
 
     def add(label: str, fn: Callable[[], tuple[torch.Tensor, torch.Tensor]]) -> None:
         with torch.inference_mode():
             try:
                 out, state = fn()
             except Exception as exc:  # a backend that fails here is reported, not fatal: the others still run
-                rows.append((label, None, f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}"))
+                row(label, None, f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:80]}")
                 return
             error = (f"out {float((out.double() - exact_out).abs().max()):.2e}, "
                      f"state {float((state.double() - exact_state).abs().max()):.2e}")
-            rows.append((label, measure(fn), error))
+            row(label, measure(fn), error)
             if device.type == "cuda":
                 try:
-                    rows.append((label + ", CUDA graph", measure(graphed(fn, device)), "same kernels"))
+                    row(label + ", CUDA graph", measure(graphed(fn, device)), "same kernels")
                 except Exception as exc:
-                    rows.append((label + ", CUDA graph", None, f"cannot be captured: {type(exc).__name__}"))
+                    row(label + ", CUDA graph", None, f"cannot be captured: {type(exc).__name__}")
 
     add("ours, float32", lambda: chunked_delta_rule(*inputs))
     if library_rule() is None:
-        rows.append(("flash-linear-attention", None, "not installed"))
+        row("flash-linear-attention", None, "not installed")
     else:
         add("fla, float32 inputs", lambda: fla_delta_rule(*inputs, torch.float32))
         add("fla, bf16 q/k/v (what the engine runs)", lambda: fla_delta_rule(*inputs, torch.bfloat16))
-    print(f"## The prefill's delta rule, {args.shape} ({layers} linear layers, {heads} heads, dk {dk}, dv {dv}), "
-          f"{args.tokens} rows, {device.type}: median of {args.iters}\n")
-    print("| rule | ms a layer | ms, all linear layers | largest difference from float64 |\n|---|---|---|---|")
-    for label, ms, note in rows:
-        cells = ("-", "-") if ms is None else (f"{ms:.3f}", f"{ms * layers:.1f}")
-        print(f"| {label} | {cells[0]} | {cells[1]} | {note} |")
     return 0
 
 
