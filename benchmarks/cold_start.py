@@ -12,6 +12,7 @@ inside them) are kept in the report.
     python3 benchmarks/cold_start.py                        # every method, then the speed rows and graph check
     python3 benchmarks/cold_start.py --checks serve --methods dflash,schedule --starts cold,warm --json out.json
     python3 benchmarks/cold_start.py --device cpu --checks serve --methods ar   # the script itself, on a CPU
+    python3 benchmarks/cold_start.py --checks serve --methods dflash --shape qwen3.5-4b --shape-tokenizer .gpu/smol
 
 Exits 1 when any check fails; the table says which and why.
 """
@@ -188,6 +189,10 @@ def main() -> int:
     parser.add_argument("--starts", default="cold", help="cold, or cold,warm: a second start on the filled caches")
     parser.add_argument("--target", default="smollm2-135m-instruct")
     parser.add_argument("--drafter", default=None, help="default: the shipped drafter of the embedded target")
+    parser.add_argument("--shape", default=None, help="serve a random-weight target and drafter of this gpu_speed.py "
+                        "shape (qwen3.5-4b, 8b, ...) instead of --target/--drafter; the self-check is then skipped")
+    parser.add_argument("--shape-tokenizer", default="smollm2-135m-instruct",
+                        help="--shape: the folder (or the embedded name) whose tokenizer is widened to its vocabulary")
     parser.add_argument("--serve-args", default="", help="more arguments for every server, e.g. --no-self-check for a "
                         "random-weight target (benchmarks/gpu/random_copy.py)")
     parser.add_argument("--device", default=None, help="the servers' --device (default: theirs, cuda where there is one)")
@@ -206,6 +211,13 @@ def main() -> int:
                                (starts, ("cold", "warm"), "--starts")):
         if unknown := [g for g in given if g not in known]:
             parser.error(f"{flag} {','.join(unknown)}: not one of {', '.join(known)}")
+    if args.shape is not None and "serve" in checks:
+        sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
+        from shape_target import temporary_pair
+
+        print(f"# --shape {args.shape}: writing a random-weight target and drafter ...", flush=True)
+        args.target, args.drafter = map(str, temporary_pair(args.shape, args.shape_tokenizer, args.device))
+        args.serve_args += " --no-self-check"  # random weights fail it, as they should
     root = args.cache_root or Path(tempfile.mkdtemp(prefix="bd-cold-"))
     results: list[Check] = []
     for method in methods if "serve" in checks else []:

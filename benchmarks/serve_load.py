@@ -628,27 +628,6 @@ def _with_last(messages: list[dict], content: str) -> list[dict]:
     return messages[:-1] + [{**messages[-1], "content": content}]
 
 
-def shaped_pair(shape: str, tokenizer_from: str, device: str | None) -> tuple[str, str]:
-    """--shape: a random-weight target and drafter of `gpu_speed.SHAPES[shape]` (bf16) in a temporary folder, the
-    tokenizer `tokenizer_from`'s widened to the shape's vocabulary (`gpu/shape_target.py`); their paths."""
-    import atexit
-    import shutil
-    import tempfile
-
-    import torch
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
-    from shape_target import write_pair
-
-    from blockdraft.assets import resolve_target_path
-
-    folder = Path(tempfile.mkdtemp(prefix=f"bd-{shape}-"))
-    atexit.register(shutil.rmtree, folder, True)  # an 8B shape's weights are 16 GB
-    target, drafter = write_pair(shape, resolve_target_path(tokenizer_from), folder,
-                                 device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    return str(target), str(drafter)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="smollm2-135m-instruct")
@@ -708,8 +687,11 @@ def main() -> None:
 
         if args.shape not in SHAPES:
             parser.error(f"--shape {args.shape}: not one of {', '.join(sorted(SHAPES))}")
+        sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
+        from shape_target import temporary_pair
+
         console.print(f"# --shape {args.shape}: writing a random-weight target and drafter ...")
-        args.target, args.drafter = shaped_pair(args.shape, args.shape_tokenizer, args.device)
+        args.target, args.drafter = map(str, temporary_pair(args.shape, args.shape_tokenizer, args.device))
 
     from blockdraft.prompt_sets import load_prompt_set
 

@@ -13,9 +13,11 @@ acceptance (docs/serving.md).
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -55,6 +57,18 @@ def write_pair(shape: str, tokenizer: Path, out: Path, device: str) -> tuple[Pat
     widen_tokenizer(tokenizer, target_dir, SHAPES[shape]["target"]["vocab_size"])
     save_drafter(drafter, drafter_dir, dtype=torch.bfloat16)
     return target_dir, drafter_dir
+
+
+def temporary_pair(shape: str, tokenizer_from: str, device: str | None) -> tuple[Path, Path]:
+    """`write_pair` into a temporary folder removed at exit (an 8B shape's weights are 16 GB), the tokenizer from a
+    folder or the embedded target's name, the weights drawn on `device` (default: cuda where there is one): what a
+    benchmark's `--shape` serves."""
+    from blockdraft.assets import resolve_target_path
+
+    folder = Path(tempfile.mkdtemp(prefix=f"bd-{shape}-"))
+    atexit.register(shutil.rmtree, folder, True)
+    return write_pair(shape, resolve_target_path(tokenizer_from), folder,
+                      device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def main() -> None:
