@@ -34,6 +34,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -75,6 +77,22 @@ def _lines(stream: object, into: queue.Queue) -> None:
     into.put(None)
 
 
+@contextmanager
+def spawned(command: list[str], env: dict[str, str]) -> Iterator[tuple[subprocess.Popen, queue.Queue]]:
+    """`command` in a process session of its own, its output lines in a queue as they come (None once it closed);
+    the process and its children are killed on leaving if still running."""
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
+                            start_new_session=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=_lines, args=(proc.stdout, lines), daemon=True).start()
+    try:
+        yield proc, lines
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def healthy(url: str, deadline: float) -> bool:
     """Whether /health answers 200 before `deadline` (the URL is printed before the HTTP server accepts)."""
     while time.perf_counter() < deadline:
@@ -105,14 +123,10 @@ def serve_check(args: argparse.Namespace, method: str, caches: str, env: dict[st
     command += ["--drafter", args.drafter] if args.drafter and method != "ar" else []
     command += shlex.split(args.serve_args)
     began = time.perf_counter()
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
-                            start_new_session=True)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=_lines, args=(proc.stdout, lines), daemon=True).start()
     url = None
     tail: list[str] = []
     deadline = began + args.start_timeout
-    try:
+    with spawned(command, env) as (proc, lines):
         while url is None:
             try:
                 line = lines.get(timeout=max(deadline - time.perf_counter(), 0.01))
@@ -143,10 +157,6 @@ def serve_check(args: argparse.Namespace, method: str, caches: str, env: dict[st
         if code != 0:
             check.detail += f"; exited with code {code} on SIGTERM"
         return check
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def script_check(name: str, command: list[str], env: dict[str, str], timeout: float,
@@ -155,11 +165,7 @@ def script_check(name: str, command: list[str], env: dict[str, str], timeout: fl
     lines are printed as they come, so a script stopped at `timeout` still shows how far it got."""
     check = Check(name, "cold")
     began = time.perf_counter()
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
-                            start_new_session=True)
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=_lines, args=(proc.stdout, lines), daemon=True).start()
-    try:
+    with spawned(command, env) as (proc, lines):
         while True:
             try:
                 line = lines.get(timeout=max(began + timeout - time.perf_counter(), 0.01))
@@ -170,10 +176,6 @@ def script_check(name: str, command: list[str], env: dict[str, str], timeout: fl
                 break
             print(f"  [{name}] {line}", flush=True)
         code = proc.wait()
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
     check.seconds = time.perf_counter() - began
     errors = json.loads(json_path.read_text()).get("errors", []) if json_path and json_path.exists() else []
     check.ok = code == 0 and not errors
@@ -216,7 +218,10 @@ def main() -> int:
         from shape_target import temporary_pair
 
         print(f"# --shape {args.shape}: writing a random-weight target and drafter ...", flush=True)
-        args.target, args.drafter = map(str, temporary_pair(args.shape, args.shape_tokenizer, args.device))
+        try:
+            args.target, args.drafter = map(str, temporary_pair(args.shape, args.shape_tokenizer, args.device))
+        except ValueError as exc:
+            parser.error(str(exc))
         args.serve_args += " --no-self-check"  # random weights fail it, as they should
     root = args.cache_root or Path(tempfile.mkdtemp(prefix="bd-cold-"))
     results: list[Check] = []

@@ -62,9 +62,11 @@ def write_pair(shape: str, tokenizer: Path, out: Path, device: str) -> tuple[Pat
 def temporary_pair(shape: str, tokenizer_from: str, device: str | None) -> tuple[Path, Path]:
     """`write_pair` into a temporary folder removed at exit (an 8B shape's weights are 16 GB), the tokenizer from a
     folder or the embedded target's name, the weights drawn on `device` (default: cuda where there is one): what a
-    benchmark's `--shape` serves."""
+    benchmark's `--shape` serves. An unknown shape is a ValueError naming the known ones, before anything is written."""
     from blockdraft.assets import resolve_target_path
 
+    if shape not in SHAPES:
+        raise ValueError(f"--shape {shape}: not one of {', '.join(sorted(SHAPES))}")
     folder = Path(tempfile.mkdtemp(prefix=f"bd-{shape}-"))
     atexit.register(shutil.rmtree, folder, True)
     return write_pair(shape, resolve_target_path(tokenizer_from), folder,
