@@ -81,3 +81,20 @@ def test_a_shipped_pick_is_taken_untimed(tuner: FakeTuner, monkeypatch: pytest.M
     options = {"kernel": untimed, "library": untimed}
     assert kernel_choice.fastest("argmax", (4, 151936, "torch.bfloat16"), torch.device("cuda"), options) == "library"
     assert kernel_choice.choices() == {"argmax (4, 151936, 'torch.bfloat16')": "library (shipped table)"}
+
+
+def test_a_table_sent_back_merges_into_its_cards_table_alone(tuner: FakeTuner, tmp_path: Path) -> None:
+    shipped = tmp_path / "shipped.json"
+    tuner.cache[(1, 2, "torch.bfloat16")] = "BLOCK_N: 64, num_warps: 4"
+    tuned_configs.save(shipped, "Card X")
+    back = {"card": "Card X", "kernels": {"gemv": [
+        {"key": [1, 2, "torch.bfloat16"], "config": "BLOCK_N: 128, num_warps: 8"},
+        {"key": [5, 6, "torch.float32"], "config": "BLOCK_N: 128, num_warps: 8"}]},
+        "picks": [{"kind": "few-row linear", "key": "(8, 8)", "pick": "library"}]}
+    assert tuned_configs.merge(back, shipped) == 2
+    assert tuned_configs.merge(back, shipped) == 0
+    kept = json.loads(shipped.read_text())
+    assert kept["kernels"]["gemv"][0]["config"] == "BLOCK_N: 64, num_warps: 4"  # the shipped entry stays
+    assert len(kept["kernels"]["gemv"]) == 2 and kept["picks"][0]["pick"] == "library"
+    with pytest.raises(ValueError, match="Card Y"):
+        tuned_configs.merge(back | {"card": "Card Y"}, shipped)

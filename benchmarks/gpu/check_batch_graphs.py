@@ -106,6 +106,8 @@ def check(target: FastTarget, drafter: torch.nn.Module, truth: object, methods: 
         print(f"{method}: {same}/{len(prompts)} sequences identical to batch 1, "
               f"{len(decoder.verifier.batched.entries)} batched graphs captured ({time.perf_counter() - began:.0f} s)",
               flush=True)
+        if kept := save_if_asked():  # after each case, so a run stopped at its time limit keeps what it tuned
+            print(kept, flush=True)
     return failures
 
 
@@ -126,10 +128,7 @@ def main() -> int:
 
         if wrong := sorted(set(orders) - set(ORDERS)):
             parser.error(f"--orders: {wrong[0]!r} is none of {', '.join(sorted(ORDERS))}")
-    failures = run(args, methods, orders)
-    if kept := save_if_asked():
-        print(kept, flush=True)
-    return 1 if failures else 0
+    return 1 if run(args, methods, orders) else 0
 
 
 def run(args: argparse.Namespace, methods: list[str], orders: list[str]) -> int:

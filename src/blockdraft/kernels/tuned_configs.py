@@ -92,23 +92,30 @@ def held() -> dict[str, list[dict[str, Any]]]:
 def save(path: Path, card: str) -> int:
     """Merge what the tuners hold and the picks made into the table at `path` (a key already there keeps its entry);
     the entries added."""
-    table = json.loads(path.read_text()) if path.exists() else {"card": card, "kernels": {}}
+    picks = [{"kind": kind, "key": key, "pick": pick} for (kind, key), pick in _picks.items()]
+    return merge({"card": card, "kernels": held(), "picks": picks}, path)
+
+
+def merge(table: dict[str, Any], path: Path) -> int:
+    """Add `table`'s entries (a saved table, e.g. one a GPU machine sent back) to the table at `path` (a key already
+    there keeps its entry); the entries added. A table of another card is refused: its tiles were timed there."""
+    kept = json.loads(path.read_text()) if path.exists() else {"card": table["card"], "kernels": {}}
+    if kept["card"] != table["card"]:
+        raise ValueError(f"{path} is {kept['card']}'s table, not {table['card']}'s: merge into table_path(card)")
     added = 0
-    for name, entries in held().items():
-        kept = table["kernels"].setdefault(name, [])
-        known = {tuple(entry["key"]) for entry in kept}
+    for name, entries in table.get("kernels", {}).items():
+        have = kept["kernels"].setdefault(name, [])
+        known = {tuple(entry["key"]) for entry in have}
         new = [entry for entry in entries if tuple(entry["key"]) not in known]
-        kept.extend(new)
+        have.extend(new)
         added += len(new)
-    picks = table.setdefault("picks", [])
+    picks = kept.setdefault("picks", [])
     known_picks = {(entry["kind"], entry["key"]) for entry in picks}
-    for (kind, key), pick in _picks.items():
-        if (kind, key) not in known_picks:
-            picks.append({"kind": kind, "key": key, "pick": pick})
-            added += 1
+    new_picks = [entry for entry in table.get("picks", []) if (entry["kind"], entry["key"]) not in known_picks]
+    picks.extend(new_picks)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(table, indent=1) + "\n")
-    return added
+    path.write_text(json.dumps(kept, indent=1) + "\n")
+    return added + len(new_picks)
 
 
 def save_if_asked() -> str | None:
@@ -117,5 +124,8 @@ def save_if_asked() -> str | None:
     if not target or not torch.cuda.is_available():
         return None
     card = torch.cuda.get_device_name(torch.cuda.current_device())
-    added = save(Path(target), card)
+    try:
+        added = save(Path(target), card)
+    except ValueError as exc:  # another card's file: the run's work stands, its tuning is not kept
+        return f"{SAVE_ENV}: nothing saved: {exc}"
     return f"{SAVE_ENV}: {added} tuned keys added to {target} ({card})"

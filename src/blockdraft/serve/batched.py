@@ -24,6 +24,7 @@ from blockdraft.engine.schedule import Schedule
 from blockdraft.engine.switching import SwitchingProposer
 from blockdraft.errors import BlockdraftError
 from blockdraft.fast.static_cache import SLOT_STEP
+from blockdraft.kernels.tuned_configs import save_if_asked
 from blockdraft.kernels.warm_costs import warm_costs
 from blockdraft.models.target import Target
 from blockdraft.serve.errors import ApiError
@@ -83,6 +84,7 @@ class BatchedEngine:
         decoder.target.warm_prefill(proposer.tap_layers if proposer else None)
         if say is not None:
             say(f"warm-up: prefill in {time.perf_counter() - began:.1f} s ({warm_costs().since(costs).describe()})")
+        save_if_asked()
         prompts, tokens = [prompt_ids], _WARMUP_TOKENS
         drafter = getattr(proposer, "drafter", None)
         if decoder.target.use_graphs:
@@ -110,6 +112,7 @@ class BatchedEngine:
                             say(f"warm-up ({label}context {context} of {len(prompts)}): batch {size} in "
                                 f"{seconds:.1f} s ({now.since(costs).describe()})")
                         costs = now
+                        save_if_asked()  # each bucket's tuning kept, also when a start is stopped before its end
 
                     warm_buckets(decoder, prompt, tokens, None if candidate is None else partial(_use, candidate),
                                  done)
