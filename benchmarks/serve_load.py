@@ -4,7 +4,9 @@ in-process on the same prompts.
 For each method: the pair is loaded in this process and `python -m blockdraft serve` starts as its own process with
 the same method and sizes. First, at concurrency 1, each request runs in-process and through the server, in ABBA
 order (paired: drift of the machine hits both sides alike; the same prompt at T=0 must give the same token count on
-both); the closing table gives server tokens/s over in-process tokens/s (goal >= 0.95). With every server up, each
+both); the closing table gives server tokens/s over in-process tokens/s (goal >= 0.95; `--paired 0` skips it and
+loads nothing in-process). With every server up (with `--apart`, each method's alone, for targets whose servers do
+not fit on one card together), each
 concurrency level runs `--requests` (at least `--per-client` per client and round) streamed chat requests (T=0,
 `stream_options.include_usage`) per method through a pool of that many clients, in `--rounds` rounds that rotate the
 methods (ABBA: on the H200 the same method's tokens/s moved up to 26% between runs a day apart, more than the gaps
@@ -24,7 +26,8 @@ request counts and `--time-cap` per method and level (no new request after it; t
         --concurrency 1,4,16,64 --requests 128 --max-tokens 256 --max-num-seqs 64 [--schedule FILE]
     python benchmarks/serve_load.py --shape 8b --shape-tokenizer .gpu/smol --device cuda --dtype bfloat16 \
         --methods ar,dflash,ddtree,schedule --concurrency 1,4,8,16,32,64 --requests 128 --max-num-seqs 64 \
-        --prompt-tokens 1024 --max-tokens 256 --synthetic-acceptance 6.35 --paired 0     # a user's scale, one command
+        --prompt-tokens 1024 --max-tokens 256 --synthetic-acceptance 6.35 --paired 0 --apart --time-cap 60
+                                                                                    # a user's scale, one command
 
 `--shape` serves a random-weight target and drafter of a published shape (written to a temporary folder, removed at
 exit) and `--prompt-tokens` lengthens the prompts; with `--synthetic-acceptance` the steps run the real shapes at a
@@ -628,6 +631,58 @@ def _with_last(messages: list[dict], content: str) -> list[dict]:
     return messages[:-1] + [{**messages[-1], "content": content}]
 
 
+def start_server(args: argparse.Namespace, method: str, prompts: list[list[dict]], pins: Pins,
+                 ratios: list[dict[str, Any]]) -> "Server":
+    """The method's server, started once the same method in this process has warmed (with --paired, the c=1
+    requests run on both sides and their ratio joins `ratios`). With --paired 0 nothing loads in this process: the
+    server takes its own per-device budget and drafted tokens, and a large target is on the card once."""
+    if args.paired == 0:
+        console.print(f"# {method}: starting the server ...")
+        return Server(args, method, args.budget, args.draft_tokens)
+    console.print(f"# {method}: loading in-process ...")
+    local = InProcess(args, "ddtree" if method == SCHEDULE else method)
+    warm_until_steady(partial(local.run, prompts[0], args.max_tokens))  # as the server warms before serving
+    console.print(f"# {method}: starting the server ...")
+    server = Server(args, method, local.budget, local.draft_tokens)
+    assert server.url is not None
+    pins.server(server.proc.pid)
+    pair = paired(local, server.url, args.target, args.paired or args.requests, prompts, args.max_tokens, pins)
+    pins.release(server.proc.pid)
+    ratios.append(dict(method=method, **pair))
+    console.print(f"# {method} paired c=1: in-process {pair['in_process_tokens_per_s']:.1f} tok/s, "
+                  f"server {pair['server_c1_tokens_per_s']:.1f} tok/s, ratio {pair['ratio']:.3f}")
+    return server
+
+
+def stop_server(method: str, server: "Server", levels: list[LevelResult], ratios: list[dict[str, Any]]) -> None:
+    """SIGTERM the server; print its start-up lines (kept with its pair's ratio) and, after errors, its last lines."""
+    server.stop()
+    said = [line.strip() for line in server.lines if line.startswith(SAID)]
+    for line in said:
+        console.print(f"# {method} server: {line}")
+    for ratio in ratios:
+        if ratio["method"] == method:
+            ratio["server_said"] = said
+    if any(r.errors for r in levels if r.method == method):
+        console.print(f"# {method} server's last lines:\n" + "".join(server.lines[-30:]))
+
+
+def level_line(result: LevelResult) -> str:
+    """One level's line as it ends: tokens/s, errors, the steps by method (mean, over the bounds, captures) and by
+    batch bucket."""
+    engine = result.engine
+    mix = ", ".join(
+        f"{m} {n} (mean {1e3 * engine['step_s'][m] / n:.2f} ms; over "
+        + "/".join(engine["steps_over_ms"][m]) + " ms: "
+        + "/".join(str(c) for c in engine["steps_over_ms"][m].values())
+        + f"; {engine['capturing_steps'][m]} captured {engine['graphs_captured'][m]} graphs in "
+        f"{engine['capturing_s'][m]:.2f} s)"
+        for m, n in sorted(engine["steps"].items(), key=lambda mn: -mn[1]))
+    return (f"# {result.method} c={result.concurrency}: {result.output_tokens_per_s:.1f} tok/s, {result.errors} errors; "
+            f"steps by method: {mix or '-'}; by batch: {by_batch_line(engine) or '-'}"
+            + "".join(f"\n#   {m}" for m in result.error_messages))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="smollm2-135m-instruct")
@@ -638,7 +693,12 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int_list, default="1,4", help="Concurrency levels, e.g. 1,4,16.")
     parser.add_argument("--requests", type=int, default=12, help="Requests per level.")
     parser.add_argument("--paired", type=int, default=None,
-                        help="Paired c=1 requests per side (default: --requests; 0: no paired runs).")
+                        help="Paired c=1 requests per side (default: --requests; 0: no paired runs, nothing loaded "
+                        "in this process).")
+    parser.add_argument("--apart", action="store_true",
+                        help="Each method's server alone: started, every level run, stopped before the next method's "
+                        "(an 8B or larger target's servers do not fit on one card together); the levels then do "
+                        "not rotate between methods.")
     parser.add_argument("--per-client", type=int, default=1,
                         help="Requests each client makes per round at least (a level runs the larger of --requests "
                              "and this x concurrency x --rounds, within --time-cap): with one request per client a "
@@ -656,7 +716,8 @@ def main() -> None:
                         "vocabulary.")
     parser.add_argument("--time-cap", type=float, default=300,
                         help="Seconds per method and level; no new request after it.")
-    parser.add_argument("--rounds", type=int, default=2, help="Rounds per level, the methods in ABBA order.")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="Rounds per level, the methods in ABBA order (with --apart: the method's alone).")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--engine", default="auto")
@@ -705,55 +766,23 @@ def main() -> None:
     levels: list[LevelResult] = []
     ratios: list[dict[str, Any]] = []
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    servers: dict[str, Server] = {}
     pins = Pins(args.pin)
     # a time limit's SIGTERM (`timeout`) stops the servers and prints what they said, and the levels already run
     # are in --json-out (a run on the H200 on 2026-12-03 lost a 64-concurrency level and the schedule's lines to it)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    try:
-        for method in methods:  # every server up first: the levels then rotate between them
-            console.print(f"# {method}: loading in-process ...")
-            local = InProcess(args, "ddtree" if method == SCHEDULE else method)
-            warm_until_steady(partial(local.run, prompts[0], args.max_tokens))  # as the server warms before serving
-            console.print(f"# {method}: starting the server ...")
-            servers[method] = server = Server(args, method, local.budget, local.draft_tokens)
-            assert server.url is not None
-            if args.paired != 0:
-                pins.server(server.proc.pid)
-                pair = paired(local, server.url, args.target, args.paired or args.requests, prompts,
-                              args.max_tokens, pins)
-                pins.release(server.proc.pid)
-                ratios.append(dict(method=method, **pair))
-                console.print(f"# {method} paired c=1: in-process {pair['in_process_tokens_per_s']:.1f} tok/s, "
-                              f"server {pair['server_c1_tokens_per_s']:.1f} tok/s, ratio {pair['ratio']:.3f}")
-            del local
-        for concurrency in args.concurrency_levels:
-            for result in rotate(methods, servers, args, concurrency, prompts):
-                levels.append(result)
-                save(args, levels, ratios)
-                engine = result.engine
-                mix = ", ".join(
-                    f"{m} {n} (mean {1e3 * engine['step_s'][m] / n:.2f} ms; over "
-                    + "/".join(engine["steps_over_ms"][m]) + " ms: "
-                    + "/".join(str(c) for c in engine["steps_over_ms"][m].values())
-                    + f"; {engine['capturing_steps'][m]} captured {engine['graphs_captured'][m]} graphs in "
-                    f"{engine['capturing_s'][m]:.2f} s)"
-                    for m, n in sorted(engine["steps"].items(), key=lambda mn: -mn[1]))
-                console.print(f"# {result.method} c={concurrency}: {result.output_tokens_per_s:.1f} tok/s, "
-                              f"{result.errors} errors; steps by method: {mix or '-'}; by batch: "
-                              f"{by_batch_line(engine) or '-'}"
-                              + "".join(f"\n#   {m}" for m in result.error_messages))
-    finally:
-        for method, server in servers.items():
-            server.stop()
-            said = [line.strip() for line in server.lines if line.startswith(SAID)]
-            for line in said:
-                console.print(f"# {method} server: {line}")
-            for ratio in ratios:
-                if ratio["method"] == method:
-                    ratio["server_said"] = said
-            if any(r.errors for r in levels if r.method == method):
-                console.print(f"# {method} server's last lines:\n" + "".join(server.lines[-30:]))
+    for group in [[method] for method in methods] if args.apart else [methods]:
+        servers: dict[str, Server] = {}
+        try:
+            for method in group:  # the group's servers up first: the levels then rotate between them
+                servers[method] = start_server(args, method, prompts, pins, ratios)
+            for concurrency in args.concurrency_levels:
+                for result in rotate(group, servers, args, concurrency, prompts):
+                    levels.append(result)
+                    save(args, levels, ratios)
+                    console.print(level_line(result))
+        finally:
+            for method, server in servers.items():
+                stop_server(method, server, levels, ratios)
 
     table = Table(title=f"blockdraft serve under load ({args.target}, {args.max_tokens} max tokens, T=0)")
     for column in ("method", "conc", "requests", "prompt tokens", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
@@ -768,15 +797,16 @@ def main() -> None:
                       fmt(100 * r.engine["admit_share"]), str(r.engine["stalls"]),
                       fmt(100 * r.cpu["http_cpu_share"]), fmt(100 * r.cpu["engine_cpu_share"]))
     out.print(table)
-    summary = Table(title="server at concurrency 1 vs in-process, paired request by request (goal >= 0.95)")
-    for column in ("method", "requests", "same token counts", "in-process tok/s", "server c=1 tok/s", "ratio",
-                   "median request ratio"):
-        summary.add_column(column, justify="right")
-    for r in ratios:
-        summary.add_row(r["method"], str(r["requests"]), str(r["same_token_counts"]),
-                        fmt(r["in_process_tokens_per_s"], ".1f"), fmt(r["server_c1_tokens_per_s"], ".1f"),
-                        fmt(r["ratio"], ".3f"), fmt(r["median_request_ratio"], ".3f"))
-    out.print(summary)
+    if ratios:
+        summary = Table(title="server at concurrency 1 vs in-process, paired request by request (goal >= 0.95)")
+        for column in ("method", "requests", "same token counts", "in-process tok/s", "server c=1 tok/s", "ratio",
+                       "median request ratio"):
+            summary.add_column(column, justify="right")
+        for r in ratios:
+            summary.add_row(r["method"], str(r["requests"]), str(r["same_token_counts"]),
+                            fmt(r["in_process_tokens_per_s"], ".1f"), fmt(r["server_c1_tokens_per_s"], ".1f"),
+                            fmt(r["ratio"], ".3f"), fmt(r["median_request_ratio"], ".3f"))
+        out.print(summary)
     save(args, levels, ratios)
 
 

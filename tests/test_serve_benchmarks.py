@@ -42,14 +42,19 @@ def test_serve_latency_with_dialled_acceptance() -> None:
 
 def test_serve_load_at_a_shape_with_long_prompts(tmp_path: Path) -> None:
     """--shape writes a random-weight pair (here the embedded shape, the embedded tokenizer widened to it) and removes
-    it at exit; --prompt-tokens makes every prompt that long as the server counts it."""
+    it at exit; --prompt-tokens makes every prompt that long as the server counts it; --apart serves one method at a
+    time (an 8B pair's servers do not fit one card together) and --paired 0 loads nothing in-process."""
     out = tmp_path / "load.json"
     res = subprocess.run([sys.executable, str(BENCHMARKS / "serve_load.py"), "--shape", "embedded", "--prompt-tokens",
-                          "150", "--methods", "dflash", "--concurrency", "1", "--requests", "2", "--paired", "0",
+                          "150", "--methods", "ar,dflash", "--apart", "--concurrency", "1", "--requests", "2",
+                          "--paired", "0",
                           "--max-tokens", "6", "--device", "cpu", "--threads", "1", "--rounds", "1", "--time-cap",
                           "60", "--max-num-seqs", "2", "--synthetic-acceptance", "6.35", "--json-out", str(out)],
                          capture_output=True, text=True, timeout=600, env={**ENV, "TMPDIR": str(tmp_path)})
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    (level,) = json.loads(out.read_text())["levels"]
-    assert level["errors"] == 0 and level["prompt_tokens_mean"] == 150
+    levels = json.loads(out.read_text())["levels"]
+    assert [level["method"] for level in levels] == ["ar", "dflash"]
+    assert all(level["errors"] == 0 and level["prompt_tokens_mean"] == 150 for level in levels)
+    assert "loading in-process" not in res.stderr and "paired request by request" not in res.stdout  # --paired 0
+    assert res.stderr.index("# ar c=1:") < res.stderr.index("# dflash: starting")  # --apart: ar served, then dflash
     assert not list(tmp_path.glob("bd-embedded-*"))  # the shape's weights are gone
