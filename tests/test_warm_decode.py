@@ -149,3 +149,19 @@ def test_after_warming_a_decode_inside_the_context_captures_no_graph(method: str
     ids = [generate(target, p, proposer, new, sampling, seed=3).token_ids for p in prompts]
     assert graphs_captured() == before
     assert ids == cold_ids
+
+
+def test_a_sequential_servers_warm_up_says_each_part_as_it_ends() -> None:
+    """A cold GPU's warm-up of a hybrid target takes minutes: its parts are said as they end (a start that said
+    nothing until its end looked hung, and one stopped at its limit told nothing of where the time went)."""
+    from blockdraft.serve.sequential import SequentialEngine
+
+    target = FastTarget(make_target_model("qwen3"), cache_slots=16, fused=True)
+    proposer = build_proposer("dflash", target, make_drafter("all_full"))
+    lines: list[str] = []
+    SequentialEngine(target, proposer, None, 96).warm_up([3, 4, 5], lines.append)
+    rows = len(proposer.verify_rows())
+    assert [line.split(" up to 96 positions in ")[0] for line in lines] == [
+        f"warm-up: verify graphs ({rows} row counts)", "warm-up: drafter graphs", "warm-up: fused steps",
+        "warm-up: prefill graphs"]
+    assert all(line.endswith(")") and " s (" in line for line in lines)  # seconds, then what they held

@@ -11,18 +11,26 @@ warm-up up to a bound (`serve.sequential.WARM_POSITIONS`, from its measured star
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from functools import partial
+
 from blockdraft.decoding.draft import Proposer
 from blockdraft.decoding.fused_steps import AHEAD, fused_steps
 from blockdraft.fast.graphs import graphs_captured
 from blockdraft.fast.target import graph_rows
+from blockdraft.kernels.warm_costs import warm_costs
 from blockdraft.models.target import Target
 
 
-def warm_decode(target: Target, proposer: Proposer | None, positions: int) -> int:
+def warm_decode(target: Target, proposer: Proposer | None, positions: int,
+                say: Callable[[str], None] | None = None) -> int:
     """Capture the graphs of a decode with `proposer` (None: AR) in contexts of up to `positions` positions: the
     verify of each of its row counts at every key capacity, the drafter's, the fused greedy steps' (`fused_steps`)
     and the prefill's. Returns how many were captured (none off a static-cache target or off a GPU). Empties the
-    target's cache and the drafter's context.
+    target's cache and the drafter's context. `say` hears each part's seconds and what compiling, tuning and
+    capturing took of them: on a cold GPU a hybrid target's parts take minutes, and a start that said nothing
+    until its end looked hung.
 
     Every buffer is first reserved for all of them: one that grows drops every graph captured on it (warming the
     prefill after the verify graphs once dropped them)."""
@@ -34,10 +42,17 @@ def warm_decode(target: Target, proposer: Proposer | None, positions: int) -> in
     steps = fused_steps(target, proposer)
     ahead = AHEAD * steps.commit_rows if steps is not None else 0  # the fused steps in flight, unread: their room
     target.new_cache().reserve(max(positions + ahead + max(map(graph_rows, rows)), target.prefill_room))
-    target.warm_verify(rows, positions, taps)
+    parts: list[tuple[str, Callable[[], object]]] = [
+        (f"verify graphs ({len(rows)} row counts)", partial(target.warm_verify, rows, positions, taps))]
     if proposer is not None:
-        proposer.warm(positions + ahead)
+        parts.append(("drafter graphs", partial(proposer.warm, positions + ahead)))
     if steps is not None:
-        steps.warm(positions)
-    target.warm_prefill(taps)
+        parts.append(("fused steps", partial(steps.warm, positions)))
+    parts.append(("prefill graphs", partial(target.warm_prefill, taps)))
+    for name, run in parts:
+        costs, began = warm_costs(), time.perf_counter()
+        run()
+        if say is not None:
+            say(f"warm-up: {name} up to {positions} positions in {time.perf_counter() - began:.1f} s "
+                f"({warm_costs().since(costs).describe()})")
     return graphs_captured() - before

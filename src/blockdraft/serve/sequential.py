@@ -13,6 +13,7 @@ from typing import Any
 from blockdraft.decoding.draft import Proposer
 from blockdraft.decoding.generate import generate
 from blockdraft.decoding.warm import warm_decode
+from blockdraft.kernels.tuned_configs import save_if_asked
 from blockdraft.models.target import Target
 from blockdraft.serve.jobs import Finished, Job
 from blockdraft.serve.job_run import JobRun
@@ -40,10 +41,16 @@ class SequentialEngine:
     def warm_up(self, prompt_ids: list[int], say: Callable[[str], None] | None = None) -> None:
         """Every graph a decode of up to min(max_model_len, the target's positions, WARM_POSITIONS) positions meets
         (`warm_decode`: the prefill's too), then one short decode, so no request pays for first-call costs (kernels,
-        graphs) within that context: a capture mid-decode is a stall of tens of ms. One decode at one size: the
-        phase's own line says what it cost, so `say` hears nothing more."""
+        graphs) within that context: a capture mid-decode is a stall of tens of ms. `say` hears each part's seconds
+        (a cold start's progress), and the tuning each part did is kept (`BLOCKDRAFT_SAVE_TUNING`) as it ends."""
         bounds = (self.max_model_len, self.target.max_positions, WARM_POSITIONS)
-        warm_decode(self.target, self.proposer, min(b for b in bounds if b is not None))
+
+        def progress(line: str) -> None:
+            if say is not None:
+                say(line)
+            save_if_asked()
+
+        warm_decode(self.target, self.proposer, min(b for b in bounds if b is not None), progress)
         generate(self.target, prompt_ids, self.proposer, _WARMUP_TOKENS)
 
     def admit(self, jobs: list[tuple[Job, Callable[[], bool]]]) -> None:
