@@ -19,7 +19,7 @@ from blockdraft.errors import BlockdraftError
 from blockdraft.fast import target as fast_mod
 from blockdraft.fast.target import FastTarget, graph_rows, pack_prompts, prefill_rows
 from blockdraft.fast.batch import BatchKV
-from blockdraft.fast.ops import CompiledOrPlain, LayerOps, glu
+from blockdraft.fast.ops import CompiledOrPlain, LayerOps, glu, rms_norm
 from blockdraft.fast.engines import make_target
 from blockdraft.models.loading import load_target
 from blockdraft.fast.static_cache import KVStorage
@@ -363,6 +363,22 @@ def test_a_unit_called_while_a_graph_is_captured_never_compiles_and_never_swallo
     monkeypatch.undo()  # the capture over: the unit compiles again what it ran plain inside it
     ops.glu(torch.randn(1, 1, 12), "silu")
     assert counters["stats"]["unique_graphs"] == before + 1
+
+
+def test_a_unit_compiles_once_for_a_parameter_and_a_tensor_alike() -> None:
+    """A module's weight (a Parameter: the drafter's norms) and a computed one (a Tensor: a hybrid target's
+    zero-centred norms, 1 + w) reach the same compiled unit; dynamo guards on the type, so the unit compiled each
+    shape twice (a tiny hybrid's DFlash decode at batch 1 and 2: 24 compilations, 20 once weights are plain)."""
+    from torch._dynamo.utils import counters
+
+    unit = CompiledOrPlain(rms_norm)
+    x = torch.randn(2, 3, 8)
+    weight = torch.nn.Parameter(torch.rand(8))
+    expected = rms_norm(x, weight.detach(), 1e-6)
+    torch.testing.assert_close(unit(x, weight, 1e-6), expected)
+    before = counters["stats"]["unique_graphs"]
+    torch.testing.assert_close(unit(x, weight.detach().clone(), 1e-6), expected)
+    assert counters["stats"]["unique_graphs"] == before
 
 
 def test_compiled_units_take_no_float_as_a_tensor(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -353,6 +353,9 @@ class CompiledOrPlain:
         self.failed = False
 
     def __call__(self, *args: object) -> object:
+        # a weight as a plain tensor: dynamo guards on the type, so a unit that met a module's Parameter (the
+        # drafter's norms) and a computed Tensor (a hybrid's zero-centred norms, 1 + w) compiled each twice
+        args = tuple(arg.data if isinstance(arg, torch.nn.Parameter) else arg for arg in args)
         if not self.failed:
             capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
             stance = torch.compiler.set_stance("eager_on_recompile") if capturing else nullcontext()
