@@ -572,7 +572,7 @@ def test_the_sequential_warm_up_warms_every_decode_graph_up_to_its_bound(
     target = FastTarget(make_target_model("qwen3"))
     proposer = build_proposer("ddtree", target, make_drafter(), 6)
     calls: list[tuple[object, int]] = []
-    monkeypatch.setattr(sequential, "warm_decode", lambda t, p, positions: calls.append((p, positions)) or 0)
+    monkeypatch.setattr(sequential, "warm_decode", lambda t, p, positions, say: calls.append((p, positions)) or 0)
     sequential.SequentialEngine(target, proposer, None, max_model_len).warm_up([3, 4, 5])
     assert calls == [(proposer, bound)]
 
