@@ -6,7 +6,7 @@ On a cold H100 `blockdraft serve` of the embedded pair spent 134 s of its 199 s 
 (60 keys, every config compiled and timed; benchmarks/RESULTS.md, 2026-12-07); with a key's best config known, the
 start compiles that one config and times nothing. A key the table lacks (another card, another model's shapes) is
 tuned as before, and `BLOCKDRAFT_SAVE_TUNING=FILE` makes a process write what its tuners hold (merged into FILE)
-after a server's warm-up or a benchmark, which is how the tables in `tuned/` were made.
+after each part of a server's warm-up or a benchmark, which is how the tables in `tuned/` were made.
 
 The same table keeps `kernel_choice`'s picks (which of a kernel and its library call ran each shape faster on this
 card: 14.4 s of that cold start timed them), so a shipped pick is taken without timing or compiling the loser.
