@@ -215,13 +215,9 @@ def main() -> int:
             parser.error(f"{flag} {','.join(unknown)}: not one of {', '.join(known)}")
     if args.shape is not None and "serve" in checks:
         sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
-        from shape_target import temporary_pair
+        from shape_target import serve_shape
 
-        print(f"# --shape {args.shape}: writing a random-weight target and drafter ...", flush=True)
-        try:
-            args.target, args.drafter = map(str, temporary_pair(args.shape, args.shape_tokenizer, args.device))
-        except ValueError as exc:
-            parser.error(str(exc))
+        serve_shape(parser, args)
         args.serve_args += " --no-self-check"  # random weights fail it, as they should
     root = args.cache_root or Path(tempfile.mkdtemp(prefix="bd-cold-"))
     results: list[Check] = []

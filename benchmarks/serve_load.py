@@ -744,13 +744,9 @@ def main() -> None:
         parser.error(f"--prompt-tokens {args.prompt_tokens}: give a positive count, e.g. 1024")
     if args.shape is not None:
         sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu"))
-        from shape_target import temporary_pair
+        from shape_target import serve_shape
 
-        console.print(f"# --shape {args.shape}: writing a random-weight target and drafter ...")
-        try:
-            args.target, args.drafter = map(str, temporary_pair(args.shape, args.shape_tokenizer, args.device))
-        except ValueError as exc:
-            parser.error(str(exc))
+        serve_shape(parser, args)
 
     from blockdraft.prompt_sets import load_prompt_set
 

@@ -73,6 +73,16 @@ def temporary_pair(shape: str, tokenizer_from: str, device: str | None) -> tuple
                       device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
+
+def serve_shape(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A benchmark's `--shape`: `args.target` and `args.drafter` become a `temporary_pair` of `args.shape` (tokenizer
+    from `args.shape_tokenizer`, weights on `args.device`); an unknown shape is the parser's usage error."""
+    print(f"# --shape {args.shape}: writing a random-weight target and drafter ...", file=sys.stderr, flush=True)
+    try:
+        args.target, args.drafter = map(str, temporary_pair(args.shape, args.shape_tokenizer, args.device))
+    except ValueError as exc:
+        parser.error(str(exc))
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("shape", choices=sorted(SHAPES))
