@@ -98,3 +98,20 @@ def test_a_table_sent_back_merges_into_its_cards_table_alone(tuner: FakeTuner, t
     assert len(kept["kernels"]["gemv"]) == 2 and kept["picks"][0]["pick"] == "library"
     with pytest.raises(ValueError, match="Card Y"):
         tuned_configs.merge(back | {"card": "Card Y"}, shipped)
+
+
+def test_the_saved_line_counts_what_the_whole_process_added(tuner: FakeTuner, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server saves after each part of its warm-up; its last line must say all it added, not the last part's
+    (a hybrid start on an H200 added 102 entries and said 0)."""
+    path = tmp_path / "tuned.json"
+    monkeypatch.setenv(tuned_configs.SAVE_ENV, str(path))
+    monkeypatch.setattr(tuned_configs, "_saved", {"entries": 0})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "Card X")
+    tuner.cache[(1, 2, "torch.bfloat16")] = "BLOCK_N: 64, num_warps: 4"
+    assert tuned_configs.save_if_asked() == f"{tuned_configs.SAVE_ENV}: 1 tuned keys and picks added to {path} (Card X) by this process"
+    tuner.cache[(3, 4, "torch.bfloat16")] = "BLOCK_N: 64, num_warps: 4"
+    assert tuned_configs.save_if_asked().startswith(f"{tuned_configs.SAVE_ENV}: 2 tuned keys")
+    assert tuned_configs.save_if_asked().startswith(f"{tuned_configs.SAVE_ENV}: 2 tuned keys")

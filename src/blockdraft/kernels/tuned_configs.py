@@ -29,6 +29,7 @@ _tuners: dict[str, Any] = {}  # kernel name -> its triton Autotuner
 _read: set[str] = set()  # the cards whose table was read into the tuners
 _picks: dict[tuple[str, str], str] = {}  # (kind, str(key)) -> the option kernel_choice ran that shape with
 _shipped: dict[tuple[str, str], str] = {}  # the picks the card's table holds
+_saved = {"entries": 0}  # what this process's `save_if_asked` calls added in all (a server saves after each part)
 
 
 def register(name: str, tuner: Any) -> None:
@@ -125,7 +126,7 @@ def save_if_asked() -> str | None:
         return None
     card = torch.cuda.get_device_name(torch.cuda.current_device())
     try:
-        added = save(Path(target), card)
+        _saved["entries"] += save(Path(target), card)
     except ValueError as exc:  # another card's file: the run's work stands, its tuning is not kept
         return f"{SAVE_ENV}: nothing saved: {exc}"
-    return f"{SAVE_ENV}: {added} tuned keys added to {target} ({card})"
+    return f"{SAVE_ENV}: {_saved['entries']} tuned keys and picks added to {target} ({card}) by this process"
