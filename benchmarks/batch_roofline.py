@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -115,16 +116,19 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     sizes, rows_list, budgets = args.batch_sizes, args.rows, args.budget
+    say = partial(print, file=sys.stderr, flush=True)  # each part as it is timed: a call cut at its limit keeps them
+    say(f"building the {args.shape} shape on {device} ...")
     model, drafter = build_synthetic(args.shape, device, dtype)
     target = make_engine("fast", model)  # FastTarget, or HybridFastTarget for a hybrid shape
     depth = drafter.cfg.block_size - 1
     costs = None
     if args.verify_only:
-        verify_s = verify_seconds(target, drafter.cfg.target_layer_ids, sizes, rows_list, args.context, repeats=10)
+        verify_s = verify_seconds(target, drafter.cfg.target_layer_ids, sizes, rows_list, args.context, repeats=10,
+                                  say=say)
     else:
         rows_list = sorted(set(rows_list) | {1 + depth} | {1 + b for b in budgets})  # the schedule's candidates too
         costs = measure_costs(target, drafter, f"synthetic {args.shape}", "synthetic", sizes, rows_list, budgets,
-                              args.context, repeats=10)
+                              args.context, repeats=10, say=say)
         verify_s = costs.verify_s
     rate = bandwidth(device, False)
     elt = torch.finfo(dtype).bits // 8

@@ -111,8 +111,14 @@ def test_commit_costs_time_the_servers_commit_work_on_every_sequence() -> None:
         hooks.append(seen)
         return lambda tokens: seen.append(tokens) and False
 
-    costs = measure_costs(target, make_drafter("all_full"), "t", "d", [1, 3], [1], [4], 8, 2, commit_work)
+    said: list[str] = []
+    costs = measure_costs(target, make_drafter("all_full"), "t", "d", [1, 3], [1], [4], 8, 2, commit_work,
+                          say=said.append)
     assert sorted(costs.commit_s) == [1, 3]
+    # each part said as it is timed (a GPU call cut at its limit keeps them)
+    assert [line.split(":")[0] for line in said] == ["verify at batch 1", "verify at batch 3", "drafter step",
+                                                     "whole AR step"]
+    assert f"1 rows {1000 * costs.verify_s[3][1]:.3f} ms" in said[1] and "B=3" in said[2]
     # the first token, a warm-up, 3 timed steps; the step then in flight is dropped as each is ended
     assert len(hooks) == 4 and all(len(seen) == 5 for seen in hooks)
 

@@ -64,20 +64,24 @@ def _seconds(run: Callable[[], object], device: torch.device, repeats: int) -> f
 def measure_costs(target: Target, drafter: DFlashDrafter, target_name: str, drafter_name: str,
                   batch_sizes: list[int], rows: list[int], budgets: list[int], context: int,
                   repeats: int, commit_work: Callable[[], OnCommit] | None = None, *,
-                  candidates: Sequence[Candidate] = (), lookup: int = 0) -> CostTable:
+                  candidates: Sequence[Candidate] = (), lookup: int = 0,
+                  say: Callable[[str], None] = lambda line: None) -> CostTable:
     """The cost table of the batched engine on this device (see the module docstring); `commit_work()` gives each
     timed sequence the hook the server runs on its commits (its text), so the host work is the server's. Each
     speculative candidate in `candidates` gets its own host work, DDTree's with the prompt-lookup chain of
     `lookup` tokens the server's trees hold (its search and merge); one whose device work the table cannot cost (its
     rows or budget not measured) is skipped, not failed: without a device time its step cannot be split, and it
-    pays AR's host work as tables without commit_by_candidate_s do."""
+    pays AR's host work as tables without commit_by_candidate_s do. `say` gets each part's times as they are
+    measured, so a run stopped at a time limit still tells what it timed."""
     if not target.batch_slots:
         raise BlockdraftError("tune times the batched engine, which needs the fast engine's batch slots: pass "
                               "--engine fast")
     device = target.device
-    verify_s = verify_seconds(target, drafter.cfg.target_layer_ids, batch_sizes, rows, context, repeats)
+    verify_s = verify_seconds(target, drafter.cfg.target_layer_ids, batch_sizes, rows, context, repeats, say)
     draft_s = _draft_costs(target, drafter, batch_sizes, context, repeats)
+    say("drafter step: " + _ms_line(draft_s))
     ar_steps = _steps(target, drafter, AR, batch_sizes, context, repeats, commit_work)
+    say("whole AR step: " + _ms_line(ar_steps))
     commit_s = {batch: max(0.0, ar_steps[batch] - verify_s[batch][1]) for batch in batch_sizes if 1 in verify_s[batch]}
     log_probs = torch.randn(drafter.cfg.block_size - 1, target.vocab_size, device=device).log_softmax(-1)
     tree_build_s = {b: _seconds(lambda b=b: build_tree(log_probs, b), device, repeats) for b in budgets}
@@ -92,6 +96,7 @@ def measure_costs(target: Target, drafter: DFlashDrafter, target_name: str, draf
         except BlockdraftError:
             continue
         steps = _steps(target, drafter, candidate, batch_sizes, context, repeats, commit_work, lookup)
+        say(f"whole {candidate.label} step: " + _ms_line(steps))
         table.commit_by_candidate_s[candidate.label] = {batch: max(0.0, steps[batch] - device_s[batch])
                                                         for batch in batch_sizes}
     return table
@@ -99,9 +104,11 @@ def measure_costs(target: Target, drafter: DFlashDrafter, target_name: str, draf
 
 @torch.inference_mode()
 def verify_seconds(target: FastTarget, taps: tuple[int, ...] | None, batch_sizes: list[int], rows: list[int],
-                   context: int, repeats: int) -> dict[int, dict[int, float]]:
+                   context: int, repeats: int,
+                   say: Callable[[str], None] = lambda line: None) -> dict[int, dict[int, float]]:
     """Seconds of the target's verify forward of `rows` causal rows over each batch size's sequences of `context`
-    cached tokens, tapping `taps`: batch 1 on the batch-1 path, more through `BatchForward` (the server's graphs)."""
+    cached tokens, tapping `taps`: batch 1 on the batch-1 path, more through `BatchForward` (the server's graphs);
+    `say` gets each batch size's times as they are measured."""
     device = target.device
     store = BatchKV.for_target(target, max(batch_sizes), context + max(rows))
     batched = BatchForward(target, store)
@@ -124,7 +131,13 @@ def verify_seconds(target: FastTarget, taps: tuple[int, ...] | None, batch_sizes
             run = ((lambda: one_sequence(ids, positions[0])) if batch == 1 else
                    (lambda: batched(ids, positions, own, taps)))
             verify_s[batch][r] = _seconds(run, device, repeats)
+        say(f"verify at batch {batch}: " + ", ".join(f"{r} rows {1000 * t:.3f} ms" for r, t in verify_s[batch].items()))
     return verify_s
+
+
+def _ms_line(seconds: dict[int, float]) -> str:
+    """Times by batch size, as `say` prints them: 'B=1 1.234 ms, B=4 ...'."""
+    return ", ".join(f"B={batch} {1000 * t:.3f} ms" for batch, t in seconds.items())
 
 
 def _steps(target: FastTarget, drafter: DFlashDrafter, candidate: Candidate, batch_sizes: list[int], context: int,
@@ -243,7 +256,7 @@ def tune(target: Target, drafter: DFlashDrafter, target_name: str, drafter_name:
     rows = sorted({c.rows for c in candidates})
     say(f"timing {len(batch_sizes)} batch sizes x {len(rows)} row counts ...")
     costs = measure_costs(target, drafter, target_name, drafter_name, batch_sizes, rows, budgets, context, repeats,
-                          commit_work, candidates=candidates, lookup=lookup)
+                          commit_work, candidates=candidates, lookup=lookup, say=say)
     say(f"measuring acceptance: {source} ...")
     profile = measure_acceptance(target, drafter, prompts, budgets, max_new_tokens, stop_token_ids, source, lookup)
     return costs, choose(costs, profile, candidates, batch_sizes)
