@@ -73,7 +73,6 @@ def temporary_pair(shape: str, tokenizer_from: str, device: str | None) -> tuple
                       device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 
-
 def serve_shape(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """A benchmark's `--shape`: `args.target` and `args.drafter` become a `temporary_pair` of `args.shape` (tokenizer
     from `args.shape_tokenizer`, weights on `args.device`); an unknown shape is the parser's usage error."""
@@ -82,6 +81,7 @@ def serve_shape(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         args.target, args.drafter = map(str, temporary_pair(args.shape, args.shape_tokenizer, args.device))
     except ValueError as exc:
         parser.error(str(exc))
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
