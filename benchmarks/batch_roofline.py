@@ -22,13 +22,26 @@ for the largest --budget, capped at 1 + budget; chain per-position rates assumed
 tokens a step at the drafter's 15 drafted tokens, every depth's conditional rate the same, as `--synthetic-acceptance
 MEAN` dials it), each method's tokens/s per batch size from the measured steps: DFlash at that mean, DDTree at the
 mean its tree of each budget commits under the same dial (`SyntheticAcceptance.tree_length`), and the schedule's pick.
+
+With `--prompt-tokens P` those figures are what a server keeping every slot busy serves to requests of P prompt
+tokens and `--output-tokens N` output tokens: each method's admission of one such request through the batched engine
+is timed too (its prefill, the drafter's context of it and its first token, as `serve` joins a request), and a
+request costs its admission plus its share of the steps, so served tokens/s = 1 / (admission / N + 1 / step rate)
+and the admissions' share of the engine's time is admission / (admission + N / step rate). Steps are timed at
+`--context` cached tokens; admissions are timed one request at a time (prompts of PREFILL_ROWS tokens or more never
+share a prefill, shorter ones arriving together can, so for them the figure is a floor). Long prompts and short
+outputs make admissions a large part of a server's work, which decode-only figures leave out (SGLang's published
+DFlash figures decode 2,048 tokens a request).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -60,19 +73,72 @@ def float_list(text: str) -> list[float]:
     return [float(part) for part in text.split(",") if part.strip()]
 
 
+@dataclass(frozen=True)
+class Requests:
+    """What a served request costs besides the steps: each method's admission of one request (seconds, by
+    candidate label) of `prompt_tokens` tokens, and the `output_tokens` its steps then commit."""
+
+    prompt_tokens: int
+    output_tokens: int
+    admit_s: dict[str, float]
+
+    def served(self, label: str, step_rate: float) -> float:
+        """Tokens/s a server keeping every slot busy serves, where the steps alone give `step_rate`."""
+        return 1 / (self.admit_s[label] / self.output_tokens + 1 / step_rate)
+
+    def admit_share(self, label: str, step_rate: float) -> float:
+        """The admissions' share of the engine's time at that rate."""
+        admit = self.admit_s[label]
+        return admit / (admit + self.output_tokens / step_rate)
+
+
+def admission_seconds(target: Any, drafter: Any, candidate: Any, prompt_tokens: int, repeats: int) -> float:
+    """Median seconds the batched engine takes to admit one request of `prompt_tokens` random tokens with
+    `candidate`'s method (`BatchDecoder.join_many`, as `serve` joins one), after one untimed admission; each
+    admitted sequence is then ended and leaves, off the clock."""
+    from blockdraft.decoding.methods import build_proposer
+    from blockdraft.engine.batch import BatchDecoder
+    from blockdraft.engine.sequence import Request
+
+    decoder = BatchDecoder(target, lambda: build_proposer(candidate.method, target, drafter, candidate.budget,
+                                                          candidate.draft_tokens or None), 1)
+    prompt = torch.randint(0, target.vocab_size, (prompt_tokens,)).tolist()
+    cuda = target.device.type == "cuda"
+    times = []
+    for i in range(repeats + 1):
+        if cuda:
+            torch.cuda.synchronize(target.device)
+        began = time.perf_counter()
+        decoder.join_many([Request(prompt, 2)])
+        if cuda:
+            torch.cuda.synchronize(target.device)
+        if i:
+            times.append(time.perf_counter() - began)
+        for seq in decoder.running:
+            seq.ended_early = True
+        while decoder.running:
+            decoder.step()
+    return statistics.median(times)
+
+
 def by_acceptance(costs: Any, means: list[float], depth: int, budgets: list[int], sizes: list[int],
-                  console: Console) -> list[dict[str, Any]]:
+                  console: Console, requests: Requests | None = None) -> list[dict[str, Any]]:
     """Each method's tokens/s per batch size at each mean acceptance length (dialled as `--synthetic-acceptance MEAN`
-    dials a server), and the schedule's pick; printed as one table, returned as its rows."""
+    dials a server), and the schedule's pick; with `requests`, the tokens/s served to such requests (admissions
+    counted) and the admissions' share at the pick. Printed as one table, returned as its rows."""
     from blockdraft.engine.acceptance import AcceptanceProfile
     from blockdraft.engine.candidate import AR, Candidate
     from blockdraft.engine.schedule import choose
     from blockdraft.synthetic_acceptance import SyntheticAcceptance
 
     candidates = [AR, Candidate("dflash", depth), *(Candidate("ddtree", budget=b) for b in budgets)]
-    table = Table(title=f"tokens/s by mean acceptance length and batch size ({costs.target}, {costs.device})")
+    what = ("tokens/s of the steps" if requests is None else
+            f"tokens/s served, {requests.prompt_tokens}-token prompts and {requests.output_tokens} output tokens")
+    table = Table(title=f"{what}, by mean acceptance length and batch size ({costs.target}, {costs.device})")
     for column in ("acceptance", "batch", *(c.label for c in candidates), "pick", "x AR"):
         table.add_column(column, justify="right")
+    if requests is not None:
+        table.add_column("admissions % of time", justify="right")
     rows = []
     for mean in means:
         dial = SyntheticAcceptance.parse(f"{mean:g}", depth)
@@ -80,10 +146,18 @@ def by_acceptance(costs: Any, means: list[float], depth: int, budgets: list[int]
         profile = AcceptanceProfile(dial.unconditional(), trees, f"dialled mean acceptance length {mean:g}")
         for entry in choose(costs, profile, candidates, sizes).entries:
             rates = {e.candidate.label: e.tokens_per_s for e in entry.estimates}
-            rows.append(dict(acceptance=mean, tree_tau=trees, batch=entry.batch, tokens_per_s=rates,
-                             pick=entry.choice.label, gain=entry.gain))
-            table.add_row(f"{mean:g}", str(entry.batch), *(f"{rates[c.label]:,.0f}" for c in candidates),
-                          entry.choice.label, f"{entry.gain:.2f}")
+            row = dict(acceptance=mean, tree_tau=trees, batch=entry.batch, tokens_per_s=rates,
+                       pick=entry.choice.label, gain=entry.gain)
+            shown, gain, share = rates, entry.gain, []
+            if requests is not None:  # the schedule's pick (what a server runs) against AR, both as served
+                shown = {label: requests.served(label, rate) for label, rate in rates.items()}
+                gain = shown[entry.choice.label] / shown[AR.label]
+                admitted = 100 * requests.admit_share(entry.choice.label, rates[entry.choice.label])
+                row |= dict(served_tokens_per_s=shown, served_gain=gain, admit_share=admitted / 100)
+                share = [f"{admitted:.0f}"]
+            rows.append(row)
+            table.add_row(f"{mean:g}", str(entry.batch), *(f"{shown[c.label]:,.0f}" for c in candidates),
+                          entry.choice.label, f"{gain:.2f}", *share)
     console.print(table)
     return rows
 
@@ -100,6 +174,11 @@ def main() -> None:
     parser.add_argument("--acceptance", type=float_list, default=None,
                         help="Mean acceptance lengths (e.g. 2,4,6.35,8): tokens/s of each method per batch size at "
                              "each, from the measured steps (not with --verify-only).")
+    parser.add_argument("--prompt-tokens", type=int, default=None,
+                        help="With --acceptance: tokens/s served to requests of this many prompt tokens (each method's "
+                        "admission timed), e.g. 1024.")
+    parser.add_argument("--output-tokens", type=int, default=256,
+                        help="With --prompt-tokens: the output tokens a request's steps commit.")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--verify-only", action="store_true",
                         help="Time the verify forward at --rows alone (no drafter, whole steps or schedule): the "
@@ -107,6 +186,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.acceptance and args.verify_only:
         parser.error("--acceptance needs whole steps: leave out --verify-only")
+    if args.prompt_tokens is not None and not args.acceptance:
+        parser.error("--prompt-tokens prices requests in the --acceptance table: add --acceptance, e.g. 2,4,6.35,8")
+    if args.prompt_tokens is not None and (args.prompt_tokens < 1 or args.output_tokens < 1):
+        parser.error(f"--prompt-tokens {args.prompt_tokens} / --output-tokens {args.output_tokens}: give positive "
+                     "counts, e.g. 1024 and 256")
     from blockdraft.engine.acceptance import AcceptanceProfile
     from blockdraft.engine.candidate import AR, Candidate
     from blockdraft.engine.schedule import choose, render
@@ -167,7 +251,16 @@ def main() -> None:
         console.print(render(schedule))
         extra = dict(costs=costs.to_json(), schedule=schedule.to_json())
         if args.acceptance:
-            extra["by_acceptance"] = by_acceptance(costs, args.acceptance, depth, budgets, sizes, console)
+            requests = None
+            if args.prompt_tokens is not None:
+                methods = [AR, Candidate("dflash", depth), *(Candidate("ddtree", budget=b) for b in budgets)]
+                admit_s = {c.label: admission_seconds(target, drafter, c, args.prompt_tokens, repeats=5)
+                           for c in methods}
+                say(f"admitting one {args.prompt_tokens}-token request: " +
+                    ", ".join(f"{label} {1000 * t:.3f} ms" for label, t in admit_s.items()))
+                requests = Requests(args.prompt_tokens, args.output_tokens, admit_s)
+                extra["admit_s"] = admit_s
+            extra["by_acceptance"] = by_acceptance(costs, args.acceptance, depth, budgets, sizes, console, requests)
     attention = {shape: runs_on for shape, runs_on in choices().items() if shape.startswith("block_attention")}
     console.print("attention per shape (kernel_choice):\n" + "\n".join(f"- {k}: {v}" for k, v in attention.items()))
     if args.json:

@@ -49,6 +49,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--stream-interval-ms", default=None)
     parser.add_argument("--max-num-seqs", default=None, help="The server's continuous batch (default: its own, 1).")
+    parser.add_argument("--max-model-len", default=None, help="The server's --max-model-len (default: its own).")
     parser.add_argument("--synthetic-acceptance", default=None,
                         help="BENCHMARKS ONLY: dial acceptance, as serve_load.py's (outputs are not the model's).")
     args = parser.parse_args()

@@ -65,6 +65,7 @@ from blockdraft.serve.engine_clock import SLOW_STEP_S
 
 HOST = "127.0.0.1"
 SCHEDULE = "schedule"  # a --methods entry: the server with --method ddtree --schedule FILE|auto
+MODEL_LEN_STEP = 256  # --shape's default --max-model-len is the longest request rounded up to this
 SAID = ("method ", "schedule", "the schedule", "continuous", "slow step")  # server lines kept (JSON: server_said)
 console = Console(stderr=True)
 out = Console(width=150)
@@ -316,7 +317,7 @@ class Server:
                    *method_flags(method, budget, draft_tokens)]
         for flag, value in (("--drafter", args.drafter), ("--device", args.device), ("--dtype", args.dtype),
                             ("--engine", args.engine), ("--stream-interval-ms", args.stream_interval_ms),
-                            ("--max-num-seqs", args.max_num_seqs),
+                            ("--max-num-seqs", args.max_num_seqs), ("--max-model-len", args.max_model_len),
                             ("--schedule", args.schedule if scheduled else None),
                             ("--synthetic-acceptance", args.synthetic_acceptance if method != "ar" else None)):
             if value is not None:
@@ -596,6 +597,16 @@ def rotate(methods: list[str], servers: dict[str, "Server"], args: argparse.Name
     return [summarize(m, concurrency, records[m], walls[m], engines[m], cpus[m]) for m in methods]
 
 
+def run_model_len(prompts: list[list[dict]], tokenizer: Any, max_tokens: int) -> int:
+    """The longest request this run sends (its longest chat-templated prompt and `max_tokens`), rounded up to a
+    multiple of MODEL_LEN_STEP: the servers' --max-model-len for a `--shape` target, whose own window (40,960
+    positions at the 8B shape) times 64 sequences is K/V no card holds, so the server would refuse to start."""
+    from blockdraft.prompting import encode_messages
+
+    longest = max(len(encode_messages(messages, tokenizer)) for messages in prompts) + max_tokens
+    return -(-longest // MODEL_LEN_STEP) * MODEL_LEN_STEP
+
+
 def fmt(value: float | None, spec: str = ".0f") -> str:
     return "-" if value is None else format(value, spec)
 
@@ -724,6 +735,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads, here and in the server.")
     parser.add_argument("--stream-interval-ms", default=None, help="The server's stream interval (default: its own).")
     parser.add_argument("--max-num-seqs", default=None, help="The server's continuous batch (default: its own, 1).")
+    parser.add_argument("--max-model-len", default=None,
+                        help="The server's --max-model-len (default: its own; with --shape, the run's longest request "
+                        "rounded up to a multiple of 256).")
     parser.add_argument("--schedule", default="auto",
                         help="The schedule method's server --schedule FILE|auto (with --max-num-seqs).")
     parser.add_argument("--pin", default=None,
@@ -752,13 +766,18 @@ def main() -> None:
 
     items = load_prompt_set(args.prompts)
     prompts = [item.messages or [{"role": "user", "content": item.prompt}] for item in items]
-    if args.prompt_tokens:
+    if args.prompt_tokens or (args.shape is not None and args.max_model_len is None):
         from transformers import AutoTokenizer
 
         from blockdraft.assets import resolve_target_path
 
-        prompts = lengthened(prompts, AutoTokenizer.from_pretrained(resolve_target_path(args.target)),
-                             args.prompt_tokens)
+        tokenizer = AutoTokenizer.from_pretrained(resolve_target_path(args.target))
+        if args.prompt_tokens:
+            prompts = lengthened(prompts, tokenizer, args.prompt_tokens)
+        if args.max_model_len is None:  # with --shape: the shape's own window can never fit --max-num-seqs on a card
+            args.max_model_len = str(run_model_len(prompts, tokenizer, args.max_tokens))
+            console.print(f"# --shape: the servers' --max-model-len {args.max_model_len} (the longest prompt and "
+                          f"--max-tokens {args.max_tokens}, in steps of {MODEL_LEN_STEP})")
     levels: list[LevelResult] = []
     ratios: list[dict[str, Any]] = []
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -781,14 +800,15 @@ def main() -> None:
                 stop_server(method, server, levels, ratios)
 
     table = Table(title=f"blockdraft serve under load ({args.target}, {args.max_tokens} max tokens, T=0)")
-    for column in ("method", "conc", "requests", "prompt tokens", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms",
-                   "ITL p99 ms", "errors", "steps % wall", "admit % wall", f"steps > {STALL_S} s", "HTTP CPU %",
-                   "engine CPU %"):
+    for column in ("method", "conc", "requests", "prompt tokens", "req/s", "out tok/s", "x AR", "TTFT p50 ms",
+                   "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "errors", "steps % wall", "admit % wall",
+                   f"steps > {STALL_S} s", "HTTP CPU %", "engine CPU %"):
         table.add_column(column, justify="right")
     for r in levels:
         table.add_row(r.method, str(r.concurrency), str(r.requests), fmt(r.prompt_tokens_mean, ".0f"),
                       fmt(r.requests_per_s, ".2f"),
-                      fmt(r.output_tokens_per_s, ".1f"), fmt(r.ttft_p50_ms), fmt(r.ttft_p99_ms), fmt(r.itl_p50_ms),
+                      fmt(r.output_tokens_per_s, ".1f"), fmt(over_ar(r, levels), ".2f"), fmt(r.ttft_p50_ms),
+                      fmt(r.ttft_p99_ms), fmt(r.itl_p50_ms),
                       fmt(r.itl_p99_ms), str(r.errors), fmt(100 * r.engine["step_share"]),
                       fmt(100 * r.engine["admit_share"]), str(r.engine["stalls"]),
                       fmt(100 * r.cpu["http_cpu_share"]), fmt(100 * r.cpu["engine_cpu_share"]))
@@ -804,6 +824,12 @@ def main() -> None:
                             fmt(r["ratio"], ".3f"), fmt(r["median_request_ratio"], ".3f"))
         out.print(summary)
     save(args, levels, ratios)
+
+
+def over_ar(result: LevelResult, levels: list[LevelResult]) -> float | None:
+    """The level's output tokens/s over AR's at the same concurrency (None without an AR level that served)."""
+    ar = [r.output_tokens_per_s for r in levels if r.method == "ar" and r.concurrency == result.concurrency]
+    return result.output_tokens_per_s / ar[0] if ar and ar[0] else None
 
 
 def save(args: argparse.Namespace, levels: list[LevelResult], ratios: list[dict[str, Any]]) -> None:

@@ -4,6 +4,7 @@ time, client and server side). Their GPU runs are the serving figures; these kee
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -12,6 +13,20 @@ from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+SPEC = importlib.util.spec_from_file_location("serve_load", BENCHMARKS / "serve_load.py")
+serve_load = importlib.util.module_from_spec(SPEC)
+sys.modules["serve_load"] = serve_load  # its dataclasses look their module up there
+SPEC.loader.exec_module(serve_load)
+
+
+def level(method: str, concurrency: int, tokens_per_s: float) -> object:
+    return serve_load.LevelResult(method, concurrency, 8, 1.0, 8.0, tokens_per_s, None, None, None, None, 0)
+
+
+def test_each_level_is_set_against_ar_at_its_own_concurrency() -> None:
+    levels = [level("ar", 1, 100.0), level("dflash", 1, 250.0), level("ar", 4, 300.0), level("dflash", 4, 450.0),
+              level("ddtree", 16, 900.0), level("ar", 8, 0.0), level("dflash", 8, 10.0)]
+    assert [serve_load.over_ar(r, levels) for r in levels] == [1.0, 2.5, 1.0, 1.5, None, None, None]
 
 
 def test_serve_load_reports_every_level_and_the_pairs(tmp_path: Path) -> None:
@@ -58,3 +73,6 @@ def test_serve_load_at_a_shape_with_long_prompts(tmp_path: Path) -> None:
     assert "loading in-process" not in res.stderr and "paired request by request" not in res.stdout  # --paired 0
     assert res.stderr.index("# ar c=1:") < res.stderr.index("# dflash: starting")  # --apart: ar served, then dflash
     assert not list(tmp_path.glob("bd-embedded-*"))  # the shape's weights are gone
+    # the servers' window is the run's longest request (150 + 6 tokens) rounded up, not the shape's own 8,192
+    assert "--max-model-len 256 (the longest prompt and --max-tokens 6" in " ".join(res.stderr.split())
+    assert json.loads(out.read_text())["settings"]["max_model_len"] == "256"
