@@ -179,3 +179,88 @@ def test_one_split_a_sequence_stores_the_output_with_no_combine_and_no_count(mon
         want = decode_attention(q[b : b + 1], cache[0, b : b + 1, :, :keys], cache[1, b : b + 1, :, :keys], bias,
                                 0.25)
         torch.testing.assert_close(got[b], want[0], rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("block_rows", [32, 64])
+@pytest.mark.parametrize("merge", [False, True])
+@pytest.mark.parametrize("t, groups, window, tree", [(16, 4, None, False), (33, 4, None, True), (9, 2, 12, True)])
+def test_taller_row_blocks_attend_alike(t: int, groups: int, window: int | None, tree: bool, merge: bool,
+                                        block_rows: int) -> None:
+    """A KV head's folded rows in 32- or 64-row blocks (each program reading its split's keys for all of them, not
+    for 16): the attention of 16-row blocks and of the dense reference, with the last block part-filled (33 rows x 4
+    query heads), trees, a window, sequences of different lengths and garbage past each one's keys."""
+    generator = torch.Generator().manual_seed(t * 7 + groups + block_rows)
+    heads, d, capacity = 2, 24, 320
+    lengths, seq = [0, 41, 200], [2, 0, 1]
+    cache = torch.randn(2, 3, heads, capacity, d, generator=generator)
+    for b, slot in enumerate(seq):
+        cache[:, slot, :, lengths[b] + t :] = float("nan")
+    cache = cache.to(DEVICE)
+    q = torch.randn(len(lengths), heads, groups * t, d, generator=generator).to(DEVICE)
+    own = torch.stack([random_tree(t, generator) if tree else torch.ones(t, t, dtype=torch.bool).tril()
+                       for _ in lengths]).to(DEVICE)
+    positions = torch.stack([length + own_b.sum(1).cpu() - 1 for length, own_b in zip(lengths, own)]).to(DEVICE)
+    args = (q, cache[0], cache[1], torch.tensor(seq, device=DEVICE), torch.tensor(lengths, device=DEVICE), own,
+            positions, window, 0.125, 64, merge)
+    with torch.inference_mode():
+        got = block_attention(*args, block_rows=block_rows)
+        torch.testing.assert_close(got, block_attention(*args), rtol=2e-5, atol=2e-5)
+    for b, (slot, length) in enumerate(zip(seq, lengths)):
+        keys = length + t
+        bias = attention_bias(torch.tensor(length, device=DEVICE), torch.arange(keys, device=DEVICE), positions[b],
+                              own[b], window, groups, torch.float32)
+        want = decode_attention(q[b : b + 1], cache[0, slot : slot + 1, :, :keys], cache[1, slot : slot + 1, :, :keys],
+                                bias, 0.125)
+        torch.testing.assert_close(got[b], want[0], rtol=2e-5, atol=2e-5)
+
+
+def test_a_row_block_is_a_power_of_two_the_kernel_takes() -> None:
+    from blockdraft.kernels.block_attention import group_block_rows
+
+    assert [group_block_rows(rows) for rows in (1, 4, 16, 17, 48, 64, 132)] == [16, 16, 16, 32, 64, 64, 64]
+    q = torch.zeros(1, 1, 4, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="block_rows 48: use a power of two from 16 to 64"):
+        block_attention(q, q, q, torch.zeros(1, dtype=torch.long, device=DEVICE),
+                        torch.zeros(1, dtype=torch.long, device=DEVICE), torch.ones(1, 4, 4, dtype=torch.bool,
+                                                                                       device=DEVICE),
+                        torch.zeros(1, 4, dtype=torch.long, device=DEVICE), None, 1.0, block_rows=48)
+
+
+@pytest.mark.parametrize("t, groups, offered", [(16, 4, "64-row blocks"), (5, 4, "32-row blocks"), (4, 4, None)])
+def test_the_engine_times_tall_row_blocks_where_a_kv_head_has_more_rows_than_one_block(
+        monkeypatch: pytest.MonkeyPatch, t: int, groups: int, offered: str | None) -> None:
+    """`kernel_block_attention` offers the chooser the tall-row-block options (plain, merging, 8 warps) exactly where a
+    KV head's folded rows outgrow one 16-row block, and each of them attends as the default kernel does."""
+    from blockdraft.fast import ops
+
+    generator = torch.Generator().manual_seed(t)
+    lengths, kv_heads, d = [3, 90], 2, 16
+    cache = torch.randn(2, 2, kv_heads, 256, d, generator=generator).to(DEVICE)
+    q = torch.randn(2, kv_heads, groups * t, d, generator=generator).to(DEVICE)
+    own = torch.ones(2, t, t, dtype=torch.bool).tril().to(DEVICE)
+    positions = (torch.tensor(lengths).unsqueeze(1) + torch.arange(t)).to(DEVICE)
+    mask = ops.CompactMask.of(torch.arange(2, device=DEVICE), torch.tensor(lengths, device=DEVICE), own, positions,
+                              lambda window: pytest.fail("the library's dense mask was built"))
+    seen: dict[str, list[str]] = {}
+
+    def choose(pick: str):
+        def fastest(kind: str, key: object, device: torch.device, options: dict) -> str:
+            seen[pick] = list(options)
+            return pick if pick in options else next(iter(options))
+        return fastest
+
+    with torch.inference_mode():
+        monkeypatch.setattr(ops, "fastest", choose("kernel"))
+        want = ops.kernel_block_attention(ops.decode_attention, ops.merge_heads, q, cache[0], cache[1], 0.25, mask,
+                                          None)
+        tall = [name for name in seen["kernel"] if "row blocks" in name]
+        if offered is None:
+            assert not tall
+            return
+        assert tall == [f"kernel, {offered}", f"kernel, {offered}, merging", f"kernel, {offered}, 8 warps"]
+        assert seen["kernel"][-1] == "library"
+        for name in tall:
+            monkeypatch.setattr(ops, "fastest", choose(name))
+            got = ops.kernel_block_attention(ops.decode_attention, ops.merge_heads, q, cache[0], cache[1], 0.25, mask,
+                                             None)
+            torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,3 +27,11 @@ def test_the_kernels_of_an_h200_step_fall_in_their_parts() -> None:
     parts = profile_step.by_category(kernels, steps=2)
     assert parts == pytest.approx({"weight products": 1.8, "attention": 0.55, "q|k|v epilogue": 0.025,
                                    "delta rule": 0.04, "norms": 0.04, "glu": 0.02, "other": 0.015})
+
+
+def test_flags_left_out_parse() -> None:
+    """Every flag has a default the parser takes: an empty --trees default once stopped a GPU call before its
+    profile (H100, 2026-12-07). On the CPU the script then says it needs a CUDA device."""
+    res = subprocess.run([sys.executable, str(SCRIPT), "--shape", "8b", "--rows", "16", "--batch", "16,64"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 1 and "profile_step.py needs a CUDA device" in res.stderr, res.stderr[-2000:]

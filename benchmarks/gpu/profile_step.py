@@ -125,7 +125,7 @@ def main() -> None:
     parser.add_argument("--shape", default="8b")
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--rows", type=int_list, default="1,16", help="new tokens per profiled step (1: AR, 16: DFlash verify)")
-    parser.add_argument("--trees", type=int_list, default="", help="DDTree budgets whose batch-1 verify to profile")
+    parser.add_argument("--trees", type=int_list, default=[], help="DDTree budgets whose batch-1 verify to profile")
     parser.add_argument("--batch", type=int_list, default="1", help="sequences per step (more than 1: the batched forward)")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
     args = parser.parse_args()

@@ -20,8 +20,8 @@ import torch
 import torch.fx.experimental._config as shape_config
 import torch.nn.functional as F
 
-from blockdraft.kernels.block_attention import block_attention, block_attention_runs
-from blockdraft.kernels.flash_decode import BLOCK_KEYS, TARGET_PROGRAMS
+from blockdraft.kernels.block_attention import block_attention, block_attention_runs, group_block_rows
+from blockdraft.kernels.flash_decode import BLOCK_KEYS, BLOCK_ROWS, TARGET_PROGRAMS
 from blockdraft.kernels.sizes import power_of_two_at_least
 from blockdraft.kernels.kernel_choice import fastest, kernel_wins
 from blockdraft.kernels.qkv_rope import qkv_rope, qkv_rope_runs
@@ -298,8 +298,9 @@ def kernel_block_attention(
     length, the heads stored merged) where it runs and was timed faster at this shape than `reference` and `merge_out`
     (the engine's own attention for these rows: two matmuls for a few, SDPA for many, then the heads' transpose;
     `kernel_choice`: key lengths by power of two; splits of 64 keys or of LONG_SPLIT_KEYS, merged by a second launch
-    or by each row block's last split, or twice the programs, or on WIDE_LAUNCH's 8 warps, whichever was faster),
-    else those."""
+    or by each row block's last split, or twice the programs, or on WIDE_LAUNCH's 8 warps, or, where a KV head has
+    more folded rows than BLOCK_ROWS, all of them in one program's row block (`group_block_rows`), whichever was
+    faster), else those."""
     t = mask.own.shape[-1]
     heads = q.shape[1] * q.shape[2] // t
 
@@ -310,9 +311,15 @@ def kernel_block_attention(
         return library()
 
     def splits_of(keys: int, merge: bool = False, programs: int = TARGET_PROGRAMS,
-                  launch: tuple[int, int] | None = None) -> Callable[[], torch.Tensor]:
+                  launch: tuple[int, int] | None = None, block_rows: int = BLOCK_ROWS) -> Callable[[], torch.Tensor]:
         return lambda: block_attention(q, k, v, mask.slots, mask.lengths, mask.own, mask.positions, window, scale,
-                                       keys, merge, programs, merged_heads=True, launch=launch)
+                                       keys, merge, programs, merged_heads=True, launch=launch, block_rows=block_rows)
+
+    tall = group_block_rows(q.shape[2])
+    taller = {} if tall == BLOCK_ROWS else {
+        f"kernel, {tall}-row blocks": splits_of(BLOCK_KEYS, block_rows=tall),
+        f"kernel, {tall}-row blocks, merging": splits_of(BLOCK_KEYS, True, block_rows=tall),
+        f"kernel, {tall}-row blocks, 8 warps": splits_of(BLOCK_KEYS, launch=WIDE_LAUNCH, block_rows=tall)}
 
     options = {"kernel": splits_of(BLOCK_KEYS), f"kernel, {LONG_SPLIT_KEYS}-key splits": splits_of(LONG_SPLIT_KEYS),
                "kernel, merging": splits_of(BLOCK_KEYS, True),
@@ -322,7 +329,7 @@ def kernel_block_attention(
                "kernel, 8 warps": splits_of(BLOCK_KEYS, launch=WIDE_LAUNCH),
                f"kernel, 8 warps, {MORE_PROGRAMS} programs": splits_of(BLOCK_KEYS, programs=MORE_PROGRAMS,
                                                                          launch=WIDE_LAUNCH),
-               "library": library}
+               **taller, "library": library}
     shape = (*q.shape[:3], power_of_two_at_least(k.shape[2]), q.shape[3], q.dtype, window)
     return options[fastest("block_attention", shape, q.device, options)]()
 

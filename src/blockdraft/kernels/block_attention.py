@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import torch
 
-from blockdraft.kernels.flash_decode import (BLOCK_KEYS, BLOCK_ROWS, TARGET_PROGRAMS, Layout, split_and_merge,
-                                            split_shape)
+from blockdraft.kernels.flash_decode import (BLOCK_KEYS, BLOCK_ROWS, GROUP_BLOCK_ROWS, TARGET_PROGRAMS, Layout,
+                                            split_and_merge, split_shape)
+from blockdraft.kernels.sizes import power_of_two_at_least
 from blockdraft.kernels.skinny_gemm import kernel_available, triton, zeroed_counters
 
 if triton is not None:
@@ -88,6 +89,15 @@ if triton is not None:
                         store_output(out_ptr, out, b, h, rows, dims, R, D, so_b, so_h, so_g, so_r, group_rows)
 
 
+_BLOCK_ROW_CHOICES = {BLOCK_ROWS << i for i in range((GROUP_BLOCK_ROWS // BLOCK_ROWS).bit_length())}
+
+
+def group_block_rows(rows: int) -> int:
+    """The row block that holds all `rows` folded query rows of a KV head in one program (GROUP_BLOCK_ROWS at most):
+    its keys then read once per split, not once per BLOCK_ROWS rows."""
+    return min(GROUP_BLOCK_ROWS, max(BLOCK_ROWS, power_of_two_at_least(rows)))
+
+
 def block_attention_runs(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether `block_attention` runs on these (the kernels available, a half or float32 dtype, unit last strides,
     no autograd)."""
@@ -98,7 +108,8 @@ def block_attention_runs(q: torch.Tensor, k: torch.Tensor) -> bool:
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: torch.Tensor, lengths: torch.Tensor,
                     own: torch.Tensor, positions: torch.Tensor, window: int | None, scale: float,
                     min_split_keys: int = BLOCK_KEYS, merge: bool = False, programs: int = TARGET_PROGRAMS,
-                    merged_heads: bool = False, launch: tuple[int, int] | None = None) -> torch.Tensor:
+                    merged_heads: bool = False, launch: tuple[int, int] | None = None,
+                    block_rows: int = BLOCK_ROWS) -> torch.Tensor:
     """q [B, G, R, d] (the query heads sharing a KV head folded into rows, group-major: R = groups x t) against the
     cache k, v [slots, G, S, d], sequence b reading slot seq[b] ([B] long): its lengths[b] committed keys, then its
     t new rows' own K/V at lengths[b] + j, seen as own [B, t, t] (bool or uint8) says; positions [B, t] are the new
@@ -110,9 +121,13 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: torc
     gets: more splits, more partial results to merge). With `merged_heads`
     the output is [B, t, heads * d], the heads merged as o_proj reads them (`flash_decode.output_layout`); else q's
     shape. `launch` = (warps, pipeline stages) of the split kernel; by default Triton's 4 and 3, whose 174 registers
-    leave an SM 8 resident warps (benchmarks/RESULTS.md, 2026-12-05; `fast_ops.WIDE_LAUNCH` is the engine's other)."""
+    leave an SM 8 resident warps (benchmarks/RESULTS.md, 2026-12-05; `fast_ops.WIDE_LAUNCH` is the engine's other).
+    `block_rows` query rows go to a program (a power of two from BLOCK_ROWS to GROUP_BLOCK_ROWS; `group_block_rows`):
+    each program reads its split's keys, so fewer, taller row blocks read a KV head's keys fewer times."""
+    if block_rows not in _BLOCK_ROW_CHOICES:
+        raise ValueError(f"block_rows {block_rows}: use a power of two from {BLOCK_ROWS} to {GROUP_BLOCK_ROWS}")
     t = own.shape[-1]
-    block_d, row_blocks, splits = split_shape(q, k.shape[2], programs)
+    block_d, row_blocks, splits = split_shape(q, k.shape[2], programs, block_rows)
     f32 = q.dtype == torch.float32 or not q.is_cuda  # the interpreter's half-precision dot is wrong
     if own.dtype != torch.uint8 or not own.is_contiguous():
         own = own.to(torch.uint8).contiguous()
@@ -128,7 +143,7 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq: torc
             q.shape[2], t, q.shape[3], q.shape[1], splits, window or 0, scale,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
             v.stride(2), *layout, WINDOW=window is not None, F32_DOT=f32, MIN_KEYS=min_split_keys,
-            MERGE=merge, ONE_SPLIT=one_split, BLOCK_R=BLOCK_ROWS, BLOCK_S=BLOCK_KEYS, BLOCK_D=block_d,
+            MERGE=merge, ONE_SPLIT=one_split, BLOCK_R=block_rows, BLOCK_S=BLOCK_KEYS, BLOCK_D=block_d,
             **({} if launch is None else dict(num_warps=launch[0], num_stages=launch[1])))
 
     return split_and_merge(q, splits, block_d, run_splits, lengths, t, min_split_keys, merged=merge or one_split,

@@ -21,6 +21,9 @@ from blockdraft.kernels.sizes import power_of_two_at_least
 from blockdraft.kernels.skinny_gemm import triton
 
 BLOCK_ROWS = 16  # query rows per program (tl.dot's smallest tile)
+GROUP_BLOCK_ROWS = 64  # the most query rows a block-attention program takes: each row block reads its keys once, so
+# a KV head's 64 folded rows (16 new rows x 4 query heads, the 8B shape's DFlash verify) in 16-row blocks read its
+# K/V four times: 369 us a layer at batch 64 against 89 us of K/V read (H100, benchmarks/RESULTS.md, 2026-12-07)
 BLOCK_KEYS = 64  # keys per inner step
 TARGET_PROGRAMS = 512  # enough programs in flight for an H200's 132 SMs; fewer splits when the batch gives them
 
@@ -119,11 +122,12 @@ if triton is not None:
         store_output(out_ptr, out, b, h, rows, dims, R, D, so_b, so_h, so_g, so_r, group_rows)
 
 
-def split_shape(q: torch.Tensor, keys: int, programs: int = TARGET_PROGRAMS) -> tuple[int, int, int]:
-    """For q [B, G, R, d] over `keys` keys: the head dimension padded for the kernels, the blocks of query rows, and
-    the most key splits worth launching (`programs` in all, at most one split per BLOCK_KEYS keys)."""
+def split_shape(q: torch.Tensor, keys: int, programs: int = TARGET_PROGRAMS,
+                block_rows: int = BLOCK_ROWS) -> tuple[int, int, int]:
+    """For q [B, G, R, d] over `keys` keys: the head dimension padded for the kernels, the blocks of `block_rows`
+    query rows, and the most key splits worth launching (`programs` in all, at most one split per BLOCK_KEYS keys)."""
     batch, heads, rows, dim = q.shape
-    row_blocks = triton.cdiv(rows, BLOCK_ROWS)
+    row_blocks = triton.cdiv(rows, block_rows)
     splits = max(1, min(triton.cdiv(keys, BLOCK_KEYS), programs // max(batch * heads * row_blocks, 1)))
     return max(16, power_of_two_at_least(dim)), row_blocks, splits
 
