@@ -15,6 +15,7 @@ which configs and row counts are worth a GPU's time before any is spent.
     python benchmarks/kernel_sass.py --kernel gemv --epilogues norm
     python benchmarks/kernel_sass.py --kernel weights_first --rows 16 --epilogues plain,norm --json sass.json
     python benchmarks/kernel_sass.py --kernel block_attention --epilogues plain,window,merge,one-split
+    python benchmarks/kernel_sass.py --kernel block_attention --rows 16,64 --epilogues plain,merge
     python benchmarks/kernel_sass.py --kernel combine --epilogues plain   # also qkv_rope
 """
 
@@ -61,6 +62,7 @@ class Spec:
     rows_name: str | None
     constants: Callable[[str], dict[str, object]]
     elements: Callable[[triton.Config], int]
+    default_rows: tuple[int, ...] = (2, 4)  # what --rows reads when left out
 
 
 def _product_constants(epilogue: str) -> dict[str, object]:
@@ -91,11 +93,12 @@ KERNELS = {
         {"seq_ptr": "*i64", "length_ptr": "*i64", "pos_ptr": "*i64", "own_ptr": "*u8", "acc_ptr": "*fp32",
          "m_ptr": "*fp32", "l_ptr": "*fp32", "count_ptr": "*i32", "scale": "fp32"},
         lambda name: name == "D" or name[:3] in ("sq_", "sk_", "sv_", "so_"),
-        [triton.Config({}, num_warps=w, num_stages=st) for w, st in ((4, 3), (8, 3), (4, 4), (8, 2))], None,
+        [triton.Config({}, num_warps=w, num_stages=st) for w, st in ((4, 3), (8, 3), (4, 4), (8, 2))], "BLOCK_R",
         lambda epilogue: dict(WINDOW="window" in epilogue, F32_DOT=False, MIN_KEYS=BLOCK_KEYS,
-                              MERGE="merge" in epilogue, ONE_SPLIT="one" in epilogue, BLOCK_R=BLOCK_ROWS,
+                              MERGE="merge" in epilogue, ONE_SPLIT="one" in epilogue,
                               BLOCK_S=BLOCK_KEYS, BLOCK_D=HEAD_DIM),
-        lambda config: 2 * BLOCK_KEYS * HEAD_DIM),  # a block of keys and its values
+        lambda config: 2 * BLOCK_KEYS * HEAD_DIM,  # a block of keys and its values
+        (BLOCK_ROWS,)),  # its query rows a program (`--rows 16,64`: the taller row blocks the chooser may pick)
     "combine": Spec(flash_decode._combine_kernel, {"acc_ptr": "*fp32", "m_ptr": "*fp32", "l_ptr": "*fp32",
                                                    "length_ptr": "*i64"},
                     lambda name: name == "D" or name.startswith("so_"), TRITON_DEFAULTS, None,
@@ -190,8 +193,9 @@ def read(kernel: str, rows: int, epilogue: str, config: triton.Config, elements_
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kernel", choices=tuple(KERNELS), default="gemv_rows")
-    parser.add_argument("--rows", type=int_list, default="2,4", help="rows (a power of two) for the kernels with a "
-                        "row tile; the one-row GEMV ignores it")
+    parser.add_argument("--rows", type=int_list, default=None, help="rows (a power of two) for the kernels with a "
+                        "row tile (default 2,4; the attention's query rows a program, default 16); the one-row GEMV "
+                        "ignores it")
     parser.add_argument("--epilogues", default="plain,norm,glu+residual",
                         help="comma-separated; each names any of glu, norm, residual, bias (products) or window, "
                         "merge (attention) joined by +")
@@ -203,7 +207,8 @@ def main() -> None:
     elements = args.bandwidth / args.sms / args.clock / 2
     spec = KERNELS[args.kernel]
     readings = [read(args.kernel, rows, epilogue, config, elements)
-                for rows in (args.rows if spec.rows_name else [1]) for epilogue in args.epilogues.split(",")
+                for rows in ((args.rows or spec.default_rows) if spec.rows_name else [1])
+                for epilogue in args.epilogues.split(",")
                 for config in spec.configs]
     table = Table(title=f"{args.kernel} for sm_90: the K loop's warp instructions per element it streams (an SM "
                         f"receives {elements:.1f} a cycle and issues {ISSUE_A_CYCLE}: at most "

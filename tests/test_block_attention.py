@@ -229,7 +229,7 @@ def test_a_row_block_is_a_power_of_two_the_kernel_takes() -> None:
 @pytest.mark.parametrize("t, groups, offered", [(16, 4, "64-row blocks"), (5, 4, "32-row blocks"), (4, 4, None)])
 def test_the_engine_times_tall_row_blocks_where_a_kv_head_has_more_rows_than_one_block(
         monkeypatch: pytest.MonkeyPatch, t: int, groups: int, offered: str | None) -> None:
-    """`kernel_block_attention` offers the chooser the tall-row-block options (plain, merging, 8 warps) exactly where a
+    """`kernel_block_attention` offers the chooser the tall-row-block options (4 and 8 warps, 8 merging) exactly where a
     KV head's folded rows outgrow one 16-row block, and each of them attends as the default kernel does."""
     from blockdraft.fast import ops
 
@@ -257,7 +257,7 @@ def test_the_engine_times_tall_row_blocks_where_a_kv_head_has_more_rows_than_one
         if offered is None:
             assert not tall
             return
-        assert tall == [f"kernel, {offered}", f"kernel, {offered}, merging", f"kernel, {offered}, 8 warps"]
+        assert tall == [f"kernel, {offered}", f"kernel, {offered}, 8 warps", f"kernel, {offered}, 8 warps, merging"]
         assert seen["kernel"][-1] == "library"
         for name in tall:
             monkeypatch.setattr(ops, "fastest", choose(name))

@@ -91,3 +91,19 @@ def test_every_step_kernel_compiles_for_sm90_without_spilling() -> None:
     for name, reading in readings.items():
         assert reading["registers"] > 0 and reading["spilled_bytes"] == 0, reading
         assert (reading["loop_instructions"] > 0) == (name != "qkv_rope"), reading  # one head of one row: no loop
+
+
+def test_a_64_row_attention_block_holds_its_rows_on_8_warps_and_spills_on_4() -> None:
+    """The taller row block the engine's chooser may pick (a KV head's 64 folded rows in one program, reading its keys
+    once): on 8 warps (`fast_ops.WIDE_LAUNCH`, the launch the chooser offers it with) nothing spills and an SM holds 8
+    warps, its loop under what keeps up with an H200's memory; on Triton's default 4 warps it spills, which is why
+    its 4-warp option is only the plain one."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    code = (f"import sys, json, triton; sys.path.insert(0, {str(SCRIPT.parent)!r}); import kernel_sass as k\n"
+            "print(json.dumps({w: k.read('block_attention', 64, 'plain', triton.Config({}, num_warps=w, "
+            "num_stages=3), 8.2).__dict__ for w in (4, 8)}))")
+    done = subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, text=True)
+    readings = json.loads(done.stdout.splitlines()[-1])
+    wide, narrow = readings["8"], readings["4"]
+    assert wide["spilled_bytes"] == 0 and wide["warps_an_sm"] >= 8 and not wide["issue_bound"], wide
+    assert narrow["spilled_bytes"] > 0, narrow

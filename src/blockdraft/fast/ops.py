@@ -318,8 +318,9 @@ def kernel_block_attention(
     tall = group_block_rows(q.shape[2])
     taller = {} if tall == BLOCK_ROWS else {
         f"kernel, {tall}-row blocks": splits_of(BLOCK_KEYS, block_rows=tall),
-        f"kernel, {tall}-row blocks, merging": splits_of(BLOCK_KEYS, True, block_rows=tall),
-        f"kernel, {tall}-row blocks, 8 warps": splits_of(BLOCK_KEYS, launch=WIDE_LAUNCH, block_rows=tall)}
+        f"kernel, {tall}-row blocks, 8 warps": splits_of(BLOCK_KEYS, launch=WIDE_LAUNCH, block_rows=tall),
+        f"kernel, {tall}-row blocks, 8 warps, merging": splits_of(BLOCK_KEYS, True, launch=WIDE_LAUNCH,
+                                                                 block_rows=tall)}  # 64 rows on 4 warps spill
 
     options = {"kernel": splits_of(BLOCK_KEYS), f"kernel, {LONG_SPLIT_KEYS}-key splits": splits_of(LONG_SPLIT_KEYS),
                "kernel, merging": splits_of(BLOCK_KEYS, True),
