@@ -29,6 +29,16 @@ def random_tree(t: int, generator: torch.Generator) -> torch.Tensor:
     return own
 
 
+def reference(q: torch.Tensor, cache: torch.Tensor, length: int, positions: torch.Tensor, own: torch.Tensor,
+              window: int | None, groups: int, scale: float = 0.125) -> torch.Tensor:
+    """One sequence's attention by the engine's reference: q [1, G, groups * t, d] over the first length + t keys
+    of its slot of `cache` [2, 1, G, capacity, d], under the dense mask of `own` [t, t] and `positions` [t]."""
+    keys = length + own.shape[-1]
+    bias = attention_bias(torch.tensor(length, device=DEVICE), torch.arange(keys, device=DEVICE), positions, own,
+                          window, groups, torch.float32)
+    return decode_attention(q, cache[0, :, :, :keys], cache[1, :, :, :keys], bias, scale)
+
+
 @pytest.mark.parametrize("dtype, split_keys, merge, programs", [
     (torch.float32, 64, False, 512), (torch.bfloat16, 64, False, 512), (torch.float32, 256, False, 512),
     (torch.float32, 64, True, 512), (torch.bfloat16, 256, True, 512),
@@ -57,11 +67,7 @@ def test_the_kernel_is_decode_attention_under_the_dense_mask(t: int, groups: int
                               torch.tensor(lengths, device=DEVICE), own, positions, window, 0.125, split_keys,
                               merge, programs)
     for b, (slot, length) in enumerate(zip(seq, lengths)):
-        keys = length + t
-        bias = attention_bias(torch.tensor(length, device=DEVICE), torch.arange(keys, device=DEVICE), positions[b],
-                              own[b], window, groups, torch.float32)
-        want = decode_attention(q[b : b + 1], cache[0, slot : slot + 1, :, :keys], cache[1, slot : slot + 1, :, :keys],
-                                bias, 0.125)
+        want = reference(q[b : b + 1], cache[:, slot : slot + 1], length, positions[b], own[b], window, groups)
         assert torch.isfinite(got[b]).all()
         scale = want.abs().max().item()
         assert (got[b].double() - want[0].double()).abs().max().item() <= TOLERANCE[dtype] * max(scale, 1.0), b
@@ -206,11 +212,7 @@ def test_taller_row_blocks_attend_alike(t: int, groups: int, window: int | None,
         got = block_attention(*args, block_rows=block_rows)
         torch.testing.assert_close(got, block_attention(*args), rtol=2e-5, atol=2e-5)
     for b, (slot, length) in enumerate(zip(seq, lengths)):
-        keys = length + t
-        bias = attention_bias(torch.tensor(length, device=DEVICE), torch.arange(keys, device=DEVICE), positions[b],
-                              own[b], window, groups, torch.float32)
-        want = decode_attention(q[b : b + 1], cache[0, slot : slot + 1, :, :keys], cache[1, slot : slot + 1, :, :keys],
-                                bias, 0.125)
+        want = reference(q[b : b + 1], cache[:, slot : slot + 1], length, positions[b], own[b], window, groups)
         torch.testing.assert_close(got[b], want[0], rtol=2e-5, atol=2e-5)
 
 
