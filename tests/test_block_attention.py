@@ -219,7 +219,9 @@ def test_taller_row_blocks_attend_alike(t: int, groups: int, window: int | None,
 def test_a_row_block_is_a_power_of_two_the_kernel_takes() -> None:
     from blockdraft.kernels.block_attention import group_block_rows
 
-    assert [group_block_rows(rows) for rows in (1, 4, 16, 17, 48, 64, 132)] == [16, 16, 16, 32, 64, 64, 64]
+    assert [group_block_rows(rows, 128) for rows in (1, 4, 16, 17, 48, 64, 132)] == [16, 16, 16, 32, 64, 64, 64]
+    # a 256-wide head (the 27B shape's) holds 32 rows a program: 64 need more shared memory than an SM has
+    assert [group_block_rows(rows, dim) for rows, dim in ((96, 256), (24, 256), (64, 64), (64, 24))] == [32, 32, 64, 64]
     q = torch.zeros(1, 1, 4, 16, device=DEVICE)
     with pytest.raises(ValueError, match="block_rows 48: use a power of two from 16 to 64"):
         block_attention(q, q, q, torch.zeros(1, dtype=torch.long, device=DEVICE),

@@ -315,7 +315,7 @@ def kernel_block_attention(
         return lambda: block_attention(q, k, v, mask.slots, mask.lengths, mask.own, mask.positions, window, scale,
                                        keys, merge, programs, merged_heads=True, launch=launch, block_rows=block_rows)
 
-    tall = group_block_rows(q.shape[2])
+    tall = group_block_rows(q.shape[2], q.shape[3])
     taller = {} if tall == BLOCK_ROWS else {
         f"kernel, {tall}-row blocks": splits_of(BLOCK_KEYS, block_rows=tall),
         f"kernel, {tall}-row blocks, 8 warps": splits_of(BLOCK_KEYS, launch=WIDE_LAUNCH, block_rows=tall),

@@ -92,10 +92,16 @@ if triton is not None:
 _BLOCK_ROW_CHOICES = {BLOCK_ROWS << i for i in range((GROUP_BLOCK_ROWS // BLOCK_ROWS).bit_length())}
 
 
-def group_block_rows(rows: int) -> int:
-    """The row block that holds all `rows` folded query rows of a KV head in one program (GROUP_BLOCK_ROWS at most):
-    its keys then read once per split, not once per BLOCK_ROWS rows."""
-    return min(GROUP_BLOCK_ROWS, max(BLOCK_ROWS, power_of_two_at_least(rows)))
+GROUP_BLOCK_ELEMENTS = GROUP_BLOCK_ROWS * 128  # a program's query rows x padded head dim at most: 64 rows of a
+# 256-wide head (the Qwen3.6-27B shape's) on 8 warps and 3 stages need 228 KB of shared memory, more than an SM
+# has, and 32 rows fit (sm_90, `benchmarks/kernel_sass.py`, benchmarks/RESULTS.md, 2026-12-07)
+
+
+def group_block_rows(rows: int, head_dim: int) -> int:
+    """The row block that holds all `rows` folded query rows of a KV head in one program, within GROUP_BLOCK_ROWS and
+    GROUP_BLOCK_ELEMENTS: its keys then read once per split, not once per BLOCK_ROWS rows."""
+    widest = GROUP_BLOCK_ELEMENTS // max(16, power_of_two_at_least(head_dim))
+    return max(BLOCK_ROWS, min(GROUP_BLOCK_ROWS, widest, power_of_two_at_least(rows)))
 
 
 def block_attention_runs(q: torch.Tensor, k: torch.Tensor) -> bool:
