@@ -121,17 +121,24 @@ def admission_seconds(target: Any, drafter: Any, candidate: Any, prompt_tokens: 
     return statistics.median(times)
 
 
+def acceptance_candidates(depth: int, budgets: list[int]) -> list[Any]:
+    """What the acceptance table weighs: AR, the DFlash chain of `depth` drafted tokens and DDTree at each budget."""
+    from blockdraft.engine.candidate import AR, Candidate
+
+    return [AR, Candidate("dflash", depth), *(Candidate("ddtree", budget=b) for b in budgets)]
+
+
 def by_acceptance(costs: Any, means: list[float], depth: int, budgets: list[int], sizes: list[int],
                   console: Console, requests: Requests | None = None) -> list[dict[str, Any]]:
     """Each method's tokens/s per batch size at each mean acceptance length (dialled as `--synthetic-acceptance MEAN`
     dials a server), and the schedule's pick; with `requests`, the tokens/s served to such requests (admissions
     counted) and the admissions' share at the pick. Printed as one table, returned as its rows."""
     from blockdraft.engine.acceptance import AcceptanceProfile
-    from blockdraft.engine.candidate import AR, Candidate
+    from blockdraft.engine.candidate import AR
     from blockdraft.engine.schedule import choose
     from blockdraft.synthetic_acceptance import SyntheticAcceptance
 
-    candidates = [AR, Candidate("dflash", depth), *(Candidate("ddtree", budget=b) for b in budgets)]
+    candidates = acceptance_candidates(depth, budgets)
     what = ("tokens/s of the steps" if requests is None else
             f"tokens/s served, {requests.prompt_tokens}-token prompts and {requests.output_tokens} output tokens")
     table = Table(title=f"{what}, by mean acceptance length and batch size ({costs.target}, {costs.device})")
@@ -253,9 +260,8 @@ def main() -> None:
         if args.acceptance:
             requests = None
             if args.prompt_tokens is not None:
-                methods = [AR, Candidate("dflash", depth), *(Candidate("ddtree", budget=b) for b in budgets)]
                 admit_s = {c.label: admission_seconds(target, drafter, c, args.prompt_tokens, repeats=5)
-                           for c in methods}
+                           for c in acceptance_candidates(depth, budgets)}
                 say(f"admitting one {args.prompt_tokens}-token request: " +
                     ", ".join(f"{label} {1000 * t:.3f} ms" for label, t in admit_s.items()))
                 requests = Requests(args.prompt_tokens, args.output_tokens, admit_s)
