@@ -137,6 +137,28 @@ def test_every_decode_path_commits_the_dialled_lengths(method: str, fused: bool)
 
 
 @pytest.mark.parametrize("method", ["dflash", "ddtree"])
+def test_dialled_steps_capture_as_graphs(method: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dial runs inside the captured verify (`graph_emulation` refuses what a GPU's capture refuses): fused steps
+    at batch 1 and the batch decoder's graphs commit the dialled lengths. An indexed assignment of a Python `True`
+    in the dial was a copy from the host, and stopped an 8B server's DFlash start (H100, 2026-12-08)."""
+    from graph_emulation import emulate_graphs
+
+    emulate_graphs(monkeypatch)
+    drafter = make_drafter("all_full")
+    depth = drafter.cfg.block_size - 1
+    budget = 8 if method == "ddtree" else None
+    target = FastTarget(make_target_model(), fused=True)
+    target.use_graphs = True
+    target.synthetic = SyntheticAcceptance((1.0,) * depth)
+    result = generate(target, prompts(1)[0], build_proposer(method, target, drafter, budget), 1 + 3 * (depth + 1))
+    assert result.acceptance_lengths[:3] == [depth + 1] * 3 if method == "dflash" else min(
+        result.acceptance_lengths[:3]) >= 2
+    lengths = [length for _, r in generate_batch(target, prompts(3), lambda: build_proposer(
+        method, target, drafter, budget), 3, max_new_tokens=2 * (depth + 1)) for length in r.acceptance_lengths[:1]]
+    assert lengths == [depth + 1] * 3 if method == "dflash" else min(lengths) >= 2
+
+
+@pytest.mark.parametrize("method", ["dflash", "ddtree"])
 def test_the_batch_decoder_commits_the_dialled_mean(method: str) -> None:
     """A chain at the dialled mean; trees (their device search, batched) above it: later siblings add acceptance."""
     drafter = make_drafter("all_full")

@@ -155,7 +155,8 @@ class SyntheticAcceptance:
         free = rows + 1  # a row has fewer children than rows, so one of 0..rows is free
         taken = torch.zeros(n, rows, free + 1, dtype=torch.bool, device=device)
         column = torch.where(valid & (ids < free), ids, free)  # other tokens (and padding) fall in the spare column
-        taken[torch.arange(n, device=device).unsqueeze(1), parents, column] = True
+        taken.index_put_((torch.arange(n, device=device).unsqueeze(1), parents, column),
+                         torch.ones_like(column, dtype=torch.bool))  # `= True` would copy the value from the host
         smallest_free = (~taken[..., :free]).int().argmax(-1)
         own = torch.where(carried.bool(), smallest_free.to(picks.dtype), picks)
         return torch.where(token >= 0, token.to(picks.dtype), own)
