@@ -159,6 +159,24 @@ def test_dialled_steps_capture_as_graphs(method: str, monkeypatch: pytest.Monkey
 
 
 @pytest.mark.parametrize("method", ["dflash", "ddtree"])
+def test_a_dialled_server_engine_warms_up_on_captured_graphs(method: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`blockdraft serve --synthetic-acceptance`'s start: the batched engine's warm-up (prefill graphs, each batch
+    bucket from two contexts, batch 1 on fused steps) captures the dialled verify, as the 8B server's did not."""
+    from graph_emulation import emulate_graphs
+
+    from blockdraft.serve.batched import BatchedEngine
+
+    emulate_graphs(monkeypatch)
+    drafter = make_drafter("all_full")
+    target = FastTarget(make_target_model(), fused=True)
+    target.use_graphs = True
+    target.synthetic = SyntheticAcceptance.parse("3.0", drafter.cfg.block_size - 1)
+    engine = BatchedEngine(target, lambda: build_proposer(method, target, drafter, 8 if method == "ddtree" else None),
+                           None, 2, max_model_len=160)
+    engine.warm_up([3, 4, 5])
+
+
+@pytest.mark.parametrize("method", ["dflash", "ddtree"])
 def test_the_batch_decoder_commits_the_dialled_mean(method: str) -> None:
     """A chain at the dialled mean; trees (their device search, batched) above it: later siblings add acceptance."""
     drafter = make_drafter("all_full")
