@@ -66,7 +66,7 @@ from blockdraft.serve.engine_clock import SLOW_STEP_S
 HOST = "127.0.0.1"
 SCHEDULE = "schedule"  # a --methods entry: the server with --method ddtree --schedule FILE|auto
 MODEL_LEN_STEP = 256  # --shape's default --max-model-len is the longest request rounded up to this
-SAID = ("method ", "schedule", "the schedule", "continuous", "slow step")  # server lines kept (JSON: server_said)
+SAID = ("method ", "schedule", "the schedule", "continuous", "warm-up", "serving ", "slow step")  # kept: JSON "servers"
 console = Console(stderr=True)
 out = Console(width=150)
 
@@ -323,6 +323,7 @@ class Server:
             if value is not None:
                 command += [flag, value]
         env = {**os.environ, **({"OMP_NUM_THREADS": str(args.threads)} if args.threads else {})}
+        launched = time.perf_counter()
         self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
         self.url: str | None = None
         self.lines: list[str] = []
@@ -347,6 +348,7 @@ class Server:
                     break
             except httpx.TransportError:
                 time.sleep(0.2)
+        self.ready_s = time.perf_counter() - launched  # launch to /health: what a cold start costs a run
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
@@ -665,15 +667,15 @@ def start_server(args: argparse.Namespace, method: str, prompts: list[list[dict]
     return server
 
 
-def stop_server(method: str, server: "Server", levels: list[LevelResult], ratios: list[dict[str, Any]]) -> None:
-    """SIGTERM the server; print its start-up lines (kept with its pair's ratio) and, after errors, its last lines."""
+def stop_server(method: str, server: "Server", levels: list[LevelResult], started: list[dict[str, Any]]) -> None:
+    """SIGTERM the server; print its start-up lines and keep them in `started` with its time from launch to
+    /health (a cold 8B start's warm-up is a large part of a GPU call); after errors, print its last lines."""
     server.stop()
     said = [line.strip() for line in server.lines if line.startswith(SAID)]
+    console.print(f"# {method} server: /health {server.ready_s:.1f} s after its launch")
     for line in said:
         console.print(f"# {method} server: {line}")
-    for ratio in ratios:
-        if ratio["method"] == method:
-            ratio["server_said"] = said
+    started.append(dict(method=method, ready_s=server.ready_s, said=said))
     if any(r.errors for r in levels if r.method == method):
         console.print(f"# {method} server's last lines:\n" + "".join(server.lines[-30:]))
 
@@ -780,6 +782,7 @@ def main() -> None:
                           f"--max-tokens {args.max_tokens}, in steps of {MODEL_LEN_STEP})")
     levels: list[LevelResult] = []
     ratios: list[dict[str, Any]] = []
+    started: list[dict[str, Any]] = []
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     pins = Pins(args.pin)
     # a time limit's SIGTERM (`timeout`) stops the servers and prints what they said, and the levels already run
@@ -793,11 +796,12 @@ def main() -> None:
             for concurrency in args.concurrency_levels:
                 for result in rotate(group, servers, args, concurrency, prompts):
                     levels.append(result)
-                    save(args, levels, ratios)
+                    save(args, levels, ratios, started)
                     console.print(level_line(result))
         finally:
             for method, server in servers.items():
-                stop_server(method, server, levels, ratios)
+                stop_server(method, server, levels, started)
+            save(args, levels, ratios, started)
 
     table = Table(title=f"blockdraft serve under load ({args.target}, {args.max_tokens} max tokens, T=0)")
     for column in ("method", "conc", "requests", "prompt tokens", "req/s", "out tok/s", "x AR", "TTFT p50 ms",
@@ -823,7 +827,7 @@ def main() -> None:
                             fmt(r["in_process_tokens_per_s"], ".1f"), fmt(r["server_c1_tokens_per_s"], ".1f"),
                             fmt(r["ratio"], ".3f"), fmt(r["median_request_ratio"], ".3f"))
         out.print(summary)
-    save(args, levels, ratios)
+    save(args, levels, ratios, started)
 
 
 def over_ar(result: LevelResult, levels: list[LevelResult]) -> float | None:
@@ -832,12 +836,13 @@ def over_ar(result: LevelResult, levels: list[LevelResult]) -> float | None:
     return result.output_tokens_per_s / ar[0] if ar and ar[0] else None
 
 
-def save(args: argparse.Namespace, levels: list[LevelResult], ratios: list[dict[str, Any]]) -> None:
-    """--json-out with the levels run so far (rewritten after each)."""
+def save(args: argparse.Namespace, levels: list[LevelResult], ratios: list[dict[str, Any]],
+         started: list[dict[str, Any]]) -> None:
+    """--json-out with the levels run so far (rewritten after each) and the servers stopped so far."""
     if args.json_out:
         args.json_out.write_text(json.dumps({"settings": {k: v for k, v in vars(args).items() if k != "json_out"},
-                                             "levels": [asdict(r) for r in levels], "ratios": ratios}, indent=1,
-                                            default=str))
+                                             "levels": [asdict(r) for r in levels], "ratios": ratios,
+                                             "servers": started}, indent=1, default=str))
 
 
 if __name__ == "__main__":

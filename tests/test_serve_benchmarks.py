@@ -75,4 +75,10 @@ def test_serve_load_at_a_shape_with_long_prompts(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("bd-embedded-*"))  # the shape's weights are gone
     # the servers' window is the run's longest request (150 + 6 tokens) rounded up, not the shape's own 8,192
     assert "--max-model-len 256 (the longest prompt and --max-tokens 6" in " ".join(res.stderr.split())
-    assert json.loads(out.read_text())["settings"]["max_model_len"] == "256"
+    data = json.loads(out.read_text())
+    assert data["settings"]["max_model_len"] == "256"
+    # each server's start is kept: its time to /health and what it said (its warm-up, its ready line)
+    assert [server["method"] for server in data["servers"]] == ["ar", "dflash"]
+    for server in data["servers"]:
+        assert server["ready_s"] > 0 and any(line.startswith("warm-up") for line in server["said"])
+        assert any(line.startswith("serving ") and "ready" in line for line in server["said"])
