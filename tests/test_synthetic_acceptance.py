@@ -158,12 +158,19 @@ def test_dialled_steps_capture_as_graphs(method: str, monkeypatch: pytest.Monkey
     assert lengths == [depth + 1] * 3 if method == "dflash" else min(lengths) >= 2
 
 
-@pytest.mark.parametrize("method", ["dflash", "ddtree"])
+@pytest.mark.parametrize("method", ["dflash", "ddtree", "schedule"])
 def test_a_dialled_server_engine_warms_up_on_captured_graphs(method: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """`blockdraft serve --synthetic-acceptance`'s start: the batched engine's warm-up (prefill graphs, each batch
-    bucket from two contexts, batch 1 on fused steps) captures the dialled verify, as the 8B server's did not."""
+    bucket from two contexts, batch 1 on fused steps, each method a schedule may pick) captures the dialled verify,
+    as the 8B server's did not."""
     from graph_emulation import emulate_graphs
 
+    from blockdraft.engine.acceptance import AcceptanceProfile
+    from blockdraft.engine.candidate import AR, Candidate
+    from blockdraft.engine.cost_table import CostTable
+    from blockdraft.engine.measured import MeasuredSchedule
+    from blockdraft.engine.schedule import choose
+    from blockdraft.engine.switching import SwitchingProposer
     from blockdraft.serve.batched import BatchedEngine
 
     emulate_graphs(monkeypatch)
@@ -171,8 +178,17 @@ def test_a_dialled_server_engine_warms_up_on_captured_graphs(method: str, monkey
     target = FastTarget(make_target_model(), fused=True)
     target.use_graphs = True
     target.synthetic = SyntheticAcceptance.parse("3.0", drafter.cfg.block_size - 1)
-    engine = BatchedEngine(target, lambda: build_proposer(method, target, drafter, 8 if method == "ddtree" else None),
-                           None, 2, max_model_len=160)
+    if method == "schedule":
+        costs = CostTable(device="cpu", dtype="float32", target="t", drafter="d", context_tokens=64,
+                          verify_s={1: {1: 1.0, 4: 1.0, 9: 1.2}, 2: {1: 1.0, 4: 1.0, 9: 1.2}},
+                          draft_s={1: 0.1, 2: 0.1})
+        table = choose(costs, AcceptanceProfile([0.9, 0.8, 0.7], {8: 3.0}),
+                       [AR, Candidate("dflash", 3), Candidate("ddtree", budget=8)], [1, 2])
+        engine = BatchedEngine(target, lambda: SwitchingProposer(drafter, target, 8), None, 2,
+                               MeasuredSchedule(table), max_model_len=160)
+    else:
+        engine = BatchedEngine(target, lambda: build_proposer(method, target, drafter, 8 if method == "ddtree" else
+                                                              None), None, 2, max_model_len=160)
     engine.warm_up([3, 4, 5])
 
 
