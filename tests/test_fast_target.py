@@ -415,6 +415,33 @@ def test_compiled_units_take_no_float_as_a_tensor(monkeypatch: pytest.MonkeyPatc
     assert not floats, f"{len(floats)} float arguments reached compiled code as 0-d float64 tensors"
 
 
+@pytest.mark.parametrize(("method", "budget"), [("ar", None), ("dflash", None), ("ddtree", 8)])
+def test_sampled_steps_with_penalties_and_logprobs_capture(method: str, budget: int | None,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a served request may ask for (top-p/top-k sampling, penalties, logprobs) runs inside the captured steps
+    without a host read or a host-made tensor (`graph_emulation` refuses both): fused steps at batch 1, step by
+    step, and batched with sequences joining and leaving; every sequence reaches its length."""
+    from graph_emulation import emulate_graphs
+
+    from blockdraft.decoding.penalties import Penalties
+    from blockdraft.decoding.sampling import SamplingParams
+    from blockdraft.engine.decode_batch import generate_batch
+
+    emulate_graphs(monkeypatch)
+    drafter = None if method == "ar" else make_drafter("all_full")
+    sampling = SamplingParams(0.7, top_p=0.9, top_k=20, logprobs=2,
+                              penalties=Penalties(frequency=0.2, presence=0.1, repetition=1.1))
+    prompt = [3, 14, 15, 9, 3, 14, 15, 9, 3, 14]
+    for fused in (True, False):
+        target = FastTarget(make_target_model("qwen3"), fused=fused)
+        target.use_graphs = True
+        result = generate(target, prompt, build_proposer(method, target, drafter, budget), 24, sampling)
+        assert len(result.token_ids) == 24, fused
+    done = list(generate_batch(target, [prompt, prompt[:5], prompt[:7]], lambda: build_proposer(
+        method, target, drafter, budget), 2, max_new_tokens=20, sampling=sampling))
+    assert sorted(len(r.token_ids) for _, r in done) == [20, 20, 20]
+
+
 def test_captured_graphs_give_greedy_ids(monkeypatch: pytest.MonkeyPatch) -> None:
     """The dense target on CUDA graphs as the GPU runs them (`graph_emulation`: warm-up runs execute, prompts padded
     to their prefill graph's rows, each draft and verify replayed): batch 1 (fused steps and plain) and batched
