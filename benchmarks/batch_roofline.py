@@ -23,9 +23,10 @@ tokens a step at the drafter's 15 drafted tokens, every depth's conditional rate
 MEAN` dials it), each method's tokens/s per batch size from the measured steps: DFlash at that mean, DDTree at the
 mean its tree of each budget commits under the same dial (`SyntheticAcceptance.tree_length`), and the schedule's pick.
 
-With `--prompt-tokens P` those figures are what a server keeping every slot busy serves to requests of P prompt
-tokens and `--output-tokens N` output tokens: each method's admission of one such request through the batched engine
-is timed too (its prefill, the drafter's context of it and its first token, as `serve` joins a request), and a
+With `--prompt-tokens P` the same table follows as a server keeping every slot busy serves requests of P prompt
+tokens and `--output-tokens N` output tokens (lists give one table a pair: `--prompt-tokens 1024,128 --output-tokens
+256,2048` prices the issue's requests and SGLang's published workload's shape in one run): each method's admission
+of one such request through the batched engine is timed too (its prefill, the drafter's context of it and its first token, as `serve` joins a request), and a
 request costs its admission plus its share of the steps, so served tokens/s = 1 / (admission / N + 1 / step rate)
 and the admissions' share of the engine's time is admission / (admission + N / step rate). Steps are timed at
 `--context` cached tokens; admissions are timed one request at a time (prompts of PREFILL_ROWS tokens or more never
@@ -181,11 +182,12 @@ def main() -> None:
     parser.add_argument("--acceptance", type=float_list, default=None,
                         help="Mean acceptance lengths (e.g. 2,4,6.35,8): tokens/s of each method per batch size at "
                              "each, from the measured steps (not with --verify-only).")
-    parser.add_argument("--prompt-tokens", type=int, default=None,
-                        help="With --acceptance: tokens/s served to requests of this many prompt tokens (each method's "
-                        "admission timed), e.g. 1024.")
-    parser.add_argument("--output-tokens", type=int, default=256,
-                        help="With --prompt-tokens: the output tokens a request's steps commit.")
+    parser.add_argument("--prompt-tokens", type=int_list, default=None,
+                        help="With --acceptance: tokens/s served to requests of these many prompt tokens (each method's "
+                        "admission timed), e.g. 1024 or 1024,128: one table each.")
+    parser.add_argument("--output-tokens", type=int_list, default="256",
+                        help="With --prompt-tokens: the output tokens a request's steps commit, one for all or one a "
+                        "--prompt-tokens entry.")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--verify-only", action="store_true",
                         help="Time the verify forward at --rows alone (no drafter, whole steps or schedule): the "
@@ -195,9 +197,13 @@ def main() -> None:
         parser.error("--acceptance needs whole steps: leave out --verify-only")
     if args.prompt_tokens is not None and not args.acceptance:
         parser.error("--prompt-tokens prices requests in the --acceptance table: add --acceptance, e.g. 2,4,6.35,8")
-    if args.prompt_tokens is not None and (args.prompt_tokens < 1 or args.output_tokens < 1):
-        parser.error(f"--prompt-tokens {args.prompt_tokens} / --output-tokens {args.output_tokens}: give positive "
-                     "counts, e.g. 1024 and 256")
+    workloads: list[tuple[int, int]] = []
+    if args.prompt_tokens is not None:
+        outputs = args.output_tokens * len(args.prompt_tokens) if len(args.output_tokens) == 1 else args.output_tokens
+        if len(outputs) != len(args.prompt_tokens):
+            parser.error(f"--output-tokens {','.join(map(str, args.output_tokens))}: give one count, or one for each "
+                         f"of --prompt-tokens' {len(args.prompt_tokens)}")
+        workloads = list(zip(args.prompt_tokens, outputs))
     from blockdraft.engine.acceptance import AcceptanceProfile
     from blockdraft.engine.candidate import AR, Candidate
     from blockdraft.engine.schedule import choose, render
@@ -258,15 +264,19 @@ def main() -> None:
         console.print(render(schedule))
         extra = dict(costs=costs.to_json(), schedule=schedule.to_json())
         if args.acceptance:
-            requests = None
-            if args.prompt_tokens is not None:
-                admit_s = {c.label: admission_seconds(target, drafter, c, args.prompt_tokens, repeats=5)
+            extra["by_acceptance"] = by_acceptance(costs, args.acceptance, depth, budgets, sizes, console)
+            served = []
+            for prompt_tokens, output_tokens in workloads:
+                admit_s = {c.label: admission_seconds(target, drafter, c, prompt_tokens, repeats=5)
                            for c in acceptance_candidates(depth, budgets)}
-                say(f"admitting one {args.prompt_tokens}-token request: " +
+                say(f"admitting one {prompt_tokens}-token request: " +
                     ", ".join(f"{label} {1000 * t:.3f} ms" for label, t in admit_s.items()))
-                requests = Requests(args.prompt_tokens, args.output_tokens, admit_s)
-                extra["admit_s"] = admit_s
-            extra["by_acceptance"] = by_acceptance(costs, args.acceptance, depth, budgets, sizes, console, requests)
+                requests = Requests(prompt_tokens, output_tokens, admit_s)
+                served.append(dict(prompt_tokens=prompt_tokens, output_tokens=output_tokens, admit_s=admit_s,
+                                   rows=by_acceptance(costs, args.acceptance, depth, budgets, sizes, console,
+                                                      requests)))
+            if served:
+                extra["served"] = served
     attention = {shape: runs_on for shape, runs_on in choices().items() if shape.startswith("block_attention")}
     console.print("attention per shape (kernel_choice):\n" + "\n".join(f"- {k}: {v}" for k, v in attention.items()))
     if args.json:
