@@ -29,9 +29,25 @@ def test_the_kernels_of_an_h200_step_fall_in_their_parts() -> None:
                                    "delta rule": 0.04, "norms": 0.04, "glu": 0.02, "other": 0.015})
 
 
-def test_flags_left_out_parse() -> None:
+def test_a_prefill_step_repeats_on_an_empty_cache() -> None:
+    """`--prefill N`'s step: an N-token prompt into the cache, which is then emptied, so the profiled steps are
+    alike (CPU, the tests' tiny target); `--rows ""` leaves the decode steps out."""
+    from conftest import make_target_model
+
+    from blockdraft.fast.target import FastTarget
+
+    target = FastTarget(make_target_model("qwen3"))
+    step = profile_step.prefill_step(target, 12)
+    for _ in range(2):
+        step()
+    assert int(target.storage.length) == 0  # the device length the cache keeps: emptied
+    assert profile_step.ints_or_none("") == [] and profile_step.ints_or_none("1,16") == [1, 16]
+
+
+@pytest.mark.parametrize("flags", [["--rows", "16", "--batch", "16,64"], ["--rows", "", "--prefill", "1024"]])
+def test_flags_left_out_parse(flags: list[str]) -> None:
     """Every flag has a default the parser takes: an empty --trees default once stopped a GPU call before its
     profile (H100, 2026-12-07). On the CPU the script then says it needs a CUDA device."""
-    res = subprocess.run([sys.executable, str(SCRIPT), "--shape", "8b", "--rows", "16", "--batch", "16,64"],
+    res = subprocess.run([sys.executable, str(SCRIPT), "--shape", "8b", *flags],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 1 and "profile_step.py needs a CUDA device" in res.stderr, res.stderr[-2000:]

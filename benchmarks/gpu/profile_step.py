@@ -11,9 +11,12 @@ goal holds to 1.3x its roofline.
     python3 benchmarks/gpu/profile_step.py --shape 8b --rows 1,16 --configs compiled
     python3 benchmarks/gpu/profile_step.py --rows 1 --batch 4,64 --configs compiled
     python3 benchmarks/gpu/profile_step.py --shape qwen3.6-27b --rows 1,16 --trees 32 --configs compiled
+    python3 benchmarks/gpu/profile_step.py --rows "" --prefill 1024 --configs plain,compiled
 
 A hybrid shape (qwen3.6-27b, qwen3.5-4b) runs on `HybridFastTarget`; `--trees` adds the batch-1 verify of a DDTree of
-each budget (its tree searched from random slot logits, as gpu_speed.py's rows).
+each budget (its tree searched from random slot logits, as gpu_speed.py's rows). `--prefill N` profiles a request's
+admission: the prefill of an N-token prompt into an empty cache, with the prefill's own ops (library products), which
+at 1,024-token prompts takes a third of a busy 8B server's time (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -61,6 +64,21 @@ def single_step(target: FastTarget, rows: int, context: int, tree: int = 0) -> C
     def step() -> None:
         target.forward(ids, positions, cache, attention_mask=mask)
         cache.crop(context)
+
+    return step
+
+
+def prefill_step(target: FastTarget, tokens: int) -> Callable[[], None]:
+    """The prefill of one `tokens`-token prompt into an empty cache, as a request's admission runs it; the cache is
+    emptied after each, so steps repeat."""
+    device = target.device
+    cache = target.new_cache()
+    ids = torch.randint(0, target.vocab_size, (1, tokens), device=device)
+    positions = torch.arange(tokens, device=device)
+
+    def step() -> None:
+        target.forward(ids, positions, cache, last_logits_only=True)
+        cache.crop(0)
 
     return step
 
@@ -120,13 +138,21 @@ def profile(step: Callable[[], None], device: torch.device, label: str, rows: in
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70), flush=True)
 
 
+def ints_or_none(text: str) -> list[int]:
+    """`int_list`, where an empty string is no entry (`--rows ""` profiles no decode step)."""
+    return int_list(text) if text.strip() else []
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="8b")
     parser.add_argument("--context", type=int, default=1024)
-    parser.add_argument("--rows", type=int_list, default="1,16", help="new tokens per profiled step (1: AR, 16: DFlash verify)")
-    parser.add_argument("--trees", type=int_list, default=[], help="DDTree budgets whose batch-1 verify to profile")
+    parser.add_argument("--rows", type=ints_or_none, default="1,16",
+                        help="new tokens per profiled step (1: AR, 16: DFlash verify; \"\": none)")
+    parser.add_argument("--trees", type=ints_or_none, default=[], help="DDTree budgets whose batch-1 verify to profile")
     parser.add_argument("--batch", type=int_list, default="1", help="sequences per step (more than 1: the batched forward)")
+    parser.add_argument("--prefill", type=ints_or_none, default=[],
+                        help="prompt lengths whose prefill to profile, e.g. 1024")
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {', '.join(CONFIGS)}")
     args = parser.parse_args()
     configs = args.configs.split(",")
@@ -148,6 +174,8 @@ def main() -> None:
         for budget in args.trees:
             profile(single_step(target, 1, args.context, budget), device,
                     f"fast engine, {config} ops, eager, batch 1, DDTree@{budget}", 1 + budget)
+        for tokens in args.prefill:
+            profile(prefill_step(target, tokens), device, f"fast engine, {config} ops, eager, prefill", tokens)
         print("shapes, kernel or library call (timed on first use):", flush=True)
         for shape, runs_on in choices().items():
             print(f"  {shape}: {runs_on}", flush=True)
