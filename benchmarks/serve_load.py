@@ -306,6 +306,10 @@ def paired(local: InProcess, url: str, model: str, requests: int, prompts: list[
                 same_token_counts=same)
 
 
+class ServerDidNotStart(RuntimeError):
+    """A method's server exited or never said its URL: what it said is the message."""
+
+
 class Server:
     """`python -m blockdraft serve` on 127.0.0.1, a free port; stopped with SIGTERM."""
 
@@ -340,9 +344,11 @@ class Server:
 
         threading.Thread(target=read, daemon=True).start()
         ready.wait(timeout=600)
-        if self.url is None:
-            raise SystemExit("the server did not start:\n" + "".join(self.lines))
         while True:
+            if self.url is None or self.proc.poll() is not None:  # died before or after saying its URL
+                self.proc.kill()
+                self.proc.wait()
+                raise ServerDidNotStart("".join(self.lines[-30:]))
             try:
                 if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
                     break
@@ -711,7 +717,8 @@ def main() -> None:
     parser.add_argument("--apart", action="store_true",
                         help="Each method's server alone: started, every level run, stopped before the next method's "
                         "(an 8B or larger target's servers do not fit on one card together); the levels then do "
-                        "not rotate between methods.")
+                        "not rotate between methods. A server that does not start is recorded (JSON `servers`), the "
+                        "next method's still runs, and the run exits 1.")
     parser.add_argument("--per-client", type=int, default=1,
                         help="Requests each client makes per round at least (a level runs the larger of --requests "
                              "and this x concurrency x --rounds, within --time-cap): with one request per client a "
@@ -788,12 +795,20 @@ def main() -> None:
     # a time limit's SIGTERM (`timeout`) stops the servers and prints what they said, and the levels already run
     # are in --json-out (a run on the H200 on 2026-12-03 lost a 64-concurrency level and the schedule's lines to it)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    failed: list[str] = []
     for group in [[method] for method in methods] if args.apart else [methods]:
         servers: dict[str, Server] = {}
         try:
             for method in group:  # the group's servers up first: the levels then rotate between them
-                servers[method] = start_server(args, method, prompts, pins, ratios)
-            for concurrency in args.concurrency_levels:
+                try:
+                    servers[method] = start_server(args, method, prompts, pins, ratios)
+                except ServerDidNotStart as exc:
+                    started.append(dict(method=method, ready_s=None, said=str(exc).splitlines()))
+                    console.print(f"# {method}: the server did not start; its last lines:\n{exc}")
+                    failed.append(method)
+                    if not args.apart:  # the levels rotate between the group's servers: none run without one
+                        raise SystemExit(f"the {method} server did not start") from None
+            for concurrency in args.concurrency_levels if len(servers) == len(group) else []:
                 for result in rotate(group, servers, args, concurrency, prompts):
                     levels.append(result)
                     save(args, levels, ratios, started)
@@ -828,6 +843,8 @@ def main() -> None:
                             fmt(r["ratio"], ".3f"), fmt(r["median_request_ratio"], ".3f"))
         out.print(summary)
     save(args, levels, ratios, started)
+    if failed:  # with --apart the other methods ran; the run still fails
+        raise SystemExit(f"the {', '.join(failed)} server(s) did not start: their lines are above and in --json-out")
 
 
 def over_ar(result: LevelResult, levels: list[LevelResult]) -> float | None:

@@ -82,3 +82,21 @@ def test_serve_load_at_a_shape_with_long_prompts(tmp_path: Path) -> None:
     for server in data["servers"]:
         assert server["ready_s"] > 0 and any(line.startswith("warm-up") for line in server["said"])
         assert any(line.startswith("serving ") and "ready" in line for line in server["said"])
+
+
+def test_with_apart_a_server_that_does_not_start_leaves_the_others_to_run(tmp_path: Path) -> None:
+    """A method whose server stops at start-up (here DFlash refusing 99 drafted tokens, one line and exit 2) is
+    recorded with its last lines; with --apart the next method's server still serves every level (one GPU call
+    once lost the methods after a failed start), and the run exits 1 naming it."""
+    out = tmp_path / "load.json"
+    res = subprocess.run([sys.executable, str(BENCHMARKS / "serve_load.py"), "--methods", "dflash,ar", "--apart",
+                          "--draft-tokens", "99", "--concurrency", "1", "--requests", "1", "--paired", "0",
+                          "--max-tokens", "4", "--device", "cpu", "--threads", "1", "--rounds", "1", "--time-cap",
+                          "60", "--json-out", str(out)], capture_output=True, text=True, timeout=600, env=ENV)
+    assert res.returncode == 1 and "the dflash server(s) did not start" in res.stderr, res.stderr[-3000:]
+    data = json.loads(out.read_text())
+    assert [(level["method"], level["errors"]) for level in data["levels"]] == [("ar", 0)]
+    dflash, ar = data["servers"]
+    assert dflash["method"] == "dflash" and dflash["ready_s"] is None
+    assert any("--draft-tokens" in line for line in dflash["said"])
+    assert ar["method"] == "ar" and ar["ready_s"] > 0
