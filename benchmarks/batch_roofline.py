@@ -25,8 +25,9 @@ mean its tree of each budget commits under the same dial (`SyntheticAcceptance.t
 
 With `--prompt-tokens P` the same table follows as a server keeping every slot busy serves requests of P prompt
 tokens and `--output-tokens N` output tokens (lists give one table a pair: `--prompt-tokens 1024,128 --output-tokens
-256,2048` prices the issue's requests and SGLang's published workload's shape in one run): each method's admission
-of one such request through the batched engine is timed too (its prefill, the drafter's context of it and its first token, as `serve` joins a request), and a
+256,2048` prices 1K-token prompts and SGLang's published workload's shape in one run): each method's admission of
+one such request through the batched engine is timed too (its prefill, the drafter's context of it and its first
+token, as `serve` joins a request), and a
 request costs its admission plus its share of the steps, so served tokens/s = 1 / (admission / N + 1 / step rate)
 and the admissions' share of the engine's time is admission / (admission + N / step rate). Steps are timed at
 `--context` cached tokens; admissions are timed one request at a time (prompts of PREFILL_ROWS tokens or more never
@@ -183,8 +184,8 @@ def main() -> None:
                         help="Mean acceptance lengths (e.g. 2,4,6.35,8): tokens/s of each method per batch size at "
                              "each, from the measured steps (not with --verify-only).")
     parser.add_argument("--prompt-tokens", type=int_list, default=None,
-                        help="With --acceptance: tokens/s served to requests of these many prompt tokens (each method's "
-                        "admission timed), e.g. 1024 or 1024,128: one table each.")
+                        help="With --acceptance: tokens/s served to requests of these many prompt tokens (each "
+                        "method's admission timed), e.g. 1024 or 1024,128: one table each.")
     parser.add_argument("--output-tokens", type=int_list, default="256",
                         help="With --prompt-tokens: the output tokens a request's steps commit, one for all or one a "
                         "--prompt-tokens entry.")
