@@ -21,7 +21,7 @@ import torch
 
 from blockdraft.kernels.flash_decode import (BLOCK_KEYS, BLOCK_ROWS, GROUP_BLOCK_ROWS, TARGET_PROGRAMS, Layout,
                                             split_and_merge, split_shape)
-from blockdraft.kernels.sizes import power_of_two_at_least
+from blockdraft.kernels.sizes import padded_head_dim, power_of_two_at_least
 from blockdraft.kernels.skinny_gemm import kernel_available, triton, zeroed_counters
 
 if triton is not None:
@@ -100,7 +100,7 @@ GROUP_BLOCK_ELEMENTS = GROUP_BLOCK_ROWS * 128  # a program's query rows x padded
 def group_block_rows(rows: int, head_dim: int) -> int:
     """The row block that holds all `rows` folded query rows of a KV head in one program, within GROUP_BLOCK_ROWS and
     GROUP_BLOCK_ELEMENTS: its keys then read once per split, not once per BLOCK_ROWS rows."""
-    widest = GROUP_BLOCK_ELEMENTS // max(16, power_of_two_at_least(head_dim))
+    widest = GROUP_BLOCK_ELEMENTS // padded_head_dim(head_dim)
     return max(BLOCK_ROWS, min(GROUP_BLOCK_ROWS, widest, power_of_two_at_least(rows)))
 
 

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from blockdraft.kernels.sizes import power_of_two_at_least
+from blockdraft.kernels.sizes import padded_head_dim
 from blockdraft.kernels.skinny_gemm import triton
 
 BLOCK_ROWS = 16  # query rows per program (tl.dot's smallest tile)
@@ -129,7 +129,7 @@ def split_shape(q: torch.Tensor, keys: int, programs: int = TARGET_PROGRAMS,
     batch, heads, rows, dim = q.shape
     row_blocks = triton.cdiv(rows, block_rows)
     splits = max(1, min(triton.cdiv(keys, BLOCK_KEYS), programs // max(batch * heads * row_blocks, 1)))
-    return max(16, power_of_two_at_least(dim)), row_blocks, splits
+    return padded_head_dim(dim), row_blocks, splits
 
 
 Layout = tuple[int, int, int, int, int]  # the output's so_b, so_h, so_g, so_r and group_rows (`output_layout`)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from blockdraft.kernels.sizes import power_of_two_at_least
+from blockdraft.kernels.sizes import padded_head_dim
 from blockdraft.kernels.skinny_gemm import kernel_available, triton
 
 if triton is not None:
@@ -91,5 +91,5 @@ def qkv_rope(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tenso
         qkv, q_norm if norms else qkv, k_norm if norms else qkv, cos, sin, q, k_cache, v_cache, slot, col,
         t, d, heads, kv_heads, eps, qkv.stride(0), qkv.stride(1), cos.stride(0) if cos.shape[0] > 1 else 0,
         cos.stride(2), q.stride(0), q.stride(1), q.stride(2), *cache_strides,
-        NORM=norms, BLOCK_D=max(16, power_of_two_at_least(d)))
+        NORM=norms, BLOCK_D=padded_head_dim(d))
     return q

@@ -7,3 +7,8 @@ from __future__ import annotations
 def power_of_two_at_least(n: int) -> int:
     """The smallest power of two >= n (n >= 1)."""
     return 1 << (n - 1).bit_length()
+
+
+def padded_head_dim(dim: int) -> int:
+    """A head dimension as the kernels tile it: a power of two, at least tl.dot's 16."""
+    return max(16, power_of_two_at_least(dim))
