@@ -348,7 +348,7 @@ class Server:
             if self.url is None or self.proc.poll() is not None:  # died before or after saying its URL
                 self.proc.kill()
                 self.proc.wait()
-                raise ServerDidNotStart("".join(self.lines[-30:]))
+                raise ServerDidNotStart("".join(self.lines))  # all of it: the engine's traceback comes first
             try:
                 if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
                     break
@@ -804,7 +804,7 @@ def main() -> None:
                     servers[method] = start_server(args, method, prompts, pins, ratios)
                 except ServerDidNotStart as exc:
                     started.append(dict(method=method, ready_s=None, said=str(exc).splitlines()))
-                    console.print(f"# {method}: the server did not start; its last lines:\n{exc}")
+                    console.print(f"# {method}: the server did not start; it said:\n{exc}")
                     failed.append(method)
                     if not args.apart:  # the levels rotate between the group's servers: none run without one
                         raise SystemExit(f"the {method} server did not start") from None
@@ -842,7 +842,6 @@ def main() -> None:
                             fmt(r["in_process_tokens_per_s"], ".1f"), fmt(r["server_c1_tokens_per_s"], ".1f"),
                             fmt(r["ratio"], ".3f"), fmt(r["median_request_ratio"], ".3f"))
         out.print(summary)
-    save(args, levels, ratios, started)
     if failed:  # with --apart the other methods ran; the run still fails
         raise SystemExit(f"the {', '.join(failed)} server(s) did not start: their lines are above and in --json-out")
 

@@ -86,7 +86,7 @@ def test_serve_load_at_a_shape_with_long_prompts(tmp_path: Path) -> None:
 
 def test_with_apart_a_server_that_does_not_start_leaves_the_others_to_run(tmp_path: Path) -> None:
     """A method whose server stops at start-up (here DFlash refusing 99 drafted tokens, one line and exit 2) is
-    recorded with its last lines; with --apart the next method's server still serves every level (one GPU call
+    recorded with what it said; with --apart the next method's server still serves every level (one GPU call
     once lost the methods after a failed start), and the run exits 1 naming it."""
     out = tmp_path / "load.json"
     res = subprocess.run([sys.executable, str(BENCHMARKS / "serve_load.py"), "--methods", "dflash,ar", "--apart",
